@@ -1,0 +1,238 @@
+"""Loading a run and the save points that change it.
+
+Save point A (``commit_response``) and the fenced status changes (``finish``) are Lua scripts. Save
+point B (``commit_tool_results``) is one WATCH/MULTI transaction, because the enqueue of the next turn
+(RQ's own commands, given to us as a callback) must land in the same EXEC as the tool results: a crash
+leaves either the old turn pending or the new one committed *with its job queued*.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from redis import Redis
+from redis.client import Pipeline
+from redis.exceptions import WatchError
+
+from store.clock import now_ms
+from store.errors import LeaseLost, RunNotActive, RunNotFound
+from store.keys import RUNS, RUNS_WATCH, RunKeys
+from store.records import (
+    TERMINAL_STATUSES,
+    RunState,
+    load_header,
+    new_header,
+    pack_message,
+    pack_pending,
+    unpack_message,
+)
+from store.scripts import run_script
+
+# How long a committed turn may wait in the queue before the reaper checks that its job still exists.
+QUEUED_RECHECK_MS = 30_000
+
+
+def stage_create(
+    pipe: Pipeline, run_id: str, *, agent: str, task: str, limits: Mapping[str, Any], now: float
+) -> None:
+    """Add the commands that create a run to ``pipe`` (the caller adds the first turn's enqueue)."""
+    keys = RunKeys.of(run_id)
+    pipe.hset(keys.run, mapping=new_header(agent, limits, now))
+    pipe.rpush(keys.messages, pack_message({"role": "user", "content": task}))
+    pipe.zadd(RUNS, {run_id: int(now * 1000)})
+    pipe.zadd(RUNS_WATCH, {run_id: int(now * 1000) + QUEUED_RECHECK_MS})
+
+
+def load_run(r: Redis, run_id: str, *, with_messages: bool = True) -> RunState:
+    """One round trip: the header and (optionally) the whole conversation."""
+    keys = RunKeys.of(run_id)
+    with r.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.run)
+        if with_messages:
+            pipe.lrange(keys.messages, 0, -1)
+        replies = pipe.execute()
+    if not replies[0]:
+        raise RunNotFound(run_id)
+    state = load_header(run_id, replies[0])
+    if with_messages:
+        state.messages = [unpack_message(blob, i) for i, blob in enumerate(replies[1])]
+    return state
+
+
+def _check(code: int, keys: RunKeys, r: Redis) -> None:
+    if code == -1:
+        raise LeaseLost(keys.run_id)
+    if code == -2:
+        raise RunNotActive(keys.run_id, (r.hget(keys.run, "status") or b"?").decode())
+    if code == -3:
+        raise LeaseLost(keys.run_id)  # the checkpoint moved on without us: same remedy, stop
+
+
+def commit_response(
+    r: Redis,
+    keys: RunKeys,
+    token: str,
+    *,
+    turns_before: int,
+    message: Mapping[str, Any],
+    meta: Mapping[str, Any] | None = None,
+    pending: list[dict[str, Any]],
+    usage: Mapping[str, int],
+    final_status: str = "",
+    result: str = "",
+    error: str = "",
+) -> None:
+    """Save point A."""
+    code = run_script(
+        "commit_response",
+        r,
+        [keys.run, keys.lease, keys.messages, RUNS_WATCH],
+        [
+            token,
+            turns_before,
+            pack_message(message, meta),
+            pack_pending(pending),
+            int(usage.get("input_tokens") or 0),
+            int(usage.get("output_tokens") or 0),
+            int(usage.get("cache_read_input_tokens") or 0),
+            int(usage.get("cache_creation_input_tokens") or 0),
+            now_ms(),
+            keys.run_id,
+            final_status,
+            result,
+            error,
+        ],
+    )
+    _check(int(code), keys, r)  # type: ignore[arg-type]
+
+
+def _fenced_transaction(
+    r: Redis, keys: RunKeys, token: str, stage: Callable[[Pipeline, int], None], retries: int = 20
+) -> None:
+    """One EXEC that lands only while ``token`` owns the lease and the run is running; it drops the
+    lease. ``stage(pipe, attempt)`` adds the caller's commands (in MULTI) given the header's attempt."""
+    with r.pipeline(transaction=True) as pipe:
+        for _ in range(retries):
+            try:
+                # The heartbeat's PEXPIRE also touches the watched lease: that retries, it does not fail.
+                pipe.watch(keys.lease, keys.run)
+                if pipe.get(keys.lease) != token.encode():
+                    raise LeaseLost(keys.run_id)
+                status, attempt = pipe.hmget(keys.run, ["status", "attempt"])
+                if status != b"running":
+                    raise RunNotActive(keys.run_id, (status or b"?").decode())
+                pipe.multi()
+                stage(pipe, int(attempt or 0))
+                pipe.delete(keys.lease)
+                pipe.execute()
+                return
+            except WatchError:
+                continue
+    raise LeaseLost(keys.run_id)
+
+
+def commit_tool_results(
+    r: Redis,
+    keys: RunKeys,
+    token: str,
+    *,
+    message: Mapping[str, Any] | None,
+    enqueue_next: Callable[[Pipeline], None],
+) -> None:
+    """Save point B: the tool results message (if any), phase back to "model", the lease dropped,
+    and the next turn's job, all in one EXEC."""
+
+    def stage(pipe: Pipeline, attempt: int) -> None:
+        if message is not None:
+            pipe.rpush(keys.messages, pack_message(message))
+        pipe.hset(keys.run, mapping={"phase": "model", "pending": b"", "attempt": 0, "updated_at": now_ms()})
+        pipe.zadd(RUNS_WATCH, {keys.run_id: now_ms() + QUEUED_RECHECK_MS})
+        enqueue_next(pipe)
+
+    _fenced_transaction(r, keys, token, stage)
+
+
+def defer_turn(
+    r: Redis,
+    keys: RunKeys,
+    token: str,
+    *,
+    model_errors: int,
+    delay_ms: int,
+    enqueue_later: Callable[[Pipeline, int], None],
+) -> None:
+    """Give the turn back after a transient model error: it runs again in ``delay_ms`` through a
+    scheduled job; no turn is counted and no worker waits."""
+
+    def stage(pipe: Pipeline, attempt: int) -> None:
+        pipe.hset(keys.run, mapping={"model_errors": model_errors, "attempt": attempt + 1, "updated_at": now_ms()})
+        pipe.zadd(RUNS_WATCH, {keys.run_id: now_ms() + delay_ms + QUEUED_RECHECK_MS})
+        enqueue_later(pipe, attempt + 1)
+
+    _fenced_transaction(r, keys, token, stage)
+
+
+def finish(
+    r: Redis,
+    keys: RunKeys,
+    token: str,
+    *,
+    status: str,
+    error: str = "",
+    message: Mapping[str, Any] | None = None,
+    phase: str = "",
+    result: str = "",
+) -> None:
+    """Fenced end of a turn without a next one (a limit reached, a failure, the last tool results)."""
+    code = run_script(
+        "finish",
+        r,
+        [keys.run, keys.lease, keys.messages, RUNS_WATCH],
+        [token, status, error, now_ms(), keys.run_id, pack_message(message) if message else "", phase, result],
+    )
+    _check(int(code), keys, r)  # type: ignore[arg-type]
+
+
+def fail_unfenced(r: Redis, run_id: str, reason: str) -> None:
+    """Fail a run without holding its lease (its records are unreadable, or its turn keeps dying),
+    touching only its status and error fields."""
+    keys = RunKeys.of(run_id)
+    with r.pipeline(transaction=True) as pipe:
+        pipe.hset(keys.run, mapping={"status": "failed", "error": reason, "updated_at": now_ms()})
+        pipe.delete(keys.lease)
+        pipe.zrem(RUNS_WATCH, run_id)
+        pipe.execute()
+
+
+def set_status_unfenced(
+    r: Redis, run_id: str, status: str, *, error: str = "", allowed_from: frozenset[str] | None = None
+) -> str:
+    """A status change by a person (cancel): not fenced by a lease, checked against the current status.
+
+    Returns the status the run had. A turn in flight notices at its next fenced write.
+    """
+    keys = RunKeys.of(run_id)
+    with r.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(keys.run)
+                current = pipe.hget(keys.run, "status")
+                if current is None:
+                    raise RunNotFound(run_id)
+                before = current.decode()
+                if before in TERMINAL_STATUSES or (allowed_from is not None and before not in allowed_from):
+                    pipe.unwatch()
+                    return before
+                pipe.multi()
+                pipe.hset(keys.run, mapping={"status": status, "error": error, "updated_at": now_ms()})
+                if status in TERMINAL_STATUSES:
+                    pipe.zrem(RUNS_WATCH, run_id)
+                pipe.execute()
+                return before
+            except WatchError:
+                continue
+
+
+def list_run_ids(r: Redis, limit: int = 100) -> list[str]:
+    return [i.decode() for i in r.zrevrange(RUNS, 0, limit - 1)]

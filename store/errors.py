@@ -1,0 +1,50 @@
+"""One error tree for agentpool. Whether an error is worth retrying is a property of its type."""
+
+from __future__ import annotations
+
+
+class AgentPoolError(Exception):
+    """Base of every error agentpool raises on purpose."""
+
+    retryable = False
+
+
+class StoreError(AgentPoolError):
+    """Something about the data in Redis is wrong."""
+
+
+class RunNotFound(StoreError):
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"no run with id {run_id!r} (never created, or expired after its retention)")
+        self.run_id = run_id
+
+
+class UnreadableRecord(StoreError):
+    """A record could not be decoded: corrupt bytes, wrong shape, or the wrong encryption key."""
+
+
+class SchemaTooNew(StoreError):
+    """A record was written by a newer agentpool than this one; this worker must not touch it."""
+
+
+class FenceError(StoreError):
+    """A fenced write was refused: the writer no longer owns the run's lease."""
+
+
+class LeaseLost(FenceError):
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"lost the lease on run {run_id}: another worker owns it now; stopping this turn")
+        self.run_id = run_id
+
+
+class RunNotActive(FenceError):
+    """The run left the running state (cancelled, for instance) while this turn was in flight."""
+
+    def __init__(self, run_id: str, status: str) -> None:
+        super().__init__(f"run {run_id} is {status}; this turn commits nothing further")
+        self.run_id = run_id
+        self.status = status
+
+
+class LedgerMismatch(StoreError):
+    """The ledger holds a record for this tool_use id that names another tool or input."""

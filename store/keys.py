@@ -1,0 +1,57 @@
+"""Every Redis key agentpool uses is built here; this docstring is the data-layout map.
+
+Per run (all keys of a run share the hash tag ``{run:<id>}``)::
+
+    ap:{run:<id>}:run       hash    header: v (schema), agent, status, turns, phase, pending,
+                                    fence, attempt, token counters, limits, error, result, times
+    ap:{run:<id>}:messages  list    one msgpack blob per message, append-only
+    ap:{run:<id>}:lease     string  owner token "<fence>:<worker>", with a TTL
+    ap:{run:<id>}:ledger    hash    "<tool_use_id>" -> intent record, "<tool_use_id>:out" -> outcome record
+    ap:{run:<id>}:events    stream  progress events, capped
+
+Global::
+
+    ap:runs                 zset    run id -> created-at (ms); the listing behind `agentpool runs`
+    ap:runs:watch           zset    run id -> when the reaper should next look at it (ms); holds
+                                    every run that is queued or running
+    ap:reaper:lock          string  held by the one worker that scans this second
+
+RQ keeps its own keys under ``rq:``; agentpool's turn jobs go to the queue named by ``TURN_QUEUE``.
+The global sorted sets are touched by the same scripts as a run's keys, so agentpool needs a single
+Redis (or a primary with replicas), not Redis Cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "ap"
+RUNS = f"{PREFIX}:runs"
+RUNS_WATCH = f"{PREFIX}:runs:watch"
+REAPER_LOCK = f"{PREFIX}:reaper:lock"
+TURN_QUEUE = "agentpool"
+
+
+@dataclass(frozen=True, slots=True)
+class RunKeys:
+    run_id: str
+    run: str
+    messages: str
+    lease: str
+    ledger: str
+    events: str
+
+    @classmethod
+    def of(cls, run_id: str) -> RunKeys:
+        base = f"{PREFIX}:{{run:{run_id}}}"
+        return cls(
+            run_id=run_id,
+            run=f"{base}:run",
+            messages=f"{base}:messages",
+            lease=f"{base}:lease",
+            ledger=f"{base}:ledger",
+            events=f"{base}:events",
+        )
+
+    def all(self) -> tuple[str, ...]:
+        return (self.run, self.messages, self.lease, self.ledger, self.events)

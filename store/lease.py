@@ -1,0 +1,70 @@
+"""The run lock: a lease with an owner token and a fence.
+
+A token is ``"<fence>:<worker id>"``. The fence is bumped on every acquisition, so a worker that was
+frozen past its lease holds a token nobody will ever accept again: every write of a turn is a script
+that compares the lease with the writer's token first (see ``store/lua``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from redis import Redis
+
+from store.clock import now_ms
+from store.keys import RUNS_WATCH, RunKeys
+from store.records import SCHEMA_VERSION
+from store.scripts import run_script
+
+
+class Acquire(enum.IntEnum):
+    ACQUIRED = 1
+    HELD = 0
+    NO_RUN = -1
+    STALE = -2
+    NOT_ACTIVE = -3
+    TOO_NEW = -4
+    UNREADABLE = -5
+
+
+@dataclass(frozen=True)
+class AcquireResult:
+    code: Acquire
+    detail: str  # the token when acquired; otherwise what the code refers to
+
+    @property
+    def token(self) -> str:
+        assert self.code is Acquire.ACQUIRED
+        return self.detail
+
+
+def acquire(r: Redis, keys: RunKeys, *, turn: int, worker_id: str, ttl_ms: int) -> AcquireResult:
+    code, detail = run_script(
+        "lease_acquire",
+        r,
+        [keys.run, keys.lease, RUNS_WATCH],
+        [worker_id, ttl_ms, now_ms(), keys.run_id, turn, SCHEMA_VERSION],
+    )  # type: ignore[misc]
+    return AcquireResult(Acquire(int(code)), detail.decode() if isinstance(detail, bytes) else str(detail))
+
+
+def renew(r: Redis, keys: RunKeys, token: str, ttl_ms: int) -> bool:
+    return bool(run_script("lease_renew", r, [keys.lease, RUNS_WATCH], [token, ttl_ms, now_ms(), keys.run_id]))
+
+
+def release(r: Redis, keys: RunKeys, token: str, *, recheck_in_ms: int = 0) -> bool:
+    """Compare-and-delete. The reaper looks at the run again after ``recheck_in_ms``."""
+    return bool(
+        run_script("lease_release", r, [keys.lease, RUNS_WATCH], [token, "", keys.run_id, now_ms() + recheck_in_ms])
+    )
+
+
+def release_dead_holder(r: Redis, keys: RunKeys, worker_id: str) -> bool:
+    """Drop the lease if ``worker_id`` holds it. Only for a holder known to be dead (a reaped work horse)."""
+    return bool(run_script("lease_release", r, [keys.lease, RUNS_WATCH], ["", f":{worker_id}", keys.run_id, now_ms()]))
+
+
+def holder(r: Redis, keys: RunKeys) -> str | None:
+    value = r.get(keys.lease)
+    return value.decode() if value else None

@@ -1,0 +1,111 @@
+"""The side-effect ledger: for every tool_use, an intent written before the tool runs and an
+outcome written right after. Reconcile reads it to decide what a dangling tool_use needs.
+
+Field ``<tool_use_id>`` holds the intent, ``<tool_use_id>:out`` the outcome; both msgpack maps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
+
+from store.codec import pack, unpack
+from store.errors import LeaseLost, LedgerMismatch, RunNotActive
+from store.keys import RunKeys
+from store.records import SCHEMA_VERSION
+from store.scripts import run_script
+
+
+def input_digest(tool_input: Any) -> str:
+    return hashlib.sha256(pack(tool_input)).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    content: str
+    is_error: bool
+
+    def as_tool_result(self, tool_use_id: str) -> dict[str, Any]:
+        block: dict[str, Any] = {"type": "tool_result", "tool_use_id": tool_use_id, "content": self.content}
+        if self.is_error:
+            block["is_error"] = True
+        return block
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What the ledger knows of one tool_use."""
+
+    intent: dict[str, Any] | None
+    outcome: Outcome | None
+
+    @property
+    def attempts(self) -> int:
+        return int(self.intent.get("attempt", 0)) if self.intent else 0
+
+
+def read(r: Redis, keys: RunKeys, tool_use_ids: list[str]) -> dict[str, Entry]:
+    fields = [f for i in tool_use_ids for f in (i, f"{i}:out")]
+    values = r.hmget(keys.ledger, fields) if fields else []
+    entries = {}
+    for n, tool_use_id in enumerate(tool_use_ids):
+        intent_blob, outcome_blob = values[2 * n], values[2 * n + 1]
+        intent = unpack(intent_blob, f"ledger intent {tool_use_id}") if intent_blob else None
+        outcome = None
+        if outcome_blob:
+            record = unpack(outcome_blob, f"ledger outcome {tool_use_id}")
+            outcome = Outcome(content=record["content"], is_error=bool(record["is_error"]))
+        entries[tool_use_id] = Entry(intent, outcome)
+    return entries
+
+
+def check_same_call(entry: Entry, tool_use: dict[str, Any]) -> None:
+    """A ledger slot replayed for a different call is a bug or tampering, never something to guess past."""
+    if entry.intent is None:
+        return
+    if entry.intent.get("name") != tool_use["name"] or entry.intent.get("input") != input_digest(tool_use["input"]):
+        raise LedgerMismatch(
+            f"ledger entry for {tool_use['id']} records {entry.intent.get('name')!r} with other input than "
+            f"the pending call to {tool_use['name']!r}"
+        )
+
+
+def _fenced_write(r: Redis, keys: RunKeys, token: str, field: str, record: dict[str, Any]) -> None:
+    code = int(run_script("ledger_write", r, [keys.lease, keys.run, keys.ledger], [token, field, pack(record)]))  # type: ignore[arg-type]
+    if code == -1:
+        raise LeaseLost(keys.run_id)
+    if code == -2:
+        raise RunNotActive(keys.run_id, (r.hget(keys.run, "status") or b"?").decode())
+
+
+def write_intent(
+    r: Redis, keys: RunKeys, token: str, tool_use: dict[str, Any], *, effect: str, attempt: int, now: float
+) -> None:
+    record = {
+        "v": SCHEMA_VERSION,
+        "name": tool_use["name"],
+        "input": input_digest(tool_use["input"]),
+        "effect": effect,
+        "attempt": attempt,
+        "started_at": now,
+        "owner": token,
+    }
+    _fenced_write(r, keys, token, tool_use["id"], record)
+
+
+def write_outcome(r: Redis, keys: RunKeys, token: str, tool_use_id: str, outcome: Outcome, *, how: str, now: float) -> None:
+    record = {"v": SCHEMA_VERSION, "content": outcome.content, "is_error": outcome.is_error, "how": how, "at": now}
+    _fenced_write(r, keys, token, f"{tool_use_id}:out", record)
+
+
+def read_all(r: Redis, keys: RunKeys) -> dict[str, dict[str, Any]]:
+    """Every ledger record, decoded, for `agentpool show`."""
+    out: dict[str, dict[str, Any]] = {}
+    for field_name, blob in r.hgetall(keys.ledger).items():
+        name = field_name.decode()
+        tool_use_id, _, kind = name.partition(":")
+        out.setdefault(tool_use_id, {})["outcome" if kind else "intent"] = unpack(blob, f"ledger {name}")
+    return out

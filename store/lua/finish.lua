@@ -1,0 +1,15 @@
+-- Fenced status change that ends the turn without a next one: stopped (a limit), failed, or
+-- completed after the last tool results. Optionally appends one last message. Drops the lease.
+-- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch
+-- ARGV[1] token  ARGV[2] status  ARGV[3] error text  ARGV[4] now ms  ARGV[5] run id
+-- ARGV[6] message blob or ''  ARGV[7] phase after ('' keeps it)  ARGV[8] result text or ''
+-- Returns 1 ok, -1 lease lost, -2 run not running.
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return -2 end
+if ARGV[6] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[6]) end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'error', ARGV[3], 'updated_at', ARGV[4])
+if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'phase', ARGV[7], 'pending', '') end
+if ARGV[8] ~= '' then redis.call('HSET', KEYS[1], 'result', ARGV[8]) end
+redis.call('DEL', KEYS[2])
+redis.call('ZREM', KEYS[4], ARGV[5])
+return 1

@@ -1,0 +1,10 @@
+-- Fenced ledger write: a tool's intent (before it runs) or its outcome (right after).
+-- Refused once the writer lost the lease or the run left `running` (cancelled): a zombie or a
+-- cancelled turn can neither start a tool nor record one.
+-- KEYS[1] lease   KEYS[2] run header   KEYS[3] ledger
+-- ARGV[1] token  ARGV[2] field  ARGV[3] record blob
+-- Returns 1 written, -1 lease lost, -2 run not running.
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('HGET', KEYS[2], 'status') ~= 'running' then return -2 end
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
+return 1

@@ -1,0 +1,164 @@
+"""Run records as they sit in Redis, and their schema versions.
+
+The header is a flat hash so that Lua can count tokens and turns with HINCRBY; structured fields
+(pending tool_uses, per-run limits) are msgpack blobs inside it. Each message is its own msgpack blob
+in a list, so a save appends what the turn added and never rewrites the history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from store.codec import pack, unpack
+from store.errors import SchemaTooNew, UnreadableRecord
+
+SCHEMA_VERSION = 1
+
+ACTIVE_STATUSES = frozenset({"queued", "running"})
+TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
+STATUSES = ACTIVE_STATUSES | TERMINAL_STATUSES | {"waiting_approval", "stopped"}
+USAGE_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+
+# Upgrades of a decoded header, keyed by the version they upgrade from. Each returns the header in
+# the next version's shape; load_header applies them in order, in memory (the record in Redis is
+# rewritten only by the next fenced save, so a rollback of workers still reads it).
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+@dataclass
+class RunState:
+    """A run as loaded from Redis: header fields and the whole conversation."""
+
+    id: str
+    agent: str
+    status: str
+    turns: int
+    phase: str  # "model": next is a model call; "tools": pending tool_uses await results; "done"
+    pending: list[dict[str, Any]]
+    usage: dict[str, int]
+    limits: dict[str, Any]
+    error: str
+    result: str
+    created_at: float
+    updated_at: float
+    model_errors: int
+    version: int = SCHEMA_VERSION
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def current_turn(self) -> int:
+        """The turn a live job must carry: between save points A and B it is the turn just counted."""
+        return self.turns - 1 if self.phase == "tools" else self.turns
+
+
+def new_header(agent: str, limits: Mapping[str, Any], now: float) -> dict[str, Any]:
+    header: dict[str, Any] = {
+        "v": SCHEMA_VERSION,
+        "agent": agent,
+        "status": "queued",
+        "turns": 0,
+        "phase": "model",
+        "pending": b"",
+        "fence": 0,
+        "attempt": 0,
+        "model_errors": 0,
+        "limits": pack(dict(limits)),
+        "error": "",
+        "result": "",
+        "created_at": int(now * 1000),
+        "updated_at": int(now * 1000),
+    }
+    header.update({name: 0 for name in USAGE_FIELDS})
+    return header
+
+
+def pack_message(message: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> bytes:
+    """``meta`` keeps what else the API returned with an assistant message (id, model, stop reason,
+    usage) beside it; it is never sent back."""
+    record: dict[str, Any] = {"v": SCHEMA_VERSION, "role": message["role"], "content": message["content"]}
+    if meta:
+        record["meta"] = dict(meta)
+    return pack(record)
+
+
+def unpack_message(blob: bytes, index: int) -> dict[str, Any]:
+    record = unpack(blob, f"message {index}")
+    if not isinstance(record, dict) or "role" not in record or "content" not in record:
+        raise UnreadableRecord(f"message {index} is not a message record")
+    version = record.get("v")
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise SchemaTooNew(f"message {index} has schema version {version!r}; this agentpool reads up to {SCHEMA_VERSION}")
+    return {"role": record["role"], "content": record["content"]}
+
+
+def pack_pending(pending: list[dict[str, Any]]) -> bytes:
+    return pack(pending) if pending else b""
+
+
+def _text(raw: Mapping[bytes, bytes], name: str) -> str:
+    return raw.get(name.encode(), b"").decode("utf-8", errors="replace")
+
+
+def _int(raw: Mapping[bytes, bytes], name: str) -> int:
+    value = raw.get(name.encode(), b"0")
+    try:
+        return int(value)
+    except ValueError:
+        raise UnreadableRecord(f"header field {name!r} is not an integer: {value[:40]!r}") from None
+
+
+def _seconds(raw: Mapping[bytes, bytes], name: str) -> float:
+    """Times are stored in milliseconds (Lua has no float-friendly clock); the API speaks seconds."""
+    return _int(raw, name) / 1000
+
+
+def header_version(raw: Mapping[bytes, bytes]) -> int:
+    return _int(raw, "v")
+
+
+def load_header(run_id: str, raw: Mapping[bytes, bytes]) -> RunState:
+    """Decode a header hash, upgrading older schema versions in memory.
+
+    Raises SchemaTooNew for a record from a newer agentpool and UnreadableRecord for anything else
+    that does not decode; neither touches the record.
+    """
+    version = header_version(raw)
+    if version > SCHEMA_VERSION:
+        raise SchemaTooNew(
+            f"run {run_id} was written with schema version {version}; this agentpool understands up to "
+            f"{SCHEMA_VERSION}. Upgrade the workers; the run is left untouched."
+        )
+    fields = {k.decode(): v for k, v in raw.items()}
+    while version < SCHEMA_VERSION:
+        migrate = MIGRATIONS.get(version)
+        if migrate is None:
+            raise UnreadableRecord(f"run {run_id} has schema version {version}, which no migration upgrades")
+        fields = migrate(fields)
+        version = int(fields["v"])
+    raw = {k.encode(): (v if isinstance(v, bytes) else str(v).encode()) for k, v in fields.items()}
+    pending_blob = raw.get(b"pending", b"")
+    pending = unpack(pending_blob, "pending tool_uses") if pending_blob else []
+    limits = unpack(raw.get(b"limits", b""), "run limits") if raw.get(b"limits") else {}
+    if not isinstance(pending, list) or not isinstance(limits, dict):
+        raise UnreadableRecord(f"run {run_id}: pending tool_uses or limits have the wrong shape")
+    status = _text(raw, "status")
+    if status not in STATUSES:
+        raise UnreadableRecord(f"run {run_id}: unknown status {status!r}")
+    return RunState(
+        id=run_id,
+        agent=_text(raw, "agent"),
+        status=status,
+        turns=_int(raw, "turns"),
+        phase=_text(raw, "phase"),
+        pending=pending,
+        usage={name: _int(raw, name) for name in USAGE_FIELDS},
+        limits=limits,
+        error=_text(raw, "error"),
+        result=_text(raw, "result"),
+        created_at=_seconds(raw, "created_at"),
+        updated_at=_seconds(raw, "updated_at"),
+        model_errors=_int(raw, "model_errors"),
+        version=version,
+    )

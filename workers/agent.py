@@ -1,0 +1,64 @@
+"""``Agent``: what a run executes. Named by an import path ``module:attribute`` that workers import."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from store.errors import AgentPoolError
+from workers.tools import Tool
+
+
+class AgentNotFound(AgentPoolError):
+    pass
+
+
+@dataclass
+class Agent:
+    model: str
+    system: str = ""
+    tools: list[Tool] = field(default_factory=list)
+    max_turns: int = 40
+    max_tokens: int = 1024
+    tool_timeout: float = 120.0  # seconds; a tool's own ``timeout`` wins
+    max_result_chars: int = 100_000  # a longer tool result is cut, with a note to the model
+    model_options: dict[str, Any] = field(default_factory=dict)  # extra messages.create arguments
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tools]
+        duplicates = {n for n in names if names.count(n) > 1}
+        if duplicates:
+            raise ValueError(f"duplicate tool names: {', '.join(sorted(duplicates))}")
+        for t in self.tools:
+            if not isinstance(t, Tool):
+                raise TypeError(f"{t!r} is not a tool: decorate it with @tool(effect=...)")
+        if self.max_turns < 1 or self.max_tokens < 1:
+            raise ValueError("max_turns and max_tokens must be positive")
+        self._by_name = {t.name: t for t in self.tools}
+
+    def tool_named(self, name: str) -> Tool | None:
+        return self._by_name.get(name)
+
+
+def check_agent_path(path: str) -> None:
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"an agent is named 'module:attribute', got {path!r}")
+
+
+def load_agent(path: str) -> Agent:
+    """Import ``module:attribute`` with the current directory on the path, as ``rq worker`` does."""
+    check_agent_path(path)
+    module_name, _, attr = path.partition(":")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise AgentNotFound(f"cannot import module {module_name!r} for agent {path!r}: {exc}") from exc
+    agent = getattr(module, attr, None)
+    if not isinstance(agent, Agent):
+        raise AgentNotFound(f"{path!r} is not an agentpool Agent (found {type(agent).__name__})")
+    return agent

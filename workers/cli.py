@@ -1,0 +1,199 @@
+"""The ``agentpool`` command."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+import click
+
+from store import ledger
+from store.errors import AgentPoolError
+from store.keys import RunKeys
+from workers.settings import Settings, connect, redact_url
+
+url_option = click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(1)
+
+
+@click.group()
+def main() -> None:
+    """agentpool: durable Claude agent runs on a pool of RQ workers."""
+
+
+@main.command()
+@url_option
+@click.option("--name", default=None, help="Worker name (default: random).")
+@click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
+@click.option("--log-level", default="INFO", show_default=True)
+@click.option("--no-scheduler", is_flag=True, help="Do not run RQ's scheduler (deferred retries need one somewhere).")
+def worker(url: str | None, name: str | None, burst: bool, log_level: str, no_scheduler: bool) -> None:
+    """Run an RQ worker for agent turns."""
+    from workers.worker import AgentWorker
+
+    r = connect(url)
+    w = AgentWorker(connection=r, name=name)
+    click.echo(f"agentpool worker {w.name} on {redact_url(url or Settings.from_env().redis_url)}", err=True)
+    w.work(burst=burst, logging_level=log_level.upper(), with_scheduler=not no_scheduler)
+
+
+@main.command()
+@url_option
+@click.argument("agent")
+@click.argument("task")
+@click.option("--max-turns", type=int, default=None)
+@click.option("--wait", is_flag=True, help="Wait for the run to end and print its result.")
+@click.option("--timeout", type=float, default=600.0, show_default=True)
+def enqueue(url: str | None, agent: str, task: str, max_turns: int | None, wait: bool, timeout: float) -> None:
+    """Enqueue a run of AGENT (module:attribute) on TASK; print its id."""
+    from workers.api import enqueue_run, wait_for_run
+
+    r = connect(url)
+    try:
+        run_id = enqueue_run(agent, task, connection=r, max_turns=max_turns)
+    except ValueError as exc:
+        _fail(str(exc))
+    click.echo(run_id)
+    if wait:
+        run = wait_for_run(run_id, timeout=timeout, connection=r)
+        click.echo(f"{run.status} after {run.turns} turns: {run.result or run.error or ''}")
+        sys.exit(0 if run.status == "completed" else 1)
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+@main.command()
+@url_option
+@click.option("--status", default=None, help="Only runs with this status.")
+@click.option("--agent", default=None, help="Only runs of this agent.")
+@click.option("--limit", type=int, default=50, show_default=True)
+def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> None:
+    """A table of runs, newest first."""
+    from workers.api import list_runs
+
+    rows = list_runs(connection=connect(url), limit=limit, status=status, agent=agent)
+    click.echo(f"{'ID':<28} {'AGENT':<32} {'STATUS':<17} {'TURNS':>5} {'TOKENS':>9} {'AGE':>5}")
+    now = time.time()
+    for run in rows:
+        click.echo(f"{run.id:<28} {run.agent[:32]:<32} {run.status:<17} {run.turns:>5} {run.total_tokens:>9} {_age(now - run.created_at):>5}")
+
+
+@main.command()
+@url_option
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document.")
+def show(url: str | None, run_id: str, as_json: bool) -> None:
+    """A run's header, conversation, pending tool_uses and ledger."""
+    from workers.api import get_run
+
+    r = connect(url)
+    try:
+        run = get_run(run_id, connection=r)
+        entries = ledger.read_all(r, RunKeys.of(run_id))
+    except AgentPoolError as exc:
+        _fail(str(exc))
+    if as_json:
+        doc = run.to_dict()
+        doc["ledger"] = entries
+        click.echo(json.dumps(doc, ensure_ascii=False, default=str))
+        return
+    click.echo(f"run {run.id}  agent {run.agent}  status {run.status}  turns {run.turns}")
+    click.echo("usage " + ", ".join(f"{k}={v}" for k, v in run.usage.items()))
+    if run.error:
+        click.echo(f"error: {run.error}")
+    if run.result:
+        click.echo(f"result: {run.result}")
+    click.echo("")
+    for n, message in enumerate(run.messages):
+        click.echo(f"[{n}] {message['role']}")
+        for line in _describe(message["content"]):
+            click.echo(f"    {line}")
+    if run.pending:
+        click.echo("\npending:")
+        for call in run.pending:
+            click.echo(f"    {call['id']} {call['name']} {json.dumps(call['input'])[:200]}")
+    if entries:
+        click.echo("\nledger:")
+        for tool_use_id, entry in entries.items():
+            intent, outcome = entry.get("intent", {}), entry.get("outcome")
+            state = f"done ({outcome['how']}{', error' if outcome['is_error'] else ''})" if outcome else "started, no outcome"
+            click.echo(f"    {tool_use_id} {intent.get('name', '?')} [{intent.get('effect', '?')}] attempts={intent.get('attempt', 0)} {state}")
+
+
+def _describe(content: object) -> list[str]:
+    if isinstance(content, str):
+        return [content[:300]]
+    lines = []
+    for block in content:  # type: ignore[union-attr]
+        kind = block.get("type")
+        if kind == "text":
+            lines.append(block["text"][:300])
+        elif kind == "tool_use":
+            lines.append(f"-> {block['name']}({json.dumps(block.get('input'))[:200]})  [{block['id']}]")
+        elif kind == "tool_result":
+            body = block.get("content")
+            body = body if isinstance(body, str) else json.dumps(body)
+            lines.append(f"<- {'ERROR ' if block.get('is_error') else ''}{body[:200]}  [{block['tool_use_id']}]")
+        else:
+            lines.append(f"({kind})")
+    return lines
+
+
+@main.command()
+@url_option
+@click.argument("run_id")
+def cancel(url: str | None, run_id: str) -> None:
+    """End a run for good."""
+    from workers.api import cancel_run
+
+    try:
+        before = cancel_run(run_id, connection=connect(url))
+    except AgentPoolError as exc:
+        _fail(str(exc))
+    click.echo(f"{run_id}: was {before}; " + ("cancelled" if before not in ("completed", "failed", "cancelled") else "unchanged"))
+
+
+@main.command()
+@url_option
+@click.option("--interval", type=float, default=1.0, show_default=True)
+@click.option("--once", is_flag=True, help="Scan once and exit.")
+def reap(url: str | None, interval: float, once: bool) -> None:
+    """Re-enqueue turns whose worker died (the reaper every worker also runs)."""
+    from workers.reaper import reap_once
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    r = connect(url)
+    while True:
+        for run_id in reap_once(r):
+            click.echo(f"re-enqueued {run_id}")
+        if once:
+            return
+        time.sleep(interval)
+
+
+@main.command()
+@url_option
+def check(url: str | None) -> None:
+    """Exit 0 if Redis answers (for liveness/readiness probes), non-zero otherwise."""
+    from redis.exceptions import RedisError
+
+    try:
+        connect(url).ping()
+    except RedisError as exc:
+        _fail(f"Redis unreachable: {exc}")
+    click.echo("ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Putting a run's current turn back on the queue when the worker that held it is gone.
+
+Used by the worker when its work horse dies (at once) and by the reaper when a lease expired or a
+committed turn's job vanished. It re-checks everything inside one WATCH/MULTI: a run whose lease is
+held, that is not active, or whose turn moved on is left alone. A duplicate job is harmless anyway
+(it finds the lease held or its turn stale and exits), but we avoid making one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from redis import Redis
+from redis.exceptions import WatchError
+
+from store.clock import now_ms
+from store.checkpoint import QUEUED_RECHECK_MS, fail_unfenced
+from store.events import emit
+from store.keys import RUNS_WATCH, RunKeys
+from store.records import ACTIVE_STATUSES, SCHEMA_VERSION
+from workers.jobs import stage_turn
+
+log = logging.getLogger("agentpool.takeover")
+
+# A turn started this many times without finishing is failing for a reason retrying will not fix
+# (a tool that OOM-kills every worker, say): the run fails instead of taking the pool down in a loop.
+MAX_TURN_ATTEMPTS = 25
+
+
+def requeue_turn(r: Redis, run_id: str, *, cause: str, dead_job: str | None = None) -> str | None:
+    """Enqueue the current turn again. Returns the new job id, or None when nothing was needed.
+
+    With ``dead_job``, only if that job is still the run's current one (a horse that died after
+    save point B had already queued the next turn, which needs nothing).
+    """
+    keys = RunKeys.of(run_id)
+    with r.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(keys.run, keys.lease)
+                v, status, turns, phase, attempt, job = pipe.hmget(
+                    keys.run, ["v", "status", "turns", "phase", "attempt", "job"]
+                )
+                moved_on = dead_job is not None and (job or b"").decode() != dead_job
+                if status is None or status.decode() not in ACTIVE_STATUSES or moved_on or pipe.exists(keys.lease):
+                    pipe.unwatch()
+                    return None
+                if int(v or 0) > SCHEMA_VERSION:
+                    pipe.unwatch()
+                    return None  # a newer agentpool owns this run; an old reaper must not spin on it
+                turn = int(turns or 0) - (1 if phase == b"tools" else 0)
+                next_attempt = int(attempt or 0) + 1
+                if next_attempt > MAX_TURN_ATTEMPTS:
+                    pipe.unwatch()
+                    fail_unfenced(
+                        r, run_id,
+                        f"turn {turn} was started {MAX_TURN_ATTEMPTS} times without finishing (last: {cause}); "
+                        "check the worker logs for what kills it",
+                    )
+                    return None
+                pipe.multi()
+                pipe.hset(keys.run, "attempt", next_attempt)
+                pipe.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS})
+                jid = stage_turn(pipe, r, run_id, turn, next_attempt)
+                pipe.execute()
+            except WatchError:
+                continue
+            log.warning("run %s: turn %s re-enqueued as %s (%s)", run_id, turn, jid, cause)
+            emit(r, run_id, "takeover", turn=turn, cause=cause, job=jid)
+            return jid
