@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import threading
 from typing import Any
 
 from store.ledger import Outcome
+from workers.context import ToolCall, set_current_call
 from workers.tools import Tool
 
 log = logging.getLogger("agentpool.tools")
@@ -28,18 +30,22 @@ def result_text(value: Any, limit: int) -> Outcome:
     return Outcome(text, False)
 
 
-def run_tool(tool: Tool, kwargs: dict[str, Any], *, key: str, timeout: float, limit: int, where: str) -> Outcome:
+def run_tool(
+    tool: Tool, kwargs: dict[str, Any], *, call: ToolCall, timeout: float, limit: int, where: str
+) -> Outcome:
     """Call the tool in a thread so a hung tool times out instead of holding the turn forever.
 
     A timed-out thread cannot be killed; it is a daemon and dies with the work horse when the turn ends.
     """
     if tool.takes_key:
-        kwargs = {**kwargs, "idempotency_key": key}
+        kwargs = {**kwargs, "idempotency_key": call.idempotency_key}
     box: dict[str, Any] = {}
+    context = contextvars.copy_context()
+    context.run(set_current_call, call)
 
     def target() -> None:
         try:
-            box["value"] = tool.fn(**kwargs)
+            box["value"] = context.run(tool.fn, **kwargs)
         except Exception as exc:  # a tool's failure is news for the model, not for the worker
             box["error"] = exc
 

@@ -33,6 +33,7 @@ from store.ledger import Entry, Outcome
 from store.records import RunState
 from store.clock import now_ms
 from workers.agent import Agent, AgentNotFound, load_agent
+from workers.context import ToolCall
 from workers.faults import fault
 from workers.heartbeat import Heartbeat
 from workers.jobs import stage_turn
@@ -204,8 +205,8 @@ class Turn:
         ledger.write_intent(self.r, self.keys, self.token, call, effect=tool.effect, attempt=attempt, now=now_ms() / 1000)
         emit(self.r, self.run_id, "tool_started", tool=tool.name, tool_use_id=call["id"], effect=tool.effect, attempt=attempt)
         outcome = run_tool(
-            tool, kwargs, key=key, timeout=tool.timeout or agent.tool_timeout,
-            limit=agent.max_result_chars, where=self.where,
+            tool, kwargs, call=ToolCall(self.run_id, self.turn, call["id"], key, attempt),
+            timeout=tool.timeout or agent.tool_timeout, limit=agent.max_result_chars, where=self.where,
         )
         fault("in_tool", self.run_id, self.turn)
         self.record(call, outcome, how="ran", announce=False)

@@ -1,0 +1,111 @@
+"""Agents the tests run in real worker processes. Every real tool execution is appended to the file
+named by AGENTPOOL_TEST_EFFECTS: a count kept outside the system under test."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from workers import Agent, current_call, tool
+
+
+def record(tool_name: str, **info: object) -> None:
+    call = current_call()
+    line = {"tool": tool_name, "pid": os.getpid(), **info}
+    if call:
+        line.update(run=call.run_id, tool_use_id=call.tool_use_id, key=call.idempotency_key, attempt=call.attempt)
+    path = os.environ.get("AGENTPOOL_TEST_EFFECTS")
+    if path:
+        with open(path, "a") as f:  # O_APPEND: one short line is written whole
+            f.write(json.dumps(line) + "\n")
+
+
+def effects(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@tool(effect="read")
+def read_notes(topic: str) -> str:
+    """Read the meeting notes about a topic.
+
+    Args:
+        topic: What the notes are about.
+    """
+    record("read_notes", topic=topic)
+    return f"Notes on {topic}: ship the release on Friday; Ana owns the changelog."
+
+
+@tool(effect="idempotent")
+def create_ticket(title: str, body: str, *, idempotency_key: str) -> str:
+    """Open a ticket in the tracker."""
+    record("create_ticket", title=title)
+    return f"ticket {idempotency_key[-6:]} created: {title}"
+
+
+@tool(effect="unsafe")
+def send_email(to: str, subject: str, body: str) -> str:
+    """Send an email."""
+    record("send_email", to=to, subject=subject)
+    return f"email to {to} sent"
+
+
+@tool(effect="unsafe")
+def charge_card(amount_cents: int, *, idempotency_key: str) -> str:
+    """Charge the customer's card (the processor can be asked whether a charge went through)."""
+    record("charge_card", amount=amount_cents)
+    return f"charged {amount_cents} cents"
+
+
+@charge_card.verify
+def _charge_went_through(amount_cents: int, *, idempotency_key: str) -> str | bool | None:
+    path = os.environ.get("AGENTPOOL_TEST_EFFECTS", "")
+    done = [e for e in effects(path) if e["tool"] == "charge_card" and e.get("key") == idempotency_key]
+    return f"charged {amount_cents} cents (confirmed by the processor)" if done else False
+
+
+@tool(effect="read")
+def slow_read(seconds: float) -> str:
+    """Read something slowly."""
+    record("slow_read", seconds=seconds)
+    time.sleep(seconds)
+    return f"waited {seconds}s"
+
+
+@tool(effect="read")
+def flaky_lookup(item: str) -> str:
+    """Look something up; raises for item 'boom'."""
+    record("flaky_lookup", item=item)
+    if item == "boom":
+        raise RuntimeError("the lookup service is down")
+    return f"{item}: in stock"
+
+
+@tool(effect="read", timeout=0.5)
+def hanging_lookup(item: str) -> str:
+    """A lookup that never answers in time."""
+    record("hanging_lookup", item=item)
+    time.sleep(30)
+    return "too late"
+
+
+@tool(effect="read")
+def odd_result(item: str) -> object:
+    """Returns something that cannot be sent to the model."""
+    return object()
+
+
+ALL_TOOLS = [read_notes, create_ticket, send_email, charge_card, slow_read, flaky_lookup, hanging_lookup, odd_result]
+
+support = Agent(
+    model="claude-sonnet-5-5",
+    system="You are a careful support engineer.",
+    tools=ALL_TOOLS,
+    max_turns=12,
+    max_tokens=1024,
+)
+
+short = Agent(model="claude-sonnet-5-5", system="Be brief.", tools=ALL_TOOLS, max_turns=2)
