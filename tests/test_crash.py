@@ -1,0 +1,149 @@
+"""Crash tests: real worker processes killed with real signals at every window of a turn.
+
+Each fault point SIGKILLs the work horse once per (point, run, turn), as the OOM killer would; the
+worker's parent notices the death at once and re-enqueues the turn. Tools count their real executions
+in a file outside the system under test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+
+import pytest
+
+from conftest import assert_valid_conversation, script_task
+from store.events import read as read_events
+from workers import enqueue_run, get_run, wait_for_run
+
+pytestmark = pytest.mark.crash
+
+# One unsafe call alone in its turn (so "in_tool" catches it), an idempotent one, and an unsafe one
+# with a verify hook.
+CRASH_SCRIPT = [
+    {"tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}]},
+    {"tool_calls": [{"name": "send_email", "input": {"to": "team@example.com", "subject": "Friday", "body": "Ship it"}}]},
+    {"tool_calls": [{"name": "create_ticket", "input": {"title": "Changelog", "body": "Ana"}}]},
+    {"tool_calls": [{"name": "charge_card", "input": {"amount_cents": 500}}]},
+    {"text": "All done."},
+]
+POINTS = ["before_model_call", "after_model_reply", "after_save_a", "in_tool", "after_tool_outcome", "after_save_b"]
+
+
+def _committed_usage(r, run_id: str) -> Counter:
+    total: Counter = Counter()
+    for _id, event in read_events(r, run_id):
+        if event["kind"] == "model_responded":
+            for name in ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
+                total[name] += int(event.get(name, 0))
+    return total
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_run_survives_a_work_horse_killed_at(point, r, pool, model):
+    model.set_scripts({"crash": CRASH_SCRIPT})
+    pool.start(2, AGENTPOOL_FAULTS=point)
+    run_id = enqueue_run("pool_agents:support", script_task("crash"), connection=r)
+    run = wait_for_run(run_id, timeout=90, connection=r)
+
+    assert run.status == "completed", (run.error, pool.logs())
+    assert run.result == "All done."
+    assert run.turns == 5, "turns are counted once per committed model call and never reset"
+    assert_valid_conversation(run.messages)
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+    assert dict(_committed_usage(r, run_id)) == {k: v for k, v in run.usage.items()}, "usage carried over every resume"
+    kills = len(list(pool.tmp.glob(f"fault-{point}-{run_id}-*")))
+    assert kills >= 4, f"the fault point should have fired in most turns, fired {kills}"
+
+    effects = [e for e in pool.effects() if e["run"] == run_id]
+    by_tool = Counter(e["tool"] for e in effects)
+    results = {b["tool_use_id"]: b for m in run.messages if m["role"] == "user" and isinstance(m["content"], list)
+               for b in m["content"]}
+    tool_uses = {b["name"]: b["id"] for m in run.messages if m["role"] == "assistant" for b in m["content"]
+                 if b["type"] == "tool_use"}
+
+    # unsafe: never twice
+    assert by_tool["send_email"] == 1 and by_tool["charge_card"] == 1
+    # idempotent: repeated only with the same key
+    assert len({e["key"] for e in effects if e["tool"] == "create_ticket"}) == 1
+    if point == "in_tool":
+        # killed after the effect, before its outcome was recorded
+        assert by_tool["read_notes"] == 2, "a read tool re-runs"
+        assert by_tool["create_ticket"] == 2, "an idempotent tool re-runs with the same key"
+        email = results[tool_uses["send_email"]]
+        assert email.get("is_error") and "status of this send_email call is unknown" in email["content"]
+        charge = results[tool_uses["charge_card"]]
+        assert not charge.get("is_error") and "confirmed by the processor" in charge["content"]
+    else:
+        assert by_tool["read_notes"] == 1 and by_tool["create_ticket"] == 1
+        assert not any(b.get("is_error") for b in results.values())
+
+
+def _wait_for_effect(pool, tool: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [e for e in pool.effects() if e["tool"] == tool]
+        if found:
+            return found[0]
+        time.sleep(0.02)
+    raise AssertionError(f"{tool} never ran:\n{pool.logs()}")
+
+
+def _worker_running(pool, pid: int):
+    return next(w for w in pool.workers if w.pid == pid or pid in _horses(w))
+
+
+def _horses(worker) -> list[int]:
+    from conftest import descendants
+
+    return descendants(worker.pid)
+
+
+SLOW_SCRIPT = [
+    {"tool_calls": [{"name": "slow_read", "input": {"seconds": 1.5}}]},
+    {"tool_calls": [{"name": "send_email", "input": {"to": "a@example.com", "subject": "after", "body": "x"}}]},
+    {"text": "Finished."},
+]
+
+
+def test_whole_worker_killed_mid_tool_is_taken_over_after_the_lease_expires(r, pool, model):
+    model.set_scripts({"slow": SLOW_SCRIPT})
+    first = pool.start(1)[0]
+    run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
+    effect = _wait_for_effect(pool, "slow_read")
+    assert effect["pid"] in _horses(first)
+    pool.kill(first)  # the worker and its horse: a lost machine
+    killed_at = time.monotonic()
+    pool.start(1)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+
+    assert run.status == "completed", (run.error, pool.logs())
+    assert time.monotonic() - killed_at < 3 + 10, "taken over within lease TTL + a few seconds"
+    assert Counter(e["tool"] for e in pool.effects())["send_email"] == 1
+    assert Counter(e["tool"] for e in pool.effects())["slow_read"] == 2, "a read tool re-runs"
+    assert_valid_conversation(run.messages)
+
+
+def test_a_frozen_worker_woken_after_its_lease_expired_writes_nothing(r, pool, model):
+    model.set_scripts({"slow": SLOW_SCRIPT})
+    frozen = pool.start(1)[0]
+    run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
+    _wait_for_effect(pool, "slow_read")
+    horse = _horses(frozen)
+    pool.kill(frozen, signal.SIGSTOP)  # worker and horse frozen mid-tool, as in a long GC pause
+    pool.start(1)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    before = get_run(run_id, connection=r)
+
+    pool.kill(frozen, signal.SIGCONT)  # the zombie wakes: its slow_read returns, its turn must not commit
+    time.sleep(3)
+    after = get_run(run_id, connection=r)
+    assert after.messages == before.messages and after.turns == before.turns
+    assert Counter(e["tool"] for e in pool.effects())["send_email"] == 1
+    assert horse, "the frozen worker had a work horse"
+    zombie_lines = [line for line in pool.logs().splitlines() if "lost the lease" in line or "lease lost" in line]
+    assert zombie_lines, "the woken horse noticed it lost the lease"
+    assert_valid_conversation(after.messages)
