@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
 from redis import Redis
 from redis.exceptions import RedisError
 
+from store import stats
 from store.keys import RunKeys
 
 MAX_EVENTS = 1000
@@ -15,10 +17,17 @@ log = logging.getLogger("agentpool.events")
 
 
 def emit(r: Redis, run_id: str, kind: str, **fields: Any) -> None:
-    """Fields must not carry secrets or tool inputs; they are for operators' eyes."""
+    """Record an event in the run's stream, count it pool-wide, and log it as one structured line.
+
+    Fields must not carry secrets or tool inputs; they are for operators' eyes.
+    """
     data = {"kind": kind, **{k: str(v) for k, v in fields.items() if v is not None}}
+    log.info("%s", json.dumps({"run": run_id, **data}, ensure_ascii=False))
     try:
-        r.xadd(RunKeys.of(run_id).events, data, maxlen=MAX_EVENTS, approximate=True)
+        with r.pipeline(transaction=False) as pipe:
+            pipe.xadd(RunKeys.of(run_id).events, data, maxlen=MAX_EVENTS, approximate=True)
+            stats.stage(pipe, stats.counters_for(kind, fields))
+            pipe.execute()
     except RedisError as exc:
         log.warning("could not record event %s for run %s: %s", kind, run_id, exc)
 

@@ -15,6 +15,7 @@ Global::
     ap:runs:watch           zset    run id -> when the reaper should next look at it (ms); holds
                                     every run that is queued or running
     ap:reaper:lock          string  held by the one worker that scans this second
+    ap:stats                hash    pool-wide counters behind /metrics (see store/stats.py)
 
 RQ keeps its own keys under ``rq:``; agentpool's turn jobs go to the queue named by ``TURN_QUEUE``.
 The global sorted sets are touched by the same scripts as a run's keys, so agentpool needs a single
@@ -29,6 +30,7 @@ PREFIX = "ap"
 RUNS = f"{PREFIX}:runs"
 RUNS_WATCH = f"{PREFIX}:runs:watch"
 REAPER_LOCK = f"{PREFIX}:reaper:lock"
+STATS = f"{PREFIX}:stats"
 TURN_QUEUE = "agentpool"
 
 

@@ -33,14 +33,28 @@ def main() -> None:
 @click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
 @click.option("--log-level", default="INFO", show_default=True)
 @click.option("--no-scheduler", is_flag=True, help="Do not run RQ's scheduler (deferred retries need one somewhere).")
-def worker(url: str | None, name: str | None, burst: bool, log_level: str, no_scheduler: bool) -> None:
+@click.option("--concurrency", "-c", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Turns in flight at once in this process (threads); 1 forks a work horse per turn, as RQ does.")
+@click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
+def worker(url: str | None, name: str | None, burst: bool, log_level: str, no_scheduler: bool,
+           concurrency: int, metrics_port: int | None) -> None:
     """Run an RQ worker for agent turns."""
+    r = connect(url)
+    click.echo(f"agentpool worker on {redact_url(url or Settings.from_env().redis_url)}", err=True)
+    if metrics_port:
+        from workers.metrics import start_metrics_server
+
+        start_metrics_server(metrics_port, r)
+    if concurrency > 1:
+        from workers.threaded import run_threaded_worker
+
+        run_threaded_worker(r, name=name, concurrency=concurrency, burst=burst, logging_level=log_level.upper(),
+                            with_scheduler=not no_scheduler)
+        return
     from workers.worker import AgentWorker
 
-    r = connect(url)
-    w = AgentWorker(connection=r, name=name)
-    click.echo(f"agentpool worker {w.name} on {redact_url(url or Settings.from_env().redis_url)}", err=True)
-    w.work(burst=burst, logging_level=log_level.upper(), with_scheduler=not no_scheduler)
+    AgentWorker(connection=r, name=name).work(burst=burst, logging_level=log_level.upper(),
+                                             with_scheduler=not no_scheduler)
 
 
 @main.command()
@@ -194,6 +208,14 @@ def check(url: str | None) -> None:
         _fail(f"Redis unreachable: {exc}")
     click.echo("ok")
 
+
+def _register_ops_commands() -> None:
+    from workers import cli_ops
+
+    cli_ops.register(main)
+
+
+_register_ops_commands()
 
 if __name__ == "__main__":
     main()

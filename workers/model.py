@@ -28,9 +28,10 @@ class ModelUnavailable(AgentPoolError):
 
     retryable = True
 
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, message: str, retry_after: float | None = None, kind: str = "connection") -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.kind = kind  # the API's error type (rate_limit_error, overloaded_error, ...) or "connection"
 
 
 class ModelRejected(AgentPoolError):
@@ -114,12 +115,13 @@ def call_model(agent: Agent, messages: list[dict[str, Any]]) -> ModelReply:
     )
 
 
-def _error_text(exc: anthropic.APIStatusError) -> str:
+def _error_parts(exc: anthropic.APIStatusError) -> tuple[str, str]:
+    """(the API's error type, its message), from the error body when it has the API's shape."""
     body = exc.body if isinstance(exc.body, dict) else {}
     err = body.get("error") if isinstance(body.get("error"), dict) else body
-    kind = err.get("type", "error") if isinstance(err, dict) else "error"
-    message = err.get("message", str(exc)) if isinstance(err, dict) else str(exc)
-    return f"{exc.status_code} {kind}: {message}"
+    if not isinstance(err, dict):
+        return f"http_{exc.status_code}", str(exc)
+    return str(err.get("type") or f"http_{exc.status_code}"), str(err.get("message") or exc)
 
 
 def _retry_after(exc: anthropic.APIStatusError) -> float | None:
@@ -135,10 +137,11 @@ def _retry_after(exc: anthropic.APIStatusError) -> float | None:
 
 
 def _classify(exc: anthropic.APIStatusError) -> AgentPoolError:
-    text = _error_text(exc)
+    kind, message = _error_parts(exc)
     status = exc.status_code
+    text = f"{status} {kind}: {message}"
     if status == 429 and any(words in text.lower() for words in _NON_TRANSIENT_429):
         return ModelQuotaExhausted(f"the API refused for a limit that waiting will not clear: {text}")
     if status in (408, 409, 429) or status >= 500:
-        return ModelUnavailable(text, _retry_after(exc))
+        return ModelUnavailable(text, _retry_after(exc), kind=kind)
     return ModelRejected(text)

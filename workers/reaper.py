@@ -37,7 +37,7 @@ def reap_once(r: Redis, *, batch: int = 500) -> list[str]:
         run_id = raw.decode()
         try:
             found = _why_orphaned(r, run_id)
-            if found and requeue_turn(r, run_id, cause=found[1], dead_job=found[0]):
+            if found and requeue_turn(r, run_id, cause=found[1], cause_kind=found[2], dead_job=found[0]):
                 requeued.append(run_id)
         except RedisError:
             raise
@@ -46,8 +46,8 @@ def reap_once(r: Redis, *, batch: int = 500) -> list[str]:
     return requeued
 
 
-def _why_orphaned(r: Redis, run_id: str) -> tuple[str, str] | None:
-    """None if the run is fine (when to look again is then recorded); else (its dead job, why)."""
+def _why_orphaned(r: Redis, run_id: str) -> tuple[str, str, str] | None:
+    """None if the run is fine (when to look again is then recorded); else (its dead job, why, kind)."""
     keys = RunKeys.of(run_id)
     status, job_id = r.hmget(keys.run, ["status", "job"])
     if status is None or status.decode() not in ACTIVE_STATUSES:
@@ -63,8 +63,8 @@ def _why_orphaned(r: Redis, run_id: str) -> tuple[str, str] | None:
         r.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS})
         return None
     if job_state == "started":
-        return jid, "lease expired"
-    return jid, f"its job is {job_state}"
+        return jid, "lease expired", "lease_expiry"
+    return jid, f"its job is {job_state}", "job_lost"
 
 
 def _job_state(r: Redis, job_id: str) -> str:

@@ -27,8 +27,10 @@ log = logging.getLogger("agentpool.takeover")
 MAX_TURN_ATTEMPTS = 25
 
 
-def requeue_turn(r: Redis, run_id: str, *, cause: str, dead_job: str | None = None) -> str | None:
+def requeue_turn(r: Redis, run_id: str, *, cause: str, cause_kind: str, dead_job: str | None = None) -> str | None:
     """Enqueue the current turn again. Returns the new job id, or None when nothing was needed.
+
+    ``cause_kind`` labels the takeover for metrics: horse_death, lease_expiry or job_lost.
 
     With ``dead_job``, only if that job is still the run's current one (a horse that died after
     save point B had already queued the next turn, which needs nothing).
@@ -66,5 +68,5 @@ def requeue_turn(r: Redis, run_id: str, *, cause: str, dead_job: str | None = No
             except WatchError:
                 continue
             log.warning("run %s: turn %s re-enqueued as %s (%s)", run_id, turn, jid, cause)
-            emit(r, run_id, "takeover", turn=turn, cause=cause, job=jid)
+            emit(r, run_id, "takeover", turn=turn, cause=cause, cause_kind=cause_kind, job=jid)
             return jid

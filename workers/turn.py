@@ -19,6 +19,7 @@ import logging
 import os
 import random
 import socket
+import time
 from typing import Any
 
 from redis import Redis
@@ -98,6 +99,7 @@ class Turn:
         self.r, self.keys, self.token, self.turn, self.settings = r, keys, token, turn, settings
         self.run_id = keys.run_id
         self.where = f"run {self.run_id} turn {turn}"
+        self.started = time.monotonic()
 
     def run(self) -> str:
         state = checkpoint.load_run(self.r, self.run_id)
@@ -111,6 +113,7 @@ class Turn:
             return self.stop(f"reached max_turns={limit} after {state.turns} turns; resume with more turns to continue")
         emit(self.r, self.run_id, "turn_started", turn=self.turn)
         fault("before_model_call", self.run_id, self.turn)
+        asked = time.monotonic()
         try:
             reply = call_model(agent, state.messages)
         except ModelUnavailable as exc:
@@ -120,9 +123,9 @@ class Turn:
         except ModelRejected as exc:
             return self.end("failed", f"the model API rejected the request: {exc}")
         fault("after_model_reply", self.run_id, self.turn)
-        return self.handle_reply(agent, state, reply)
+        return self.handle_reply(agent, state, reply, model_seconds=time.monotonic() - asked)
 
-    def handle_reply(self, agent: Agent, state: RunState, reply: ModelReply) -> str:
+    def handle_reply(self, agent: Agent, state: RunState, reply: ModelReply, model_seconds: float) -> str:
         tool_uses = [b for b in reply.message["content"] if b.get("type") == "tool_use"]
         pending = [{"id": b["id"], "name": b["name"], "input": b.get("input")} for b in tool_uses]
         stop = reply.stop_reason
@@ -148,7 +151,7 @@ class Turn:
             usage=reply.usage, final_status=final, result=result, error=failure or "",
         )
         emit(self.r, self.run_id, "model_responded", turn=self.turn, stop_reason=stop,
-             tool_uses=len(pending), **reply.usage)
+             tool_uses=len(pending), seconds=round(model_seconds, 4), **reply.usage)
         fault("after_save_a", self.run_id, self.turn)
         if final:
             emit(self.r, self.run_id, "status", status=final, error=failure)
@@ -239,13 +242,14 @@ class Turn:
             message=_results_message(results),
             enqueue_next=lambda pipe: stage_turn(pipe, self.r, self.run_id, turns),
         )
-        emit(self.r, self.run_id, "turn_committed", turn=self.turn, next_turn=turns, tool_results=len(results))
+        emit(self.r, self.run_id, "turn_committed", turn=self.turn, next_turn=turns, tool_results=len(results),
+             seconds=round(time.monotonic() - self.started, 4))
         fault("after_save_b", self.run_id, self.turn)
         return "committed"
 
     def defer(self, state: RunState, exc: ModelUnavailable) -> str:
         errors = state.model_errors + 1
-        emit(self.r, self.run_id, "model_error", turn=self.turn, error=str(exc), consecutive=errors)
+        emit(self.r, self.run_id, "model_error", turn=self.turn, error=str(exc), error_type=exc.kind, consecutive=errors)
         if errors > self.settings.model_retries:
             return self.stop(f"the model API failed {errors} times in a row (last: {exc}); resume to try again")
         delay = max(exc.retry_after or 0.0, random.uniform(0, min(120.0, 2.0 * 2 ** (errors - 1))))

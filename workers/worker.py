@@ -40,7 +40,9 @@ class AgentWorker(Worker):
             return  # not an agentpool turn
         how = f"signal {os.WTERMSIG(ret_val)}" if os.WIFSIGNALED(ret_val) else f"exit status {os.WEXITSTATUS(ret_val)}"
         release_dead_holder(self.connection, RunKeys.of(run_id), f"{self.name}.{retpid}")
-        requeue_turn(self.connection, run_id, cause=f"work horse {retpid} died ({how})", dead_job=job.id)
+        requeue_turn(
+            self.connection, run_id, cause=f"work horse {retpid} died ({how})", cause_kind="horse_death", dead_job=job.id
+        )
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
         # The reaper gets its own connection pool: it runs beside the worker's blocking dequeue.

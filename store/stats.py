@@ -1,0 +1,57 @@
+"""Pool-wide counters, kept in one Redis hash so any process (``agentpool metrics``, a worker's
+``--metrics-port``) can export them. Derived from events, so every event source counts the same way.
+
+Field names are ``<metric>|<label>=<value>`` (or just ``<metric>``); latency histograms use
+``<metric>|le=<bound>`` cumulative buckets plus ``<metric>_sum`` and ``<metric>_count``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from store.keys import STATS
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
+TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+
+
+def _histogram(name: str, seconds: float) -> dict[str, float]:
+    fields = {f"{name}|le={'+Inf' if b == float('inf') else b}": 1.0 for b in LATENCY_BUCKETS if seconds <= b}
+    fields[f"{name}_sum"] = seconds
+    fields[f"{name}_count"] = 1.0
+    return fields
+
+
+def counters_for(kind: str, fields: Mapping[str, Any]) -> dict[str, float]:
+    """What one event adds to the pool-wide counters."""
+    if kind == "turn_started":
+        return {"turns": 1}
+    if kind == "tool_started":
+        return {f"tool_calls|effect={fields.get('effect', '?')}": 1}
+    if kind in ("reconciled", "tool_skipped"):
+        return {f"reconciliations|outcome={fields.get('outcome', '?')}": 1} if kind == "reconciled" else {}
+    if kind == "takeover":
+        return {f"takeovers|cause={fields.get('cause_kind', '?')}": 1}
+    if kind == "model_error":
+        return {f"model_errors|type={fields.get('error_type', '?')}": 1}
+    if kind == "model_responded":
+        counts = {f"tokens|kind={name}": float(fields.get(name) or 0) for name in TOKEN_FIELDS}
+        if fields.get("seconds") is not None:
+            counts.update(_histogram("model_call_seconds", float(fields["seconds"])))
+        return counts
+    if kind == "turn_committed" and fields.get("seconds") is not None:
+        return _histogram("turn_seconds", float(fields["seconds"]))
+    if kind == "status":
+        return {f"status_changes|status={fields.get('status', '?')}": 1}
+    return {}
+
+
+def stage(pipe: Any, counters: Mapping[str, float]) -> None:
+    for field, amount in counters.items():
+        if amount:
+            pipe.hincrbyfloat(STATS, field, amount)
+
+
+def read_all(r: Any) -> dict[str, float]:
+    return {k.decode(): float(v) for k, v in r.hgetall(STATS).items()}
