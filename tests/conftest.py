@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from redis import Redis
 
+from workers.localpool import RedisNotInstalled, RedisServer, WorkerProcesses
 from workers.scripted_model import ScriptedModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,47 +21,16 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A throwaway redis-server. ``durable`` turns on AOF (appendfsync everysec) as deploy/redis.conf does."""
-
-    def __init__(self, workdir: Path, durable: bool = False) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not installed: run `apt-get install -y redis-server` (the suite starts its own)")
-        self.binary, self.workdir, self.durable = binary, workdir, durable
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> RedisServer:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-                "--save", "", "--maxmemory-policy", "noeviction"]
-        args += ["--appendonly", "yes", "--appendfsync", "everysec"] if self.durable else ["--appendonly", "no"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = Redis.from_url(self.url)
-        for _ in range(200):
-            try:
-                client.ping()
-                return self
-            except Exception:
-                time.sleep(0.02)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(timeout=10)
+def _redis_server(workdir: Path, durable: bool = False) -> RedisServer:
+    try:
+        return RedisServer(workdir, durable=durable)
+    except RedisNotInstalled as exc:
+        pytest.fail(str(exc))
 
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    server = _redis_server(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
 
@@ -92,27 +57,13 @@ def model(model_server: ScriptedModel) -> ScriptedModel:
     return model_server
 
 
-def descendants(pid: int) -> list[int]:
-    """Child processes of ``pid`` (the forked work horse is in its own process group: kill both)."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(entry.name))
-    return children
-
-
-class Pool:
-    """Real worker processes sharing one environment (Redis, the scripted model, fault points)."""
+class Pool(WorkerProcesses):
+    """Worker processes wired to the test's Redis, the scripted model, fault points and an effects file."""
 
     def __init__(self, redis_url: str, model: ScriptedModel, tmp: Path) -> None:
-        self.redis_url, self.tmp = redis_url, tmp
+        self.tmp = tmp
         self.effects_path = str(tmp / "effects.jsonl")
-        self.env = {
+        env = {
             **os.environ,
             "REDIS_URL": redis_url,
             "ANTHROPIC_BASE_URL": model.base_url,
@@ -123,48 +74,19 @@ class Pool:
             "AGENTPOOL_LEASE_TTL": "3",
             "AGENTPOOL_REAPER_INTERVAL": "0.25",
         }
-        self.workers: list[subprocess.Popen[bytes]] = []
-        self._logs: list = []
+        super().__init__(env, tmp, cwd=str(TESTS))
 
-    def start(self, n: int = 1, **env: str) -> list[subprocess.Popen[bytes]]:
-        started = []
-        for _ in range(n):
-            log = open(self.tmp / f"worker-{len(self.workers)}.log", "wb")
-            self._logs.append(log)
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "workers.cli", "worker", "--log-level", "INFO"],
-                env={**self.env, **env}, cwd=str(TESTS), stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            self.workers.append(proc)
-            started.append(proc)
-        return started
+    @property
+    def workers(self) -> list[subprocess.Popen[bytes]]:
+        return self.procs
+
+    def start(self, n: int = 1, **env: str) -> list[subprocess.Popen[bytes]]:  # type: ignore[override]
+        return super().start(n, "--log-level", "INFO", **env)
 
     def effects(self) -> list[dict]:
         from pool_agents import effects
 
         return effects(self.effects_path)
-
-    def kill(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL, with_horse: bool = True) -> None:
-        targets = descendants(proc.pid) if with_horse else []
-        for pid in [proc.pid, *targets]:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        if sig == signal.SIGKILL:
-            proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        for proc in self.workers:
-            if proc.poll() is None:
-                self.kill(proc)
-            proc.wait(timeout=10)
-        for log in self._logs:
-            log.close()
-
-    def logs(self) -> str:
-        return "\n".join(p.read_text(errors="replace")[-4000:] for p in sorted(self.tmp.glob("worker-*.log")))
 
 
 @pytest.fixture

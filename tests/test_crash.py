@@ -17,6 +17,7 @@ import pytest
 from conftest import assert_valid_conversation, script_task
 from store.events import read as read_events
 from workers import enqueue_run, get_run, wait_for_run
+from workers.localpool import children_of
 
 pytestmark = pytest.mark.crash
 
@@ -91,14 +92,8 @@ def _wait_for_effect(pool, tool: str, timeout: float = 30) -> dict:
     raise AssertionError(f"{tool} never ran:\n{pool.logs()}")
 
 
-def _worker_running(pool, pid: int):
-    return next(w for w in pool.workers if w.pid == pid or pid in _horses(w))
-
-
 def _horses(worker) -> list[int]:
-    from conftest import descendants
-
-    return descendants(worker.pid)
+    return children_of(worker.pid)
 
 
 SLOW_SCRIPT = [

@@ -1,4 +1,4 @@
-"""Operator commands (metrics, dashboard), kept apart from the core CLI."""
+"""Operator commands kept apart from the core CLI: each lives in its own module."""
 
 from __future__ import annotations
 
@@ -6,4 +6,10 @@ import click
 
 
 def register(group: click.Group) -> None:
-    """Attach the operator commands to the ``agentpool`` group."""
+    """Attach the operator commands to the ``agentpool`` group (imported lazily by each command)."""
+    from workers.bench import bench
+    from workers.dashboard import dashboard
+    from workers.metrics import metrics
+
+    for command in (bench, dashboard, metrics):
+        group.add_command(command)
