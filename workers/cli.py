@@ -199,13 +199,17 @@ def reap(url: str | None, interval: float, once: bool) -> None:
 @main.command()
 @url_option
 def check(url: str | None) -> None:
-    """Exit 0 if Redis answers (for liveness/readiness probes), non-zero otherwise."""
+    """Exit 0 if Redis answers within 2 s (for liveness/readiness probes), non-zero otherwise."""
+    from redis import Redis
     from redis.exceptions import RedisError
 
+    client = Redis.from_url(url or Settings.from_env().redis_url, socket_connect_timeout=2, socket_timeout=2)
     try:
-        connect(url).ping()
+        client.ping()
     except RedisError as exc:
-        _fail(f"Redis unreachable: {exc}")
+        _fail(f"Redis unreachable at {redact_url(url or Settings.from_env().redis_url)}: {exc}")
+    finally:
+        client.close()
     click.echo("ok")
 
 
