@@ -37,8 +37,12 @@ def reap_once(r: Redis, *, batch: int = 500) -> list[str]:
         run_id = raw.decode()
         try:
             found = _why_orphaned(r, run_id)
-            if found and requeue_turn(r, run_id, cause=found[1], cause_kind=found[2], dead_job=found[0]):
+            if not found:
+                continue
+            if requeue_turn(r, run_id, cause=found[1], cause_kind=found[2], dead_job=found[0]):
                 requeued.append(run_id)
+            else:  # left alone on purpose (a newer schema, say): look again later, not every second
+                r.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS}, xx=True)
         except RedisError:
             raise
         except Exception:

@@ -1,0 +1,145 @@
+"""Bad records, newer schemas, Redis restarts, dropped connections, warm shutdown."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import Counter
+
+import pytest
+from redis import Redis
+from rq.job import Job
+
+from conftest import Pool, assert_valid_conversation, script_task
+from store import checkpoint
+from store.keys import RunKeys
+from store.records import SCHEMA_VERSION
+from workers import enqueue_run, get_run, wait_for_run
+from workers.jobs import job_id
+from workers.localpool import RedisServer
+from workers.serializer import MsgpackSerializer
+
+SIMPLE = [{"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}]}, {"text": "ok"}]
+
+
+def _snapshot(r: Redis, run_id: str) -> dict:
+    keys = RunKeys.of(run_id)
+    return {k: r.dump(k) for k in (keys.run, keys.messages, keys.ledger)}
+
+
+def _wait_status(r: Redis, run_id: str, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = r.hget(RunKeys.of(run_id).run, "status").decode()
+        if status not in ("queued", "running"):
+            return status
+        time.sleep(0.05)
+    raise AssertionError(f"run {run_id} still {status}")
+
+
+def test_a_corrupt_record_fails_its_run_clearly_and_the_worker_serves_others(r, pool, model):
+    model.set_scripts({"simple": SIMPLE})
+    bad = enqueue_run("pool_agents:support", script_task("simple"), connection=r)
+    r.lset(RunKeys.of(bad).messages, 0, b"\xc1 not msgpack")
+    good = enqueue_run("pool_agents:support", script_task("simple"), connection=r)
+    pool.start(1)
+
+    assert wait_for_run(good, timeout=60, connection=r).status == "completed"
+    assert _wait_status(r, bad) == "failed"
+    header = checkpoint.load_run(r, bad, with_messages=False)
+    assert "message 0 is not valid msgpack" in header.error
+    assert r.lindex(RunKeys.of(bad).messages, 0) == b"\xc1 not msgpack", "the data is left as found"
+    with pytest.raises(Exception, match="not valid msgpack"):
+        get_run(bad, connection=r)
+
+
+def test_a_run_from_a_newer_schema_is_left_untouched(r, pool, model):
+    model.set_scripts({"simple": SIMPLE})
+    newer = enqueue_run("pool_agents:support", script_task("simple"), connection=r)
+    r.hset(RunKeys.of(newer).run, "v", SCHEMA_VERSION + 1)
+    before = _snapshot(r, newer)
+    good = enqueue_run("pool_agents:support", script_task("simple"), connection=r)
+    pool.start(1)
+
+    assert wait_for_run(good, timeout=60, connection=r).status == "completed"
+    job = Job.fetch(job_id(newer, 0), connection=r, serializer=MsgpackSerializer)
+    for _ in range(100):
+        if job.get_status() == "failed":
+            break
+        time.sleep(0.05)
+    assert job.get_status() == "failed"
+    assert "newer than this worker" in (job.latest_result().exc_string or "")
+    time.sleep(1)  # let the reaper look at it too
+    assert _snapshot(r, newer) == before
+
+
+@pytest.mark.crash
+def test_runs_survive_a_redis_restart(tmp_path, model):
+    server = RedisServer(tmp_path, durable=True).start()
+    r = Redis.from_url(server.url)
+    pool = Pool(server.url, model, tmp_path)
+    try:
+        model.set_scripts({"steps": [
+            {"tool_calls": [{"name": "slow_read", "input": {"seconds": 0.3}}]} for _ in range(6)
+        ] + [{"text": "done"}]})
+        pool.start(2)
+        runs = [enqueue_run("pool_agents:support", script_task("steps"), connection=r) for _ in range(4)]
+        time.sleep(1.5)
+        server.stop()  # SIGTERM: Redis fsyncs its AOF and exits
+        time.sleep(1.0)
+        server.start()  # same port, same AOF
+        for run_id in runs:
+            run = wait_for_run(run_id, timeout=90, connection=r)
+            assert run.status == "completed", (run.error, pool.logs())
+            assert run.turns == 7
+            assert_valid_conversation(run.messages)
+    finally:
+        pool.stop()
+        server.stop()
+
+
+def test_dropped_connections_mid_turn_are_retried_not_failed(r, pool, model):
+    model.set_scripts({"steps": [
+        {"tool_calls": [{"name": "slow_read", "input": {"seconds": 0.2}}]} for _ in range(5)
+    ] + [{"text": "done"}]})
+    pool.start(2)
+    runs = [enqueue_run("pool_agents:support", script_task("steps"), connection=r) for _ in range(4)]
+    stop = threading.Event()
+    kills = []
+
+    def killer() -> None:
+        admin = Redis.from_url(pool.env["REDIS_URL"])
+        while not stop.wait(0.4):
+            kills.append(admin.client_kill_filter(_type="normal", skipme=True))
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        finished = [wait_for_run(run_id, timeout=90, connection=r) for run_id in runs]
+    finally:
+        stop.set()
+        thread.join()
+    assert sum(kills) > 0, "connections were dropped while runs were in flight"
+    for run in finished:
+        assert run.status == "completed", (run.error, pool.logs())
+
+
+def test_sigterm_lets_the_turn_in_flight_finish(r, pool, model):
+    model.set_scripts({"slow": [
+        {"tool_calls": [{"name": "slow_read", "input": {"seconds": 1.5}}]},
+        {"text": "done"},
+    ]})
+    worker = pool.start(1)[0]
+    run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
+    deadline = time.monotonic() + 30
+    while not pool.effects() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    worker.send_signal(signal.SIGTERM)  # warm shutdown, as RQ does
+    assert worker.wait(timeout=30) == 0
+    state = checkpoint.load_run(r, run_id, with_messages=False)
+    assert state.turns == 1 and state.phase == "model", "the turn committed its tool results before exiting"
+    pool.start(1)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed"
+    assert Counter(e["tool"] for e in pool.effects())["slow_read"] == 1, "the turn was not cut and re-run"

@@ -1,0 +1,171 @@
+"""The store against a real redis-server: leases, fencing, save points, ledger, codec."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+
+from store import checkpoint, ledger
+from store.codec import pack, unpack
+from store.errors import LeaseLost, RunNotActive, UnreadableRecord
+from store.keys import RunKeys
+from store.lease import Acquire, acquire, holder, release, release_dead_holder, renew
+from store.ledger import Outcome
+from store.records import SCHEMA_VERSION
+
+RUN = "r_test0001"
+KEYS = RunKeys.of(RUN)
+
+
+def create(r, run_id=RUN):
+    with r.pipeline(transaction=True) as pipe:
+        pipe.multi()
+        checkpoint.stage_create(pipe, run_id, agent="pool_agents:support", task="do it", limits={}, now=time.time())
+        pipe.execute()
+
+
+def take(r, turn=0, worker="w1.100", ttl_ms=5000):
+    got = acquire(r, KEYS, turn=turn, worker_id=worker, ttl_ms=ttl_ms)
+    assert got.code is Acquire.ACQUIRED, got
+    return got.token
+
+
+def reply(text="hi", tool_use=None):
+    content = [{"type": "text", "text": text}]
+    if tool_use:
+        content.append({"type": "tool_use", **tool_use})
+    return {"role": "assistant", "content": content}
+
+
+def test_lease_is_exclusive_fenced_and_compare_and_delete(r):
+    create(r)
+    first = take(r)
+    assert first.startswith("1:w1.100")
+    assert acquire(r, KEYS, turn=0, worker_id="w2.200", ttl_ms=5000).code is Acquire.HELD
+    assert not release(r, KEYS, "1:someone-else")
+    assert holder(r, KEYS) == first
+    assert renew(r, KEYS, first, 5000)
+    assert release(r, KEYS, first)
+    second = take(r, worker="w2.200")
+    assert second.startswith("2:"), "every acquisition bumps the fence"
+    assert not renew(r, KEYS, first, 5000), "an old owner cannot extend a lease it lost"
+
+
+def test_expired_lease_can_be_taken_and_the_old_token_is_dead(r):
+    create(r)
+    old = take(r, ttl_ms=100)
+    time.sleep(0.2)
+    new = take(r, worker="w2.200")
+    assert new != old
+    with pytest.raises(LeaseLost):
+        checkpoint.commit_response(r, KEYS, old, turns_before=0, message=reply(), pending=[], usage={})
+    assert r.llen(KEYS.messages) == 1, "the zombie's response was not appended"
+
+
+def test_acquire_refuses_stale_turns_inactive_missing_and_newer_runs(r):
+    assert acquire(r, KEYS, turn=0, worker_id="w", ttl_ms=1000).code is Acquire.NO_RUN
+    create(r)
+    assert acquire(r, KEYS, turn=3, worker_id="w", ttl_ms=1000).code is Acquire.STALE
+    r.hset(KEYS.run, "status", "completed")
+    assert acquire(r, KEYS, turn=0, worker_id="w", ttl_ms=1000).code is Acquire.NOT_ACTIVE
+    r.hset(KEYS.run, mapping={"status": "queued", "v": SCHEMA_VERSION + 1})
+    got = acquire(r, KEYS, turn=0, worker_id="w", ttl_ms=1000)
+    assert (got.code, got.detail) == (Acquire.TOO_NEW, str(SCHEMA_VERSION + 1))
+    r.hset(KEYS.run, "v", "garbage")
+    assert acquire(r, KEYS, turn=0, worker_id="w", ttl_ms=1000).code is Acquire.UNREADABLE
+    assert not r.exists(KEYS.lease)
+
+
+def test_save_point_a_appends_counts_and_records_pending(r):
+    create(r)
+    token = take(r)
+    call = {"id": "toolu_1", "name": "read_notes", "input": {"topic": "x"}}
+    checkpoint.commit_response(
+        r, KEYS, token, turns_before=0, message=reply(tool_use=call), pending=[call],
+        usage={"input_tokens": 10, "output_tokens": 5, "cache_read_input_tokens": 3, "cache_creation_input_tokens": 2},
+    )
+    state = checkpoint.load_run(r, RUN)
+    assert (state.turns, state.phase, state.pending, state.current_turn) == (1, "tools", [call], 0)
+    assert state.usage == {"input_tokens": 10, "output_tokens": 5, "cache_read_input_tokens": 3,
+                           "cache_creation_input_tokens": 2}
+    with pytest.raises(LeaseLost):  # the same response twice: the checkpoint moved on
+        checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[], usage={})
+    assert r.llen(KEYS.messages) == 2
+
+
+def test_save_point_b_lands_with_its_enqueue_or_not_at_all(r):
+    create(r)
+    token = take(r)
+    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[], usage={})
+    results = {"role": "user", "content": [{"type": "text", "text": "continue"}]}
+
+    def enqueue(pipe):
+        pipe.rpush("test:queue", "job-1")
+
+    with pytest.raises(LeaseLost):
+        checkpoint.commit_tool_results(r, KEYS, "9:intruder", message=results, enqueue_next=enqueue)
+    assert r.llen("test:queue") == 0 and r.llen(KEYS.messages) == 2
+
+    checkpoint.commit_tool_results(r, KEYS, token, message=results, enqueue_next=enqueue)
+    assert r.lrange("test:queue", 0, -1) == [b"job-1"]
+    state = checkpoint.load_run(r, RUN)
+    assert (state.phase, state.current_turn, len(state.messages)) == ("model", 1, 3)
+    assert not r.exists(KEYS.lease), "save point B hands the lease back"
+
+
+def test_a_save_appends_and_never_rewrites_history(r):
+    create(r)
+    before = r.lrange(KEYS.messages, 0, -1)
+    token = take(r)
+    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[], usage={})
+    after = r.lrange(KEYS.messages, 0, -1)
+    assert after[: len(before)] == before and len(after) == len(before) + 1
+
+
+def test_cancel_fences_out_the_turn_in_flight(r):
+    create(r)
+    token = take(r)
+    checkpoint.set_status_unfenced(r, RUN, "cancelled", error="stop")
+    call = {"id": "toolu_1", "name": "send_email", "input": {}}
+    with pytest.raises(RunNotActive):
+        ledger.write_intent(r, KEYS, token, call, effect="unsafe", attempt=1, now=0)
+    with pytest.raises(RunNotActive):
+        checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[], usage={})
+    assert checkpoint.set_status_unfenced(r, RUN, "running") == "cancelled", "a terminal status is final"
+
+
+def test_ledger_records_intent_then_outcome_and_refuses_a_zombie(r):
+    create(r)
+    token = take(r)
+    call = {"id": "toolu_1", "name": "send_email", "input": {"to": "a"}}
+    ledger.write_intent(r, KEYS, token, call, effect="unsafe", attempt=1, now=1.0)
+    entry = ledger.read(r, KEYS, ["toolu_1"])["toolu_1"]
+    assert entry.intent["name"] == "send_email" and entry.outcome is None and entry.attempts == 1
+    ledger.check_same_call(entry, call)
+    with pytest.raises(Exception, match="other input"):
+        ledger.check_same_call(entry, {**call, "input": {"to": "b"}})
+    ledger.write_outcome(r, KEYS, token, "toolu_1", Outcome("sent", False), how="ran", now=2.0)
+    assert ledger.read(r, KEYS, ["toolu_1"])["toolu_1"].outcome == Outcome("sent", False)
+    assert release_dead_holder(r, KEYS, "w1.100"), "a dead horse's lease is dropped by its suffix"
+    with pytest.raises(LeaseLost):
+        ledger.write_outcome(r, KEYS, token, "toolu_1", Outcome("again", False), how="ran", now=3.0)
+
+
+def test_codec_refuses_ext_types_and_garbage():
+    assert unpack(pack({"a": [1, "x", b"y"]}), "t") == {"a": [1, "x", b"y"]}
+    with pytest.raises(UnreadableRecord, match="ext type"):
+        unpack(msgpack.packb(msgpack.ExtType(1, b"x")), "t")
+    with pytest.raises(UnreadableRecord, match="not valid msgpack"):
+        unpack(b"\xc1\xff", "t")
+
+
+def test_unknown_status_or_bad_numbers_are_unreadable(r):
+    create(r)
+    r.hset(KEYS.run, "status", "exploded")
+    with pytest.raises(UnreadableRecord, match="unknown status"):
+        checkpoint.load_run(r, RUN)
+    r.hset(KEYS.run, mapping={"status": "queued", "turns": "many"})
+    with pytest.raises(UnreadableRecord, match="turns"):
+        checkpoint.load_run(r, RUN)
