@@ -19,7 +19,9 @@ from store.clock import now_ms
 from store.errors import LeaseLost, RunNotActive, RunNotFound
 from store.keys import RUNS, RUNS_WATCH, RunKeys
 from store.records import (
+    SCHEMA_VERSION,
     TERMINAL_STATUSES,
+    USAGE_FIELDS,
     RunState,
     load_header,
     new_header,
@@ -78,31 +80,40 @@ def commit_response(
     message: Mapping[str, Any],
     meta: Mapping[str, Any] | None = None,
     pending: list[dict[str, Any]],
-    usage: Mapping[str, int],
     final_status: str = "",
     result: str = "",
     error: str = "",
+    retention_s: int = 0,
 ) -> None:
-    """Save point A."""
+    """Save point A. (The call's usage was counted by ``record_spend`` when the reply arrived.)"""
     code = run_script(
         "commit_response",
         r,
-        [keys.run, keys.lease, keys.messages, RUNS_WATCH],
+        [keys.run, keys.lease, keys.messages, RUNS_WATCH, keys.ledger, keys.events, keys.approvals],
         [
             token,
             turns_before,
             pack_message(message, meta),
             pack_pending(pending),
-            int(usage.get("input_tokens") or 0),
-            int(usage.get("output_tokens") or 0),
-            int(usage.get("cache_read_input_tokens") or 0),
-            int(usage.get("cache_creation_input_tokens") or 0),
             now_ms(),
             keys.run_id,
             final_status,
             result,
             error,
+            SCHEMA_VERSION,
+            retention_s,
         ],
+    )
+    _check(int(code), keys, r)  # type: ignore[arg-type]
+
+
+def record_spend(r: Redis, keys: RunKeys, token: str, usage: Mapping[str, int], cost_usd: float) -> None:
+    """Count a model call's tokens and cost as soon as its reply arrives, before save point A."""
+    code = run_script(
+        "record_spend",
+        r,
+        [keys.run, keys.lease],
+        [token, *(int(usage.get(name) or 0) for name in USAGE_FIELDS), repr(float(cost_usd))],
     )
     _check(int(code), keys, r)  # type: ignore[arg-type]
 
@@ -183,18 +194,32 @@ def finish(
     message: Mapping[str, Any] | None = None,
     phase: str = "",
     result: str = "",
+    retention_s: int = 0,
+    watch_at_ms: int | None = None,
 ) -> None:
-    """Fenced end of a turn without a next one (a limit reached, a failure, the last tool results)."""
+    """Fenced end of a turn without a next one (a limit reached, a failure, a wait for a person).
+
+    ``retention_s`` applies only to statuses that are final; ``watch_at_ms`` keeps the run in the
+    reaper's watch set until then (an approval that expires)."""
     code = run_script(
         "finish",
         r,
-        [keys.run, keys.lease, keys.messages, RUNS_WATCH],
-        [token, status, error, now_ms(), keys.run_id, pack_message(message) if message else "", phase, result],
+        [keys.run, keys.lease, keys.messages, RUNS_WATCH, keys.ledger, keys.events, keys.approvals],
+        [
+            token, status, error, now_ms(), keys.run_id, pack_message(message) if message else "", phase, result,
+            retention_s if status in TERMINAL_STATUSES else 0, "" if watch_at_ms is None else watch_at_ms,
+        ],
     )
     _check(int(code), keys, r)  # type: ignore[arg-type]
 
 
-def fail_unfenced(r: Redis, run_id: str, reason: str) -> None:
+def _expire(pipe: Pipeline, keys: RunKeys, retention_s: int) -> None:
+    if retention_s > 0:
+        for key in keys.kept():
+            pipe.expire(key, retention_s)
+
+
+def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int = 0) -> None:
     """Fail a run without holding its lease (its records are unreadable, or its turn keeps dying),
     touching only its status and error fields."""
     keys = RunKeys.of(run_id)
@@ -202,11 +227,13 @@ def fail_unfenced(r: Redis, run_id: str, reason: str) -> None:
         pipe.hset(keys.run, mapping={"status": "failed", "error": reason, "updated_at": now_ms()})
         pipe.delete(keys.lease)
         pipe.zrem(RUNS_WATCH, run_id)
+        _expire(pipe, keys, retention_s)
         pipe.execute()
 
 
 def set_status_unfenced(
-    r: Redis, run_id: str, status: str, *, error: str = "", allowed_from: frozenset[str] | None = None
+    r: Redis, run_id: str, status: str, *, error: str = "", allowed_from: frozenset[str] | None = None,
+    retention_s: int = 0,
 ) -> str:
     """A status change by a person (cancel): not fenced by a lease, checked against the current status.
 
@@ -228,6 +255,7 @@ def set_status_unfenced(
                 pipe.hset(keys.run, mapping={"status": status, "error": error, "updated_at": now_ms()})
                 if status in TERMINAL_STATUSES:
                     pipe.zrem(RUNS_WATCH, run_id)
+                    _expire(pipe, keys, retention_s)
                 pipe.execute()
                 return before
             except WatchError:

@@ -8,6 +8,7 @@ Per run (all keys of a run share the hash tag ``{run:<id>}``)::
     ap:{run:<id>}:lease     string  owner token "<fence>:<worker>", with a TTL
     ap:{run:<id>}:ledger    hash    "<tool_use_id>" -> intent record, "<tool_use_id>:out" -> outcome record
     ap:{run:<id>}:events    stream  progress events, capped
+    ap:{run:<id>}:approvals hash    "<tool_use_id>" -> a person's decision, "<tool_use_id>:wait" -> the request
 
 Global::
 
@@ -42,6 +43,7 @@ class RunKeys:
     lease: str
     ledger: str
     events: str
+    approvals: str
 
     @classmethod
     def of(cls, run_id: str) -> RunKeys:
@@ -53,7 +55,12 @@ class RunKeys:
             lease=f"{base}:lease",
             ledger=f"{base}:ledger",
             events=f"{base}:events",
+            approvals=f"{base}:approvals",
         )
 
     def all(self) -> tuple[str, ...]:
-        return (self.run, self.messages, self.lease, self.ledger, self.events)
+        return (self.run, self.messages, self.lease, self.ledger, self.events, self.approvals)
+
+    def kept(self) -> tuple[str, ...]:
+        """The keys that hold a run's data (not its lease): what the retention expires."""
+        return (self.run, self.messages, self.ledger, self.events, self.approvals)

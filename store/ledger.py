@@ -73,8 +73,9 @@ def check_same_call(entry: Entry, tool_use: dict[str, Any]) -> None:
         )
 
 
-def _fenced_write(r: Redis, keys: RunKeys, token: str, field: str, record: dict[str, Any]) -> None:
-    code = int(run_script("ledger_write", r, [keys.lease, keys.run, keys.ledger], [token, field, pack(record)]))  # type: ignore[arg-type]
+def fenced_hset(r: Redis, keys: RunKeys, token: str, hash_key: str, field: str, record: dict[str, Any]) -> None:
+    """Write ``record`` into one of the run's hashes, only while ``token`` owns the running run."""
+    code = int(run_script("fenced_hset", r, [keys.lease, keys.run, hash_key], [token, field, pack(record)]))  # type: ignore[arg-type]
     if code == -1:
         raise LeaseLost(keys.run_id)
     if code == -2:
@@ -93,12 +94,12 @@ def write_intent(
         "started_at": now,
         "owner": token,
     }
-    _fenced_write(r, keys, token, tool_use["id"], record)
+    fenced_hset(r, keys, token, keys.ledger, tool_use["id"], record)
 
 
 def write_outcome(r: Redis, keys: RunKeys, token: str, tool_use_id: str, outcome: Outcome, *, how: str, now: float) -> None:
     record = {"v": SCHEMA_VERSION, "content": outcome.content, "is_error": outcome.is_error, "how": how, "at": now}
-    _fenced_write(r, keys, token, f"{tool_use_id}:out", record)
+    fenced_hset(r, keys, token, keys.ledger, f"{tool_use_id}:out", record)
 
 
 def read_all(r: Redis, keys: RunKeys) -> dict[str, dict[str, Any]]:

@@ -14,7 +14,10 @@ from typing import Any
 from store.codec import pack, unpack
 from store.errors import SchemaTooNew, UnreadableRecord
 
-SCHEMA_VERSION = 1
+# 1: the first release. 2: the header counts cost (``cost_usd``), usage counts every call paid for
+# (recorded when the reply arrives, so a call whose turn was lost to a crash still counts), and the
+# run's limits may carry extras granted by ``resume``.
+SCHEMA_VERSION = 2
 
 ACTIVE_STATUSES = frozenset({"queued", "running"})
 TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
@@ -24,7 +27,12 @@ USAGE_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cac
 # Upgrades of a decoded header, keyed by the version they upgrade from. Each returns the header in
 # the next version's shape; load_header applies them in order, in memory (the record in Redis is
 # rewritten only by the next fenced save, so a rollback of workers still reads it).
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+def _v1_to_v2(fields: dict[str, Any]) -> dict[str, Any]:
+    # v1 did not price calls: cost starts at zero (its usage counters carry over as they are).
+    return {**fields, "cost_usd": fields.get("cost_usd", b"0"), "v": 2}
+
+
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2}
 
 
 @dataclass
@@ -44,6 +52,7 @@ class RunState:
     created_at: float
     updated_at: float
     model_errors: int
+    cost_usd: float = 0.0
     version: int = SCHEMA_VERSION
     messages: list[dict[str, Any]] = field(default_factory=list)
 
@@ -64,6 +73,7 @@ def new_header(agent: str, limits: Mapping[str, Any], now: float) -> dict[str, A
         "fence": 0,
         "attempt": 0,
         "model_errors": 0,
+        "cost_usd": 0,
         "limits": pack(dict(limits)),
         "error": "",
         "result": "",
@@ -107,6 +117,14 @@ def _int(raw: Mapping[bytes, bytes], name: str) -> int:
         return int(value)
     except ValueError:
         raise UnreadableRecord(f"header field {name!r} is not an integer: {value[:40]!r}") from None
+
+
+def _float(raw: Mapping[bytes, bytes], name: str) -> float:
+    value = raw.get(name.encode(), b"0")
+    try:
+        return float(value)
+    except ValueError:
+        raise UnreadableRecord(f"header field {name!r} is not a number: {value[:40]!r}") from None
 
 
 def _seconds(raw: Mapping[bytes, bytes], name: str) -> float:
@@ -160,5 +178,6 @@ def load_header(run_id: str, raw: Mapping[bytes, bytes]) -> RunState:
         created_at=_seconds(raw, "created_at"),
         updated_at=_seconds(raw, "updated_at"),
         model_errors=_int(raw, "model_errors"),
+        cost_usd=_float(raw, "cost_usd"),
         version=version,
     )

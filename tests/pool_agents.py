@@ -109,3 +109,23 @@ support = Agent(
 )
 
 short = Agent(model="claude-sonnet-5-5", system="Be brief.", tools=ALL_TOOLS, max_turns=2)
+
+
+@tool(effect="unsafe", requires_approval=True)
+def deploy(version: str) -> str:
+    """Deploy a version to production (a person must approve)."""
+    record("deploy", version=version)
+    return f"deployed {version}"
+
+
+@tool(effect="unsafe", requires_approval=True, approval_timeout=1.0)
+def wipe_cache(region: str) -> str:
+    """Wipe a CDN cache region (denied automatically if nobody answers within a second)."""
+    record("wipe_cache", region=region)
+    return f"wiped {region}"
+
+
+guarded = Agent(model="claude-sonnet-5-5", system="Ask before deploying.", tools=[read_notes, deploy, wipe_cache],
+                max_turns=10)
+budgeted = Agent(model="claude-sonnet-5-5", system="Be brief.", tools=[read_notes], max_turns=20,
+                 max_total_tokens=None)

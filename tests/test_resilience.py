@@ -19,6 +19,7 @@ from workers import enqueue_run, get_run, wait_for_run
 from workers.jobs import job_id
 from workers.localpool import RedisServer
 from workers.serializer import MsgpackSerializer
+from workers.settings import connect
 
 SIMPLE = [{"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}]}, {"text": "ok"}]
 
@@ -115,8 +116,9 @@ def test_dropped_connections_mid_turn_are_retried_not_failed(r, pool, model):
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
+    client = connect(pool.env["REDIS_URL"])  # the app's own client must retry too; agentpool's does
     try:
-        finished = [wait_for_run(run_id, timeout=90, connection=r) for run_id in runs]
+        finished = [wait_for_run(run_id, timeout=90, connection=client) for run_id in runs]
     finally:
         stop.set()
         thread.join()

@@ -60,7 +60,7 @@ def test_expired_lease_can_be_taken_and_the_old_token_is_dead(r):
     new = take(r, worker="w2.200")
     assert new != old
     with pytest.raises(LeaseLost):
-        checkpoint.commit_response(r, KEYS, old, turns_before=0, message=reply(), pending=[], usage={})
+        checkpoint.commit_response(r, KEYS, old, turns_before=0, message=reply(), pending=[])
     assert r.llen(KEYS.messages) == 1, "the zombie's response was not appended"
 
 
@@ -82,23 +82,24 @@ def test_save_point_a_appends_counts_and_records_pending(r):
     create(r)
     token = take(r)
     call = {"id": "toolu_1", "name": "read_notes", "input": {"topic": "x"}}
-    checkpoint.commit_response(
-        r, KEYS, token, turns_before=0, message=reply(tool_use=call), pending=[call],
-        usage={"input_tokens": 10, "output_tokens": 5, "cache_read_input_tokens": 3, "cache_creation_input_tokens": 2},
-    )
+    usage = {"input_tokens": 10, "output_tokens": 5, "cache_read_input_tokens": 3, "cache_creation_input_tokens": 2}
+    checkpoint.record_spend(r, KEYS, token, usage, 0.25)
+    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(tool_use=call), pending=[call])
     state = checkpoint.load_run(r, RUN)
     assert (state.turns, state.phase, state.pending, state.current_turn) == (1, "tools", [call], 0)
-    assert state.usage == {"input_tokens": 10, "output_tokens": 5, "cache_read_input_tokens": 3,
-                           "cache_creation_input_tokens": 2}
+    assert state.usage == usage and state.cost_usd == 0.25
+    with pytest.raises(LeaseLost):
+        checkpoint.record_spend(r, KEYS, "9:zombie", usage, 1.0)
+    assert checkpoint.load_run(r, RUN).usage == usage
     with pytest.raises(LeaseLost):  # the same response twice: the checkpoint moved on
-        checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[], usage={})
+        checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[])
     assert r.llen(KEYS.messages) == 2
 
 
 def test_save_point_b_lands_with_its_enqueue_or_not_at_all(r):
     create(r)
     token = take(r)
-    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[], usage={})
+    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[])
     results = {"role": "user", "content": [{"type": "text", "text": "continue"}]}
 
     def enqueue(pipe):
@@ -119,7 +120,7 @@ def test_a_save_appends_and_never_rewrites_history(r):
     create(r)
     before = r.lrange(KEYS.messages, 0, -1)
     token = take(r)
-    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[], usage={})
+    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[])
     after = r.lrange(KEYS.messages, 0, -1)
     assert after[: len(before)] == before and len(after) == len(before) + 1
 
@@ -132,7 +133,7 @@ def test_cancel_fences_out_the_turn_in_flight(r):
     with pytest.raises(RunNotActive):
         ledger.write_intent(r, KEYS, token, call, effect="unsafe", attempt=1, now=0)
     with pytest.raises(RunNotActive):
-        checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[], usage={})
+        checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[])
     assert checkpoint.set_status_unfenced(r, RUN, "running") == "cancelled", "a terminal status is final"
 
 

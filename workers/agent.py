@@ -22,6 +22,9 @@ class Agent:
     tools: list[Tool] = field(default_factory=list)
     max_turns: int = 40
     max_tokens: int = 1024
+    max_total_tokens: int | None = 2_000_000  # input + output + cache tokens of every call paid for
+    max_cost_usd: float | None = None  # needs a price for the model (workers.pricing)
+    approval_timeout: float | None = None  # seconds before an unanswered approval is denied
     tool_timeout: float = 120.0  # seconds; a tool's own ``timeout`` wins
     max_result_chars: int = 100_000  # a longer tool result is cut, with a note to the model
     model_options: dict[str, Any] = field(default_factory=dict)  # extra messages.create arguments

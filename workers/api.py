@@ -9,13 +9,18 @@ from typing import Any
 
 from redis import Redis
 
-from store import checkpoint
+from redis.exceptions import WatchError
+
+from store import approvals, checkpoint
+from store.codec import pack
 from store.errors import AgentPoolError
 from store.events import emit
+from store.keys import RunKeys
 from store.records import ACTIVE_STATUSES, RunState
 from workers.agent import check_agent_path
 from workers.jobs import stage_turn
-from workers.settings import connect
+from workers.settings import Settings, connect
+from workers.takeover import stage_restart
 
 
 class RunTimeout(AgentPoolError):
@@ -38,22 +43,29 @@ class Run:
     created_at: float
     updated_at: float
     limits: dict[str, Any] = field(default_factory=dict)
+    cost_usd: float = 0.0
+    awaiting_approval: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def from_state(cls, state: RunState) -> Run:
+    def from_state(cls, state: RunState, awaiting: set[str] | None = None) -> Run:
+        pending = [{k: call[k] for k in ("id", "name", "input")} for call in state.pending]
+        waiting = [call for call in pending if awaiting and call["id"] in awaiting]
         return cls(
             id=state.id,
             agent=state.agent,
             status=state.status,
             turns=state.turns,
             messages=state.messages,
-            pending=[{k: call[k] for k in ("id", "name", "input")} for call in state.pending],
+            # While a person must decide, the calls awaiting the decision are what is pending.
+            pending=waiting if state.status == "waiting_approval" else pending,
             usage=dict(state.usage),
             result=state.result or None,
             error=state.error or None,
             created_at=state.created_at,
             updated_at=state.updated_at,
             limits=dict(state.limits),
+            cost_usd=state.cost_usd,
+            awaiting_approval=waiting,
         )
 
     @property
@@ -75,18 +87,21 @@ def enqueue_run(
     *,
     connection: Redis | None = None,
     max_turns: int | None = None,
+    max_total_tokens: int | None = None,
+    max_cost_usd: float | None = None,
     run_id: str | None = None,
 ) -> str:
     """Create a run of ``agent`` (an import path ``module:attribute``) on ``task`` and queue its
-    first turn, atomically. Returns the run id. ``max_turns`` overrides the agent's limit."""
+    first turn, atomically. Returns the run id. The limits, when given, override the agent's."""
     check_agent_path(agent)
     if not isinstance(task, str) or not task.strip():
         raise ValueError("a run needs a non-empty task text")
-    if max_turns is not None and max_turns < 1:
-        raise ValueError("max_turns must be positive")
+    limits = {name: value for name, value in (("max_turns", max_turns), ("max_total_tokens", max_total_tokens),
+                                              ("max_cost_usd", max_cost_usd)) if value is not None}
+    if any(value <= 0 for value in limits.values()):
+        raise ValueError(f"limits must be positive: {limits}")
     r = connection or connect()
     run_id = run_id or new_run_id()
-    limits = {"max_turns": max_turns} if max_turns else {}
     with r.pipeline(transaction=True) as pipe:
         pipe.multi()  # RQ's enqueue joins this transaction; our commands go first
         checkpoint.stage_create(pipe, run_id, agent=agent, task=task, limits=limits, now=time.time())
@@ -97,7 +112,13 @@ def enqueue_run(
 
 
 def get_run(run_id: str, *, connection: Redis | None = None) -> Run:
-    return Run.from_state(checkpoint.load_run(connection or connect(), run_id))
+    r = connection or connect()
+    state = checkpoint.load_run(r, run_id)
+    awaiting = None
+    if state.status == "waiting_approval":
+        waits, decisions = approvals.read(r, RunKeys.of(run_id))
+        awaiting = {i for i in waits if i not in decisions}
+    return Run.from_state(state, awaiting)
 
 
 def wait_for_run(run_id: str, *, timeout: float = 300.0, connection: Redis | None = None, poll: float = 0.2) -> Run:
@@ -117,10 +138,48 @@ def cancel_run(run_id: str, *, connection: Redis | None = None, reason: str = "c
     """End a run for good. A turn in flight notices at its next write and commits nothing further.
     Returns the status the run had before."""
     r = connection or connect()
-    before = checkpoint.set_status_unfenced(r, run_id, "cancelled", error=reason)
+    before = checkpoint.set_status_unfenced(r, run_id, "cancelled", error=reason,
+                                            retention_s=Settings.from_env().retention)
     if before not in ("completed", "failed", "cancelled"):
         emit(r, run_id, "status", status="cancelled", error=reason)
     return before
+
+
+def resume(
+    run_id: str,
+    *,
+    add_turns: int = 0,
+    add_tokens: int = 0,
+    add_usd: float = 0.0,
+    connection: Redis | None = None,
+) -> Run:
+    """Continue a ``stopped`` run from its checkpoint, raising its limits by the amounts given (a run
+    stopped by repeated model errors needs none)."""
+    if min(add_turns, add_tokens, add_usd) < 0:
+        raise ValueError("resume can only raise limits")
+    r = connection or connect()
+    keys = RunKeys.of(run_id)
+    with r.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(keys.run)
+                state = checkpoint.load_run(pipe, run_id, with_messages=False)  # type: ignore[arg-type]
+                if state.status != "stopped":
+                    raise AgentPoolError(f"run {run_id} is {state.status}; only a stopped run can be resumed")
+                limits = dict(state.limits)
+                for name, amount in (("extra_turns", add_turns), ("extra_tokens", add_tokens), ("extra_usd", add_usd)):
+                    if amount:
+                        limits[name] = limits.get(name, 0) + amount
+                pipe.multi()
+                stage_restart(pipe, r, run_id, turn=state.current_turn, attempt=0, fields={
+                    "status": "running", "error": "", "model_errors": 0, "limits": pack(limits)})
+                pipe.execute()
+                break
+            except WatchError:
+                continue
+    emit(r, run_id, "status", status="running", reason="resumed",
+         add_turns=add_turns or None, add_tokens=add_tokens or None, add_usd=add_usd or None)
+    return get_run(run_id, connection=r)
 
 
 def list_runs(

@@ -180,6 +180,74 @@ def cancel(url: str | None, run_id: str) -> None:
 
 @main.command()
 @url_option
+@click.argument("run_id")
+@click.argument("tool_use_id", required=False)
+@click.option("--deny", is_flag=True, help="Refuse the call(s): the model gets an is_error result with the reason.")
+@click.option("--reason", default=None, help="Why; passed to the model on a denial.")
+def approve(url: str | None, run_id: str, tool_use_id: str | None, deny: bool, reason: str | None) -> None:
+    """Approve (or --deny) a call RUN_ID waits on; without TOOL_USE_ID, every call it waits on."""
+    from workers.approvals import approve as decide
+
+    try:
+        decided = decide(run_id, tool_use_id, approved=not deny, reason=reason, connection=connect(url))
+    except AgentPoolError as exc:
+        _fail(str(exc))
+    click.echo(f"{'denied' if deny else 'approved'}: {', '.join(decided)}")
+
+
+@main.command()
+@url_option
+@click.argument("run_id")
+@click.option("--add-turns", type=click.IntRange(min=0), default=0)
+@click.option("--add-tokens", type=click.IntRange(min=0), default=0)
+@click.option("--add-usd", type=click.FloatRange(min=0), default=0.0)
+def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_usd: float) -> None:
+    """Continue a stopped run from its checkpoint, raising its limits."""
+    from workers.api import resume as resume_run
+
+    try:
+        run = resume_run(run_id, add_turns=add_turns, add_tokens=add_tokens, add_usd=add_usd, connection=connect(url))
+    except AgentPoolError as exc:
+        _fail(str(exc))
+    click.echo(f"{run_id}: {run.status} at turn {run.turns}")
+
+
+@main.command()
+@url_option
+@click.argument("run_id")
+def watch(url: str | None, run_id: str) -> None:
+    """Follow a run live: turns, tokens, the tool in flight, status. Exits when the run ends."""
+    from store import checkpoint
+    from store.events import read as read_events
+
+    r = connect(url)
+    try:
+        state = checkpoint.load_run(r, run_id, with_messages=False)
+    except AgentPoolError as exc:
+        _fail(str(exc))
+    click.echo(f"run {run_id} ({state.agent}): {state.status}, turn {state.turns}, {sum(state.usage.values())} tokens")
+    last = "0-0"
+    while True:
+        for event_id, event in read_events(r, run_id, after=last, block_ms=1000):
+            last = event_id
+            click.echo(_event_line(event))
+        state = checkpoint.load_run(r, run_id, with_messages=False)
+        if state.status in ("completed", "failed", "cancelled", "stopped"):
+            for event_id, event in read_events(r, run_id, after=last):
+                click.echo(_event_line(event))
+            click.echo(f"run {run_id} {state.status} after {state.turns} turns, {sum(state.usage.values())} tokens"
+                       + (f": {state.error}" if state.error else ""))
+            return
+
+
+def _event_line(event: dict[str, str]) -> str:
+    kind = event.pop("kind", "?")
+    detail = " ".join(f"{k}={v}" for k, v in event.items())
+    return f"{time.strftime('%H:%M:%S')} {kind:<18} {detail}"
+
+
+@main.command()
+@url_option
 @click.option("--interval", type=float, default=1.0, show_default=True)
 @click.option("--once", is_flag=True, help="Scan once and exit.")
 def reap(url: str | None, interval: float, once: bool) -> None:

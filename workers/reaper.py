@@ -3,7 +3,8 @@
 It reads agentpool's own state, not RQ's registries: the watch set (run id -> when to look next,
 pushed forward by every lease renewal and commit), the lease, and the job id the run's header says
 carries its current turn. It repairs two things: a lease that expired (the worker died or froze), and
-a committed turn whose job vanished (a flushed queue, a failover that lost the push).
+a committed turn whose job vanished (a flushed queue, a failover that lost the push). It also denies
+approvals whose deadline passed, which continues the waiting run.
 
 Every worker runs it in a thread; a one-second lock lets one of them scan at a time.
 """
@@ -22,6 +23,7 @@ from store.clock import now_ms
 from store.checkpoint import QUEUED_RECHECK_MS
 from store.keys import REAPER_LOCK, RUNS_WATCH, RunKeys
 from store.records import ACTIVE_STATUSES
+from workers.approvals import expire_due
 from workers.jobs import turn_queue
 from workers.serializer import MsgpackSerializer
 from workers.takeover import requeue_turn
@@ -54,6 +56,9 @@ def _why_orphaned(r: Redis, run_id: str) -> tuple[str, str, str] | None:
     """None if the run is fine (when to look again is then recorded); else (its dead job, why, kind)."""
     keys = RunKeys.of(run_id)
     status, job_id = r.hmget(keys.run, ["status", "job"])
+    if status == b"waiting_approval":
+        expire_due(r, run_id)  # due because an approval deadline passed
+        return None
     if status is None or status.decode() not in ACTIVE_STATUSES:
         r.zrem(RUNS_WATCH, run_id)
         return None

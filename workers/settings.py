@@ -30,6 +30,7 @@ class Settings:
     turn_timeout: float  # RQ's hard limit for one turn job
     reaper_interval: float
     model_retries: int  # consecutive transient model errors before a run is stopped
+    retention: int  # seconds a finished run is kept; 0 keeps it forever
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -39,6 +40,7 @@ class Settings:
             turn_timeout=_env_float("AGENTPOOL_TURN_TIMEOUT", 3600.0),
             reaper_interval=_env_float("AGENTPOOL_REAPER_INTERVAL", 1.0),
             model_retries=int(_env_float("AGENTPOOL_MODEL_RETRIES", 6)),
+            retention=int(_env_float("AGENTPOOL_RETENTION_SECONDS", 7 * 24 * 3600)),
         )
 
     @property

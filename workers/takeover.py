@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 from redis import Redis
+from redis.client import Pipeline
 from redis.exceptions import WatchError
 
 from store.clock import now_ms
@@ -25,6 +26,18 @@ log = logging.getLogger("agentpool.takeover")
 # A turn started this many times without finishing is failing for a reason retrying will not fix
 # (a tool that OOM-kills every worker, say): the run fails instead of taking the pool down in a loop.
 MAX_TURN_ATTEMPTS = 25
+
+
+def stage_restart(pipe: Pipeline, r: Redis, run_id: str, *, turn: int, attempt: int, fields: dict | None = None) -> str:
+    """In a transaction (in MULTI): give the run's current turn a new job, with ``fields`` (a new
+    status, say) written to the header in the same step."""
+    pipe.hset(RunKeys.of(run_id).run, mapping={"attempt": attempt, "updated_at": now_ms(), **(fields or {})})
+    pipe.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS})
+    return stage_turn(pipe, r, run_id, turn, attempt)
+
+
+def current_turn(turns: bytes | None, phase: bytes | None) -> int:
+    return int(turns or 0) - (1 if phase == b"tools" else 0)
 
 
 def requeue_turn(r: Redis, run_id: str, *, cause: str, cause_kind: str, dead_job: str | None = None) -> str | None:
@@ -50,7 +63,7 @@ def requeue_turn(r: Redis, run_id: str, *, cause: str, cause_kind: str, dead_job
                 if int(v or 0) > SCHEMA_VERSION:
                     pipe.unwatch()
                     return None  # a newer agentpool owns this run; an old reaper must not spin on it
-                turn = int(turns or 0) - (1 if phase == b"tools" else 0)
+                turn = current_turn(turns, phase)
                 next_attempt = int(attempt or 0) + 1
                 if next_attempt > MAX_TURN_ATTEMPTS:
                     pipe.unwatch()
@@ -61,9 +74,7 @@ def requeue_turn(r: Redis, run_id: str, *, cause: str, cause_kind: str, dead_job
                     )
                     return None
                 pipe.multi()
-                pipe.hset(keys.run, "attempt", next_attempt)
-                pipe.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS})
-                jid = stage_turn(pipe, r, run_id, turn, next_attempt)
+                jid = stage_restart(pipe, r, run_id, turn=turn, attempt=next_attempt)
                 pipe.execute()
             except WatchError:
                 continue

@@ -41,6 +41,7 @@ class Tool:
     takes_key: bool
     timeout: float | None = None
     requires_approval: bool = False
+    approval_timeout: float | None = None
     verify_fn: Callable[..., VerifyResult] | None = field(default=None, repr=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -79,7 +80,7 @@ def _strip_titles(schema: Any) -> Any:
 
 
 def _build(fn: Callable[..., Any], *, name: str | None, effect: str, timeout: float | None,
-           requires_approval: bool, verify: Callable[..., VerifyResult] | None) -> Tool:
+           requires_approval: bool, approval_timeout: float | None, verify: Callable[..., VerifyResult] | None) -> Tool:
     if effect not in EFFECTS:
         raise ValueError(f"effect must be one of {', '.join(EFFECTS)}; got {effect!r}")
     doc = docstring_parser.parse(inspect.getdoc(fn) or "")
@@ -115,6 +116,7 @@ def _build(fn: Callable[..., Any], *, name: str | None, effect: str, timeout: fl
         takes_key=takes_key,
         timeout=timeout,
         requires_approval=requires_approval,
+        approval_timeout=approval_timeout,
         verify_fn=verify,
     )
 
@@ -126,15 +128,18 @@ def tool(
     name: str | None = None,
     timeout: float | None = None,
     requires_approval: bool = False,
+    approval_timeout: float | None = None,
     verify: Callable[..., VerifyResult] | None = None,
 ) -> Any:
     """Declare a tool. ``effect`` defaults to ``"unsafe"``: a tool nobody classified is never repeated.
 
     ``read``: no side effects, re-run freely. ``idempotent``: repeating with the same
     ``idempotency_key`` is safe. ``unsafe``: must not happen twice; give a ``verify`` hook if the
-    effect can be looked up after a crash.
+    effect can be looked up after a crash. ``requires_approval`` pauses the run for a person's
+    decision before the call starts; ``approval_timeout`` (seconds) denies it automatically after that.
     """
     def wrap(f: Callable[..., Any]) -> Tool:
-        return _build(f, name=name, effect=effect, timeout=timeout, requires_approval=requires_approval, verify=verify)
+        return _build(f, name=name, effect=effect, timeout=timeout, requires_approval=requires_approval,
+                      approval_timeout=approval_timeout, verify=verify)
 
     return wrap(fn) if fn is not None else wrap

@@ -25,7 +25,7 @@ from typing import Any
 from redis import Redis
 from rq import get_current_job
 
-from store import checkpoint, ledger
+from store import approvals, checkpoint, ledger
 from store.errors import LeaseLost, LedgerMismatch, RunNotActive, SchemaTooNew, UnreadableRecord
 from store.events import emit
 from store.keys import RunKeys
@@ -38,7 +38,9 @@ from workers.context import ToolCall
 from workers.faults import fault
 from workers.heartbeat import Heartbeat
 from workers.jobs import stage_turn
+from workers.limits import Limits
 from workers.model import ModelQuotaExhausted, ModelRejected, ModelReply, ModelUnavailable, call_model
+from workers.pricing import price_of
 from workers.reconcile import Action, idempotency_key, plan, unknown_outcome
 from workers.settings import Settings, connect
 from workers.toolcall import run_tool
@@ -85,7 +87,7 @@ def run_turn(run_id: str, turn: int) -> str:
             return "abandoned"
         except (UnreadableRecord, LedgerMismatch, AgentNotFound) as exc:
             log.error("run %s turn %s failed: %s", run_id, turn, exc)
-            checkpoint.finish(r, keys, token, status="failed", error=str(exc))
+            checkpoint.finish(r, keys, token, status="failed", error=str(exc), retention_s=settings.retention)
             emit(r, run_id, "status", status="failed", error=str(exc))
             return "failed"
         except BaseException:
@@ -107,10 +109,12 @@ class Turn:
         if state.phase == "tools":
             emit(self.r, self.run_id, "resumed", turn=self.turn, pending=len(state.pending))
             results = self.settle(agent, state.pending)
+            if results is None:
+                return "waiting_approval"
             return self.after_tools(state.pending, results, turns=state.turns)
-        limit = int(state.limits.get("max_turns") or agent.max_turns)
-        if state.turns >= limit:
-            return self.stop(f"reached max_turns={limit} after {state.turns} turns; resume with more turns to continue")
+        reason = Limits.of(agent, state.limits).reached(agent, state)
+        if reason:
+            return self.stop(reason)
         emit(self.r, self.run_id, "turn_started", turn=self.turn)
         fault("before_model_call", self.run_id, self.turn)
         asked = time.monotonic()
@@ -122,10 +126,14 @@ class Turn:
             return self.stop(str(exc))
         except ModelRejected as exc:
             return self.end("failed", f"the model API rejected the request: {exc}")
+        price = price_of(agent.model)
+        checkpoint.record_spend(self.r, self.keys, self.token, reply.usage, price.cost(reply.usage) if price else 0.0)
+        emit(self.r, self.run_id, "model_responded", turn=self.turn, stop_reason=reply.stop_reason,
+             seconds=round(time.monotonic() - asked, 4), **reply.usage)
         fault("after_model_reply", self.run_id, self.turn)
-        return self.handle_reply(agent, state, reply, model_seconds=time.monotonic() - asked)
+        return self.handle_reply(agent, state, reply)
 
-    def handle_reply(self, agent: Agent, state: RunState, reply: ModelReply, model_seconds: float) -> str:
+    def handle_reply(self, agent: Agent, state: RunState, reply: ModelReply) -> str:
         tool_uses = [b for b in reply.message["content"] if b.get("type") == "tool_use"]
         pending = [{"id": b["id"], "name": b["name"], "input": b.get("input")} for b in tool_uses]
         stop = reply.stop_reason
@@ -148,33 +156,62 @@ class Turn:
         checkpoint.commit_response(
             self.r, self.keys, self.token,
             turns_before=state.turns, message=reply.message, meta=reply.meta, pending=pending,
-            usage=reply.usage, final_status=final, result=result, error=failure or "",
+            final_status=final, result=result, error=failure or "", retention_s=self.settings.retention,
         )
-        emit(self.r, self.run_id, "model_responded", turn=self.turn, stop_reason=stop,
-             tool_uses=len(pending), seconds=round(model_seconds, 4), **reply.usage)
+        emit(self.r, self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending))
         fault("after_save_a", self.run_id, self.turn)
         if final:
             emit(self.r, self.run_id, "status", status=final, error=failure)
             return final
         results = self.settle(agent, pending) if pending else []
+        if results is None:
+            return "waiting_approval"
         if failure:
             return self.end("failed", failure, message=_results_message(results))
         return self.after_tools(pending, results, turns=state.turns + 1)
 
     # -- tools -------------------------------------------------------------------------------
 
-    def settle(self, agent: Agent, pending: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """One tool_result per pending tool_use, in order, each reconciled on its own."""
+    def settle(self, agent: Agent, pending: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """One tool_result per pending tool_use, in order, each reconciled on its own; or None when
+        the run now waits for a person's decision on some of them."""
         entries = ledger.read(self.r, self.keys, [call["id"] for call in pending])
-        results = []
         for call in pending:
-            entry = entries[call["id"]]
-            ledger.check_same_call(entry, call)
-            outcome = self.settle_one(agent, call, entry)
-            results.append(outcome.as_tool_result(call["id"]))
-        return results
+            ledger.check_same_call(entries[call["id"]], call)
+        waits, decisions = approvals.read(self.r, self.keys)
+        undecided = [call for call in pending if self.needs_decision(agent, call, entries[call["id"]], decisions)]
+        if undecided:
+            self.wait_for_approval(agent, undecided)
+            return None
+        return [self.settle_one(agent, call, entries[call["id"]], decisions.get(call["id"])).as_tool_result(call["id"])
+                for call in pending]
 
-    def settle_one(self, agent: Agent, call: dict[str, Any], entry: Entry) -> Outcome:
+    def needs_decision(self, agent: Agent, call: dict[str, Any], entry: Entry,
+                       decisions: dict[str, approvals.Decision]) -> bool:
+        tool = agent.tool_named(call["name"])
+        # Only a call that would now start needs one: not a recorded outcome, not an unsafe call in
+        # doubt (that one is never started again), not a call already refused for another reason.
+        return bool(tool and tool.requires_approval and entry.outcome is None and entry.intent is None
+                    and "not_run" not in call and call["id"] not in decisions)
+
+    def wait_for_approval(self, agent: Agent, calls: list[dict[str, Any]]) -> None:
+        """Before any intent is written: record what a person must decide, and release the run.
+        Nothing is queued or leased while it waits; the reaper denies a call once its deadline passes."""
+        now = time.time()
+        deadlines = []
+        for call in calls:
+            tool = agent.tool_named(call["name"])
+            timeout = (tool.approval_timeout if tool and tool.approval_timeout is not None else agent.approval_timeout)
+            deadline = now + timeout if timeout is not None else None
+            deadlines += [deadline] if deadline is not None else []
+            approvals.request(self.r, self.keys, self.token, call, now=now, deadline=deadline)
+        checkpoint.finish(self.r, self.keys, self.token, status="waiting_approval", error="",
+                          watch_at_ms=int(min(deadlines) * 1000) if deadlines else None)
+        emit(self.r, self.run_id, "status", status="waiting_approval",
+             tools=",".join(call["name"] for call in calls))
+
+    def settle_one(self, agent: Agent, call: dict[str, Any], entry: Entry,
+                   decision: approvals.Decision | None = None) -> Outcome:
         if entry.outcome is not None:
             emit(self.r, self.run_id, "reconciled", tool=call["name"], tool_use_id=call["id"], outcome="replayed")
             return entry.outcome
@@ -195,6 +232,10 @@ class Turn:
             kwargs = tool.validate(call["input"])
         except ToolInputError as exc:
             return self.record(call, Outcome(str(exc), True), how="invalid_input")
+        if tool.requires_approval and entry.intent is None:
+            refusal = self.check_decision(call, decision)
+            if refusal is not None:
+                return self.record(call, refusal, how="denied")
         key = idempotency_key(self.run_id, call["id"])
         if action is Action.VERIFY:
             verdict = self.verify(tool, kwargs, key)
@@ -217,6 +258,15 @@ class Turn:
              is_error=outcome.is_error)
         fault("after_tool_outcome", self.run_id, self.turn)
         return outcome
+
+    def check_decision(self, call: dict[str, Any], decision: approvals.Decision | None) -> Outcome | None:
+        """None if a person approved exactly this call; otherwise the is_error outcome to record."""
+        if decision is None or decision.input_digest != ledger.input_digest(call["input"]):
+            raise LedgerMismatch(f"the approval on record for {call['id']} is missing or was given for other input")
+        if decision.approved:
+            return None
+        who = "The approval request expired" if decision.by == "expiry" else "A person denied this call"
+        return Outcome(f"{who}: {decision.reason or 'no reason given'}. It was not executed.", True)
 
     def verify(self, tool: Tool, kwargs: dict[str, Any], key: str) -> str | bool | None:
         assert tool.verify_fn is not None
@@ -265,7 +315,7 @@ class Turn:
 
     def end(self, status: str, reason: str, message: dict[str, Any] | None = None) -> str:
         checkpoint.finish(self.r, self.keys, self.token, status=status, error=reason, message=message,
-                          phase="done" if message else "")
+                          phase="done" if message else "", retention_s=self.settings.retention)
         emit(self.r, self.run_id, "status", status=status, error=reason)
         log.info("%s: %s: %s", self.where, status, reason)
         return status

@@ -1,10 +1,12 @@
--- Save point A: the model's response is committed before any tool runs. Counts the turn and its
--- usage, appends the assistant message, records its tool_use blocks as pending. With a final
+-- Save point A: the model's response is committed before any tool runs. Counts the turn, appends
+-- the assistant message, records its tool_use blocks as pending, and stamps the header with the
+-- current schema version (an older header was migrated in memory when it was loaded). With a final
 -- status (the model asked for no tool), ends the run in the same step and drops the lease.
+-- (The call's token usage was already counted by record_spend.lua when the reply arrived.)
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch
 -- ARGV[1] token  ARGV[2] turns before this call  ARGV[3] assistant message blob  ARGV[4] pending blob
--- ARGV[5..8] input, output, cache-read, cache-write tokens  ARGV[9] now ms  ARGV[10] run id
--- ARGV[11] final status or ''  ARGV[12] result text  ARGV[13] error text
+-- ARGV[5] now ms  ARGV[6] run id  ARGV[7] final status or ''  ARGV[8] result text  ARGV[9] error text
+-- ARGV[10] schema version  ARGV[11] retention seconds for a finished run (0 keeps it)
 -- Returns 1 ok, -1 lease lost, -2 run not running (status changed under us), -3 stale turn.
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 local h = redis.call('HMGET', KEYS[1], 'status', 'turns', 'phase')
@@ -12,14 +14,15 @@ if h[1] ~= 'running' then return -2 end
 if h[2] ~= ARGV[2] or h[3] ~= 'model' then return -3 end
 redis.call('RPUSH', KEYS[3], ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'turns', 1)
-redis.call('HINCRBY', KEYS[1], 'input_tokens', ARGV[5])
-redis.call('HINCRBY', KEYS[1], 'output_tokens', ARGV[6])
-redis.call('HINCRBY', KEYS[1], 'cache_read_input_tokens', ARGV[7])
-redis.call('HINCRBY', KEYS[1], 'cache_creation_input_tokens', ARGV[8])
-redis.call('HSET', KEYS[1], 'phase', 'tools', 'pending', ARGV[4], 'model_errors', 0, 'updated_at', ARGV[9])
-if ARGV[11] ~= '' then
-  redis.call('HSET', KEYS[1], 'status', ARGV[11], 'phase', 'done', 'result', ARGV[12], 'error', ARGV[13])
+redis.call('HSET', KEYS[1], 'phase', 'tools', 'pending', ARGV[4], 'model_errors', 0, 'updated_at', ARGV[5], 'v', ARGV[10])
+if ARGV[7] ~= '' then
+  redis.call('HSET', KEYS[1], 'status', ARGV[7], 'phase', 'done', 'pending', '', 'result', ARGV[8], 'error', ARGV[9])
   redis.call('DEL', KEYS[2])
-  redis.call('ZREM', KEYS[4], ARGV[10])
+  redis.call('ZREM', KEYS[4], ARGV[6])
+  local ttl = tonumber(ARGV[11])
+  if ttl > 0 then
+    for i = 1, 3, 2 do redis.call('EXPIRE', KEYS[i], ttl) end
+    for i = 5, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
+  end
 end
 return 1

@@ -1,8 +1,11 @@
--- Fenced status change that ends the turn without a next one: stopped (a limit), failed, or
--- completed after the last tool results. Optionally appends one last message. Drops the lease.
+-- Fenced status change that ends the turn without a next one: stopped (a limit), waiting_approval,
+-- failed, or completed after the last tool results. Optionally appends one last message. Drops the
+-- lease. A run that is finished for good (completed, failed) expires after the retention.
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch
+-- KEYS[5..] the run's other keys (ledger, events, approvals), for the retention
 -- ARGV[1] token  ARGV[2] status  ARGV[3] error text  ARGV[4] now ms  ARGV[5] run id
 -- ARGV[6] message blob or ''  ARGV[7] phase after ('' keeps it)  ARGV[8] result text or ''
+-- ARGV[9] retention seconds (0 keeps it)  ARGV[10] watch score ('' removes the run from the watch set)
 -- Returns 1 ok, -1 lease lost, -2 run not running.
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return -2 end
@@ -11,5 +14,14 @@ redis.call('HSET', KEYS[1], 'status', ARGV[2], 'error', ARGV[3], 'updated_at', A
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'phase', ARGV[7], 'pending', '') end
 if ARGV[8] ~= '' then redis.call('HSET', KEYS[1], 'result', ARGV[8]) end
 redis.call('DEL', KEYS[2])
-redis.call('ZREM', KEYS[4], ARGV[5])
+if ARGV[10] == '' then
+  redis.call('ZREM', KEYS[4], ARGV[5])
+else
+  redis.call('ZADD', KEYS[4], ARGV[10], ARGV[5])
+end
+local ttl = tonumber(ARGV[9])
+if ttl > 0 then
+  for i = 1, 3, 2 do redis.call('EXPIRE', KEYS[i], ttl) end
+  for i = 5, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
+end
 return 1

@@ -1,7 +1,8 @@
--- Fenced ledger write: a tool's intent (before it runs) or its outcome (right after).
+-- Fenced HSET into one of a run's hashes: a tool's intent (before it runs) or outcome (right after)
+-- in the ledger, or a request for a person's decision in the approvals hash.
 -- Refused once the writer lost the lease or the run left `running` (cancelled): a zombie or a
 -- cancelled turn can neither start a tool nor record one.
--- KEYS[1] lease   KEYS[2] run header   KEYS[3] ledger
+-- KEYS[1] lease   KEYS[2] run header   KEYS[3] the hash to write
 -- ARGV[1] token  ARGV[2] field  ARGV[3] record blob
 -- Returns 1 written, -1 lease lost, -2 run not running.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end

@@ -1,0 +1,62 @@
+"""Requests for a person's decision on a tool call, and the decisions, per run.
+
+Field ``<tool_use_id>:wait`` holds the request (tool, input digest, when asked, deadline); field
+``<tool_use_id>`` holds the decision (approved or not, reason, the input digest it was given for).
+A decision is bound to its tool_use id and input: the turn checks the digest before the call runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
+
+from store.codec import pack, unpack
+from store.keys import RunKeys
+from store.ledger import fenced_hset, input_digest
+from store.records import SCHEMA_VERSION
+
+
+@dataclass(frozen=True)
+class Wait:
+    tool_use_id: str
+    name: str
+    input_digest: str
+    requested_at: float
+    deadline: float | None  # epoch seconds; None waits for ever
+
+
+@dataclass(frozen=True)
+class Decision:
+    approved: bool
+    reason: str
+    input_digest: str
+    at: float
+    by: str  # "person" or "expiry"
+
+
+def request(r: Redis, keys: RunKeys, token: str, call: dict[str, Any], *, now: float, deadline: float | None) -> None:
+    record = {"v": SCHEMA_VERSION, "name": call["name"], "input": input_digest(call["input"]),
+              "requested_at": now, "deadline": deadline}
+    fenced_hset(r, keys, token, keys.approvals, f"{call['id']}:wait", record)
+
+
+def read(r: Redis, keys: RunKeys) -> tuple[dict[str, Wait], dict[str, Decision]]:
+    waits: dict[str, Wait] = {}
+    decisions: dict[str, Decision] = {}
+    for field, blob in r.hgetall(keys.approvals).items():
+        name = field.decode()
+        record = unpack(blob, f"approval record {name}")
+        if name.endswith(":wait"):
+            tool_use_id = name[: -len(":wait")]
+            waits[tool_use_id] = Wait(tool_use_id, record["name"], record["input"], record["requested_at"], record.get("deadline"))
+        else:
+            decisions[name] = Decision(bool(record["approved"]), record.get("reason") or "", record["input"],
+                                       record["at"], record.get("by", "person"))
+    return waits, decisions
+
+
+def decision_record(wait: Wait, *, approved: bool, reason: str, now: float, by: str) -> bytes:
+    return pack({"v": SCHEMA_VERSION, "approved": approved, "reason": reason, "input": wait.input_digest,
+                 "at": now, "by": by})

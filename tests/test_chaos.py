@@ -1,0 +1,133 @@
+"""Chaos: many runs across several real workers while a killer SIGKILLs random work horses and whole
+workers, and freezes one worker past its lease. Then every invariant is checked over every run, and
+the tools' real executions (counted in a file outside the pool) show no repeated side effect."""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from collections import Counter, defaultdict
+
+import pytest
+
+from conftest import assert_valid_conversation, script_task
+from workers import enqueue_run, wait_for_run
+from workers.localpool import children_of
+
+pytestmark = [pytest.mark.chaos, pytest.mark.crash]
+
+MIXED = [
+    {"tool_calls": [{"name": "read_notes", "input": {"topic": "q3"}}, {"name": "slow_read", "input": {"seconds": 0.3}}]},
+    {"tool_calls": [{"name": "create_ticket", "input": {"title": "Follow up", "body": "details"}}], "delay": 0.1},
+    {"tool_calls": [
+        {"name": "send_email", "input": {"to": "boss@example.com", "subject": "Status", "body": "All good"}},
+        {"name": "charge_card", "input": {"amount_cents": 1200}},
+    ]},
+    {"tool_calls": [{"name": "slow_read", "input": {"seconds": 0.2}}], "delay": 0.1},
+    {"text": "Finished the job."},
+]
+RUNS = 30
+WORKERS = 4
+
+
+def test_pool_under_random_kills_loses_nothing_and_repeats_no_effect(r, pool, model):
+    model.set_scripts({"mixed": MIXED})
+    pool.start(WORKERS)
+    run_ids = [enqueue_run("pool_agents:support", script_task("mixed", f"job {i}"), connection=r) for i in range(RUNS)]
+    rng = random.Random(7)
+    done = threading.Event()
+    actions: Counter = Counter()
+
+    def killer() -> None:
+        frozen = None
+        while not done.wait(rng.uniform(0.3, 0.9)):
+            alive = pool.alive()
+            busy = [(w, kids) for w in alive if (kids := children_of(w.pid))]
+            if frozen is None and actions["sigstop"] == 0 and busy and len(alive) > 2:
+                frozen, _ = rng.choice(busy)
+                pool.kill(frozen, signal.SIGSTOP)
+                thawed_at = time.monotonic() + 3 + 2  # lease TTL 3 s in tests, then some
+                actions["sigstop"] += 1
+                continue
+            if frozen is not None and time.monotonic() > thawed_at:
+                pool.kill(frozen, signal.SIGCONT)
+                frozen = None
+                actions["sigcont"] += 1
+                continue
+            if not busy:
+                continue
+            worker, horses = rng.choice(busy)
+            if rng.random() < 0.7:
+                for pid in horses:
+                    try:
+                        __import__("os").kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                actions["horse_kill"] += 1
+            elif worker is not frozen:
+                pool.kill(worker)
+                pool.start(1)  # a replacement, as an orchestrator would start
+                actions["worker_kill"] += 1
+        if frozen is not None:
+            pool.kill(frozen, signal.SIGCONT)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        runs = [wait_for_run(run_id, timeout=240, connection=r) for run_id in run_ids]
+    except Exception:
+        pytest.fail(f"{_diagnose(r, run_ids)}\nactions {dict(actions)}\n{pool.logs(tail=3000)}")
+    finally:
+        done.set()
+        thread.join(timeout=10)
+    time.sleep(1)  # a thawed zombie has had its chance to misbehave
+
+    assert actions["horse_kill"] + actions["worker_kill"] >= 5, actions
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+    effects = defaultdict(Counter)
+    keys = defaultdict(set)
+    for e in pool.effects():
+        effects[e["run"]][e["tool"]] += 1
+        if e["tool"] == "create_ticket":
+            keys[e["run"]].add(e["key"])
+    for run in runs:
+        assert run.status == "completed", (run.id, run.status, run.error)
+        assert run.turns == len(MIXED), (run.id, run.turns)
+        assert_valid_conversation(run.messages)
+        assert effects[run.id]["send_email"] <= 1, f"{run.id} sent an email twice"
+        assert effects[run.id]["charge_card"] == 1, f"{run.id} charged {effects[run.id]['charge_card']} times"
+        assert effects[run.id]["create_ticket"] >= 1 and len(keys[run.id]) == 1, f"{run.id} ticket keys {keys[run.id]}"
+        email_result = next(b for m in run.messages if m["role"] == "user" and isinstance(m["content"], list)
+                            for b in m["content"] if b["type"] == "tool_result" and "email" in str(b["content"]).lower()
+                            or (b["type"] == "tool_result" and "send_email" in str(b["content"])))
+        if effects[run.id]["send_email"] == 0:
+            assert email_result.get("is_error"), "an email that never went out was not reported as sent"
+    print(f"chaos actions: {dict(actions)}")
+
+
+def _diagnose(r, run_ids) -> str:
+    """Everything that says why a run is stuck: header, lease, watch score, its job, last events."""
+    from rq.job import Job
+
+    from store.events import read as read_events
+    from store.keys import RUNS_WATCH, RunKeys
+    from workers.serializer import MsgpackSerializer
+
+    lines = []
+    for run_id in run_ids:
+        keys = RunKeys.of(run_id)
+        header = {k.decode(): v for k, v in r.hgetall(keys.run).items() if k != b"pending"}
+        if header.get("status") in (b"completed",):
+            continue
+        job = header.get("job", b"").decode()
+        try:
+            fetched = Job.fetch(job, connection=r, serializer=MsgpackSerializer)
+            job_state = (fetched.get_status(), fetched.worker_name, fetched.latest_result())
+        except Exception as exc:
+            job_state = repr(exc)
+        lines.append(f"{run_id}: {header} lease={r.get(keys.lease)} pttl={r.pttl(keys.lease)} "
+                     f"watch={r.zscore(RUNS_WATCH, run_id)} now={time.time() * 1000:.0f} job={job} {job_state}")
+        lines.extend(f"    {e}" for e in read_events(r, run_id)[-8:])
+    return "\n".join(lines)

@@ -1,0 +1,228 @@
+"""Runs under control: approvals, budgets and resume, model errors, schema versions, retention."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TESTS, assert_valid_conversation, script_task
+from store.keys import RunKeys
+from store.records import SCHEMA_VERSION
+from workers import ApprovalError, approve, enqueue_run, get_run, resume, wait_for_run
+from workers.jobs import turn_queue
+
+DEPLOY = [
+    {"tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}]},
+    {"tool_calls": [{"name": "deploy", "input": {"version": "2.4.1"}}]},
+    {"text": "Deployed or not, I am done."},
+]
+
+
+def _wait_status(r, run_id, status, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        current = r.hget(RunKeys.of(run_id).run, "status").decode()
+        if current == status:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"run {run_id} is {current}, not {status}")
+
+
+def _tool_result(run, name):
+    ids = {b["id"]: b["name"] for m in run.messages if m["role"] == "assistant" for b in m["content"] if b["type"] == "tool_use"}
+    return next(b for m in run.messages if m["role"] == "user" and isinstance(m["content"], list)
+                for b in m["content"] if b["type"] == "tool_result" and ids.get(b["tool_use_id"]) == name)
+
+
+def _cli(pool, *args):
+    return subprocess.run([sys.executable, "-m", "workers.cli", *args], env=pool.env, cwd=str(TESTS),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_an_approval_survives_a_worker_restart_and_the_call_runs_once(r, pool, model):
+    model.set_scripts({"deploy": DEPLOY})
+    first = pool.start(1)[0]
+    run_id = enqueue_run("pool_agents:guarded", script_task("deploy"), connection=r)
+    _wait_status(r, run_id, "waiting_approval")
+
+    run = get_run(run_id, connection=r)
+    assert run.pending == [{"id": run.pending[0]["id"], "name": "deploy", "input": {"version": "2.4.1"}}]
+    assert not r.exists(RunKeys.of(run_id).lease), "nothing is leased while a run waits"
+    assert turn_queue(r).count == 0, "nothing is queued while a run waits"
+    pool.kill(first)  # every worker gone while the run waits
+
+    out = _cli(pool, "approve", run_id)
+    assert out.returncode == 0 and "approved" in out.stdout, out.stderr
+    pool.start(1)
+    done = wait_for_run(run_id, timeout=60, connection=r)
+    assert done.status == "completed"
+    assert _tool_result(done, "deploy")["content"] == "deployed 2.4.1"
+    assert [e["tool"] for e in pool.effects()].count("deploy") == 1
+    assert_valid_conversation(done.messages)
+
+
+def test_a_denied_call_returns_the_reason_to_the_model_and_never_runs(r, pool, model):
+    model.set_scripts({"deploy": DEPLOY})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:guarded", script_task("deploy"), connection=r)
+    _wait_status(r, run_id, "waiting_approval")
+    out = _cli(pool, "approve", run_id, "--deny", "--reason", "release freeze until Monday")
+    assert out.returncode == 0, out.stderr
+    done = wait_for_run(run_id, timeout=60, connection=r)
+    result = _tool_result(done, "deploy")
+    assert result["is_error"] and "release freeze until Monday" in result["content"]
+    assert "deploy" not in [e["tool"] for e in pool.effects()]
+    assert done.status == "completed"
+
+
+def test_decisions_are_bound_to_the_waiting_calls(r, pool, model):
+    model.set_scripts({"two": [
+        {"tool_calls": [{"name": "deploy", "input": {"version": "1"}}, {"name": "deploy", "input": {"version": "2"}}]},
+        {"text": "ok"},
+    ]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:guarded", script_task("two"), connection=r)
+    _wait_status(r, run_id, "waiting_approval")
+    first, second = [call["id"] for call in get_run(run_id, connection=r).pending]
+
+    with pytest.raises(ApprovalError, match="not waiting for a decision on toolu_nope"):
+        approve(run_id, "toolu_nope", connection=r)
+    assert approve(run_id, first, connection=r) == [first]
+    assert get_run(run_id, connection=r).status == "waiting_approval", "still waits on the second call"
+    assert [c["id"] for c in get_run(run_id, connection=r).pending] == [second]
+    with pytest.raises(ApprovalError, match="not waiting for a decision"):
+        approve(run_id, first, connection=r)
+    approve(run_id, second, approved=False, reason="one deploy is enough", connection=r)
+    done = wait_for_run(run_id, timeout=60, connection=r)
+    assert [e["version"] for e in pool.effects() if e["tool"] == "deploy"] == ["1"]
+    with pytest.raises(ApprovalError, match="not waiting for approval"):
+        approve(run_id, connection=r)
+    assert_valid_conversation(done.messages)
+
+
+def test_an_unanswered_approval_expires_and_the_run_goes_on(r, pool, model):
+    model.set_scripts({"wipe": [{"tool_calls": [{"name": "wipe_cache", "input": {"region": "eu"}}]}, {"text": "ok"}]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:guarded", script_task("wipe"), connection=r)
+    _wait_status(r, run_id, "waiting_approval")
+    _wait_status(r, run_id, "completed", timeout=30)  # nobody answers: the reaper denies it
+    done = get_run(run_id, connection=r)
+    result = _tool_result(done, "wipe_cache")
+    assert done.status == "completed"
+    assert result["is_error"] and "expired" in result["content"]
+    assert "wipe_cache" not in [e["tool"] for e in pool.effects()]
+
+
+def test_a_token_budget_stops_the_run_between_turns_and_resume_continues_it(r, pool, model):
+    model.set_scripts({"loop": [{"tool_calls": [{"name": "read_notes", "input": {"topic": str(i)}}]} for i in range(5)]
+                       + [{"text": "finished"}]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:budgeted", script_task("loop"), connection=r, max_total_tokens=300)
+    stopped = wait_for_run(run_id, timeout=60, connection=r)
+    assert stopped.status == "stopped" and "max_total_tokens=300" in stopped.error
+    assert stopped.total_tokens >= 300 and stopped.turns < 6
+    assert_valid_conversation(stopped.messages)
+
+    resumed = resume(run_id, add_tokens=1_000_000, connection=r)
+    assert resumed.status == "running"
+    done = wait_for_run(run_id, timeout=60, connection=r)
+    assert done.status == "completed" and done.turns == 6
+    assert done.messages[: len(stopped.messages)] == stopped.messages, "resumed from the checkpoint"
+
+
+def test_turn_and_cost_budgets_and_the_resume_command(r, pool, model):
+    model.set_scripts({"loop": [{"tool_calls": [{"name": "read_notes", "input": {"topic": str(i)}}]} for i in range(4)]
+                       + [{"text": "finished"}]})
+    pool.start(1)
+    by_turns = enqueue_run("pool_agents:budgeted", script_task("loop"), connection=r, max_turns=2)
+    by_cost = enqueue_run("pool_agents:budgeted", script_task("loop"), connection=r, max_cost_usd=0.001)
+    assert wait_for_run(by_turns, timeout=60, connection=r).turns == 2
+    costly = wait_for_run(by_cost, timeout=60, connection=r)
+    assert costly.status == "stopped" and "max_cost_usd=0.001" in costly.error and costly.cost_usd >= 0.001
+
+    out = _cli(pool, "resume", by_turns, "--add-turns", "10")
+    assert out.returncode == 0, out.stderr
+    assert wait_for_run(by_turns, timeout=60, connection=r).status == "completed"
+    assert _cli(pool, "resume", by_turns).returncode == 1, "a completed run cannot be resumed"
+
+
+def test_bursts_of_429_and_529_are_retried_and_a_spend_limit_stops_the_run(r, pool, model):
+    model.set_scripts({
+        "burst": [{"error": {"status": 429, "type": "rate_limit_error", "message": "slow down", "times": 3,
+                             "retry_after": 0}, "tool_calls": [{"name": "read_notes", "input": {"topic": "a"}}]},
+                  {"error": {"status": 529, "type": "overloaded_error", "message": "Overloaded", "times": 2},
+                   "text": "done"}],
+        "broke": [{"error": {"status": 429, "type": "rate_limit_error", "times": 1,
+                             "message": "This request would exceed your organization's monthly usage limit."}}],
+    })
+    pool.start(1, AGENTPOOL_MODEL_RETRIES="8")
+    burst = enqueue_run("pool_agents:budgeted", script_task("burst"), connection=r)
+    broke = enqueue_run("pool_agents:budgeted", script_task("broke"), connection=r)
+    done = wait_for_run(burst, timeout=120, connection=r)
+    assert done.status == "completed" and done.turns == 2, done.error
+    stopped = wait_for_run(broke, timeout=60, connection=r)
+    assert stopped.status == "stopped" and "usage limit" in stopped.error and stopped.turns == 0
+    resume(broke, connection=r)
+    assert wait_for_run(broke, timeout=60, connection=r).status == "completed", "resumable once the limit is raised"
+
+
+def test_repeated_model_errors_stop_the_run_resumably(r, pool, model):
+    model.set_scripts({"down": [{"error": {"status": 500, "type": "api_error", "message": "boom", "times": 3},
+                                 "text": "back"}]})
+    pool.start(1, AGENTPOOL_MODEL_RETRIES="2")
+    run_id = enqueue_run("pool_agents:budgeted", script_task("down"), connection=r)
+    stopped = wait_for_run(run_id, timeout=60, connection=r)
+    assert stopped.status == "stopped" and "failed 3 times in a row" in stopped.error
+    resume(run_id, connection=r)
+    assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
+
+
+def test_a_checkpoint_written_by_schema_version_1_migrates_and_resumes(r, pool, model):
+    golden = json.loads((ROOT / "tests" / "golden" / "run_v1.json").read_text())
+    run_id = golden["run_id"]
+    keys = RunKeys.of(run_id)
+    raw = lambda s: base64.b64decode(s)  # noqa: E731
+    r.hset(keys.run, mapping={k: raw(v) for k, v in golden["header"].items()})
+    r.rpush(keys.messages, *[raw(m) for m in golden["messages"]])
+    r.hset(keys.ledger, mapping={k: raw(v) for k, v in golden["ledger"].items()})
+    assert r.hget(keys.run, "v") == b"1"
+    r.zadd("ap:runs:watch", {run_id: 0})  # as if its worker died long ago: the reaper takes it over
+    model.set_scripts({"golden": [{}, {"text": "Told the team."}]})
+
+    pool.start(1)
+    done = wait_for_run(run_id, timeout=60, connection=r)
+    assert done.status == "completed", done.error
+    assert done.turns == 2 and done.result == "Told the team."
+    assert done.usage["input_tokens"] >= 412, "v1 usage carried over"
+    assert r.hget(keys.run, "v") == str(SCHEMA_VERSION).encode(), "rewritten in the current version"
+    tools = [e["tool"] for e in pool.effects()]
+    assert tools.count("read_notes") == 1, "the started read tool re-ran"
+    assert tools.count("send_email") == 1, "the email that never started was sent once"
+    assert_valid_conversation(done.messages)
+
+
+def test_watch_follows_a_run_to_its_end(r, pool, model):
+    model.set_scripts({"meeting": [{"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}], "delay": 0.3},
+                                   {"text": "done", "delay": 0.3}]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:support", script_task("meeting"), connection=r)
+    out = _cli(pool, "watch", run_id)
+    assert out.returncode == 0, out.stderr
+    assert "tool_started" in out.stdout and "read_notes" in out.stdout
+    assert f"run {run_id} completed after 2 turns" in out.stdout
+
+
+@pytest.mark.parametrize("retention, expires", [("2", True), ("0", False)])
+def test_finished_runs_expire_after_the_retention(r, pool, model, retention, expires):
+    pool.start(1, AGENTPOOL_RETENTION_SECONDS=retention)
+    run_id = enqueue_run("pool_agents:support", script_task("none"), connection=r)
+    model.set_scripts({"none": [{"text": "hi"}]})
+    wait_for_run(run_id, timeout=60, connection=r)
+    ttl = r.ttl(RunKeys.of(run_id).run)
+    assert (0 < ttl <= 2) if expires else ttl == -1
