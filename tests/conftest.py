@@ -73,6 +73,7 @@ class Pool(WorkerProcesses):
             "AGENTPOOL_FAULT_DIR": str(tmp),
             "AGENTPOOL_LEASE_TTL": "3",
             "AGENTPOOL_REAPER_INTERVAL": "0.25",
+            "AGENTPOOL_MODEL_TIMEOUT": "30",  # a hung call must not hide behind the heartbeat for 10 minutes
         }
         super().__init__(env, tmp, cwd=str(TESTS))
 

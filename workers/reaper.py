@@ -17,7 +17,6 @@ import threading
 from redis import Redis
 from redis.exceptions import RedisError
 from rq.job import Job, JobStatus
-from rq.exceptions import NoSuchJobError
 
 from store.clock import now_ms
 from store.checkpoint import QUEUED_RECHECK_MS
@@ -25,11 +24,10 @@ from store.keys import REAPER_LOCK, RUNS_WATCH, RunKeys
 from store.records import ACTIVE_STATUSES
 from workers.approvals import expire_due
 from workers.jobs import turn_queue
-from workers.serializer import MsgpackSerializer
 from workers.takeover import requeue_turn
 
 log = logging.getLogger("agentpool.reaper")
-WAITING = {JobStatus.QUEUED, JobStatus.SCHEDULED, JobStatus.DEFERRED}
+WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value}
 
 
 def reap_once(r: Redis, *, batch: int = 500) -> list[str]:
@@ -77,13 +75,14 @@ def _why_orphaned(r: Redis, run_id: str) -> tuple[str, str, str] | None:
 
 
 def _job_state(r: Redis, job_id: str) -> str:
-    try:
-        status = Job.fetch(job_id, connection=r, serializer=MsgpackSerializer).get_status()
-    except NoSuchJobError:
+    # Only the status field: a job hash that does not decode must not stop the reaper from acting.
+    raw = r.hget(Job.key_for(job_id), "status")
+    if raw is None:
         return "missing"
-    if status == JobStatus.QUEUED and turn_queue(r).get_job_position(job_id) is None:
+    status = raw.decode()
+    if status == JobStatus.QUEUED.value and turn_queue(r).get_job_position(job_id) is None:
         return "lost from the queue"
-    return "waiting" if status in WAITING else str(status.value if status else "missing")
+    return "waiting" if status in WAITING else status
 
 
 class ReaperThread(threading.Thread):
