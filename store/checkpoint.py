@@ -27,6 +27,7 @@ from store.records import (
     new_header,
     pack_message,
     pack_pending,
+    pack_result,
     unpack_message,
 )
 from store.scripts import run_script
@@ -56,7 +57,7 @@ def load_run(r: Redis, run_id: str, *, with_messages: bool = True) -> RunState:
         replies = pipe.execute()
     if not replies[0]:
         raise RunNotFound(run_id)
-    state = load_header(run_id, replies[0])
+    state = load_header(run_id, replies[0], open_sealed=with_messages)
     if with_messages:
         state.messages = [unpack_message(blob, i) for i, blob in enumerate(replies[1])]
     return state
@@ -98,7 +99,7 @@ def commit_response(
             now_ms(),
             keys.run_id,
             final_status,
-            result,
+            pack_result(result),
             error,
             SCHEMA_VERSION,
             retention_s,
@@ -206,7 +207,8 @@ def finish(
         r,
         [keys.run, keys.lease, keys.messages, RUNS_WATCH, keys.ledger, keys.events, keys.approvals],
         [
-            token, status, error, now_ms(), keys.run_id, pack_message(message) if message else "", phase, result,
+            token, status, error, now_ms(), keys.run_id, pack_message(message) if message else "", phase,
+            pack_result(result),
             retention_s if status in TERMINAL_STATUSES else 0, "" if watch_at_ms is None else watch_at_ms,
         ],
     )

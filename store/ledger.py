@@ -15,7 +15,7 @@ from redis import Redis
 from store.codec import pack, unpack
 from store.errors import LeaseLost, LedgerMismatch, RunNotActive
 from store.keys import RunKeys
-from store.records import SCHEMA_VERSION
+from store.records import SCHEMA_VERSION, open_value, seal_value
 from store.scripts import run_script
 
 
@@ -57,7 +57,8 @@ def read(r: Redis, keys: RunKeys, tool_use_ids: list[str]) -> dict[str, Entry]:
         outcome = None
         if outcome_blob:
             record = unpack(outcome_blob, f"ledger outcome {tool_use_id}")
-            outcome = Outcome(content=record["content"], is_error=bool(record["is_error"]))
+            content = open_value(record, f"ledger outcome {tool_use_id}") if "content" not in record else record["content"]
+            outcome = Outcome(content=content, is_error=bool(record["is_error"]))
         entries[tool_use_id] = Entry(intent, outcome)
     return entries
 
@@ -98,7 +99,8 @@ def write_intent(
 
 
 def write_outcome(r: Redis, keys: RunKeys, token: str, tool_use_id: str, outcome: Outcome, *, how: str, now: float) -> None:
-    record = {"v": SCHEMA_VERSION, "content": outcome.content, "is_error": outcome.is_error, "how": how, "at": now}
+    # A tool's output is sealed like the messages when encryption at rest is on.
+    record = {"v": SCHEMA_VERSION, **seal_value(outcome.content), "is_error": outcome.is_error, "how": how, "at": now}
     fenced_hset(r, keys, token, keys.ledger, f"{tool_use_id}:out", record)
 
 
@@ -108,5 +110,9 @@ def read_all(r: Redis, keys: RunKeys) -> dict[str, dict[str, Any]]:
     for field_name, blob in r.hgetall(keys.ledger).items():
         name = field_name.decode()
         tool_use_id, _, kind = name.partition(":")
-        out.setdefault(tool_use_id, {})["outcome" if kind else "intent"] = unpack(blob, f"ledger {name}")
+        record = unpack(blob, f"ledger {name}")
+        if kind and "content" not in record:
+            record = {**{k: v for k, v in record.items() if k not in ("plain", "sealed")},
+                      "content": open_value(record, f"ledger {name}")}
+        out.setdefault(tool_use_id, {})["outcome" if kind else "intent"] = record
     return out

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from store import crypto
 from store.codec import pack, unpack
 from store.errors import SchemaTooNew, UnreadableRecord
 
@@ -84,10 +85,27 @@ def new_header(agent: str, limits: Mapping[str, Any], now: float) -> dict[str, A
     return header
 
 
+def seal_value(value: Any) -> dict[str, Any]:
+    """``{"plain": value}``, or ``{"sealed": token}`` when encryption at rest is on."""
+    cipher = crypto.active()
+    return {"sealed": cipher.seal(pack(value))} if cipher else {"plain": value}
+
+
+def open_value(record: dict[str, Any], what: str) -> Any:
+    if "sealed" in record:
+        return unpack(crypto.open_sealed(record["sealed"], what), what)
+    return record["plain"]
+
+
 def pack_message(message: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> bytes:
     """``meta`` keeps what else the API returned with an assistant message (id, model, stop reason,
     usage) beside it; it is never sent back."""
-    record: dict[str, Any] = {"v": SCHEMA_VERSION, "role": message["role"], "content": message["content"]}
+    record: dict[str, Any] = {"v": SCHEMA_VERSION, "role": message["role"]}
+    cipher = crypto.active()
+    if cipher:
+        record["sealed"] = cipher.seal(pack(message["content"]))
+    else:
+        record["content"] = message["content"]
     if meta:
         record["meta"] = dict(meta)
     return pack(record)
@@ -95,16 +113,48 @@ def pack_message(message: Mapping[str, Any], meta: Mapping[str, Any] | None = No
 
 def unpack_message(blob: bytes, index: int) -> dict[str, Any]:
     record = unpack(blob, f"message {index}")
-    if not isinstance(record, dict) or "role" not in record or "content" not in record:
+    if not isinstance(record, dict) or "role" not in record or not ("content" in record or "sealed" in record):
         raise UnreadableRecord(f"message {index} is not a message record")
     version = record.get("v")
     if not isinstance(version, int) or version > SCHEMA_VERSION:
         raise SchemaTooNew(f"message {index} has schema version {version!r}; this agentpool reads up to {SCHEMA_VERSION}")
-    return {"role": record["role"], "content": record["content"]}
+    if "sealed" in record:
+        content = unpack(crypto.open_sealed(record["sealed"], f"message {index}"), f"message {index}")
+    else:
+        content = record["content"]
+    return {"role": record["role"], "content": content}
 
 
 def pack_pending(pending: list[dict[str, Any]]) -> bytes:
-    return pack(pending) if pending else b""
+    # Tool inputs are what the model said: sealed like the messages.
+    return pack(seal_value(pending)) if pending else b""
+
+
+def unpack_pending(blob: bytes, run_id: str, open_sealed: bool = True) -> list[dict[str, Any]]:
+    record = unpack(blob, f"run {run_id} pending tool_uses")
+    if isinstance(record, dict) and "sealed" in record and not open_sealed:
+        return []
+    # A v1 header stored the bare list.
+    pending = record if isinstance(record, list) else open_value(record, f"run {run_id} pending tool_uses")
+    if not isinstance(pending, list):
+        raise UnreadableRecord(f"run {run_id}: pending tool_uses have the wrong shape")
+    return pending
+
+
+RESULT_SEALED_PREFIX = "sealed:"
+
+
+def pack_result(text: str) -> str:
+    cipher = crypto.active()
+    return RESULT_SEALED_PREFIX + cipher.seal(text.encode()).decode() if cipher and text else text
+
+
+def unpack_result(text: str, run_id: str, open_sealed: bool = True) -> str:
+    if text.startswith(RESULT_SEALED_PREFIX):
+        if not open_sealed:
+            return ""
+        return crypto.open_sealed(text[len(RESULT_SEALED_PREFIX):].encode(), f"run {run_id} result").decode()
+    return text
 
 
 def _text(raw: Mapping[bytes, bytes], name: str) -> str:
@@ -136,8 +186,10 @@ def header_version(raw: Mapping[bytes, bytes]) -> int:
     return _int(raw, "v")
 
 
-def load_header(run_id: str, raw: Mapping[bytes, bytes]) -> RunState:
-    """Decode a header hash, upgrading older schema versions in memory.
+def load_header(run_id: str, raw: Mapping[bytes, bytes], *, open_sealed: bool = True) -> RunState:
+    """Decode a header hash, upgrading older schema versions in memory. Without ``open_sealed`` the
+    fields that may be encrypted (pending tool inputs, the result) are left empty when they are, so a
+    listing works without the key.
 
     Raises SchemaTooNew for a record from a newer agentpool and UnreadableRecord for anything else
     that does not decode; neither touches the record.
@@ -157,10 +209,10 @@ def load_header(run_id: str, raw: Mapping[bytes, bytes]) -> RunState:
         version = int(fields["v"])
     raw = {k.encode(): (v if isinstance(v, bytes) else str(v).encode()) for k, v in fields.items()}
     pending_blob = raw.get(b"pending", b"")
-    pending = unpack(pending_blob, "pending tool_uses") if pending_blob else []
+    pending = unpack_pending(pending_blob, run_id, open_sealed) if pending_blob else []
     limits = unpack(raw.get(b"limits", b""), "run limits") if raw.get(b"limits") else {}
-    if not isinstance(pending, list) or not isinstance(limits, dict):
-        raise UnreadableRecord(f"run {run_id}: pending tool_uses or limits have the wrong shape")
+    if not isinstance(limits, dict):
+        raise UnreadableRecord(f"run {run_id}: limits have the wrong shape")
     status = _text(raw, "status")
     if status not in STATUSES:
         raise UnreadableRecord(f"run {run_id}: unknown status {status!r}")
@@ -174,7 +226,7 @@ def load_header(run_id: str, raw: Mapping[bytes, bytes]) -> RunState:
         usage={name: _int(raw, name) for name in USAGE_FIELDS},
         limits=limits,
         error=_text(raw, "error"),
-        result=_text(raw, "result"),
+        result=unpack_result(_text(raw, "result"), run_id, open_sealed),
         created_at=_seconds(raw, "created_at"),
         updated_at=_seconds(raw, "updated_at"),
         model_errors=_int(raw, "model_errors"),

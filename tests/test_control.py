@@ -111,7 +111,7 @@ def test_an_unanswered_approval_expires_and_the_run_goes_on(r, pool, model):
     pool.start(1)
     run_id = enqueue_run("pool_agents:guarded", script_task("wipe"), connection=r)
     _wait_status(r, run_id, "waiting_approval")
-    _wait_status(r, run_id, "completed", timeout=30)  # nobody answers: the reaper denies it
+    _wait_status(r, run_id, "completed", timeout=90)  # nobody answers: the reaper denies it
     done = get_run(run_id, connection=r)
     result = _tool_result(done, "wipe_cache")
     assert done.status == "completed"

@@ -109,13 +109,13 @@ def test_whole_worker_killed_mid_tool_is_taken_over_after_the_lease_expires(r, p
     run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
     effect = _wait_for_effect(pool, "slow_read")
     assert effect["pid"] in _horses(first)
-    pool.kill(first)  # the worker and its horse: a lost machine
-    killed_at = time.monotonic()
+    pool.kill(first)  # the worker and its horse: a lost machine (how fast: `agentpool bench recovery`)
     pool.start(1)
     run = wait_for_run(run_id, timeout=60, connection=r)
 
     assert run.status == "completed", (run.error, pool.logs())
-    assert time.monotonic() - killed_at < 3 + 10, "taken over within lease TTL + a few seconds"
+    takeovers = [e for _, e in read_events(r, run_id) if e["kind"] == "takeover"]
+    assert [e["cause_kind"] for e in takeovers] == ["lease_expiry"], takeovers
     assert Counter(e["tool"] for e in pool.effects())["send_email"] == 1
     assert Counter(e["tool"] for e in pool.effects())["slow_read"] == 2, "a read tool re-runs"
     assert_valid_conversation(run.messages)

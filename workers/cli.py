@@ -265,6 +265,14 @@ def reap(url: str | None, interval: float, once: bool) -> None:
 
 
 @main.command()
+def genkey() -> None:
+    """Print a new key for AGENTPOOL_ENCRYPTION_KEY (encryption at rest)."""
+    from store.crypto import generate_key
+
+    click.echo(generate_key())
+
+
+@main.command()
 @url_option
 def check(url: str | None) -> None:
     """Exit 0 if Redis answers within 2 s (for liveness/readiness probes), non-zero otherwise."""

@@ -32,7 +32,8 @@ class RedisServer:
     """A throwaway redis-server on a free port. ``durable`` turns on AOF (appendfsync everysec) as
     deploy/redis.conf does, so a restart keeps what was committed."""
 
-    def __init__(self, workdir: Path, *, durable: bool = False, port: int | None = None) -> None:
+    def __init__(self, workdir: Path, *, durable: bool = False, port: int | None = None,
+                 extra_args: tuple[str, ...] = (), url: str | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             raise RedisNotInstalled(
@@ -41,13 +42,15 @@ class RedisServer:
             )
         self.binary, self.workdir, self.durable = binary, workdir, durable
         self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.extra_args = extra_args  # TLS, ACL users...: then give the ``url`` clients must use
+        self.url = (url or "redis://127.0.0.1:{port}/0").format(port=self.port)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
                 "--save", "", "--maxmemory-policy", "noeviction"]
         args += ["--appendonly", "yes", "--appendfsync", "everysec"] if self.durable else ["--appendonly", "no"]
+        args += self.extra_args
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = Redis.from_url(self.url)
         try:

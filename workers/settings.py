@@ -10,6 +10,8 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
 
+from store import crypto
+
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
@@ -46,6 +48,22 @@ class Settings:
     @property
     def lease_ttl_ms(self) -> int:
         return int(self.lease_ttl * 1000)
+
+
+def configure_encryption() -> None:
+    """Encryption at rest from AGENTPOOL_ENCRYPTION_KEY (encrypts and decrypts) and
+    AGENTPOOL_ENCRYPTION_OLD_KEYS (comma-separated, decrypt only: keys being rotated out)."""
+    key = os.environ.get("AGENTPOOL_ENCRYPTION_KEY", "").strip()
+    old = [k.strip() for k in os.environ.get("AGENTPOOL_ENCRYPTION_OLD_KEYS", "").split(",") if k.strip()]
+    if not key and old:
+        raise SystemExit("AGENTPOOL_ENCRYPTION_OLD_KEYS is set without AGENTPOOL_ENCRYPTION_KEY")
+    try:
+        crypto.configure(crypto.Cipher([key, *old]) if key else None)
+    except ValueError as exc:
+        raise SystemExit(f"AGENTPOOL_ENCRYPTION_KEY: {exc}") from None
+
+
+configure_encryption()
 
 
 def connect(url: str | None = None) -> Redis:

@@ -26,6 +26,7 @@ from redis import Redis
 from rq import get_current_job
 
 from store import approvals, checkpoint, ledger
+from store.crypto import EncryptionKeyMissing
 from store.errors import LeaseLost, LedgerMismatch, RunNotActive, SchemaTooNew, UnreadableRecord
 from store.events import emit
 from store.keys import RunKeys
@@ -85,6 +86,10 @@ def run_turn(run_id: str, turn: int) -> str:
         except (LeaseLost, RunNotActive) as exc:
             log.warning("run %s turn %s: %s", run_id, turn, exc)
             return "abandoned"
+        except EncryptionKeyMissing:
+            # This worker is misconfigured, the run is fine: give it back for a worker with the key.
+            release(r, keys, token, recheck_in_ms=CRASH_RECHECK_MS)
+            raise
         except (UnreadableRecord, LedgerMismatch, AgentNotFound) as exc:
             log.error("run %s turn %s failed: %s", run_id, turn, exc)
             checkpoint.finish(r, keys, token, status="failed", error=str(exc), retention_s=settings.retention)

@@ -1,0 +1,129 @@
+"""Encryption at rest with key rotation; TLS (rediss://) with an ACL user; no secret in logs or events."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from redis import Redis
+
+from conftest import TESTS, Pool, script_task
+from store import crypto
+from store.crypto import Cipher, EncryptionKeyMissing, generate_key
+from store.errors import UnreadableRecord
+from store.events import read as read_events
+from store.keys import RunKeys
+from workers import approve, enqueue_run, get_run, list_runs, wait_for_run
+from workers.localpool import RedisServer
+
+SECRET_TASK = "Summarize the merger notes for Project Bluebird"
+SCRIPT = [
+    {"tool_calls": [{"name": "send_email", "input": {"to": "cfo@example.com", "subject": "Bluebird terms",
+                                                     "body": "Offer is 41 per share"}}]},
+    {"text": "The Bluebird offer is summarized and sent."},
+]
+PLAINTEXTS = [b"Bluebird", b"41 per share", b"cfo@example.com", b"email to cfo"]
+
+
+@pytest.fixture
+def key_in_this_process():
+    def use(*keys: str) -> None:
+        crypto.configure(Cipher(list(keys)) if keys else None)
+
+    yield use
+    crypto.configure(None)
+
+
+def _all_bytes(r: Redis, run_id: str) -> bytes:
+    keys = RunKeys.of(run_id)
+    blobs = [b"".join(k + v for k, v in r.hgetall(keys.run).items()), *r.lrange(keys.messages, 0, -1),
+             b"".join(k + v for k, v in r.hgetall(keys.ledger).items())]
+    blobs += [str(e).encode() for e in read_events(r, run_id)]
+    return b"".join(blobs)
+
+
+def _cli(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "workers.cli", *args], env=env, cwd=str(TESTS),
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_an_encrypted_run_is_unreadable_without_its_key_and_readable_with_it(r, pool, model, key_in_this_process):
+    key = generate_key()
+    model.set_scripts({"secret": SCRIPT})
+    key_in_this_process(key)
+    pool.start(1, AGENTPOOL_ENCRYPTION_KEY=key)
+    run_id = enqueue_run("pool_agents:support", script_task("secret", SECRET_TASK), connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed" and "Bluebird" in run.result
+    assert run.messages[0]["content"].startswith(SECRET_TASK)
+    stored = _all_bytes(r, run_id)
+    for text in PLAINTEXTS:
+        assert text not in stored, f"{text!r} is stored in clear"
+
+    key_in_this_process()  # no key
+    with pytest.raises(EncryptionKeyMissing, match="no AGENTPOOL_ENCRYPTION_KEY"):
+        get_run(run_id, connection=r)
+    listed = {row.id: row for row in list_runs(connection=r)}
+    assert listed[run_id].status == "completed" and listed[run_id].result is None, "listed, content hidden"
+    key_in_this_process(generate_key())  # the wrong key
+    with pytest.raises(UnreadableRecord, match="encrypted with a key this process does not have"):
+        get_run(run_id, connection=r)
+    env_without = {k: v for k, v in pool.env.items() if not k.startswith("AGENTPOOL_ENCRYPTION")}
+    shown = _cli(env_without, "show", run_id)
+    assert shown.returncode == 1 and "no AGENTPOOL_ENCRYPTION_KEY" in shown.stderr and "Bluebird" not in shown.stdout
+
+
+def test_a_rotated_key_still_reads_old_runs_and_writes_with_the_new_one(r, pool, model, key_in_this_process):
+    old, new = generate_key(), generate_key()
+    model.set_scripts({"guarded": [{"tool_calls": [{"name": "deploy", "input": {"version": "9"}}]}, {"text": "ok"}]})
+    key_in_this_process(old)
+    first = pool.start(1, AGENTPOOL_ENCRYPTION_KEY=old)[0]
+    run_id = enqueue_run("pool_agents:guarded", script_task("guarded", SECRET_TASK), connection=r)
+    for _ in range(600):
+        if r.hget(RunKeys.of(run_id).run, "status") == b"waiting_approval":
+            break
+        __import__("time").sleep(0.05)
+    pool.kill(first)
+
+    key_in_this_process(new, old)  # rotation: the new key first, the old one kept for reading
+    approve(run_id, connection=r)
+    pool.start(1, AGENTPOOL_ENCRYPTION_KEY=new, AGENTPOOL_ENCRYPTION_OLD_KEYS=old)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed" and run.messages[0]["content"].startswith(SECRET_TASK)
+    key_in_this_process(new)  # without the old key, what was written under it is unreadable
+    with pytest.raises(UnreadableRecord, match="message 0 is encrypted with a key"):
+        get_run(run_id, connection=r)
+
+
+def test_tls_and_an_acl_user_work_and_no_secret_reaches_logs_or_events(tmp_path, model):
+    certs = tmp_path / "tls"
+    certs.mkdir()
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(certs / "key.pem"),
+                    "-out", str(certs / "cert.pem"), "-days", "2", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    password = "pw-Zq81xWv"
+    server = RedisServer(tmp_path, url=f"rediss://agentpool:{password}@127.0.0.1:{{port}}/0?ssl_ca_certs={certs / 'cert.pem'}")
+    server.extra_args = ("--port", "0", "--tls-port", str(server.port), "--tls-cert-file", str(certs / "cert.pem"),
+                         "--tls-key-file", str(certs / "key.pem"), "--tls-ca-cert-file", str(certs / "cert.pem"),
+                         "--tls-auth-clients", "no", "--user", "default", "off",
+                         "--user", "agentpool", "on", f">{password}", "~*", "&*", "+@all")
+    server.start()
+    r = Redis.from_url(server.url)
+    pool = Pool(server.url, model, tmp_path)
+    try:
+        model.set_scripts({"secret": SCRIPT})
+        pool.start(1)
+        run_id = enqueue_run("pool_agents:support", script_task("secret", SECRET_TASK), connection=r)
+        assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
+        shown = _cli(pool.env, "show", run_id, "--json")
+        assert shown.returncode == 0, shown.stderr
+        logs = pool.logs(tail=10**6) + shown.stderr
+        events = str(read_events(r, run_id))
+        for secret in (password, pool.env["ANTHROPIC_API_KEY"]):
+            assert secret not in logs and secret not in events
+        assert "rediss://agentpool:***@" in logs, "the worker names its Redis without the password"
+    finally:
+        pool.stop()
+        server.stop()
