@@ -15,9 +15,11 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import WatchError
 
+from store import ledger
 from store.clock import now_ms
 from store.errors import LeaseLost, RunNotActive, RunNotFound
 from store.keys import RUNS, RUNS_WATCH, RunKeys
+from store.ledger import Outcome
 from store.records import (
     SCHEMA_VERSION,
     TERMINAL_STATUSES,
@@ -151,13 +153,15 @@ def commit_tool_results(
     *,
     message: Mapping[str, Any] | None,
     enqueue_next: Callable[[Pipeline], None],
+    outcomes: dict[str, Outcome] | None = None,
 ) -> None:
     """Save point B: the tool results message (if any), phase back to "model", the lease dropped,
-    and the next turn's job, all in one EXEC."""
+    and the next turn's job, all in one EXEC. The ledger keeps only notes of ``outcomes`` from now on."""
 
     def stage(pipe: Pipeline, attempt: int) -> None:
         if message is not None:
             pipe.rpush(keys.messages, pack_message(message))
+        ledger.stage_compaction(pipe, keys, outcomes or {}, now_ms() / 1000)
         pipe.hset(keys.run, mapping={"phase": "model", "pending": b"", "attempt": 0, "updated_at": now_ms()})
         pipe.zadd(RUNS_WATCH, {keys.run_id: now_ms() + QUEUED_RECHECK_MS})
         enqueue_next(pipe)

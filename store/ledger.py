@@ -27,6 +27,7 @@ def input_digest(tool_input: Any) -> str:
 class Outcome:
     content: str
     is_error: bool
+    how: str = ""  # ran, replayed, verified, unknown, denied, invalid_input, not_run, unknown_tool
 
     def as_tool_result(self, tool_use_id: str) -> dict[str, Any]:
         block: dict[str, Any] = {"type": "tool_result", "tool_use_id": tool_use_id, "content": self.content}
@@ -57,8 +58,11 @@ def read(r: Redis, keys: RunKeys, tool_use_ids: list[str]) -> dict[str, Entry]:
         outcome = None
         if outcome_blob:
             record = unpack(outcome_blob, f"ledger outcome {tool_use_id}")
+            if "stored_in" in record:
+                raise LedgerMismatch(f"ledger outcome {tool_use_id} was moved into the conversation; "
+                                     "its turn is already committed")
             content = open_value(record, f"ledger outcome {tool_use_id}") if "content" not in record else record["content"]
-            outcome = Outcome(content=content, is_error=bool(record["is_error"]))
+            outcome = Outcome(content=content, is_error=bool(record["is_error"]), how=record.get("how", ""))
         entries[tool_use_id] = Entry(intent, outcome)
     return entries
 
@@ -104,6 +108,15 @@ def write_outcome(r: Redis, keys: RunKeys, token: str, tool_use_id: str, outcome
     fenced_hset(r, keys, token, keys.ledger, f"{tool_use_id}:out", record)
 
 
+def stage_compaction(pipe: Any, keys: RunKeys, outcomes: dict[str, Outcome], now: float) -> None:
+    """At save point B the results move into the conversation: keep only a note of each outcome in the
+    ledger, so a large tool result is stored once. Reconcile never needs it again: the turn is over."""
+    for tool_use_id, outcome in outcomes.items():
+        note = {"v": SCHEMA_VERSION, "is_error": outcome.is_error, "how": outcome.how, "at": now,
+                "chars": len(outcome.content), "stored_in": "messages"}
+        pipe.hset(keys.ledger, f"{tool_use_id}:out", pack(note))
+
+
 def read_all(r: Redis, keys: RunKeys) -> dict[str, dict[str, Any]]:
     """Every ledger record, decoded, for `agentpool show`."""
     out: dict[str, dict[str, Any]] = {}
@@ -111,7 +124,7 @@ def read_all(r: Redis, keys: RunKeys) -> dict[str, dict[str, Any]]:
         name = field_name.decode()
         tool_use_id, _, kind = name.partition(":")
         record = unpack(blob, f"ledger {name}")
-        if kind and "content" not in record:
+        if kind and "content" not in record and "stored_in" not in record:
             record = {**{k: v for k, v in record.items() if k not in ("plain", "sealed")},
                       "content": open_value(record, f"ledger {name}")}
         out.setdefault(tool_use_id, {})["outcome" if kind else "intent"] = record

@@ -4,6 +4,7 @@ the tools' real executions (counted in a file outside the pool) show no repeated
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import threading
@@ -40,9 +41,24 @@ def test_pool_under_random_kills_loses_nothing_and_repeats_no_effect(r, pool, mo
     done = threading.Event()
     actions: Counter = Counter()
 
+    def committed_turns() -> int:
+        return int(float(r.hget("ap:stats", "turn_seconds_count") or 0))
+
     def killer() -> None:
+        # Kill at random, but only once the pool has made some progress since the last kill: a fixed
+        # kill rate above the pool's turn rate (a loaded CI machine) would be a livelock, not a test.
         frozen = None
+        progress_mark = committed_turns()
+        thawed_at = 0.0
         while not done.wait(rng.uniform(0.3, 0.9)):
+            if frozen is not None and time.monotonic() > thawed_at:
+                pool.kill(frozen, signal.SIGCONT)  # the zombie wakes after its lease was taken over
+                frozen = None
+                actions["sigcont"] += 1
+                continue
+            if committed_turns() < progress_mark + 2:
+                continue
+            progress_mark = committed_turns()
             alive = pool.alive()
             busy = [(w, kids) for w in alive if (kids := children_of(w.pid))]
             if frozen is None and actions["sigstop"] == 0 and busy and len(alive) > 2:
@@ -51,18 +67,13 @@ def test_pool_under_random_kills_loses_nothing_and_repeats_no_effect(r, pool, mo
                 thawed_at = time.monotonic() + 3 + 2  # lease TTL 3 s in tests, then some
                 actions["sigstop"] += 1
                 continue
-            if frozen is not None and time.monotonic() > thawed_at:
-                pool.kill(frozen, signal.SIGCONT)
-                frozen = None
-                actions["sigcont"] += 1
-                continue
             if not busy:
                 continue
             worker, horses = rng.choice(busy)
             if rng.random() < 0.7:
                 for pid in horses:
                     try:
-                        __import__("os").kill(pid, signal.SIGKILL)
+                        os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
                         pass
                 actions["horse_kill"] += 1

@@ -148,7 +148,7 @@ def test_ledger_records_intent_then_outcome_and_refuses_a_zombie(r):
     with pytest.raises(Exception, match="other input"):
         ledger.check_same_call(entry, {**call, "input": {"to": "b"}})
     ledger.write_outcome(r, KEYS, token, "toolu_1", Outcome("sent", False), how="ran", now=2.0)
-    assert ledger.read(r, KEYS, ["toolu_1"])["toolu_1"].outcome == Outcome("sent", False)
+    assert ledger.read(r, KEYS, ["toolu_1"])["toolu_1"].outcome == Outcome("sent", False, how="ran")
     assert release_dead_holder(r, KEYS, "w1.100"), "a dead horse's lease is dropped by its suffix"
     with pytest.raises(LeaseLost):
         ledger.write_outcome(r, KEYS, token, "toolu_1", Outcome("again", False), how="ran", now=3.0)
@@ -170,3 +170,18 @@ def test_unknown_status_or_bad_numbers_are_unreadable(r):
     r.hset(KEYS.run, mapping={"status": "queued", "turns": "many"})
     with pytest.raises(UnreadableRecord, match="turns"):
         checkpoint.load_run(r, RUN)
+
+
+def test_save_point_b_keeps_a_tool_result_once(r):
+    create(r)
+    token = take(r)
+    call = {"id": "toolu_big", "name": "read_notes", "input": {"topic": "x"}}
+    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(tool_use=call), pending=[call])
+    big = "x" * 10_000
+    ledger.write_outcome(r, KEYS, token, "toolu_big", Outcome(big, False), how="ran", now=1.0)
+    results = {"role": "user", "content": [Outcome(big, False).as_tool_result("toolu_big")]}
+    checkpoint.commit_tool_results(r, KEYS, token, message=results, enqueue_next=lambda pipe: None,
+                                   outcomes={"toolu_big": Outcome(big, False, how="ran")})
+    assert len(r.hget(KEYS.ledger, "toolu_big:out")) < 200, "the ledger keeps a note, the conversation the result"
+    assert checkpoint.load_run(r, RUN).messages[-1] == results
+    assert ledger.read_all(r, KEYS)["toolu_big"]["outcome"]["how"] == "ran"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 import random
 import socket
 import time
@@ -107,6 +108,7 @@ class Turn:
         self.run_id = keys.run_id
         self.where = f"run {self.run_id} turn {turn}"
         self.started = time.monotonic()
+        self.outcomes: dict[str, Outcome] = {}  # settled this turn, compacted in the ledger at save point B
 
     def run(self) -> str:
         state = checkpoint.load_run(self.r, self.run_id)
@@ -219,6 +221,7 @@ class Turn:
                    decision: approvals.Decision | None = None) -> Outcome:
         if entry.outcome is not None:
             emit(self.r, self.run_id, "reconciled", tool=call["name"], tool_use_id=call["id"], outcome="replayed")
+            self.outcomes[call["id"]] = entry.outcome
             return entry.outcome
         if "not_run" in call:
             return self.record(call, Outcome(call["not_run"], True), how="not_run")
@@ -283,6 +286,7 @@ class Turn:
 
     def record(self, call: dict[str, Any], outcome: Outcome, *, how: str, announce: bool = True) -> Outcome:
         ledger.write_outcome(self.r, self.keys, self.token, call["id"], outcome, how=how, now=now_ms() / 1000)
+        self.outcomes[call["id"]] = replace(outcome, how=how)
         if announce:
             emit(self.r, self.run_id, "reconciled" if how in ("unknown", "verified") else "tool_skipped",
                  tool=call["name"], tool_use_id=call["id"], outcome=how)
@@ -296,6 +300,7 @@ class Turn:
             self.r, self.keys, self.token,
             message=_results_message(results),
             enqueue_next=lambda pipe: stage_turn(pipe, self.r, self.run_id, turns),
+            outcomes=self.outcomes,
         )
         emit(self.r, self.run_id, "turn_committed", turn=self.turn, next_turn=turns, tool_results=len(results),
              seconds=round(time.monotonic() - self.started, 4))
