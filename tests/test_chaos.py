@@ -15,7 +15,7 @@ import pytest
 
 from conftest import assert_valid_conversation, script_task
 from workers import enqueue_run, wait_for_run
-from workers.localpool import children_of
+from workers.localpool import horses_of
 
 pytestmark = [pytest.mark.chaos, pytest.mark.crash]
 
@@ -60,7 +60,7 @@ def test_pool_under_random_kills_loses_nothing_and_repeats_no_effect(r, pool, mo
                 continue
             progress_mark = committed_turns()
             alive = pool.alive()
-            busy = [(w, kids) for w in alive if (kids := children_of(w.pid))]
+            busy = [(w, kids) for w in alive if (kids := horses_of(w.pid))]
             if frozen is None and actions["sigstop"] == 0 and busy and len(alive) > 2:
                 frozen, _ = rng.choice(busy)
                 pool.kill(frozen, signal.SIGSTOP)

@@ -17,7 +17,7 @@ import pytest
 from conftest import assert_valid_conversation, script_task
 from store.events import read as read_events
 from workers import enqueue_run, get_run, wait_for_run
-from workers.localpool import children_of
+from workers.localpool import horses_of
 
 pytestmark = pytest.mark.crash
 
@@ -93,7 +93,7 @@ def _wait_for_effect(pool, tool: str, timeout: float = 30) -> dict:
 
 
 def _horses(worker) -> list[int]:
-    return children_of(worker.pid)
+    return horses_of(worker.pid)
 
 
 SLOW_SCRIPT = [

@@ -26,7 +26,7 @@ from store.events import read as read_events
 from store.records import ACTIVE_STATUSES
 from workers.api import enqueue_run, list_runs
 from workers.demo_agents import demo_script
-from workers.localpool import RedisNotInstalled, RedisServer, WorkerProcesses, children_of, redis_answers, scratch_dir
+from workers.localpool import RedisNotInstalled, RedisServer, WorkerProcesses, horses_of, redis_answers, scratch_dir
 from workers.settings import redact_url
 
 AGENT = "workers.demo_agents:secretary"
@@ -78,7 +78,7 @@ def _table(r: Redis, run_ids: list[str], note: str) -> list[str]:
 
 def _busy_workers(workers: WorkerProcesses) -> list[tuple[int, list[int]]]:
     """(worker pid, its work horse pids) for workers that are running a turn right now."""
-    return [(p.pid, kids) for p in workers.alive() if (kids := children_of(p.pid))]
+    return [(p.pid, horses) for p in workers.alive() if (horses := horses_of(p.pid))]
 
 
 def _outbox(path: Path) -> list[dict]:

@@ -80,9 +80,8 @@ def redis_answers(url: str) -> bool:
         client.close()
 
 
-def children_of(pid: int) -> list[int]:
-    """Child processes of ``pid``. RQ's work horse calls setpgrp(), so killing a worker's process
-    group misses it: a test or demo that means "this machine died" kills both."""
+def _children(pid: int) -> list[tuple[int, int]]:
+    """(pid, process group) of each child process of ``pid``, from /proc."""
     children = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -91,9 +90,23 @@ def children_of(pid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            children.append(int(entry.name))
+        fields = stat.rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+        if int(fields[1]) == pid:
+            children.append((int(entry.name), int(fields[2])))
     return children
+
+
+def children_of(pid: int) -> list[int]:
+    """Child processes of ``pid``: its work horse, and RQ's scheduler process if it runs one. The
+    horse calls setpgrp(), so killing a worker's process group misses it: a test or demo that means
+    "this machine died" kills them all."""
+    return [child for child, _group in _children(pid)]
+
+
+def horses_of(pid: int) -> list[int]:
+    """The work horse(s) of worker ``pid``: the children that lead their own process group (RQ's
+    scheduler child stays in the worker's group)."""
+    return [child for child, group in _children(pid) if group == child]
 
 
 class WorkerProcesses:
