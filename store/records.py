@@ -161,20 +161,20 @@ def _text(raw: Mapping[bytes, bytes], name: str) -> str:
     return raw.get(name.encode(), b"").decode("utf-8", errors="replace")
 
 
-def _int(raw: Mapping[bytes, bytes], name: str) -> int:
+def _number(raw: Mapping[bytes, bytes], name: str, kind: type[int] | type[float]) -> Any:
     value = raw.get(name.encode(), b"0")
     try:
-        return int(value)
+        return kind(value)
     except ValueError:
-        raise UnreadableRecord(f"header field {name!r} is not an integer: {value[:40]!r}") from None
+        raise UnreadableRecord(f"header field {name!r} is not a number: {value[:40]!r}") from None
+
+
+def _int(raw: Mapping[bytes, bytes], name: str) -> int:
+    return int(_number(raw, name, int))
 
 
 def _float(raw: Mapping[bytes, bytes], name: str) -> float:
-    value = raw.get(name.encode(), b"0")
-    try:
-        return float(value)
-    except ValueError:
-        raise UnreadableRecord(f"header field {name!r} is not a number: {value[:40]!r}") from None
+    return float(_number(raw, name, float))
 
 
 def _seconds(raw: Mapping[bytes, bytes], name: str) -> float:
