@@ -118,7 +118,7 @@ class Turn:
             results = self.settle(agent, state.pending)
             if results is None:
                 return "waiting_approval"
-            return self.after_tools(state.pending, results, turns=state.turns)
+            return self.after_tools(results, turns=state.turns)
         reason = Limits.of(agent, state.limits).reached(agent, state)
         if reason:
             return self.stop(reason)
@@ -175,7 +175,7 @@ class Turn:
             return "waiting_approval"
         if failure:
             return self.end("failed", failure, message=_results_message(results))
-        return self.after_tools(pending, results, turns=state.turns + 1)
+        return self.after_tools(results, turns=state.turns + 1)
 
     # -- tools -------------------------------------------------------------------------------
 
@@ -294,7 +294,7 @@ class Turn:
 
     # -- ends of a turn ----------------------------------------------------------------------
 
-    def after_tools(self, pending: list[dict[str, Any]], results: list[dict[str, Any]], *, turns: int) -> str:
+    def after_tools(self, results: list[dict[str, Any]], *, turns: int) -> str:
         """Save point B, then the next turn (numbered by the turns counted so far) is queued."""
         checkpoint.commit_tool_results(
             self.r, self.keys, self.token,
