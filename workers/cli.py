@@ -133,6 +133,8 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
         click.echo(f"[{n}] {message['role']}")
         for line in _describe(message["content"]):
             click.echo(f"    {line}")
+    if run.status == "waiting_approval":
+        click.echo(f"\nwaiting for a decision: agentpool approve {run.id} [TOOL_USE_ID] [--deny --reason TEXT]")
     if run.pending:
         click.echo("\npending:")
         for call in run.pending:
