@@ -31,7 +31,8 @@ def main() -> None:
 @url_option
 @click.option("--name", default=None, help="Worker name (default: random).")
 @click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option("--log-level", default="WARNING", show_default=True,
+              help="INFO adds RQ's job lines and one structured line per run event.")
 @click.option("--no-scheduler", is_flag=True, help="Do not run RQ's scheduler (deferred retries need one somewhere).")
 @click.option("--concurrency", "-c", type=click.IntRange(min=1), default=1, show_default=True,
               help="Turns in flight at once in this process (threads); 1 forks a work horse per turn, as RQ does.")
