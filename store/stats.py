@@ -37,6 +37,7 @@ def counters_for(kind: str, fields: Mapping[str, Any]) -> dict[str, float]:
         return {f"model_errors|type={fields.get('error_type', '?')}": 1}
     if kind == "model_responded":
         counts = {f"tokens|kind={name}": float(fields.get(name) or 0) for name in TOKEN_FIELDS}
+        counts["cost_usd"] = float(fields.get("cost_usd") or 0)
         if fields.get("seconds") is not None:
             counts.update(_histogram("model_call_seconds", float(fields["seconds"])))
         return counts

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,6 +39,11 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 @pytest.fixture
 def r(redis_server: RedisServer) -> Iterator[Redis]:
     client = Redis.from_url(redis_server.url)
+    # A worker SIGKILLed by the previous test may still be blocked in BLMOVE inside Redis for a moment;
+    # a job pushed then is handed to the dead client (the reaper would repair it only after 30 s).
+    deadline = time.monotonic() + 10
+    while client.info("clients")["blocked_clients"] and time.monotonic() < deadline:
+        time.sleep(0.05)
     client.flushall()
     yield client
     client.close()

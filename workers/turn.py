@@ -134,9 +134,10 @@ class Turn:
         except ModelRejected as exc:
             return self.end("failed", f"the model API rejected the request: {exc}")
         price = price_of(agent.model)
-        checkpoint.record_spend(self.r, self.keys, self.token, reply.usage, price.cost(reply.usage) if price else 0.0)
+        cost = price.cost(reply.usage) if price else 0.0
+        checkpoint.record_spend(self.r, self.keys, self.token, reply.usage, cost)
         emit(self.r, self.run_id, "model_responded", turn=self.turn, stop_reason=reply.stop_reason,
-             seconds=round(time.monotonic() - asked, 4), **reply.usage)
+             seconds=round(time.monotonic() - asked, 4), cost_usd=round(cost, 8), **reply.usage)
         fault("after_model_reply", self.run_id, self.turn)
         return self.handle_reply(agent, state, reply)
 

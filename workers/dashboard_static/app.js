@@ -1,0 +1,518 @@
+"use strict";
+// The agentpool dashboard. Run data is untrusted (model and tool text): every piece of it goes into the
+// page through textContent / text nodes built by h(), never through innerHTML.
+
+const TOKEN_KEY = "agentpool.dashboard.token";
+const TERMINAL = new Set(["completed", "failed", "cancelled"]);
+const LIST_POLL_MS = 2000;
+const RUN_POLL_MS = 1000;
+const MAX_EVENTS_SHOWN = 500;
+
+// ---------------------------------------------------------------------------------------------
+// helpers
+
+function h(tag, props, ...children) {
+  const el = document.createElement(tag);
+  for (const [key, value] of Object.entries(props || {})) {
+    if (value === undefined || value === null || value === false) continue;
+    if (key === "class") el.className = value;
+    else if (key === "dataset") Object.assign(el.dataset, value);
+    else if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
+    else if (key === "value") el.value = value;
+    else el.setAttribute(key, value === true ? "" : String(value));
+  }
+  for (const child of children.flat(Infinity)) {
+    if (child === undefined || child === null || child === false) continue;
+    el.append(child instanceof Node ? child : String(child));
+  }
+  return el;
+}
+
+function runHref(id) {
+  return "/runs/" + encodeURIComponent(id);
+}
+
+function fmtAge(seconds) {
+  for (const [unit, size] of [["d", 86400], ["h", 3600], ["m", 60]]) {
+    if (seconds >= size) return Math.floor(seconds / size) + unit;
+  }
+  return Math.max(0, Math.floor(seconds)) + "s";
+}
+
+function fmtTime(epochSeconds) {
+  if (!epochSeconds) return "";
+  return new Date(epochSeconds * 1000).toLocaleString();
+}
+
+function fmtNum(n) {
+  return Number(n || 0).toLocaleString("en-US");
+}
+
+function fmtUsd(usd) {
+  const n = Number(usd || 0);
+  return "$" + (n > 0 && n < 0.01 ? n.toFixed(4) : n.toFixed(2));
+}
+
+function pretty(value) {
+  if (typeof value === "string") return value;
+  try {
+    return JSON.stringify(value, null, 2);
+  } catch (e) {
+    return String(value);
+  }
+}
+
+function badge(status) {
+  return h("span", { class: "badge st-" + status }, status);
+}
+
+class ApiError extends Error {
+  constructor(status, message) {
+    super(message);
+    this.status = status;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// server, token, connection state
+
+function takeTokenFromUrl() {
+  const url = new URL(location.href);
+  const token = url.searchParams.get("token");
+  if (token) {
+    sessionStorage.setItem(TOKEN_KEY, token);
+    url.searchParams.delete("token");
+    history.replaceState(null, "", url.pathname + url.search + url.hash);
+  }
+}
+
+function setConn(ok, text) {
+  const el = document.getElementById("conn");
+  el.className = "conn " + (ok ? "ok" : "down");
+  el.textContent = ok ? "live" : text || "offline";
+}
+
+async function api(path, options = {}) {
+  const headers = {};
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token) headers["Authorization"] = "Bearer " + token;
+  const init = { method: options.method || "GET", headers, cache: "no-store" };
+  if (options.body !== undefined) {
+    headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(options.body);
+  }
+  let resp;
+  try {
+    resp = await fetch(path, init);
+  } catch (e) {
+    setConn(false, "server unreachable");
+    throw new ApiError(0, "the dashboard server is unreachable");
+  }
+  let doc = {};
+  try {
+    doc = await resp.json();
+  } catch (e) {
+    doc = {};
+  }
+  if (resp.status === 401) askForToken("The dashboard refused the token. Enter it again.");
+  if (resp.status >= 500) setConn(false, resp.status === 503 ? "Redis unavailable" : "server error");
+  else setConn(true);
+  if (!resp.ok) throw new ApiError(resp.status, doc.error || resp.statusText);
+  return doc;
+}
+
+function renderAuth(config) {
+  const slot = document.getElementById("auth");
+  slot.replaceChildren();
+  if (!config.token_required) return;
+  if (sessionStorage.getItem(TOKEN_KEY)) {
+    slot.append(h("button", {
+      class: "link", type: "button", title: "Forget the token kept in this tab",
+      onclick: () => { sessionStorage.removeItem(TOKEN_KEY); location.reload(); },
+    }, "forget token"));
+  }
+}
+
+function askForToken(message) {
+  const banner = document.getElementById("banner");
+  if (!banner.hidden && document.getElementById("token-input")) return; // already asking: keep what is typed
+  const input = h("input", { type: "password", id: "token-input", autocomplete: "off", placeholder: "dashboard token" });
+  const form = h("form", {
+    class: "token-form",
+    onsubmit: (ev) => {
+      ev.preventDefault();
+      if (!input.value) return;
+      sessionStorage.setItem(TOKEN_KEY, input.value);
+      location.reload();
+    },
+  }, h("span", {}, message), input, h("button", { type: "submit" }, "Use token"));
+  banner.replaceChildren(form);
+  banner.hidden = false;
+  input.focus();
+}
+
+function showError(container, err) {
+  container.replaceChildren(h("p", { class: "error-text" }, err.message || String(err)));
+}
+
+// A refresh function returns the delay before the next call, or null to stop; kick() runs it now.
+function poller(refresh) {
+  let timer = null;
+  let running = false;
+  let again = false; // kicked while a refresh was in flight: its answer may predate the kick
+  async function tick() {
+    if (running) {
+      again = true;
+      return;
+    }
+    running = true;
+    clearTimeout(timer);
+    let next;
+    try {
+      next = await refresh();
+    } catch (err) {
+      next = err.status === 404 || err.status === 401 ? null : 3000; // 401: the token form reloads the page
+    }
+    running = false;
+    if (again) {
+      again = false;
+      next = 0;
+    }
+    if (next !== null && next !== undefined) timer = setTimeout(tick, document.hidden ? Math.max(next, 5000) : next);
+  }
+  tick();
+  return { kick: tick };
+}
+
+// ---------------------------------------------------------------------------------------------
+// the runs list
+
+function listPage(app) {
+  const params = new URLSearchParams(location.search);
+  const filters = { status: params.get("status") || "", agent: params.get("agent") || "" };
+  const knownAgents = new Set(filters.agent ? [filters.agent] : []);
+
+  const statusSelect = h("select", { id: "filter-status", "aria-label": "status" }, h("option", { value: "" }, "All statuses"));
+  const agentSelect = h("select", { id: "filter-agent", "aria-label": "agent" }, h("option", { value: "" }, "All agents"));
+  const summary = h("span", { class: "muted", id: "runs-summary" });
+  const tbody = h("tbody");
+  const table = h("table", { id: "runs-table", class: "runs" },
+    h("thead", {}, h("tr", {},
+      h("th", {}, "Run"), h("th", {}, "Agent"), h("th", {}, "Status"), h("th", { class: "num" }, "Turns"),
+      h("th", { class: "num" }, "Tokens"), h("th", { class: "num" }, "Cost"), h("th", { class: "num" }, "Age"),
+      h("th", {}, "Note"))),
+    tbody);
+
+  function onFilter() {
+    filters.status = statusSelect.value;
+    filters.agent = agentSelect.value;
+    const q = new URLSearchParams();
+    if (filters.status) q.set("status", filters.status);
+    if (filters.agent) q.set("agent", filters.agent);
+    history.replaceState(null, "", "/" + (q.toString() ? "?" + q : ""));
+    tbody.replaceChildren();
+    poll.kick();
+  }
+  statusSelect.addEventListener("change", onFilter);
+  agentSelect.addEventListener("change", onFilter);
+
+  app.replaceChildren(
+    h("section", { class: "card" },
+      h("div", { class: "toolbar" }, h("h1", {}, "Runs"), h("span", { class: "spacer" }), statusSelect, agentSelect),
+      h("div", { class: "table-wrap" }, table),
+      h("p", { class: "footnote" }, summary)));
+
+  function fillSelect(select, values, current) {
+    const have = [...select.options].map((o) => o.value);
+    for (const v of values) if (!have.includes(v)) select.append(h("option", { value: v }, v));
+    select.value = current;
+  }
+
+  function row(run) {
+    const note = run.status === "waiting_approval"
+      ? h("span", { class: "note-warn" }, "awaiting approval")
+      : run.error ? h("span", { class: "note", title: run.error }, run.error) : "";
+    return h("tr", { dataset: { runId: run.id }, class: "clickable", onclick: (ev) => {
+      if (ev.target.closest("a") === null) location.href = runHref(run.id);
+    } },
+      h("td", { class: "mono" }, h("a", { href: runHref(run.id) }, run.id)),
+      h("td", { class: "agent" }, run.agent),
+      h("td", { class: "status" }, badge(run.status)),
+      h("td", { class: "num turns" }, run.turns),
+      h("td", { class: "num tokens" }, fmtNum(run.tokens)),
+      h("td", { class: "num cost" }, run.cost_usd === null || run.cost_usd === undefined ? "—" : fmtUsd(run.cost_usd)),
+      h("td", { class: "num age", title: fmtTime(run.created_at) }, fmtAge(run.age)),
+      h("td", { class: "note-cell" }, note));
+  }
+
+  async function refresh() {
+    const q = new URLSearchParams({ limit: "100" });
+    if (filters.status) q.set("status", filters.status);
+    if (filters.agent) q.set("agent", filters.agent);
+    const doc = await api("/api/runs?" + q);
+    fillSelect(statusSelect, doc.statuses, filters.status);
+    for (const a of doc.agents) knownAgents.add(a);
+    fillSelect(agentSelect, [...knownAgents].sort(), filters.agent);
+    if (doc.runs.length === 0) {
+      tbody.replaceChildren(h("tr", {}, h("td", { colspan: "8", class: "empty" },
+        filters.status || filters.agent ? "No runs match these filters." :
+          "No runs yet. Enqueue one with: agentpool enqueue module:agent \"task\"")));
+    } else {
+      tbody.replaceChildren(...doc.runs.map(row));
+    }
+    summary.textContent = doc.runs.length + " run" + (doc.runs.length === 1 ? "" : "s") +
+      " shown, newest first · updated " + new Date().toLocaleTimeString();
+    return LIST_POLL_MS;
+  }
+
+  const poll = poller(refresh);
+}
+
+// ---------------------------------------------------------------------------------------------
+// one run
+
+function renderBlock(block, toolNames) {
+  if (typeof block === "string") return h("div", { class: "text" }, block);
+  switch (block.type) {
+    case "text":
+      return h("div", { class: "text" }, block.text);
+    case "thinking":
+      return h("details", { class: "thinking" }, h("summary", {}, "Thinking"), h("div", { class: "text" }, block.thinking));
+    case "redacted_thinking":
+      return h("div", { class: "muted small" }, "(redacted thinking)");
+    case "tool_use":
+      toolNames[block.id] = block.name;
+      return h("div", { class: "tool-use", dataset: { toolUseId: block.id } },
+        h("div", { class: "block-head" }, h("span", { class: "arrow" }, "→"), h("strong", {}, block.name),
+          h("span", { class: "muted mono small" }, block.id)),
+        h("pre", { class: "json" }, pretty(block.input)));
+    case "tool_result": {
+      const body = Array.isArray(block.content)
+        ? block.content.map((b) => (b && b.type === "text" ? b.text : "(" + ((b && b.type) || "block") + ")")).join("\n")
+        : pretty(block.content === undefined ? "" : block.content);
+      return h("div", { class: "tool-result" + (block.is_error ? " is-error" : ""), dataset: { toolUseId: block.tool_use_id } },
+        h("div", { class: "block-head" }, h("span", { class: "arrow" }, "←"),
+          h("strong", {}, toolNames[block.tool_use_id] || "tool result"),
+          block.is_error ? h("span", { class: "badge st-failed" }, "error") : null,
+          h("span", { class: "muted mono small" }, block.tool_use_id)),
+        h("pre", { class: "result" }, body));
+    }
+    case "image":
+    case "document":
+      return h("div", { class: "muted small" }, "(" + block.type + ")");
+    default:
+      return h("div", { class: "muted small" }, "(" + (block.type || "unknown block") + ")");
+  }
+}
+
+function renderMessage(message, index, toolNames) {
+  const blocks = typeof message.content === "string" ? [message.content] : message.content || [];
+  const onlyResults = message.role === "user" && blocks.length > 0 &&
+    blocks.every((b) => b && b.type === "tool_result");
+  const label = message.role === "assistant" ? "Assistant" : onlyResults ? "Tool results" : index === 0 ? "Task" : "User";
+  return h("article", { class: "msg " + (onlyResults ? "results" : message.role) },
+    h("div", { class: "msg-head" }, h("span", { class: "role" }, label), h("span", { class: "muted small" }, "#" + index)),
+    blocks.map((b) => renderBlock(b, toolNames)));
+}
+
+function fact(label, ...value) {
+  return h("div", { class: "fact" }, h("dt", {}, label), h("dd", {}, ...value));
+}
+
+function runHeader(run, now) {
+  const maxTurns = run.limits && run.limits.max_turns;
+  const u = run.usage || {};
+  return [
+    h("div", { class: "run-title" },
+      h("h1", { class: "mono", id: "run-id" }, run.id),
+      h("span", { id: "run-status", class: "status" }, badge(run.status))),
+    h("dl", { class: "facts" },
+      fact("Agent", h("span", { class: "mono" }, run.agent)),
+      fact("Turns", String(run.turns) + (maxTurns ? " / " + (maxTurns + ((run.limits || {}).extra_turns || 0)) : "")),
+      fact("Tokens", fmtNum(run.tokens),
+        h("span", { class: "muted small" }, "in " + fmtNum(u.input_tokens) + " · out " + fmtNum(u.output_tokens) +
+          " · cache read " + fmtNum(u.cache_read_input_tokens) + " · cache write " + fmtNum(u.cache_creation_input_tokens))),
+      run.cost_usd !== undefined && run.cost_usd !== null ? fact("Cost", fmtUsd(run.cost_usd)) : null,
+      fact("Age", h("span", { title: fmtTime(run.created_at) }, fmtAge(run.age))),
+      fact("Updated", h("span", { title: fmtTime(run.updated_at) }, fmtAge(Math.max(0, now - run.updated_at)) + " ago"))),
+    run.error ? h("div", { class: "callout " + (run.status === "stopped" ? "warn" : "bad"), id: "run-error" },
+      h("strong", {}, run.status === "stopped" ? "Stopped: " : "Error: "), run.error) : null,
+    run.result ? h("div", { class: "callout good", id: "run-result" }, h("strong", {}, "Result: "), run.result) : null,
+  ];
+}
+
+function actionsPanel(run, post) {
+  const out = [];
+  if (run.status === "waiting_approval") {
+    const calls = run.pending && run.pending.length ? run.pending : [{ id: null, name: "(all pending tool calls)", input: null }];
+    out.push(h("div", { class: "approval" },
+      h("h2", {}, "Waiting for approval"),
+      calls.map((call) => {
+        const reason = h("input", { type: "text", class: "reason", placeholder: "reason (optional)", "aria-label": "reason" });
+        const decide = (approved) => post("approve", { tool_use_id: call.id, approved, reason: reason.value || null },
+          approved ? "Approved." : "Denied.");
+        return h("div", { class: "pending-call", dataset: { toolUseId: call.id || "" } },
+          h("div", { class: "block-head" }, h("strong", {}, call.name), h("span", { class: "muted mono small" }, call.id || "")),
+          call.input !== null ? h("pre", { class: "json" }, pretty(call.input)) : null,
+          h("div", { class: "buttons" },
+            h("button", { type: "button", class: "primary", dataset: { action: "approve", toolUseId: call.id || "" },
+              onclick: () => decide(true) }, "Approve"),
+            h("button", { type: "button", class: "danger-outline", dataset: { action: "deny", toolUseId: call.id || "" },
+              onclick: () => decide(false) }, "Deny"),
+            reason));
+      })));
+  }
+  const buttons = [];
+  if (run.status === "stopped") {
+    // Prefill what the stop reason asks for ("resume with more turns / tokens / budget").
+    const why = run.error || "";
+    const turns = h("input", { type: "number", min: "0", step: "1", value: /max_turns/.test(why) ? "10" : "0",
+      id: "resume-turns", "aria-label": "add turns" });
+    const tokens = h("input", { type: "number", min: "0", step: "1000", value: /max_total_tokens/.test(why) ? "100000" : "0",
+      id: "resume-tokens", "aria-label": "add tokens" });
+    const usd = h("input", { type: "number", min: "0", step: "0.5", value: /max_cost_usd/.test(why) ? "1" : "0",
+      id: "resume-usd", "aria-label": "add USD" });
+    buttons.push(h("span", { class: "resume" },
+      h("label", {}, "+ turns ", turns), h("label", {}, "+ tokens ", tokens), h("label", {}, "+ USD ", usd),
+      h("button", { type: "button", class: "primary", dataset: { action: "resume" }, onclick: () => post("resume", {
+        add_turns: Number(turns.value) || 0, add_tokens: Number(tokens.value) || 0, add_usd: Number(usd.value) || 0,
+      }, "Resumed.") }, "Resume")));
+  }
+  if (!TERMINAL.has(run.status)) {
+    buttons.push(h("button", { type: "button", class: "danger", dataset: { action: "cancel" }, onclick: () => {
+      if (confirm("Cancel run " + run.id + " for good?")) post("cancel", {}, "Cancelled.");
+    } }, "Cancel run"));
+  }
+  if (buttons.length) out.push(h("div", { class: "buttons" }, buttons));
+  return out;
+}
+
+function ledgerTable(ledger) {
+  const ids = Object.keys(ledger);
+  if (ids.length === 0) return h("p", { class: "muted small" }, "No tool has run yet.");
+  return h("table", { class: "ledger", id: "ledger-table" },
+    h("thead", {}, h("tr", {}, h("th", {}, "Tool"), h("th", {}, "Effect"), h("th", { class: "num" }, "Tries"), h("th", {}, "Outcome"))),
+    h("tbody", {}, ids.map((id) => {
+      const e = ledger[id];
+      const o = e.outcome;
+      const state = !o ? h("span", { class: "badge st-waiting_approval" }, "started, no outcome")
+        : o.is_error ? h("span", { class: "badge st-failed" }, o.how + " · error")
+          : h("span", { class: "badge st-completed" }, o.how);
+      return h("tr", { dataset: { toolUseId: id } },
+        h("td", { title: id }, e.name || "?"),
+        h("td", {}, h("span", { class: "effect eff-" + (e.effect || "none") }, e.effect || "—")),
+        h("td", { class: "num" }, e.attempt || 0),
+        h("td", {}, !o ? state : o.content === null
+          ? h("span", { title: "the result is in the conversation" }, state,
+            h("span", { class: "muted small" }, " " + fmtNum(o.chars) + " chars"))
+          : h("details", {}, h("summary", {}, state), h("pre", { class: "result small" }, o.content))));
+    })));
+}
+
+function eventItem(ev) {
+  const ms = Number(ev.id.split("-")[0]);
+  const fields = Object.entries(ev).filter(([k]) => k !== "id" && k !== "kind").map(([k, v]) => k + "=" + v).join("  ");
+  return h("li", { class: "event" + (/error|takeover|failed/.test(ev.kind + (ev.status || "")) ? " bad" : "") },
+    h("span", { class: "ev-time mono", title: new Date(ms).toLocaleString() }, new Date(ms).toLocaleTimeString()),
+    h("span", { class: "ev-kind" }, ev.kind),
+    h("span", { class: "ev-fields" }, fields));
+}
+
+function runPage(app, runId) {
+  const state = { from: 0, toolNames: {}, lastEvent: "0-0", actionsKey: null, run: null, events: 0 };
+  const headerInfo = h("div", { id: "run-info" });
+  const actions = h("div", { id: "run-actions", class: "actions" });
+  // Outside the actions panel, which is rebuilt when the status changes: the outcome of a click stays.
+  const feedback = h("div", { class: "feedback", id: "action-feedback", role: "status" });
+  const header = h("section", { class: "card run-header", id: "run-header" }, headerInfo, actions, feedback);
+  const conversation = h("div", { id: "conversation", class: "conversation" });
+  const ledgerBox = h("div", { id: "ledger" });
+  const eventList = h("ol", { id: "events", class: "events", reversed: true });
+
+  app.replaceChildren(
+    h("p", { class: "crumbs" }, h("a", { href: "/" }, "← All runs")),
+    header,
+    h("div", { class: "layout" },
+      h("section", { class: "card main" }, h("h2", {}, "Conversation"), conversation),
+      h("aside", { class: "side" },
+        h("section", { class: "card" }, h("h2", {}, "Ledger"), ledgerBox),
+        h("section", { class: "card" }, h("h2", {}, "Events"), h("div", { class: "events-wrap" }, eventList)))));
+
+  async function post(action, body, done) {
+    feedback.className = "feedback";
+    feedback.textContent = "";
+    for (const b of actions.querySelectorAll("button")) b.disabled = true;
+    try {
+      await api("/api/runs/" + encodeURIComponent(runId) + "/" + action, { method: "POST", body });
+      feedback.className = "feedback ok";
+      feedback.textContent = done;
+    } catch (err) {
+      feedback.className = "feedback bad";
+      feedback.textContent = err.message;
+    } finally {
+      for (const b of actions.querySelectorAll("button")) b.disabled = false;
+      state.actionsKey = null;
+      poll.kick();
+    }
+  }
+
+  async function refresh() {
+    let doc;
+    try {
+      doc = await api("/api/runs/" + encodeURIComponent(runId) + "?from=" + state.from);
+    } catch (err) {
+      if (err.status === 404) showError(app, err);
+      throw err;
+    }
+    const run = doc.run;
+    state.run = run;
+    headerInfo.replaceChildren(...runHeader(run, doc.now).filter(Boolean));
+    const key = run.status + "|" + (run.pending || []).map((p) => p.id).join(",");
+    if (key !== state.actionsKey) {
+      actions.replaceChildren(...actionsPanel(run, post));
+      state.actionsKey = key;
+    }
+    if (doc.messages_from === state.from) {
+      doc.messages.forEach((m, i) => conversation.append(renderMessage(m, state.from + i, state.toolNames)));
+      state.from = doc.message_count;
+    }
+    if (conversation.childElementCount === 0) conversation.append(h("p", { class: "muted" }, "No messages."));
+    ledgerBox.replaceChildren(ledgerTable(doc.ledger));
+
+    const evs = await api("/api/runs/" + encodeURIComponent(runId) + "/events?after=" + state.lastEvent);
+    for (const ev of evs.events) {
+      eventList.prepend(eventItem(ev));
+      state.lastEvent = ev.id;
+    }
+    while (eventList.childElementCount > MAX_EVENTS_SHOWN) eventList.lastElementChild.remove();
+    document.title = run.status + " · " + run.id + " · agentpool";
+    return TERMINAL.has(run.status) ? null : RUN_POLL_MS;
+  }
+
+  const poll = poller(refresh);
+}
+
+// ---------------------------------------------------------------------------------------------
+
+async function main() {
+  takeTokenFromUrl();
+  const app = document.getElementById("app");
+  let config;
+  try {
+    config = await api("/api/config");
+  } catch (err) {
+    showError(app, err);
+    return;
+  }
+  renderAuth(config);
+  if (config.token_required && !sessionStorage.getItem(TOKEN_KEY)) {
+    app.replaceChildren(h("p", { class: "muted" }, "This dashboard needs its token to show runs."));
+    askForToken("This dashboard needs a token (AGENTPOOL_DASHBOARD_TOKEN).");
+    return;
+  }
+  const match = location.pathname.match(/^\/runs\/([A-Za-z0-9_-]+)$/);
+  if (match) runPage(app, match[1]);
+  else listPage(app);
+}
+
+main();
