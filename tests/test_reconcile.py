@@ -1,0 +1,64 @@
+"""The reconcile table, and a turn settling calls a dead worker left, against a real Redis."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from store import checkpoint, ledger
+from store.keys import RunKeys
+from store.lease import acquire
+from store.ledger import Entry, Outcome
+from workers.reconcile import Action, idempotency_key, plan
+from workers.settings import Settings
+from workers.turn import Turn
+
+STARTED = Entry(intent={"name": "t", "input": "x", "attempt": 1}, outcome=None)
+DONE = Entry(intent={"name": "t", "input": "x", "attempt": 1}, outcome=Outcome("ok", False))
+NOTHING = Entry(intent=None, outcome=None)
+
+
+@pytest.mark.parametrize("effect, entry, has_verify, action", [
+    ("read", DONE, False, Action.REPLAY),
+    ("read", STARTED, False, Action.RUN),
+    ("read", NOTHING, False, Action.RUN),
+    ("idempotent", DONE, False, Action.REPLAY),
+    ("idempotent", STARTED, False, Action.RUN),
+    ("idempotent", NOTHING, False, Action.RUN),
+    ("unsafe", DONE, True, Action.REPLAY),
+    ("unsafe", STARTED, True, Action.VERIFY),
+    ("unsafe", STARTED, False, Action.UNKNOWN),
+    ("unsafe", NOTHING, False, Action.RUN),
+    (None, STARTED, False, Action.UNKNOWN),  # the tool is gone since the call started
+])
+def test_the_reconcile_table(effect, entry, has_verify, action):
+    assert plan(effect, entry, has_verify=has_verify) is action
+
+
+def test_the_idempotency_key_is_stable_per_tool_use_and_differs_between_them():
+    assert idempotency_key("r_1", "toolu_a") == idempotency_key("r_1", "toolu_a")
+    assert idempotency_key("r_1", "toolu_a") != idempotency_key("r_1", "toolu_b")
+    assert idempotency_key("r_1", "toolu_a") != idempotency_key("r_2", "toolu_a")
+
+
+def test_calls_to_tools_the_agent_no_longer_has_get_is_error_results(r):
+    from pool_agents import short  # an agent without "retired_tool"
+
+    run_id = "r_reconcile01"
+    keys = RunKeys.of(run_id)
+    with r.pipeline(transaction=True) as pipe:
+        pipe.multi()
+        checkpoint.stage_create(pipe, run_id, agent="pool_agents:short", task="t", limits={}, now=time.time())
+        pipe.execute()
+    token = acquire(r, keys, turn=0, worker_id="test.1", ttl_ms=10_000).token
+    never = {"id": "toolu_never", "name": "retired_tool", "input": {}}
+    started = {"id": "toolu_started", "name": "retired_tool", "input": {"a": 1}}
+    message = {"role": "assistant", "content": [{"type": "tool_use", **never}, {"type": "tool_use", **started}]}
+    checkpoint.commit_response(r, keys, token, turns_before=0, message=message, pending=[never, started])
+    ledger.write_intent(r, keys, token, started, effect="unsafe", attempt=1, now=1.0)
+
+    results = Turn(r, keys, token, 0, Settings.from_env()).settle(short, [never, started])
+    assert [b["tool_use_id"] for b in results] == ["toolu_never", "toolu_started"]
+    assert results[0]["is_error"] and "no tool named 'retired_tool'" in results[0]["content"]
+    assert results[1]["is_error"] and "status of this retired_tool call is unknown" in results[1]["content"]
