@@ -45,6 +45,12 @@ class AgentWorker(Worker):
         )
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
+        # Every work horse is forked from this process: import the turn code here, once, or each horse
+        # imports anthropic itself (~1 s of CPU per turn, measured by `agentpool bench --only overhead`).
+        import workers.turn  # noqa: F401
+        from workers.model import warm_up
+
+        warm_up()
         # The reaper gets its own connection pool: it runs beside the worker's blocking dequeue.
         pool_kwargs = self.connection.connection_pool.connection_kwargs
         reaper_conn = Redis(connection_pool=type(self.connection.connection_pool)(
