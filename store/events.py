@@ -22,7 +22,8 @@ def emit(r: Redis, run_id: str, kind: str, **fields: Any) -> None:
     Fields must not carry secrets or tool inputs; they are for operators' eyes.
     """
     data = {"kind": kind, **{k: str(v) for k, v in fields.items() if v is not None}}
-    log.info("%s", json.dumps({"run": run_id, **data}, ensure_ascii=False))
+    if log.isEnabledFor(logging.INFO):  # building the line costs more than the event's Redis write
+        log.info("%s", json.dumps({"run": run_id, **data}, ensure_ascii=False))
     try:
         with r.pipeline(transaction=False) as pipe:
             pipe.xadd(RunKeys.of(run_id).events, data, maxlen=MAX_EVENTS, approximate=True)

@@ -2,7 +2,8 @@
 ``--metrics-port``) can export them. Derived from events, so every event source counts the same way.
 
 Field names are ``<metric>|<label>=<value>`` (or just ``<metric>``); latency histograms use
-``<metric>|le=<bound>`` cumulative buckets plus ``<metric>_sum`` and ``<metric>_count``.
+``<metric>|le=<bound>`` for the one bucket an observation falls in (not cumulative: one write per
+observation instead of thirteen; the exporter adds them up), plus ``<metric>_sum`` and ``<metric>_count``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cac
 
 
 def _histogram(name: str, seconds: float) -> dict[str, float]:
-    fields = {f"{name}|le={'+Inf' if b == float('inf') else b}": 1.0 for b in LATENCY_BUCKETS if seconds <= b}
+    bound = next(b for b in LATENCY_BUCKETS if seconds <= b)
+    fields = {f"{name}|le={'+Inf' if bound == float('inf') else bound}": 1.0}
     fields[f"{name}_sum"] = seconds
     fields[f"{name}_count"] = 1.0
     return fields

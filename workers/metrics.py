@@ -165,11 +165,13 @@ class PoolCollector(Collector):
 def _histogram(metric: str, help_text: str, buckets: Mapping[str, float], total: float) -> Metric:
     bounds = sorted(stats.LATENCY_BUCKETS)
     rows = []
+    cumulative = 0.0
     for bound in bounds:
         key = "+Inf" if bound == float("inf") else f"{bound:g}"
+        # stats counts each observation in its own bucket only; Prometheus buckets are cumulative.
         # stats writes int-valued bounds as "1", "5"; "{:g}" reads both spellings alike
-        value = buckets.get(key, buckets.get(str(bound), 0.0))
-        rows.append(("+Inf" if bound == float("inf") else repr(float(bound)), value))  # Prometheus spells 1 "1.0"
+        cumulative += buckets.get(key, buckets.get(str(bound), 0.0))
+        rows.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))  # Prometheus spells 1 "1.0"
     return HistogramMetricFamily(f"agentpool_{metric}", help_text, buckets=rows, sum_value=total)
 
 

@@ -62,6 +62,18 @@ def _client() -> anthropic.Anthropic:
     return _clients[pid]
 
 
+def warm_up() -> None:
+    """Do the SDK's lazy one-time work (imports, building the response model's validators) in a
+    process that forks work horses, so each horse does not pay ~200 ms for it on every turn. No
+    client or connection is kept: an HTTP pool must not cross a fork."""
+    anthropic.Anthropic(api_key="warm-up", max_retries=0).close()
+    anthropic.types.Message.model_validate({
+        "id": "msg_warm_up", "type": "message", "role": "assistant", "model": "warm-up", "content": [
+            {"type": "text", "text": ""}, {"type": "tool_use", "id": "toolu_warm_up", "name": "t", "input": {}}],
+        "stop_reason": "end_turn", "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0},
+    })
+
+
 def build_request(agent: Agent, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The request, with cache breakpoints on the tools, the system prompt and the last message.
 
