@@ -95,6 +95,16 @@ class Pool(WorkerProcesses):
 
         return effects(self.effects_path)
 
+    def wait_for_effect(self, tool: str, timeout: float = 30) -> dict:
+        """The first real execution of ``tool`` (say, a slow tool a test wants to crash into)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [e for e in self.effects() if e["tool"] == tool]
+            if found:
+                return found[0]
+            time.sleep(0.02)
+        raise AssertionError(f"{tool} never ran:\n{self.logs()}")
+
 
 @pytest.fixture
 def pool(r: Redis, redis_server: RedisServer, model: ScriptedModel, tmp_path: Path) -> Iterator[Pool]:

@@ -7,7 +7,6 @@ in a file outside the system under test.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections import Counter
@@ -82,16 +81,6 @@ def test_run_survives_a_work_horse_killed_at(point, r, pool, model):
         assert not any(b.get("is_error") for b in results.values())
 
 
-def _wait_for_effect(pool, tool: str, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [e for e in pool.effects() if e["tool"] == tool]
-        if found:
-            return found[0]
-        time.sleep(0.02)
-    raise AssertionError(f"{tool} never ran:\n{pool.logs()}")
-
-
 def _horses(worker) -> list[int]:
     return horses_of(worker.pid)
 
@@ -107,7 +96,7 @@ def test_whole_worker_killed_mid_tool_is_taken_over_after_the_lease_expires(r, p
     model.set_scripts({"slow": SLOW_SCRIPT})
     first = pool.start(1)[0]
     run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
-    effect = _wait_for_effect(pool, "slow_read")
+    effect = pool.wait_for_effect("slow_read")
     assert effect["pid"] in _horses(first)
     pool.kill(first)  # the worker and its horse: a lost machine (how fast: `agentpool bench recovery`)
     pool.start(1)
@@ -125,7 +114,7 @@ def test_a_frozen_worker_woken_after_its_lease_expired_writes_nothing(r, pool, m
     model.set_scripts({"slow": SLOW_SCRIPT})
     frozen = pool.start(1)[0]
     run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
-    _wait_for_effect(pool, "slow_read")
+    pool.wait_for_effect("slow_read")
     horse = _horses(frozen)
     pool.kill(frozen, signal.SIGSTOP)  # worker and horse frozen mid-tool, as in a long GC pause
     pool.start(1)

@@ -745,10 +745,7 @@ def test_sigterm_to_every_process_cuts_the_turn_which_is_why_the_units_use_killm
     model.set_scripts({"slow": [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 3}}]}, {"text": "done"}]})
     worker = pool.start(1)[0]
     run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
-    deadline = time.monotonic() + 30
-    while not pool.effects() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert pool.effects(), pool.logs()
+    pool.wait_for_effect("slow_read")
     for pid in [worker.pid, *children_of(worker.pid)]:
         os.kill(pid, signal.SIGTERM)
     worker.wait(timeout=30)
@@ -764,10 +761,7 @@ def test_a_second_sigterm_is_a_cold_shutdown_and_the_turn_is_taken_over_after_th
     model.set_scripts({"slow": [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 4}}]}, {"text": "done"}]})
     worker = pool.start(1)[0]
     run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
-    deadline = time.monotonic() + 30
-    while not pool.effects() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert pool.effects(), pool.logs()
+    pool.wait_for_effect("slow_read")
     worker.send_signal(signal.SIGTERM)
     time.sleep(1.2)  # RQ ignores a second signal within 1 s of the first
     worker.send_signal(signal.SIGTERM)

@@ -134,9 +134,7 @@ def test_sigterm_lets_the_turn_in_flight_finish(r, pool, model):
     ]})
     worker = pool.start(1)[0]
     run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
-    deadline = time.monotonic() + 30
-    while not pool.effects() and time.monotonic() < deadline:
-        time.sleep(0.02)
+    pool.wait_for_effect("slow_read")
     worker.send_signal(signal.SIGTERM)  # warm shutdown, as RQ does
     assert worker.wait(timeout=30) == 0
     state = checkpoint.load_run(r, run_id, with_messages=False)

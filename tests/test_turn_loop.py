@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 from conftest import ROOT, assert_valid_conversation, script_task
 from workers import cancel_run, enqueue_run, get_run, wait_for_run
@@ -138,13 +139,10 @@ def test_cancel_ends_a_run_and_its_turn_commits_nothing_more(r, pool, model):
     ]})
     pool.start(1)
     run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
-    for _ in range(100):
-        if any(e["tool"] == "slow_read" for e in pool.effects()):
-            break
-        __import__("time").sleep(0.05)
+    pool.wait_for_effect("slow_read")
     assert cancel_run(run_id, connection=r) == "running"
     run = wait_for_run(run_id, timeout=30, connection=r)
-    __import__("time").sleep(2.5)  # the slow tool finishes; its turn must not commit
+    time.sleep(2.5)  # the slow tool finishes; its turn must not commit
     after = get_run(run_id, connection=r)
     assert after.status == "cancelled"
     assert after.messages == run.messages and len(after.messages) == 2
