@@ -171,7 +171,7 @@ class Turn:
         if final:
             emit(self.r, self.run_id, "status", status=final, error=failure)
             return final
-        results = self.settle(agent, pending) if pending else []
+        results = self.settle(agent, pending, fresh=True) if pending else []
         if results is None:
             return "waiting_approval"
         if failure:
@@ -180,13 +180,18 @@ class Turn:
 
     # -- tools -------------------------------------------------------------------------------
 
-    def settle(self, agent: Agent, pending: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    def settle(self, agent: Agent, pending: list[dict[str, Any]], *, fresh: bool = False) -> list[dict[str, Any]] | None:
         """One tool_result per pending tool_use, in order, each reconciled on its own; or None when
-        the run now waits for a person's decision on some of them."""
-        entries = ledger.read(self.r, self.keys, [call["id"] for call in pending])
-        for call in pending:
-            ledger.check_same_call(entries[call["id"]], call)
-        waits, decisions = approvals.read(self.r, self.keys)
+        the run now waits for a person's decision on some of them. ``fresh`` calls come from the reply
+        this very turn received: nothing can be recorded for them yet, so the ledger is not read."""
+        if fresh:
+            entries = {call["id"]: Entry(None, None) for call in pending}
+        else:
+            entries = ledger.read(self.r, self.keys, [call["id"] for call in pending])
+            for call in pending:
+                ledger.check_same_call(entries[call["id"]], call)
+        gated = any((tool := agent.tool_named(call["name"])) and tool.requires_approval for call in pending)
+        decisions = approvals.read(self.r, self.keys)[1] if gated else {}
         undecided = [call for call in pending if self.needs_decision(agent, call, entries[call["id"]], decisions)]
         if undecided:
             self.wait_for_approval(agent, undecided)
