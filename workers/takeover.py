@@ -12,12 +12,15 @@ import logging
 
 from redis import Redis
 from redis.client import Pipeline
+from rq.exceptions import DeserializationError
+from rq.job import Job
 from redis.exceptions import WatchError
 
 from store.clock import now_ms
 from store.checkpoint import QUEUED_RECHECK_MS, fail_unfenced
 from store.events import emit
 from store.keys import RUNS_WATCH, RunKeys
+from store.lease import release_dead_holder
 from store.records import ACTIVE_STATUSES, SCHEMA_VERSION
 from workers.jobs import stage_turn
 
@@ -81,3 +84,15 @@ def requeue_turn(r: Redis, run_id: str, *, cause: str, cause_kind: str, dead_job
             log.warning("run %s: turn %s re-enqueued as %s (%s)", run_id, turn, jid, cause)
             emit(r, run_id, "takeover", turn=turn, cause=cause, cause_kind=cause_kind, job=jid)
             return jid
+
+
+def hand_over_dead_holder(r: Redis, job: Job, holder: str, *, cause: str) -> str | None:
+    """The process ``holder`` (``<worker name>.<pid>``) that ran ``job`` is known dead: drop its
+    lease on the job's run and re-enqueue the turn at once, without waiting for the lease to expire.
+    Returns the run id re-enqueued, or None (not an agentpool turn, or nothing was needed)."""
+    try:
+        run_id, _turn = job.args
+    except (DeserializationError, ValueError, TypeError):
+        return None  # not an agentpool turn
+    release_dead_holder(r, RunKeys.of(run_id), holder)
+    return run_id if requeue_turn(r, run_id, cause=cause, cause_kind="horse_death", dead_job=job.id) else None

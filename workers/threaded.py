@@ -38,7 +38,7 @@ from uuid import uuid4
 import redis.exceptions
 from redis import Redis
 from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
-from rq.exceptions import DequeueTimeout, DeserializationError, NoSuchJobError, StopRequested
+from rq.exceptions import DequeueTimeout, NoSuchJobError, StopRequested
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.logutils import setup_loghandlers
@@ -47,12 +47,11 @@ from rq.timeouts import BaseDeathPenalty
 from rq.utils import as_text, now
 from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
 
-from store.keys import TURN_QUEUE, RunKeys
-from store.lease import release_dead_holder
+from store.keys import TURN_QUEUE
 from workers.reaper import ReaperThread
 from workers.serializer import MsgpackSerializer
 from workers.settings import Settings
-from workers.takeover import requeue_turn
+from workers.takeover import hand_over_dead_holder
 
 log = logging.getLogger("agentpool.threaded")
 
@@ -350,11 +349,8 @@ def hand_over_dead_worker(r: Redis, name: str, pid: int, how: str) -> list[str]:
         except NoSuchJobError:
             continue
         jobs.append((job, execution))
-        run_id = _run_of(job)
-        if run_id is None:
-            continue  # not an agentpool turn
-        release_dead_holder(r, RunKeys.of(run_id), f"{name}.{pid}")
-        if requeue_turn(r, run_id, cause=cause, cause_kind="horse_death", dead_job=job.id):
+        run_id = hand_over_dead_holder(r, job, f"{name}.{pid}", cause=cause)
+        if run_id is not None:
             requeued.append(run_id)
     # RQ's bookkeeping after the runs are safe again: the same as its forking worker on a killed horse.
     for job, execution in jobs:
@@ -370,14 +366,6 @@ def hand_over_dead_worker(r: Redis, name: str, pid: int, how: str) -> list[str]:
             log.exception("supervisor: could not record the failure of job %s", job.id)
     ghost.register_death()
     return requeued
-
-
-def _run_of(job: Job) -> str | None:
-    try:
-        run_id, _turn = job.args
-    except (DeserializationError, ValueError, TypeError):
-        return None
-    return str(run_id)
 
 
 def _exit_when_parent_dies(parent: int) -> None:

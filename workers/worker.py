@@ -16,12 +16,11 @@ from typing import Any
 from redis import Redis
 from rq import Worker
 
-from store.keys import TURN_QUEUE, RunKeys
-from store.lease import release_dead_holder
+from store.keys import TURN_QUEUE
 from workers.reaper import ReaperThread
 from workers.serializer import MsgpackSerializer
 from workers.settings import Settings
-from workers.takeover import requeue_turn
+from workers.takeover import hand_over_dead_holder
 
 log = logging.getLogger("agentpool.worker")
 
@@ -34,15 +33,8 @@ class AgentWorker(Worker):
         self.reaper_interval = reaper_interval if reaper_interval is not None else Settings.from_env().reaper_interval
 
     def _on_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
-        try:
-            run_id, _turn = job.args
-        except (ValueError, TypeError):
-            return  # not an agentpool turn
         how = f"signal {os.WTERMSIG(ret_val)}" if os.WIFSIGNALED(ret_val) else f"exit status {os.WEXITSTATUS(ret_val)}"
-        release_dead_holder(self.connection, RunKeys.of(run_id), f"{self.name}.{retpid}")
-        requeue_turn(
-            self.connection, run_id, cause=f"work horse {retpid} died ({how})", cause_kind="horse_death", dead_job=job.id
-        )
+        hand_over_dead_holder(self.connection, job, f"{self.name}.{retpid}", cause=f"work horse {retpid} died ({how})")
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
         # Every work horse is forked from this process: import the turn code here, once, or each horse
