@@ -113,6 +113,21 @@ def pool(r: Redis, redis_server: RedisServer, model: ScriptedModel, tmp_path: Pa
     p.stop()
 
 
+def wait_for_status(r: Redis, run_id: str, status: str, timeout: float = 30) -> None:
+    """Until the run's header says ``status``; reads only that field, so it works on a run whose
+    messages cannot be decoded, and stops at statuses ``wait_for_run`` returns on (waiting_approval)."""
+    from store.keys import RunKeys
+
+    deadline = time.monotonic() + timeout
+    while True:
+        current = (r.hget(RunKeys.of(run_id).run, "status") or b"").decode()
+        if current == status:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"run {run_id} is {current}, not {status}")
+        time.sleep(0.05)
+
+
 def assert_valid_conversation(messages: list[dict]) -> None:
     """What the Messages API demands, checked independently of the scripted server: every tool_use has
     exactly one tool_result, first in the very next user message, in order; no stray results."""

@@ -6,11 +6,10 @@ import base64
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import ROOT, TESTS, assert_valid_conversation, script_task
+from conftest import ROOT, TESTS, assert_valid_conversation, script_task, wait_for_status
 from store.keys import RunKeys
 from store.records import SCHEMA_VERSION
 from workers import ApprovalError, approve, enqueue_run, get_run, resume, wait_for_run
@@ -21,16 +20,6 @@ DEPLOY = [
     {"tool_calls": [{"name": "deploy", "input": {"version": "2.4.1"}}]},
     {"text": "Deployed or not, I am done."},
 ]
-
-
-def _wait_status(r, run_id, status, timeout=30):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        current = r.hget(RunKeys.of(run_id).run, "status").decode()
-        if current == status:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"run {run_id} is {current}, not {status}")
 
 
 def _tool_result(run, name):
@@ -48,7 +37,7 @@ def test_an_approval_survives_a_worker_restart_and_the_call_runs_once(r, pool, m
     model.set_scripts({"deploy": DEPLOY})
     first = pool.start(1)[0]
     run_id = enqueue_run("pool_agents:guarded", script_task("deploy"), connection=r)
-    _wait_status(r, run_id, "waiting_approval")
+    wait_for_status(r, run_id, "waiting_approval")
 
     run = get_run(run_id, connection=r)
     assert run.pending == [{"id": run.pending[0]["id"], "name": "deploy", "input": {"version": "2.4.1"}}]
@@ -70,7 +59,7 @@ def test_a_denied_call_returns_the_reason_to_the_model_and_never_runs(r, pool, m
     model.set_scripts({"deploy": DEPLOY})
     pool.start(1)
     run_id = enqueue_run("pool_agents:guarded", script_task("deploy"), connection=r)
-    _wait_status(r, run_id, "waiting_approval")
+    wait_for_status(r, run_id, "waiting_approval")
     out = _cli(pool, "approve", run_id, "--deny", "--reason", "release freeze until Monday")
     assert out.returncode == 0, out.stderr
     done = wait_for_run(run_id, timeout=60, connection=r)
@@ -87,7 +76,7 @@ def test_decisions_are_bound_to_the_waiting_calls(r, pool, model):
     ]})
     pool.start(1)
     run_id = enqueue_run("pool_agents:guarded", script_task("two"), connection=r)
-    _wait_status(r, run_id, "waiting_approval")
+    wait_for_status(r, run_id, "waiting_approval")
     first, second = [call["id"] for call in get_run(run_id, connection=r).pending]
 
     with pytest.raises(ApprovalError, match="not waiting for a decision on toolu_nope"):
@@ -109,8 +98,8 @@ def test_an_unanswered_approval_expires_and_the_run_goes_on(r, pool, model):
     model.set_scripts({"wipe": [{"tool_calls": [{"name": "wipe_cache", "input": {"region": "eu"}}]}, {"text": "ok"}]})
     pool.start(1)
     run_id = enqueue_run("pool_agents:guarded", script_task("wipe"), connection=r)
-    _wait_status(r, run_id, "waiting_approval")
-    _wait_status(r, run_id, "completed", timeout=90)  # nobody answers: the reaper denies it
+    wait_for_status(r, run_id, "waiting_approval")
+    wait_for_status(r, run_id, "completed", timeout=90)  # nobody answers: the reaper denies it
     done = get_run(run_id, connection=r)
     result = _tool_result(done, "wipe_cache")
     assert done.status == "completed"

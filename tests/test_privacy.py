@@ -8,7 +8,7 @@ import sys
 import pytest
 from redis import Redis
 
-from conftest import TESTS, Pool, script_task
+from conftest import TESTS, Pool, script_task, wait_for_status
 from store import crypto
 from store.crypto import Cipher, EncryptionKeyMissing, generate_key
 from store.errors import UnreadableRecord
@@ -80,10 +80,7 @@ def test_a_rotated_key_still_reads_old_runs_and_writes_with_the_new_one(r, pool,
     key_in_this_process(old)
     first = pool.start(1, AGENTPOOL_ENCRYPTION_KEY=old)[0]
     run_id = enqueue_run("pool_agents:guarded", script_task("guarded", SECRET_TASK), connection=r)
-    for _ in range(600):
-        if r.hget(RunKeys.of(run_id).run, "status") == b"waiting_approval":
-            break
-        __import__("time").sleep(0.05)
+    wait_for_status(r, run_id, "waiting_approval")
     pool.kill(first)
 
     key_in_this_process(new, old)  # rotation: the new key first, the old one kept for reading

@@ -11,7 +11,7 @@ import pytest
 from redis import Redis
 from rq.job import Job
 
-from conftest import Pool, assert_valid_conversation, script_task
+from conftest import Pool, assert_valid_conversation, script_task, wait_for_status
 from store import checkpoint
 from store.keys import RunKeys
 from store.records import SCHEMA_VERSION
@@ -29,16 +29,6 @@ def _snapshot(r: Redis, run_id: str) -> dict:
     return {k: r.dump(k) for k in (keys.run, keys.messages, keys.ledger)}
 
 
-def _wait_status(r: Redis, run_id: str, timeout: float = 30) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = r.hget(RunKeys.of(run_id).run, "status").decode()
-        if status not in ("queued", "running"):
-            return status
-        time.sleep(0.05)
-    raise AssertionError(f"run {run_id} still {status}")
-
-
 def test_a_corrupt_record_fails_its_run_clearly_and_the_worker_serves_others(r, pool, model):
     model.set_scripts({"simple": SIMPLE})
     bad = enqueue_run("pool_agents:support", script_task("simple"), connection=r)
@@ -47,7 +37,7 @@ def test_a_corrupt_record_fails_its_run_clearly_and_the_worker_serves_others(r, 
     pool.start(1)
 
     assert wait_for_run(good, timeout=60, connection=r).status == "completed"
-    assert _wait_status(r, bad) == "failed"
+    wait_for_status(r, bad, "failed")
     header = checkpoint.load_run(r, bad, with_messages=False)
     assert "message 0 is not valid msgpack" in header.error
     assert r.lindex(RunKeys.of(bad).messages, 0) == b"\xc1 not msgpack", "the data is left as found"
