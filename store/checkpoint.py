@@ -18,7 +18,8 @@ from redis.exceptions import WatchError
 from store import ledger
 from store.clock import now_ms
 from store.errors import LeaseLost, RunNotActive, RunNotFound
-from store.keys import RUNS, RUNS_WATCH, RunKeys
+from store.events import Event
+from store.keys import RUNS, RUNS_WATCH, STATS, RunKeys
 from store.ledger import Outcome
 from store.records import (
     SCHEMA_VERSION,
@@ -49,20 +50,30 @@ def stage_create(
     pipe.zadd(RUNS_WATCH, {run_id: int(now * 1000) + QUEUED_RECHECK_MS})
 
 
+def stage_load(pipe: Pipeline, run_id: str, *, with_messages: bool = True) -> None:
+    """Add the reads of a run to ``pipe``; ``decode_run`` turns their replies into its state."""
+    keys = RunKeys.of(run_id)
+    pipe.hgetall(keys.run)
+    if with_messages:
+        pipe.lrange(keys.messages, 0, -1)
+
+
+def decode_run(run_id: str, header: Mapping[bytes, bytes], blobs: list[bytes] | None) -> RunState:
+    """The state from the replies of ``stage_load``; ``blobs`` None when the messages were not read."""
+    if not header:
+        raise RunNotFound(run_id)
+    state = load_header(run_id, header, open_sealed=blobs is not None)
+    if blobs is not None:
+        state.messages = [unpack_message(blob, i) for i, blob in enumerate(blobs)]
+    return state
+
+
 def load_run(r: Redis, run_id: str, *, with_messages: bool = True) -> RunState:
     """One round trip: the header and (optionally) the whole conversation."""
-    keys = RunKeys.of(run_id)
     with r.pipeline(transaction=False) as pipe:
-        pipe.hgetall(keys.run)
-        if with_messages:
-            pipe.lrange(keys.messages, 0, -1)
+        stage_load(pipe, run_id, with_messages=with_messages)
         replies = pipe.execute()
-    if not replies[0]:
-        raise RunNotFound(run_id)
-    state = load_header(run_id, replies[0], open_sealed=with_messages)
-    if with_messages:
-        state.messages = [unpack_message(blob, i) for i, blob in enumerate(replies[1])]
-    return state
+    return decode_run(run_id, replies[0], replies[1] if with_messages else None)
 
 
 def _check(code: int, keys: RunKeys, r: Redis) -> None:
@@ -87,12 +98,14 @@ def commit_response(
     result: str = "",
     error: str = "",
     retention_s: int = 0,
+    event: Event | None = None,
 ) -> None:
-    """Save point A. (The call's usage was counted by ``record_spend`` when the reply arrived.)"""
+    """Save point A, with the ``event`` that reports it. (The call's usage was counted by
+    ``record_spend`` when the reply arrived.)"""
     code = run_script(
         "commit_response",
         r,
-        [keys.run, keys.lease, keys.messages, RUNS_WATCH, keys.ledger, keys.events, keys.approvals],
+        [keys.run, keys.lease, keys.messages, RUNS_WATCH, STATS, keys.events, keys.ledger, keys.approvals],
         [
             token,
             turns_before,
@@ -105,20 +118,28 @@ def commit_response(
             error,
             SCHEMA_VERSION,
             retention_s,
+            *(event.script_args() if event else ()),
         ],
     )
     _check(int(code), keys, r)  # type: ignore[arg-type]
+    if event:
+        event.log()
 
 
-def record_spend(r: Redis, keys: RunKeys, token: str, usage: Mapping[str, int], cost_usd: float) -> None:
-    """Count a model call's tokens and cost as soon as its reply arrives, before save point A."""
+def record_spend(r: Redis, keys: RunKeys, token: str, usage: Mapping[str, int], cost_usd: float,
+                 event: Event | None = None) -> None:
+    """Count a model call's tokens and cost as soon as its reply arrives, before save point A, with
+    the ``event`` that reports the reply."""
     code = run_script(
         "record_spend",
         r,
-        [keys.run, keys.lease],
-        [token, *(int(usage.get(name) or 0) for name in USAGE_FIELDS), repr(float(cost_usd))],
+        [keys.run, keys.lease, keys.events, STATS],
+        [token, *(int(usage.get(name) or 0) for name in USAGE_FIELDS), repr(float(cost_usd)),
+         *(event.script_args() if event else ())],
     )
     _check(int(code), keys, r)  # type: ignore[arg-type]
+    if event:
+        event.log()
 
 
 def _fenced_transaction(
@@ -131,9 +152,9 @@ def _fenced_transaction(
             try:
                 # The heartbeat's PEXPIRE also touches the watched lease: that retries, it does not fail.
                 pipe.watch(keys.lease, keys.run)
-                if pipe.get(keys.lease) != token.encode():
+                holder, status, attempt = run_script("fence_state", pipe, [keys.lease, keys.run], [])  # type: ignore[misc]
+                if holder != token.encode():
                     raise LeaseLost(keys.run_id)
-                status, attempt = pipe.hmget(keys.run, ["status", "attempt"])
                 if status != b"running":
                     raise RunNotActive(keys.run_id, (status or b"?").decode())
                 pipe.multi()
@@ -154,9 +175,11 @@ def commit_tool_results(
     message: Mapping[str, Any] | None,
     enqueue_next: Callable[[Pipeline], None],
     outcomes: dict[str, Outcome] | None = None,
+    event: Event | None = None,
 ) -> None:
     """Save point B: the tool results message (if any), phase back to "model", the lease dropped,
-    and the next turn's job, all in one EXEC. The ledger keeps only notes of ``outcomes`` from now on."""
+    the next turn's job and the ``event`` that reports it, all in one EXEC. The ledger keeps only
+    notes of ``outcomes`` from now on."""
 
     def stage(pipe: Pipeline, attempt: int) -> None:
         if message is not None:
@@ -165,8 +188,12 @@ def commit_tool_results(
         pipe.hset(keys.run, mapping={"phase": "model", "pending": b"", "attempt": 0, "updated_at": now_ms()})
         pipe.zadd(RUNS_WATCH, {keys.run_id: now_ms() + QUEUED_RECHECK_MS})
         enqueue_next(pipe)
+        if event:
+            event.stage(pipe)
 
     _fenced_transaction(r, keys, token, stage)
+    if event:
+        event.log()
 
 
 def defer_turn(
@@ -201,22 +228,27 @@ def finish(
     result: str = "",
     retention_s: int = 0,
     watch_at_ms: int | None = None,
+    event: Event | None = None,
 ) -> None:
-    """Fenced end of a turn without a next one (a limit reached, a failure, a wait for a person).
+    """Fenced end of a turn without a next one (a limit reached, a failure, a wait for a person),
+    with the ``event`` that reports it.
 
     ``retention_s`` applies only to statuses that are final; ``watch_at_ms`` keeps the run in the
     reaper's watch set until then (an approval that expires)."""
     code = run_script(
         "finish",
         r,
-        [keys.run, keys.lease, keys.messages, RUNS_WATCH, keys.ledger, keys.events, keys.approvals],
+        [keys.run, keys.lease, keys.messages, RUNS_WATCH, STATS, keys.events, keys.ledger, keys.approvals],
         [
             token, status, error, now_ms(), keys.run_id, pack_message(message) if message else "", phase,
             pack_result(result),
             retention_s if status in TERMINAL_STATUSES else 0, "" if watch_at_ms is None else watch_at_ms,
+            *(event.script_args() if event else ()),
         ],
     )
     _check(int(code), keys, r)  # type: ignore[arg-type]
+    if event:
+        event.log()
 
 
 def _expire(pipe: Pipeline, keys: RunKeys, retention_s: int) -> None:

@@ -1,9 +1,17 @@
-"""Progress events, one capped Redis stream per run. Best effort: an event never fails a turn."""
+"""Progress events, one capped Redis stream per run, each also counted pool-wide and logged.
+
+An event that reports a write of the turn (a tool started, save point A, a status change...) is
+recorded by that write itself, in the same Lua script or MULTI (``Event.script_args``,
+``Event.stage``): it exists exactly when the write does, a fenced-out zombie leaves none, and it costs
+no round trip of its own. ``emit`` records the others, best effort: it never fails a turn.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
@@ -16,18 +24,45 @@ MAX_EVENTS = 1000
 log = logging.getLogger("agentpool.events")
 
 
-def emit(r: Redis, run_id: str, kind: str, **fields: Any) -> None:
-    """Record an event in the run's stream, count it pool-wide, and log it as one structured line.
+@dataclass(frozen=True)
+class Event:
+    run_id: str
+    kind: str
+    fields: Mapping[str, str]  # no secrets and no tool inputs or outputs: they are for operators' eyes
+    counters: Mapping[str, float]
 
-    Fields must not carry secrets or tool inputs; they are for operators' eyes.
-    """
-    data = {"kind": kind, **{k: str(v) for k, v in fields.items() if v is not None}}
-    if log.isEnabledFor(logging.INFO):  # building the line costs more than the event's Redis write
-        log.info("%s", json.dumps({"run": run_id, **data}, ensure_ascii=False))
+    @classmethod
+    def of(cls, run_id: str, kind: str, **fields: Any) -> Event:
+        """``None`` fields are left out; the pool-wide counters are derived from the event."""
+        return cls(run_id, kind, {k: str(v) for k, v in fields.items() if v is not None},
+                   {k: v for k, v in stats.counters_for(kind, fields).items() if v})
+
+    def script_args(self) -> list[str | int | float]:
+        """The ARGV tail that ``record_event`` in ``store/lua/_event.lua`` reads: the stream's cap,
+        the field/value pairs, the counter/amount pairs, each list preceded by its length."""
+        pairs = [x for item in {"kind": self.kind, **self.fields}.items() for x in item]
+        counted = [x for item in self.counters.items() for x in item]
+        return [MAX_EVENTS, len(pairs) // 2, *pairs, len(counted) // 2, *counted]
+
+    def stage(self, pipe: Any) -> None:
+        """Add the event to a pipeline or MULTI the caller executes."""
+        pipe.xadd(RunKeys.of(self.run_id).events, {"kind": self.kind, **self.fields}, maxlen=MAX_EVENTS,
+                  approximate=True)
+        stats.stage(pipe, self.counters)
+
+    def log(self) -> None:
+        """One structured line on the ``agentpool.events`` logger."""
+        if log.isEnabledFor(logging.INFO):  # building the line costs more than the event's Redis write
+            log.info("%s", json.dumps({"run": self.run_id, "kind": self.kind, **self.fields}, ensure_ascii=False))
+
+
+def emit(r: Redis, run_id: str, kind: str, **fields: Any) -> None:
+    """Record an event that reports no write of its own (best effort)."""
+    event = Event.of(run_id, kind, **fields)
+    event.log()  # the log line does not depend on Redis being there
     try:
         with r.pipeline(transaction=False) as pipe:
-            pipe.xadd(RunKeys.of(run_id).events, data, maxlen=MAX_EVENTS, approximate=True)
-            stats.stage(pipe, stats.counters_for(kind, fields))
+            event.stage(pipe)
             pipe.execute()
     except RedisError as exc:
         log.warning("could not record event %s for run %s: %s", kind, run_id, exc)

@@ -8,12 +8,16 @@ that compares the lease with the writer's token first (see ``store/lua``).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from redis import Redis
+from redis.client import Pipeline
 
 from store.clock import now_ms
-from store.keys import RUNS_WATCH, RunKeys
+from store.events import Event
+from store.keys import RUNS_WATCH, STATS, RunKeys
 from store.records import SCHEMA_VERSION
 from store.scripts import run_script
 
@@ -32,6 +36,7 @@ class Acquire(enum.IntEnum):
 class AcquireResult:
     code: Acquire
     detail: str  # the token when acquired; otherwise what the code refers to
+    then: list[Any] = field(default_factory=list)  # the replies of the reads staged after the script
 
     @property
     def token(self) -> str:
@@ -39,14 +44,21 @@ class AcquireResult:
         return self.detail
 
 
-def acquire(r: Redis, keys: RunKeys, *, turn: int, worker_id: str, ttl_ms: int) -> AcquireResult:
-    code, detail = run_script(
-        "lease_acquire",
-        r,
-        [keys.run, keys.lease, RUNS_WATCH],
-        [worker_id, ttl_ms, now_ms(), keys.run_id, turn, SCHEMA_VERSION],
-    )  # type: ignore[misc]
-    return AcquireResult(Acquire(int(code)), detail.decode() if isinstance(detail, bytes) else str(detail))
+def acquire(r: Redis, keys: RunKeys, *, turn: int, worker_id: str, ttl_ms: int, event: Event | None = None,
+            then: Callable[[Pipeline], None] | None = None) -> AcquireResult:
+    """Take the lease for ``turn``. ``event`` is recorded with it if the turn is to call the model;
+    the reads ``then`` stages go out in the same round trip, after the script (their replies are
+    wasted when the lease is not taken: a rare stale or duplicate job)."""
+    script_keys = [keys.run, keys.lease, RUNS_WATCH, keys.events, STATS]
+    args = [worker_id, ttl_ms, now_ms(), keys.run_id, turn, SCHEMA_VERSION, *(event.script_args() if event else ())]
+    if then is None:
+        reply, after = run_script("lease_acquire", r, script_keys, args), []
+    else:
+        reply, *after = run_script.then(r, "lease_acquire", script_keys, args, then)
+    code, detail, *recorded = reply  # type: ignore[misc]
+    if event and recorded and recorded[0]:
+        event.log()
+    return AcquireResult(Acquire(int(code)), detail.decode() if isinstance(detail, bytes) else str(detail), after)
 
 
 def renew(r: Redis, keys: RunKeys, token: str, ttl_ms: int) -> bool:

@@ -14,7 +14,8 @@ from redis import Redis
 
 from store.codec import pack, unpack
 from store.errors import LeaseLost, LedgerMismatch, RunNotActive
-from store.keys import RunKeys
+from store.events import Event
+from store.keys import STATS, RunKeys
 from store.records import SCHEMA_VERSION, open_value, seal_value
 from store.scripts import run_script
 
@@ -78,17 +79,23 @@ def check_same_call(entry: Entry, tool_use: dict[str, Any]) -> None:
         )
 
 
-def fenced_hset(r: Redis, keys: RunKeys, token: str, hash_key: str, field: str, record: dict[str, Any]) -> None:
-    """Write ``record`` into one of the run's hashes, only while ``token`` owns the running run."""
-    code = int(run_script("fenced_hset", r, [keys.lease, keys.run, hash_key], [token, field, pack(record)]))  # type: ignore[arg-type]
+def fenced_hset(r: Redis, keys: RunKeys, token: str, hash_key: str, field: str, record: dict[str, Any],
+                event: Event | None = None) -> None:
+    """Write ``record`` into one of the run's hashes, only while ``token`` owns the running run,
+    with the ``event`` that reports it."""
+    code = int(run_script("fenced_hset", r, [keys.lease, keys.run, hash_key, keys.events, STATS],  # type: ignore[arg-type]
+                          [token, field, pack(record), *(event.script_args() if event else ())]))
     if code == -1:
         raise LeaseLost(keys.run_id)
     if code == -2:
         raise RunNotActive(keys.run_id, (r.hget(keys.run, "status") or b"?").decode())
+    if event:
+        event.log()
 
 
 def write_intent(
-    r: Redis, keys: RunKeys, token: str, tool_use: dict[str, Any], *, effect: str, attempt: int, now: float
+    r: Redis, keys: RunKeys, token: str, tool_use: dict[str, Any], *, effect: str, attempt: int, now: float,
+    event: Event | None = None,
 ) -> None:
     record = {
         "v": SCHEMA_VERSION,
@@ -99,13 +106,14 @@ def write_intent(
         "started_at": now,
         "owner": token,
     }
-    fenced_hset(r, keys, token, keys.ledger, tool_use["id"], record)
+    fenced_hset(r, keys, token, keys.ledger, tool_use["id"], record, event)
 
 
-def write_outcome(r: Redis, keys: RunKeys, token: str, tool_use_id: str, outcome: Outcome, *, how: str, now: float) -> None:
+def write_outcome(r: Redis, keys: RunKeys, token: str, tool_use_id: str, outcome: Outcome, *, how: str, now: float,
+                  event: Event | None = None) -> None:
     # A tool's output is sealed like the messages when encryption at rest is on.
     record = {"v": SCHEMA_VERSION, **seal_value(outcome.content), "is_error": outcome.is_error, "how": how, "at": now}
-    fenced_hset(r, keys, token, keys.ledger, f"{tool_use_id}:out", record)
+    fenced_hset(r, keys, token, keys.ledger, f"{tool_use_id}:out", record, event)
 
 
 def stage_compaction(pipe: Any, keys: RunKeys, outcomes: dict[str, Outcome], now: float) -> None:

@@ -1,19 +1,26 @@
-"""The Lua scripts in ``store/lua``, loaded once and called by name (EVALSHA, EVAL on a cache miss)."""
+"""The Lua scripts in ``store/lua``, loaded once and called by name (EVALSHA, EVAL on a cache miss).
+
+A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended: Redis has no includes.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
 from redis import Redis
+from redis.client import Pipeline
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
 _LUA_DIR = Path(__file__).with_name("lua")
 
 
 @cache
 def _source(name: str) -> str:
-    return (_LUA_DIR / f"{name}.lua").read_text()
+    text = (_LUA_DIR / f"{name}.lua").read_text()
+    return (_LUA_DIR / "_event.lua").read_text() + text if "record_event(" in text else text
 
 
 class _Scripts:
@@ -22,11 +29,40 @@ class _Scripts:
     def __init__(self) -> None:
         self._loaded: dict[str, Script] = {}
 
-    def __call__(self, name: str, client: Redis, keys: list[str], args: list[object]) -> object:
+    def _script(self, name: str) -> Script:
         script = self._loaded.get(name)
         if script is None:
             script = self._loaded[name] = Script(None, _source(name).encode())  # type: ignore[arg-type]
-        return script(keys=keys, args=args, client=client)
+        return script
+
+    def __call__(self, name: str, client: Redis | Pipeline, keys: list[str], args: list[object]) -> object:
+        """Run the script now, on a client or on a pipeline in WATCH mode (whose commands run at once)."""
+        script = self._script(name)
+        try:
+            return client.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:  # a restarted or flushed Redis
+            client.script_load(script.script)
+            return client.evalsha(script.sha, len(keys), *keys, *args)
+
+    def then(self, r: Redis, name: str, keys: list[str], args: list[object],
+             stage: Callable[[Pipeline], None]) -> list[object]:
+        """One round trip: the script, then the commands ``stage`` adds, which see what it wrote.
+
+        Replies in order, the script's first. (redis-py's own scripts in a pipeline cost a SCRIPT
+        EXISTS round trip first; here EVALSHA goes out as is, and a cache miss loads and resends.)"""
+        script = self._script(name)
+        for _ in range(2):
+            with r.pipeline(transaction=False) as pipe:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+                stage(pipe)
+                replies = pipe.execute(raise_on_error=False)
+            if not isinstance(replies[0], NoScriptError):
+                break
+            r.script_load(script.script)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
 
 
 run_script = _Scripts()

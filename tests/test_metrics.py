@@ -104,8 +104,9 @@ def test_metrics_command_exports_runs_tools_tokens_latency_and_queue_depth(r, po
     assert sample(m, "agentpool_queue_jobs", state="queued") == 2
     assert sample(m, "agentpool_queue_jobs", state="scheduled") == 1
 
-    # 2 meeting runs (3 turns, one call of each effect class) + the loop stopped after 2 turns of read_notes
-    assert sample(m, "agentpool_turns_total") == 8
+    # 2 meeting runs (3 turns, one call of each effect class) + the loop: 2 turns of read_notes, and a
+    # third that started and stopped at its max_turns guard before calling the model
+    assert sample(m, "agentpool_turns_total") == 9
     assert sample(m, "agentpool_tool_calls_total", effect="read") == 4
     assert sample(m, "agentpool_tool_calls_total", effect="idempotent") == 2
     assert sample(m, "agentpool_tool_calls_total", effect="unsafe") == 2

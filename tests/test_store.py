@@ -7,9 +7,10 @@ import time
 import msgpack
 import pytest
 
-from store import checkpoint, ledger
+from store import checkpoint, events, ledger, stats
 from store.codec import pack, unpack
 from store.errors import LeaseLost, RunNotActive, UnreadableRecord
+from store.events import Event
 from store.keys import RunKeys
 from store.lease import Acquire, acquire, holder, release, release_dead_holder, renew
 from store.ledger import Outcome
@@ -114,6 +115,48 @@ def test_save_point_b_lands_with_its_enqueue_or_not_at_all(r):
     state = checkpoint.load_run(r, RUN)
     assert (state.phase, state.current_turn, len(state.messages)) == ("model", 1, 3)
     assert not r.exists(KEYS.lease), "save point B hands the lease back"
+
+
+def test_an_event_is_recorded_with_its_write_and_never_without_it(r):
+    create(r)
+    loaded = acquire(r, KEYS, turn=0, worker_id="w1.100", ttl_ms=5000, event=Event.of(RUN, "turn_started", turn=0),
+                     then=lambda pipe: checkpoint.stage_load(pipe, RUN))
+    state = checkpoint.decode_run(RUN, *loaded.then)
+    assert (state.status, [m["content"] for m in state.messages]) == ("running", ["do it"]), "read after the lease"
+    token = loaded.token
+    usage = {"input_tokens": 7, "output_tokens": 3, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+    responded = Event.of(RUN, "model_responded", turn=0, seconds=0.2, cost_usd=0.5, **usage)
+    with pytest.raises(LeaseLost):
+        checkpoint.record_spend(r, KEYS, "9:zombie", usage, 0.5, event=responded)
+    call = {"id": "toolu_1", "name": "read_notes", "input": {"topic": "x"}}
+    with pytest.raises(LeaseLost):
+        ledger.write_intent(r, KEYS, "9:zombie", call, effect="read", attempt=1, now=1.0,
+                            event=Event.of(RUN, "tool_started", tool="read_notes", effect="read"))
+    assert [e["kind"] for _, e in events.read(r, RUN)] == ["turn_started"], "a fenced-out write leaves no event"
+    assert stats.read_all(r) == {"turns": 1.0}
+
+    checkpoint.record_spend(r, KEYS, token, usage, 0.5, event=responded)
+    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[], final_status="completed",
+                               retention_s=60, event=Event.of(RUN, "status", status="completed"))
+    recorded = [e for _, e in events.read(r, RUN)]
+    assert [e["kind"] for e in recorded] == ["turn_started", "model_responded", "status"]
+    assert recorded[1] == {"kind": "model_responded", "turn": "0", "seconds": "0.2", "cost_usd": "0.5",
+                           **{k: str(v) for k, v in usage.items()}}
+    counted = stats.read_all(r)
+    assert (counted["tokens|kind=input_tokens"], counted["cost_usd"], counted["model_call_seconds_count"],
+            counted["status_changes|status=completed"]) == (7, 0.5, 1, 1)
+    assert 0 < r.ttl(KEYS.events) <= 60, "the event stream expires with the finished run"
+
+
+def test_scripts_sent_in_a_pipeline_or_under_watch_survive_a_flushed_script_cache(r):
+    create(r)
+    r.script_flush()  # as after a Redis restart without persistence of the script cache
+    got = acquire(r, KEYS, turn=0, worker_id="w1.100", ttl_ms=5000, then=lambda pipe: checkpoint.stage_load(pipe, RUN))
+    assert got.code is Acquire.ACQUIRED and checkpoint.decode_run(RUN, *got.then).status == "running"
+    checkpoint.commit_response(r, KEYS, got.token, turns_before=0, message=reply(), pending=[])
+    r.script_flush()
+    checkpoint.commit_tool_results(r, KEYS, got.token, message=None, enqueue_next=lambda pipe: None)
+    assert checkpoint.load_run(r, RUN).phase == "model" and not r.exists(KEYS.lease)
 
 
 def test_a_save_appends_and_never_rewrites_history(r):

@@ -266,28 +266,43 @@ def bench_saves(lab: Lab, turns: int, runs: int) -> None:
 
 
 def _store_calls_of_a_turn(r: Redis, run_id: str, turn: int) -> list[tuple[str, Callable[[], Any]]]:
-    """What a turn of one tool call with a 10 KB result asks of the store, in order, as in workers.turn."""
+    """What a turn of one tool call with a 10 KB result asks of the store, in order, with the progress
+    events each write records, as in workers.turn (the lease is taken untimed; its round trip also
+    carries the load)."""
     from store import checkpoint, lease, ledger
+    from store.events import Event
     from store.keys import RunKeys
     from workers.jobs import stage_turn
 
     keys = RunKeys.of(run_id)
-    token = lease.acquire(r, keys, turn=turn, worker_id="bench.0", ttl_ms=15_000).token
+    token = lease.acquire(r, keys, turn=turn, worker_id="bench.0", ttl_ms=15_000,
+                          event=Event.of(run_id, "turn_started", turn=turn)).token
     call: dict[str, Any] = {"id": f"toolu_{turn:05d}", "name": "bench_lookup", "input": {"key": "k"}}
     message = {"role": "assistant", "content": [{"type": "text", "text": "Looking."}, {"type": "tool_use", **call}]}
     outcome = ledger.Outcome("x" * RESULT_BYTES, False)
     results = {"role": "user", "content": [outcome.as_tool_result(call["id"])]}
+    usage = {"input_tokens": 1000 + turn, "output_tokens": 20}
+    tool = {"tool": call["name"], "tool_use_id": call["id"], "effect": "read"}
+
+    def event(kind: str, **fields: Any) -> Event:
+        return Event.of(run_id, kind, **fields)
+
     return [
-        ("load (read before the model call)", lambda: checkpoint.load_run(r, run_id)),
+        ("load (read with the lease, before the model call)", lambda: checkpoint.load_run(r, run_id)),
         ("spend (tokens, cost)", lambda: checkpoint.record_spend(
-            r, keys, token, {"input_tokens": 1000 + turn, "output_tokens": 20}, 0.003)),
+            r, keys, token, usage, 0.003, event=event("model_responded", turn=turn, stop_reason="tool_use",
+                                                      seconds=0.5, cost_usd=0.003, **usage))),
         ("save point A (response, pending)", lambda: checkpoint.commit_response(
-            r, keys, token, turns_before=turn, message=message, meta={"id": "msg_bench"}, pending=[call])),
-        ("ledger intent", lambda: ledger.write_intent(r, keys, token, call, effect="read", attempt=1, now=time.time())),
+            r, keys, token, turns_before=turn, message=message, meta={"id": "msg_bench"}, pending=[call],
+            event=event("response_committed", turn=turn, tool_uses=1))),
+        ("ledger intent", lambda: ledger.write_intent(
+            r, keys, token, call, effect="read", attempt=1, now=time.time(), event=event("tool_started", **tool))),
         ("ledger outcome (10 KB)", lambda: ledger.write_outcome(
-            r, keys, token, call["id"], outcome, how="ran", now=time.time())),
+            r, keys, token, call["id"], outcome, how="ran", now=time.time(),
+            event=event("tool_finished", **tool, is_error=False))),
         ("save point B (10 KB results, next job)", lambda: checkpoint.commit_tool_results(
-            r, keys, token, message=results, enqueue_next=lambda pipe: _discard(stage_turn(pipe, r, run_id, turn + 1)))),
+            r, keys, token, message=results, enqueue_next=lambda pipe: _discard(stage_turn(pipe, r, run_id, turn + 1)),
+            event=event("turn_committed", turn=turn, next_turn=turn + 1, tool_results=1, seconds=0.6))),
     ]
 
 

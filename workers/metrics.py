@@ -45,7 +45,7 @@ COST_FIELD = "cost_usd"
 
 # (ap:stats metric, label name, help text, label values always exported, at 0 until seen)
 COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
-    ("turns", None, "Agent turns started (model calls attempted).", ()),
+    ("turns", None, "Turns a worker started to call the model (a budget can still stop one before the call).", ()),
     ("tool_calls", "effect", "Tool executions started, by the tool's effect class.", ("read", "idempotent", "unsafe")),
     ("reconciliations", "outcome", "Dangling tool_uses reconciled after a crash, by outcome.", ("replayed", "verified", "unknown")),
     ("takeovers", "cause", "Turns re-enqueued because their worker was gone, by cause.",

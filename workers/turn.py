@@ -29,7 +29,7 @@ from rq import get_current_job
 from store import approvals, checkpoint, ledger
 from store.crypto import EncryptionKeyMissing
 from store.errors import LeaseLost, LedgerMismatch, RunNotActive, SchemaTooNew, UnreadableRecord
-from store.events import emit
+from store.events import Event, emit
 from store.keys import RunKeys
 from store.lease import Acquire, acquire, release
 from store.ledger import Entry, Outcome
@@ -71,7 +71,9 @@ def run_turn(run_id: str, turn: int) -> str:
     r = job.connection if job is not None else connect()
     settings = Settings.from_env()
     keys = RunKeys.of(run_id)
-    got = acquire(r, keys, turn=turn, worker_id=worker_identity(), ttl_ms=settings.lease_ttl_ms)
+    # One round trip takes the lease (recording turn_started) and reads the run it now owns.
+    got = acquire(r, keys, turn=turn, worker_id=worker_identity(), ttl_ms=settings.lease_ttl_ms,
+                  event=Event.of(run_id, "turn_started", turn=turn), then=lambda pipe: checkpoint.stage_load(pipe, run_id))
     if got.code is Acquire.TOO_NEW:
         raise SchemaTooNew(f"run {run_id} has schema version {got.detail}, newer than this worker; left untouched")
     if got.code is Acquire.UNREADABLE:
@@ -83,7 +85,7 @@ def run_turn(run_id: str, turn: int) -> str:
     token = got.token
     with Heartbeat(r, keys, token, settings.lease_ttl_ms):
         try:
-            return Turn(r, keys, token, turn, settings).run()
+            return Turn(r, keys, token, turn, settings).run(*got.then)
         except (LeaseLost, RunNotActive) as exc:
             log.warning("run %s turn %s: %s", run_id, turn, exc)
             return "abandoned"
@@ -93,8 +95,8 @@ def run_turn(run_id: str, turn: int) -> str:
             raise
         except (UnreadableRecord, LedgerMismatch, AgentNotFound) as exc:
             log.error("run %s turn %s failed: %s", run_id, turn, exc)
-            checkpoint.finish(r, keys, token, status="failed", error=str(exc), retention_s=settings.retention)
-            emit(r, run_id, "status", status="failed", error=str(exc))
+            checkpoint.finish(r, keys, token, status="failed", error=str(exc), retention_s=settings.retention,
+                              event=Event.of(run_id, "status", status="failed", error=str(exc)))
             return "failed"
         except BaseException:
             # A bug, a lost Redis, a shutdown: give the turn back; the reaper re-enqueues it shortly.
@@ -110,8 +112,9 @@ class Turn:
         self.started = time.monotonic()
         self.outcomes: dict[str, Outcome] = {}  # settled this turn, compacted in the ledger at save point B
 
-    def run(self) -> str:
-        state = checkpoint.load_run(self.r, self.run_id)
+    def run(self, header: dict[bytes, bytes], blobs: list[bytes]) -> str:
+        """The turn, given the run's header and messages as read with the lease."""
+        state = checkpoint.decode_run(self.run_id, header, blobs)
         agent = load_agent(state.agent)
         if state.phase == "tools":
             emit(self.r, self.run_id, "resumed", turn=self.turn, pending=len(state.pending))
@@ -122,7 +125,6 @@ class Turn:
         reason = Limits.of(agent, state.limits).reached(agent, state)
         if reason:
             return self.stop(reason)
-        emit(self.r, self.run_id, "turn_started", turn=self.turn)
         fault("before_model_call", self.run_id, self.turn)
         asked = time.monotonic()
         try:
@@ -135,9 +137,9 @@ class Turn:
             return self.end("failed", f"the model API rejected the request: {exc}")
         price = price_of(agent.model)
         cost = price.cost(reply.usage) if price else 0.0
-        checkpoint.record_spend(self.r, self.keys, self.token, reply.usage, cost)
-        emit(self.r, self.run_id, "model_responded", turn=self.turn, stop_reason=reply.stop_reason,
-             seconds=round(time.monotonic() - asked, 4), cost_usd=round(cost, 8), **reply.usage)
+        responded = Event.of(self.run_id, "model_responded", turn=self.turn, stop_reason=reply.stop_reason,
+                             seconds=round(time.monotonic() - asked, 4), cost_usd=round(cost, 8), **reply.usage)
+        checkpoint.record_spend(self.r, self.keys, self.token, reply.usage, cost, event=responded)
         fault("after_model_reply", self.run_id, self.turn)
         return self.handle_reply(agent, state, reply)
 
@@ -165,11 +167,11 @@ class Turn:
             self.r, self.keys, self.token,
             turns_before=state.turns, message=reply.message, meta=reply.meta, pending=pending,
             final_status=final, result=result, error=failure or "", retention_s=self.settings.retention,
+            event=Event.of(self.run_id, "status", status=final, error=failure) if final else
+            Event.of(self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending)),
         )
-        emit(self.r, self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending))
         fault("after_save_a", self.run_id, self.turn)
         if final:
-            emit(self.r, self.run_id, "status", status=final, error=failure)
             return final
         results = self.settle(agent, pending, fresh=True) if pending else []
         if results is None:
@@ -219,9 +221,9 @@ class Turn:
             deadlines += [deadline] if deadline is not None else []
             approvals.request(self.r, self.keys, self.token, call, now=now, deadline=deadline)
         checkpoint.finish(self.r, self.keys, self.token, status="waiting_approval", error="",
-                          watch_at_ms=int(min(deadlines) * 1000) if deadlines else None)
-        emit(self.r, self.run_id, "status", status="waiting_approval",
-             tools=",".join(call["name"] for call in calls))
+                          watch_at_ms=int(min(deadlines) * 1000) if deadlines else None,
+                          event=Event.of(self.run_id, "status", status="waiting_approval",
+                                         tools=",".join(call["name"] for call in calls)))
 
     def settle_one(self, agent: Agent, call: dict[str, Any], entry: Entry,
                    decision: approvals.Decision | None = None) -> Outcome:
@@ -260,16 +262,17 @@ class Turn:
         return self.execute(agent, tool, call, kwargs, key, attempt=entry.attempts + 1)
 
     def execute(self, agent: Agent, tool: Tool, call: dict[str, Any], kwargs: dict[str, Any], key: str, attempt: int) -> Outcome:
-        ledger.write_intent(self.r, self.keys, self.token, call, effect=tool.effect, attempt=attempt, now=now_ms() / 1000)
-        emit(self.r, self.run_id, "tool_started", tool=tool.name, tool_use_id=call["id"], effect=tool.effect, attempt=attempt)
+        ledger.write_intent(self.r, self.keys, self.token, call, effect=tool.effect, attempt=attempt, now=now_ms() / 1000,
+                            event=Event.of(self.run_id, "tool_started", tool=tool.name, tool_use_id=call["id"],
+                                           effect=tool.effect, attempt=attempt))
         outcome = run_tool(
             tool, kwargs, call=ToolCall(self.run_id, self.turn, call["id"], key, attempt),
             timeout=tool.timeout or agent.tool_timeout, limit=agent.max_result_chars, where=self.where,
         )
         fault("in_tool", self.run_id, self.turn)
-        self.record(call, outcome, how="ran", announce=False)
-        emit(self.r, self.run_id, "tool_finished", tool=tool.name, tool_use_id=call["id"], effect=tool.effect,
-             is_error=outcome.is_error)
+        self.record(call, outcome, how="ran", event=Event.of(self.run_id, "tool_finished", tool=tool.name,
+                                                             tool_use_id=call["id"], effect=tool.effect,
+                                                             is_error=outcome.is_error))
         fault("after_tool_outcome", self.run_id, self.turn)
         return outcome
 
@@ -290,12 +293,13 @@ class Turn:
             log.warning("%s: verify hook of %s raised %s; treating the outcome as unknown", self.where, tool.name, exc)
             return None
 
-    def record(self, call: dict[str, Any], outcome: Outcome, *, how: str, announce: bool = True) -> Outcome:
-        ledger.write_outcome(self.r, self.keys, self.token, call["id"], outcome, how=how, now=now_ms() / 1000)
+    def record(self, call: dict[str, Any], outcome: Outcome, *, how: str, event: Event | None = None) -> Outcome:
+        """The outcome in the ledger, with ``event`` (by default: how the call was settled without running)."""
+        event = event or Event.of(self.run_id, "reconciled" if how in ("unknown", "verified") else "tool_skipped",
+                                  tool=call["name"], tool_use_id=call["id"], outcome=how)
+        ledger.write_outcome(self.r, self.keys, self.token, call["id"], outcome, how=how, now=now_ms() / 1000,
+                             event=event)
         self.outcomes[call["id"]] = replace(outcome, how=how)
-        if announce:
-            emit(self.r, self.run_id, "reconciled" if how in ("unknown", "verified") else "tool_skipped",
-                 tool=call["name"], tool_use_id=call["id"], outcome=how)
         return outcome
 
     # -- ends of a turn ----------------------------------------------------------------------
@@ -307,9 +311,9 @@ class Turn:
             message=_results_message(results),
             enqueue_next=lambda pipe: stage_turn(pipe, self.r, self.run_id, turns),
             outcomes=self.outcomes,
+            event=Event.of(self.run_id, "turn_committed", turn=self.turn, next_turn=turns, tool_results=len(results),
+                           seconds=round(time.monotonic() - self.started, 4)),
         )
-        emit(self.r, self.run_id, "turn_committed", turn=self.turn, next_turn=turns, tool_results=len(results),
-             seconds=round(time.monotonic() - self.started, 4))
         fault("after_save_b", self.run_id, self.turn)
         return "committed"
 
@@ -331,8 +335,8 @@ class Turn:
 
     def end(self, status: str, reason: str, message: dict[str, Any] | None = None) -> str:
         checkpoint.finish(self.r, self.keys, self.token, status=status, error=reason, message=message,
-                          phase="done" if message else "", retention_s=self.settings.retention)
-        emit(self.r, self.run_id, "status", status=status, error=reason)
+                          phase="done" if message else "", retention_s=self.settings.retention,
+                          event=Event.of(self.run_id, "status", status=status, error=reason))
         log.info("%s: %s: %s", self.where, status, reason)
         return status
 

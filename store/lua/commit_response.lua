@@ -3,10 +3,13 @@
 -- current schema version (an older header was migrated in memory when it was loaded). With a final
 -- status (the model asked for no tool), ends the run in the same step and drops the lease.
 -- (The call's token usage was already counted by record_spend.lua when the reply arrived.)
--- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch
+-- Records the event that reports it (response_committed, or the final status).
+-- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch   KEYS[5] ap:stats
+-- KEYS[6] events   KEYS[7..] the run's other keys (ledger, approvals), for the retention
 -- ARGV[1] token  ARGV[2] turns before this call  ARGV[3] assistant message blob  ARGV[4] pending blob
 -- ARGV[5] now ms  ARGV[6] run id  ARGV[7] final status or ''  ARGV[8] result text  ARGV[9] error text
 -- ARGV[10] schema version  ARGV[11] retention seconds for a finished run (0 keeps it)
+-- ARGV[12..] the event (see _event.lua)
 -- Returns 1 ok, -1 lease lost, -2 run not running (status changed under us), -3 stale turn.
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 local h = redis.call('HMGET', KEYS[1], 'status', 'turns', 'phase')
@@ -15,6 +18,7 @@ if h[2] ~= ARGV[2] or h[3] ~= 'model' then return -3 end
 redis.call('RPUSH', KEYS[3], ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'turns', 1)
 redis.call('HSET', KEYS[1], 'phase', 'tools', 'pending', ARGV[4], 'model_errors', 0, 'updated_at', ARGV[5], 'v', ARGV[10])
+record_event(KEYS[6], KEYS[5], 12)  -- before the retention's EXPIRE, which it must not outlive
 if ARGV[7] ~= '' then
   redis.call('HSET', KEYS[1], 'status', ARGV[7], 'phase', 'done', 'pending', '', 'result', ARGV[8], 'error', ARGV[9])
   redis.call('DEL', KEYS[2])
@@ -22,7 +26,7 @@ if ARGV[7] ~= '' then
   local ttl = tonumber(ARGV[11])
   if ttl > 0 then
     for i = 1, 3, 2 do redis.call('EXPIRE', KEYS[i], ttl) end
-    for i = 5, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
+    for i = 6, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
   end
 end
 return 1

@@ -1,11 +1,13 @@
 -- Fenced status change that ends the turn without a next one: stopped (a limit), waiting_approval,
 -- failed, or completed after the last tool results. Optionally appends one last message. Drops the
 -- lease. A run that is finished for good (completed, failed) expires after the retention.
--- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch
--- KEYS[5..] the run's other keys (ledger, events, approvals), for the retention
+-- Records the status event with it.
+-- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch   KEYS[5] ap:stats
+-- KEYS[6] events   KEYS[7..] the run's other keys (ledger, approvals), for the retention
 -- ARGV[1] token  ARGV[2] status  ARGV[3] error text  ARGV[4] now ms  ARGV[5] run id
 -- ARGV[6] message blob or ''  ARGV[7] phase after ('' keeps it)  ARGV[8] result text or ''
 -- ARGV[9] retention seconds (0 keeps it)  ARGV[10] watch score ('' removes the run from the watch set)
+-- ARGV[11..] the event (see _event.lua)
 -- Returns 1 ok, -1 lease lost, -2 run not running.
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return -2 end
@@ -19,9 +21,10 @@ if ARGV[10] == '' then
 else
   redis.call('ZADD', KEYS[4], ARGV[10], ARGV[5])
 end
+record_event(KEYS[6], KEYS[5], 11)  -- before the retention's EXPIRE, which it must not outlive
 local ttl = tonumber(ARGV[9])
 if ttl > 0 then
   for i = 1, 3, 2 do redis.call('EXPIRE', KEYS[i], ttl) end
-  for i = 5, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
+  for i = 6, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
 end
 return 1

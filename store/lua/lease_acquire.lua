@@ -1,10 +1,13 @@
 -- Take a run's lease for one turn: only if the run is active, the job's turn is the current one,
 -- and nobody holds the lease. Bumps the fence, so every earlier owner's token is dead.
+-- Records the turn_started event when the turn is to call the model (not when it settles the tools
+-- a dead worker left pending).
 -- KEYS[1] run header (hash)   KEYS[2] lease (string)   KEYS[3] ap:runs:watch (zset)
+-- KEYS[4] events (stream)   KEYS[5] ap:stats (hash)
 -- ARGV[1] worker id  ARGV[2] ttl ms  ARGV[3] now ms  ARGV[4] run id  ARGV[5] turn of the job
--- ARGV[6] highest schema version this code understands
--- Returns {code, detail}:
---   1 acquired (token)   0 held by another (holder token)   -1 no such run   -2 stale (current turn)
+-- ARGV[6] highest schema version this code understands  ARGV[7..] the event (see _event.lua)
+-- Returns {code, detail[, event recorded]}:
+--   1 acquired (token, 1 if it recorded the event)   0 held by another (holder token)   -1 no such run   -2 stale (current turn)
 --   -3 not active (status)   -4 schema too new (version)   -5 header unreadable (field name)
 local h = redis.call('HMGET', KEYS[1], 'v', 'status', 'turns', 'phase')
 if not h[1] then return {-1, ''} end
@@ -23,4 +26,6 @@ local token = fence .. ':' .. ARGV[1]
 redis.call('SET', KEYS[2], token, 'PX', ARGV[2])
 redis.call('HSET', KEYS[1], 'status', 'running', 'updated_at', ARGV[3])
 redis.call('ZADD', KEYS[3], tonumber(ARGV[3]) + tonumber(ARGV[2]), ARGV[4])
-return {1, token}
+if h[4] == 'tools' or ARGV[7] == nil then return {1, token, 0} end
+record_event(KEYS[4], KEYS[5], 7)
+return {1, token, 1}
