@@ -18,7 +18,7 @@ from redis.exceptions import WatchError
 from store import ledger
 from store.clock import now_ms
 from store.errors import LeaseLost, RunNotActive, RunNotFound
-from store.events import Event
+from store.events import Event, script_args
 from store.keys import RUNS, RUNS_WATCH, STATS, RunKeys
 from store.ledger import Outcome
 from store.records import (
@@ -98,10 +98,14 @@ def commit_response(
     result: str = "",
     error: str = "",
     retention_s: int = 0,
+    usage: Mapping[str, int] | None = None,
+    cost_usd: float = 0.0,
+    responded: Event | None = None,
     event: Event | None = None,
 ) -> None:
-    """Save point A, with the ``event`` that reports it. (The call's usage was counted by
-    ``record_spend`` when the reply arrived.)"""
+    """Save point A: count the call's ``usage`` and cost with the ``responded`` event, then commit
+    its response with the ``event`` that reports it. The spend counts even when the response can no
+    longer be committed (the run was cancelled meanwhile): the call was made and billed."""
     code = run_script(
         "commit_response",
         r,
@@ -118,25 +122,13 @@ def commit_response(
             error,
             SCHEMA_VERSION,
             retention_s,
-            *(event.script_args() if event else ()),
+            *(int((usage or {}).get(name) or 0) for name in USAGE_FIELDS),
+            repr(float(cost_usd)),
+            *script_args(responded, event),
         ],
     )
-    _check(int(code), keys, r)  # type: ignore[arg-type]
-    if event:
-        event.log()
-
-
-def record_spend(r: Redis, keys: RunKeys, token: str, usage: Mapping[str, int], cost_usd: float,
-                 event: Event | None = None) -> None:
-    """Count a model call's tokens and cost as soon as its reply arrives, before save point A, with
-    the ``event`` that reports the reply."""
-    code = run_script(
-        "record_spend",
-        r,
-        [keys.run, keys.lease, keys.events, STATS],
-        [token, *(int(usage.get(name) or 0) for name in USAGE_FIELDS), repr(float(cost_usd)),
-         *(event.script_args() if event else ())],
-    )
+    if int(code) != -1 and responded:  # type: ignore[arg-type]
+        responded.log()
     _check(int(code), keys, r)  # type: ignore[arg-type]
     if event:
         event.log()
@@ -243,7 +235,7 @@ def finish(
             token, status, error, now_ms(), keys.run_id, pack_message(message) if message else "", phase,
             pack_result(result),
             retention_s if status in TERMINAL_STATUSES else 0, "" if watch_at_ms is None else watch_at_ms,
-            *(event.script_args() if event else ()),
+            *script_args(event),
         ],
     )
     _check(int(code), keys, r)  # type: ignore[arg-type]

@@ -1,9 +1,9 @@
 """Progress events, one capped Redis stream per run, each also counted pool-wide and logged.
 
 An event that reports a write of the turn (a tool started, save point A, a status change...) is
-recorded by that write itself, in the same Lua script or MULTI (``Event.script_args``,
-``Event.stage``): it exists exactly when the write does, a fenced-out zombie leaves none, and it costs
-no round trip of its own. ``emit`` records the others, best effort: it never fails a turn.
+recorded by that write itself, in the same Lua script or MULTI (``script_args``, ``Event.stage``):
+it exists exactly when the write does, a fenced-out zombie leaves none, and it costs no round trip
+of its own. ``emit`` records the others, best effort: it never fails a turn.
 """
 
 from __future__ import annotations
@@ -37,9 +37,7 @@ class Event:
         return cls(run_id, kind, {k: str(v) for k, v in fields.items() if v is not None},
                    {k: v for k, v in stats.counters_for(kind, fields).items() if v})
 
-    def script_args(self) -> list[str | int | float]:
-        """The ARGV tail that ``record_event`` in ``store/lua/_event.lua`` reads: the stream's cap,
-        the field/value pairs, the counter/amount pairs, each list preceded by its length."""
+    def _script_args(self) -> list[str | int | float]:
         pairs = [x for item in {"kind": self.kind, **self.fields}.items() for x in item]
         counted = [x for item in self.counters.items() for x in item]
         return [MAX_EVENTS, len(pairs) // 2, *pairs, len(counted) // 2, *counted]
@@ -54,6 +52,13 @@ class Event:
         """One structured line on the ``agentpool.events`` logger."""
         if log.isEnabledFor(logging.INFO):  # building the line costs more than the event's Redis write
             log.info("%s", json.dumps({"run": self.run_id, "kind": self.kind, **self.fields}, ensure_ascii=False))
+
+
+def script_args(*events: Event | None) -> list[str | int | float]:
+    """The script arguments ``record_event`` in ``store/lua/_event.lua`` reads, one event after the
+    other: the stream's cap, the field/value pairs, the counter/amount pairs, each list preceded by
+    its length; a lone 0 for an event not given."""
+    return [x for event in events for x in (event._script_args() if event else [0])]
 
 
 def emit(r: Redis, run_id: str, kind: str, **fields: Any) -> None:

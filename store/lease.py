@@ -16,7 +16,7 @@ from redis import Redis
 from redis.client import Pipeline
 
 from store.clock import now_ms
-from store.events import Event
+from store.events import Event, script_args
 from store.keys import RUNS_WATCH, STATS, RunKeys
 from store.records import SCHEMA_VERSION
 from store.scripts import run_script
@@ -50,11 +50,8 @@ def acquire(r: Redis, keys: RunKeys, *, turn: int, worker_id: str, ttl_ms: int, 
     the reads ``then`` stages go out in the same round trip, after the script (their replies are
     wasted when the lease is not taken: a rare stale or duplicate job)."""
     script_keys = [keys.run, keys.lease, RUNS_WATCH, keys.events, STATS]
-    args = [worker_id, ttl_ms, now_ms(), keys.run_id, turn, SCHEMA_VERSION, *(event.script_args() if event else ())]
-    if then is None:
-        reply, after = run_script("lease_acquire", r, script_keys, args), []
-    else:
-        reply, *after = run_script.then(r, "lease_acquire", script_keys, args, then)
+    args = [worker_id, ttl_ms, now_ms(), keys.run_id, turn, SCHEMA_VERSION, *script_args(event)]
+    reply, *after = run_script.pipelined(r, "lease_acquire", [(script_keys, args)], then)
     code, detail, *recorded = reply  # type: ignore[misc]
     if event and recorded and recorded[0]:
         event.log()
@@ -62,7 +59,14 @@ def acquire(r: Redis, keys: RunKeys, *, turn: int, worker_id: str, ttl_ms: int, 
 
 
 def renew(r: Redis, keys: RunKeys, token: str, ttl_ms: int) -> bool:
-    return bool(run_script("lease_renew", r, [keys.lease, RUNS_WATCH], [token, ttl_ms, now_ms(), keys.run_id]))
+    return renew_many(r, [(keys, token, ttl_ms)])[0]
+
+
+def renew_many(r: Redis, leases: list[tuple[RunKeys, str, int]]) -> list[bool]:
+    """Extend each ``(keys, token, ttl_ms)`` lease still owned, all in one round trip."""
+    now = now_ms()
+    calls = [([keys.lease, RUNS_WATCH], [token, ttl_ms, now, keys.run_id]) for keys, token, ttl_ms in leases]
+    return [bool(kept) for kept in run_script.pipelined(r, "lease_renew", calls)]  # type: ignore[arg-type]
 
 
 def release(r: Redis, keys: RunKeys, token: str, *, recheck_in_ms: int = 0) -> bool:

@@ -14,7 +14,7 @@ from redis import Redis
 
 from store.codec import pack, unpack
 from store.errors import LeaseLost, LedgerMismatch, RunNotActive
-from store.events import Event
+from store.events import Event, script_args
 from store.keys import STATS, RunKeys
 from store.records import SCHEMA_VERSION, open_value, seal_value
 from store.scripts import run_script
@@ -84,7 +84,7 @@ def fenced_hset(r: Redis, keys: RunKeys, token: str, hash_key: str, field: str, 
     """Write ``record`` into one of the run's hashes, only while ``token`` owns the running run,
     with the ``event`` that reports it."""
     code = int(run_script("fenced_hset", r, [keys.lease, keys.run, hash_key, keys.events, STATS],  # type: ignore[arg-type]
-                          [token, field, pack(record), *(event.script_args() if event else ())]))
+                          [token, field, pack(record), *script_args(event)]))
     if code == -1:
         raise LeaseLost(keys.run_id)
     if code == -2:

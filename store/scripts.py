@@ -44,19 +44,22 @@ class _Scripts:
             client.script_load(script.script)
             return client.evalsha(script.sha, len(keys), *keys, *args)
 
-    def then(self, r: Redis, name: str, keys: list[str], args: list[object],
-             stage: Callable[[Pipeline], None]) -> list[object]:
-        """One round trip: the script, then the commands ``stage`` adds, which see what it wrote.
+    def pipelined(self, r: Redis, name: str, calls: list[tuple[list[str], list[object]]],
+                  stage: Callable[[Pipeline], None] | None = None) -> list[object]:
+        """One round trip: the script once per ``(keys, args)``, then the commands ``stage`` adds,
+        which see what the scripts wrote. Replies in that order.
 
-        Replies in order, the script's first. (redis-py's own scripts in a pipeline cost a SCRIPT
-        EXISTS round trip first; here EVALSHA goes out as is, and a cache miss loads and resends.)"""
+        (redis-py's own scripts in a pipeline cost a SCRIPT EXISTS round trip first; here EVALSHA
+        goes out as is, and a cache miss loads the script and sends the lot again.)"""
         script = self._script(name)
         for _ in range(2):
             with r.pipeline(transaction=False) as pipe:
-                pipe.evalsha(script.sha, len(keys), *keys, *args)
-                stage(pipe)
+                for keys, args in calls:
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                if stage:
+                    stage(pipe)
                 replies = pipe.execute(raise_on_error=False)
-            if not isinstance(replies[0], NoScriptError):
+            if not any(isinstance(reply, NoScriptError) for reply in replies[:len(calls)]):
                 break
             r.script_load(script.script)
         for reply in replies:

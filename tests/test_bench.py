@@ -13,7 +13,7 @@ from conftest import ROOT
 NUMBER = re.compile(r"^-?[\d,]+(\.\d+)?x?$")
 
 SECTIONS = {
-    "overhead": (["--turns", "10", "--rounds", "1", "--threads", "2"],
+    "overhead": (["--turns", "10", "--threaded-turns", "10", "--rounds", "1", "--threads", "2"],
                  "overhead: agentpool turn vs bare RQ job",
                  ["bare RQ job: no-op", "bare RQ job: model call + tool", "agentpool turn"], 6),
     "saves": (["--save-turns", "3", "--save-runs", "2"],

@@ -84,17 +84,20 @@ def test_save_point_a_appends_counts_and_records_pending(r):
     token = take(r)
     call = {"id": "toolu_1", "name": "read_notes", "input": {"topic": "x"}}
     usage = {"input_tokens": 10, "output_tokens": 5, "cache_read_input_tokens": 3, "cache_creation_input_tokens": 2}
-    checkpoint.record_spend(r, KEYS, token, usage, 0.25)
-    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(tool_use=call), pending=[call])
+    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(tool_use=call), pending=[call],
+                               usage=usage, cost_usd=0.25)
     state = checkpoint.load_run(r, RUN)
     assert (state.turns, state.phase, state.pending, state.current_turn) == (1, "tools", [call], 0)
     assert state.usage == usage and state.cost_usd == 0.25
     with pytest.raises(LeaseLost):
-        checkpoint.record_spend(r, KEYS, "9:zombie", usage, 1.0)
-    assert checkpoint.load_run(r, RUN).usage == usage
+        checkpoint.commit_response(r, KEYS, "9:zombie", turns_before=1, message=reply(), pending=[], usage=usage,
+                                   cost_usd=1.0)
+    assert checkpoint.load_run(r, RUN).usage == usage, "a fenced-out zombie's call is not counted"
     with pytest.raises(LeaseLost):  # the same response twice: the checkpoint moved on
-        checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[])
+        checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[], usage=usage,
+                                   cost_usd=0.25)
     assert r.llen(KEYS.messages) == 2
+    assert checkpoint.load_run(r, RUN).cost_usd == 0.5, "a response refused still counts the call it cost"
 
 
 def test_save_point_b_lands_with_its_enqueue_or_not_at_all(r):
@@ -127,7 +130,8 @@ def test_an_event_is_recorded_with_its_write_and_never_without_it(r):
     usage = {"input_tokens": 7, "output_tokens": 3, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
     responded = Event.of(RUN, "model_responded", turn=0, seconds=0.2, cost_usd=0.5, **usage)
     with pytest.raises(LeaseLost):
-        checkpoint.record_spend(r, KEYS, "9:zombie", usage, 0.5, event=responded)
+        checkpoint.commit_response(r, KEYS, "9:zombie", turns_before=0, message=reply(), pending=[], usage=usage,
+                                   cost_usd=0.5, responded=responded, event=Event.of(RUN, "response_committed"))
     call = {"id": "toolu_1", "name": "read_notes", "input": {"topic": "x"}}
     with pytest.raises(LeaseLost):
         ledger.write_intent(r, KEYS, "9:zombie", call, effect="read", attempt=1, now=1.0,
@@ -135,9 +139,9 @@ def test_an_event_is_recorded_with_its_write_and_never_without_it(r):
     assert [e["kind"] for _, e in events.read(r, RUN)] == ["turn_started"], "a fenced-out write leaves no event"
     assert stats.read_all(r) == {"turns": 1.0}
 
-    checkpoint.record_spend(r, KEYS, token, usage, 0.5, event=responded)
     checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[], final_status="completed",
-                               retention_s=60, event=Event.of(RUN, "status", status="completed"))
+                               retention_s=60, usage=usage, cost_usd=0.5, responded=responded,
+                               event=Event.of(RUN, "status", status="completed"))
     recorded = [e for _, e in events.read(r, RUN)]
     assert [e["kind"] for e in recorded] == ["turn_started", "model_responded", "status"]
     assert recorded[1] == {"kind": "model_responded", "turn": "0", "seconds": "0.2", "cost_usd": "0.5",

@@ -21,6 +21,7 @@ from typing import Any
 
 import click
 from redis import Redis
+from redis.utils import HIREDIS_AVAILABLE
 
 from workers.agent import Agent
 from workers.context import current_call
@@ -58,12 +59,25 @@ def bare_noop(n: int) -> int:
 
 
 def bare_model_call(n: int) -> int:
-    """Baseline job: the model call and the tool call of a turn, without any of agentpool's saves."""
+    """Baseline job: the model call and the tool call of a turn, without any of agentpool's saves.
+    Job ``n`` sends the conversation a run of the overhead section has at its turn ``n % 10``, so
+    both sides of the ratio send the model the same bytes."""
     from workers.model import call_model
 
-    call_model(bench_agent, [{"role": "user", "content": f"overhead baseline {n} [script:overhead]"}])
+    call_model(bench_agent, conversation_at(n % TURNS_PER_RUN, f"overhead baseline {n} [script:overhead]"))
     bench_lookup.fn(key="k")
     return n
+
+
+def conversation_at(turn: int, task_text: str) -> list[dict[str, Any]]:
+    """The messages of a run of ``tool_steps`` before its ``turn``: the task, then a tool_use of
+    bench_lookup and its result per turn."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task_text}]
+    for i in range(turn):
+        call = {"type": "tool_use", "id": f"toolu_{i:022d}", "name": "bench_lookup", "input": {"key": "k"}}
+        messages += [{"role": "assistant", "content": [call]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": "k: ok"}]}]
+    return messages
 
 
 # -- the pool under test -----------------------------------------------------------------------
@@ -146,18 +160,18 @@ def tool_steps(turns: int, final: str = "done") -> list[dict[str, Any]]:
 TURNS_PER_RUN = 10
 
 
-def bench_overhead(lab: Lab, turns: int, threads: int, rounds: int) -> None:
+def bench_overhead(lab: Lab, turns: int, threaded_turns: int, threads: int, rounds: int) -> None:
     rows = []
-    for kind, args in (("forking (--concurrency 1)", ()), (f"threaded (--concurrency {threads})",
-                                                           ("--concurrency", str(threads)))):
+    for kind, args, n in (("forking (--concurrency 1)", (), turns),
+                          (f"threaded (--concurrency {threads})", ("--concurrency", str(threads)), threaded_turns)):
         lab.reset({"overhead": tool_steps(TURNS_PER_RUN)})
         lab.start(*args)
         _agentpool_rate(lab, TURNS_PER_RUN)  # warm: the client, its connections, the imports
         _bare_rate(lab, "workers.bench.bare_model_call", 3)
         jobs: dict[str, Callable[[], float]] = {
-            "bare RQ job: no-op": lambda: _bare_rate(lab, "workers.bench.bare_noop", turns),
-            "bare RQ job: model call + tool": lambda: _bare_rate(lab, "workers.bench.bare_model_call", turns),
-            "agentpool turn": lambda: _agentpool_rate(lab, turns),
+            "bare RQ job: no-op": lambda: _bare_rate(lab, "workers.bench.bare_noop", n),
+            "bare RQ job: model call + tool": lambda: _bare_rate(lab, "workers.bench.bare_model_call", n),
+            "agentpool turn": lambda: _agentpool_rate(lab, n),
         }
         rates: dict[str, list[float]] = {job: [] for job in jobs}
         for _ in range(rounds):  # interleaved, so a change in the machine's load hits every kind alike
@@ -172,10 +186,13 @@ def bench_overhead(lab: Lab, turns: int, threads: int, rounds: int) -> None:
                          "<= 1.5x" if ours else ""])
     table("overhead: agentpool turn vs bare RQ job, same worker class, one worker process",
           ["worker", "job", "jobs/s", "range", "ms/job", "agentpool cost vs model-call baseline", "target"], rows,
-          ((f"{turns} jobs per measurement, {rounds} rounds interleaved; jobs/s is the median round, range the "
-            "slowest and fastest; ms/job = 1000 / jobs/s (the process's throughput, not a latency)"),
+          ((f"{turns} jobs per measurement (threaded: {threaded_turns}), {rounds} rounds interleaved; jobs/s is "
+            "the median round, range the slowest and fastest; ms/job = 1000 / jobs/s (the process's throughput, "
+            "not a latency)"),
            ("a turn = one call to a zero-latency scripted model + a trivial read tool; the model-call baseline "
-            "makes the same HTTP call (same client) and tool call with none of agentpool's bookkeeping")))
+            "makes the same HTTP call (same client, same conversation as the turn it stands for) and tool call "
+            "with none of agentpool's bookkeeping"),
+           f"redis-py reply parser: {'hiredis' if HIREDIS_AVAILABLE else 'pure Python (pip install hiredis)'}"))
 
 
 def _bare_rate(lab: Lab, func: str, n: int) -> float:
@@ -289,11 +306,10 @@ def _store_calls_of_a_turn(r: Redis, run_id: str, turn: int) -> list[tuple[str, 
 
     return [
         ("load (read with the lease, before the model call)", lambda: checkpoint.load_run(r, run_id)),
-        ("spend (tokens, cost)", lambda: checkpoint.record_spend(
-            r, keys, token, usage, 0.003, event=event("model_responded", turn=turn, stop_reason="tool_use",
-                                                      seconds=0.5, cost_usd=0.003, **usage))),
-        ("save point A (response, pending)", lambda: checkpoint.commit_response(
+        ("save point A (spend, response, pending)", lambda: checkpoint.commit_response(
             r, keys, token, turns_before=turn, message=message, meta={"id": "msg_bench"}, pending=[call],
+            usage=usage, cost_usd=0.003, responded=event("model_responded", turn=turn, stop_reason="tool_use",
+                                                         seconds=0.5, cost_usd=0.003, **usage),
             event=event("response_committed", turn=turn, tool_uses=1))),
         ("ledger intent", lambda: ledger.write_intent(
             r, keys, token, call, effect="read", attempt=1, now=time.time(), event=event("tool_started", **tool))),
@@ -505,9 +521,11 @@ def _lab(url: str | None) -> Iterator[Lab]:
 @click.command()
 @click.option("--url", "-u", default=None, help="An empty Redis database to use (default: a redis-server of its own).")
 @click.option("--only", type=click.Choice(SECTIONS), multiple=True, help="Run only these sections (repeatable).")
-@click.option("--turns", type=click.IntRange(min=10), default=100, show_default=True,
-              help="overhead: jobs per measurement.")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--turns", type=click.IntRange(min=10), default=60, show_default=True,
+              help="overhead: jobs per measurement on the forking worker.")
+@click.option("--threaded-turns", type=click.IntRange(min=10), default=400, show_default=True,
+              help="overhead: jobs per measurement on the threaded worker (a few seconds' worth).")
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True,
               help="overhead: interleaved rounds of each measurement.")
 @click.option("--threads", type=click.IntRange(min=2), default=8, show_default=True,
               help="overhead, recovery: --concurrency of the threaded worker.")
@@ -522,8 +540,9 @@ def _lab(url: str | None) -> Iterator[Lab]:
 @click.option("--lease-ttl", type=float, default=None, help="recovery: lease TTL (default AGENTPOOL_LEASE_TTL, 15).")
 @click.option("--short-ttl", type=float, default=3.0, show_default=True,
               help="recovery: also kill whole workers under this shorter TTL (0: skip).")
-def bench(url: str | None, only: tuple[str, ...], turns: int, rounds: int, threads: int, save_turns: int, save_runs: int,
-          high_concurrency: int, hold: float, trials: int, lease_ttl: float | None, short_ttl: float) -> None:
+def bench(url: str | None, only: tuple[str, ...], turns: int, threaded_turns: int, rounds: int, threads: int,
+          save_turns: int, save_runs: int, high_concurrency: int, hold: float, trials: int, lease_ttl: float | None,
+          short_ttl: float) -> None:
     """Measure agentpool on this machine: per-turn overhead, save cost, memory, crash recovery."""
     from workers.settings import Settings
 
@@ -533,7 +552,7 @@ def bench(url: str | None, only: tuple[str, ...], turns: int, rounds: int, threa
     with _lab(url) as lab:
         click.echo(f"redis {lab.r.info('server')['redis_version']} at {lab.url}; scripted model at {lab.model.base_url}")
         if "overhead" in sections:
-            bench_overhead(lab, turns, threads, rounds)
+            bench_overhead(lab, turns, threaded_turns, threads, rounds)
         if "saves" in sections:
             bench_saves(lab, save_turns, save_runs)
         if "memory" in sections:

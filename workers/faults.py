@@ -14,7 +14,7 @@ from pathlib import Path
 
 POINTS = (
     "before_model_call",   # lease held, checkpoint loaded, nothing asked yet
-    "after_model_reply",   # the model answered (and billed); save point A not written
+    "after_model_reply",   # the model answered (and billed us); save point A, which counts it, not written
     "after_save_a",        # response committed, no tool started
     "in_tool",             # inside a tool, after its effect, before it returns
     "after_tool_outcome",  # a tool's outcome is in the ledger; save point B not written

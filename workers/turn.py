@@ -5,7 +5,8 @@ The order of writes is the whole point (see DESIGN.md, "Save points inside a tur
 1. take the lease for exactly this turn (a stale or duplicate job stops here, having done nothing);
 2. tool_uses left pending by a dead worker are reconciled against the ledger;
 3. guards (max_turns) may stop the run, resumably;
-4. the model is called; save point A commits its response and pending tool_uses before any tool runs;
+4. the model is called; save point A counts its spend and commits its response and pending
+   tool_uses before any tool runs;
 5. each tool: intent in the ledger, the tool, outcome in the ledger;
 6. save point B: the tool results and the next turn's job, in one transaction.
 
@@ -38,7 +39,7 @@ from store.clock import now_ms
 from workers.agent import Agent, AgentNotFound, load_agent
 from workers.context import ToolCall
 from workers.faults import fault
-from workers.heartbeat import Heartbeat
+from workers.heartbeat import keep_alive
 from workers.jobs import stage_turn
 from workers.limits import Limits
 from workers.model import ModelQuotaExhausted, ModelRejected, ModelReply, ModelUnavailable, call_model
@@ -83,7 +84,7 @@ def run_turn(run_id: str, turn: int) -> str:
         log.info("run %s turn %s: %s (%s); nothing to do", run_id, turn, got.code.name.lower(), got.detail)
         return got.code.name.lower()
     token = got.token
-    with Heartbeat(r, keys, token, settings.lease_ttl_ms):
+    with keep_alive(r, keys, token, settings.lease_ttl_ms):
         try:
             return Turn(r, keys, token, turn, settings).run(*got.then)
         except (LeaseLost, RunNotActive) as exc:
@@ -135,15 +136,10 @@ class Turn:
             return self.stop(str(exc))
         except ModelRejected as exc:
             return self.end("failed", f"the model API rejected the request: {exc}")
-        price = price_of(agent.model)
-        cost = price.cost(reply.usage) if price else 0.0
-        responded = Event.of(self.run_id, "model_responded", turn=self.turn, stop_reason=reply.stop_reason,
-                             seconds=round(time.monotonic() - asked, 4), cost_usd=round(cost, 8), **reply.usage)
-        checkpoint.record_spend(self.r, self.keys, self.token, reply.usage, cost, event=responded)
         fault("after_model_reply", self.run_id, self.turn)
-        return self.handle_reply(agent, state, reply)
+        return self.handle_reply(agent, state, reply, seconds=time.monotonic() - asked)
 
-    def handle_reply(self, agent: Agent, state: RunState, reply: ModelReply) -> str:
+    def handle_reply(self, agent: Agent, state: RunState, reply: ModelReply, seconds: float) -> str:
         tool_uses = [b for b in reply.message["content"] if b.get("type") == "tool_use"]
         pending = [{"id": b["id"], "name": b["name"], "input": b.get("input")} for b in tool_uses]
         stop = reply.stop_reason
@@ -163,10 +159,15 @@ class Turn:
         if not pending and (stop in FINISHED_STOPS or failure):
             final = "failed" if failure else "completed"
             result = _trailing_text(state.messages + [reply.message])
+        price = price_of(agent.model)
+        cost = price.cost(reply.usage) if price else 0.0
         checkpoint.commit_response(
             self.r, self.keys, self.token,
             turns_before=state.turns, message=reply.message, meta=reply.meta, pending=pending,
             final_status=final, result=result, error=failure or "", retention_s=self.settings.retention,
+            usage=reply.usage, cost_usd=cost,
+            responded=Event.of(self.run_id, "model_responded", turn=self.turn, stop_reason=reply.stop_reason,
+                               seconds=round(seconds, 4), cost_usd=round(cost, 8), **reply.usage),
             event=Event.of(self.run_id, "status", status=final, error=failure) if final else
             Event.of(self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending)),
         )

@@ -26,6 +26,6 @@ local token = fence .. ':' .. ARGV[1]
 redis.call('SET', KEYS[2], token, 'PX', ARGV[2])
 redis.call('HSET', KEYS[1], 'status', 'running', 'updated_at', ARGV[3])
 redis.call('ZADD', KEYS[3], tonumber(ARGV[3]) + tonumber(ARGV[2]), ARGV[4])
-if h[4] == 'tools' or ARGV[7] == nil then return {1, token, 0} end
+if h[4] == 'tools' or ARGV[7] == '0' then return {1, token, 0} end
 record_event(KEYS[4], KEYS[5], 7)
 return {1, token, 1}

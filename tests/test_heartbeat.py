@@ -1,0 +1,48 @@
+"""The lease keeper: one thread per process keeps every lease its turns hold alive, against a real Redis."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import ExitStack
+
+from store import checkpoint
+from store.keys import RunKeys
+from store.lease import Acquire, acquire, holder
+from workers.heartbeat import keep_alive
+
+TTL_MS = 300  # renewed every 100 ms
+
+
+def leased_run(r, n: int) -> tuple[RunKeys, str]:
+    run_id = f"r_keeper{n:04d}"
+    with r.pipeline(transaction=True) as pipe:
+        pipe.multi()
+        checkpoint.stage_create(pipe, run_id, agent="pool_agents:support", task="t", limits={}, now=time.time())
+        pipe.execute()
+    keys = RunKeys.of(run_id)
+    got = acquire(r, keys, turn=0, worker_id=f"test.{n}", ttl_ms=TTL_MS)
+    assert got.code is Acquire.ACQUIRED
+    return keys, got.token
+
+
+def test_leases_held_by_turns_outlive_their_ttl_and_lapse_once_released(r):
+    leases = [leased_run(r, n) for n in range(5)]
+    with ExitStack() as stack:
+        for keys, token in leases:
+            stack.enter_context(keep_alive(r, keys, token, TTL_MS))
+            time.sleep(0.03)  # leases taken at different moments come due at different moments
+        time.sleep(4 * TTL_MS / 1000)
+        assert [holder(r, keys) for keys, _ in leases] == [token for _, token in leases]
+    time.sleep(2 * TTL_MS / 1000)
+    assert [holder(r, keys) for keys, _ in leases] == [None] * 5, "a lease no turn holds is not renewed"
+
+
+def test_a_lease_taken_over_is_dropped_not_renewed_for_the_new_owner(r, caplog):
+    keys, token = leased_run(r, 0)
+    caplog.set_level(logging.WARNING, logger="agentpool.heartbeat")
+    with keep_alive(r, keys, token, TTL_MS):
+        r.set(keys.lease, "2:someone-else", px=TTL_MS)  # as if this worker froze and its lease was taken over
+        time.sleep(3 * TTL_MS / 1000)
+        assert holder(r, keys) is None, "the new owner's lease was left to its own heartbeat, not extended"
+    assert any("lease lost" in m for m in caplog.messages)
