@@ -169,9 +169,9 @@ def bench_overhead(lab: Lab, turns: int, threaded_turns: int, threads: int, roun
         _agentpool_rate(lab, TURNS_PER_RUN)  # warm: the client, its connections, the imports
         _bare_rate(lab, "workers.bench.bare_model_call", 3)
         jobs: dict[str, Callable[[], float]] = {
-            "bare RQ job: no-op": lambda: _bare_rate(lab, "workers.bench.bare_noop", n),
-            "bare RQ job: model call + tool": lambda: _bare_rate(lab, "workers.bench.bare_model_call", n),
-            "agentpool turn": lambda: _agentpool_rate(lab, n),
+            "bare RQ job: no-op": lambda n=n: _bare_rate(lab, "workers.bench.bare_noop", n),
+            "bare RQ job: model call + tool": lambda n=n: _bare_rate(lab, "workers.bench.bare_model_call", n),
+            "agentpool turn": lambda n=n: _agentpool_rate(lab, n),
         }
         rates: dict[str, list[float]] = {job: [] for job in jobs}
         for _ in range(rounds):  # interleaved, so a change in the machine's load hits every kind alike

@@ -47,7 +47,7 @@ def worker(url: str | None, name: str | None, burst: bool, log_level: str, no_sc
 
         start_metrics_server(metrics_port, r)
     if concurrency > 1:
-        from workers.threaded import run_threaded_worker
+        from workers.supervisor import run_threaded_worker
 
         run_threaded_worker(r, name=name, concurrency=concurrency, burst=burst, logging_level=log_level.upper(),
                             with_scheduler=not no_scheduler)

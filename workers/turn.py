@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 import random
 import socket
 import time
+from dataclasses import replace
 from typing import Any
 
 from redis import Redis
 from rq import get_current_job
 
 from store import approvals, checkpoint, ledger
+from store.clock import now_ms
 from store.crypto import EncryptionKeyMissing
 from store.errors import LeaseLost, LedgerMismatch, RunNotActive, SchemaTooNew, UnreadableRecord
 from store.events import Event, emit
@@ -35,7 +36,6 @@ from store.keys import RunKeys
 from store.lease import Acquire, acquire, release
 from store.ledger import Entry, Outcome
 from store.records import RunState
-from store.clock import now_ms
 from workers.agent import Agent, AgentNotFound, load_agent
 from workers.context import ToolCall
 from workers.faults import fault
