@@ -120,6 +120,8 @@ def test_tls_and_an_acl_user_work_and_no_secret_reaches_logs_or_events(tmp_path,
         for secret in (password, pool.env["ANTHROPIC_API_KEY"]):
             assert secret not in logs and secret not in events
         assert "rediss://agentpool:***@" in logs, "the worker names its Redis without the password"
+        assert f'agentpool.events: {{"run": "{run_id}", "kind": "turn_started"' in logs, \
+            "at --log-level INFO every run event is a log line (so the checks above read them too)"
     finally:
         pool.stop()
         server.stop()

@@ -40,6 +40,10 @@ def main() -> None:
 def worker(url: str | None, name: str | None, burst: bool, log_level: str, no_scheduler: bool,
            concurrency: int, metrics_port: int | None) -> None:
     """Run an RQ worker for agent turns."""
+    from rq.logutils import setup_loghandlers
+
+    # agentpool's own lines (events at INFO, takeovers, lost leases) beside RQ's, named by their logger.
+    setup_loghandlers(log_level.upper(), name="agentpool", log_format="%(asctime)s %(name)s: %(message)s")
     r = connect(url)
     click.echo(f"agentpool worker on {redact_url(url or Settings.from_env().redis_url)}", err=True)
     if metrics_port:

@@ -30,7 +30,6 @@ from redis import Redis
 from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
-from rq.logutils import setup_loghandlers
 from rq.queue import Queue
 from rq.utils import as_text, now
 
@@ -263,7 +262,6 @@ def run_threaded_worker(r: Redis, *, name: str | None, concurrency: int, burst: 
     """``agentpool worker --concurrency N``: the supervisor in this process, the worker in a child."""
     name = name or uuid4().hex
     os.environ["RQ_WORKER_ID"] = name
-    setup_loghandlers(logging_level, name=log.name)
     # Imported once here, every worker process forked later starts ready (anthropic takes ~1 s to import):
     # a worker restarted after an OOM kill is dequeuing again within milliseconds.
     import workers.turn  # noqa: F401
