@@ -44,7 +44,8 @@ def worker(url: str | None, name: str | None, burst: bool, log_level: str, no_sc
 
     # agentpool's own lines (events at INFO, takeovers, lost leases) beside RQ's, named by their logger.
     setup_loghandlers(log_level.upper(), name="agentpool", log_format="%(asctime)s %(name)s: %(message)s")
-    r = connect(url)
+    # A threaded worker's turns, RQ's heartbeat thread, the lease keeper and the reaper share its pool.
+    r = connect(url, max_connections=2 * concurrency + 16 if concurrency > 1 else None)
     click.echo(f"agentpool worker on {redact_url(url or Settings.from_env().redis_url)}", err=True)
     if metrics_port:
         from workers.metrics import start_metrics_server

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from redis import Redis
+from redis import BlockingConnectionPool, Redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
@@ -66,16 +66,24 @@ def configure_encryption() -> None:
 configure_encryption()
 
 
-def connect(url: str | None = None) -> Redis:
+def connect(url: str | None = None, *, max_connections: int | None = None) -> Redis:
     """A client that rides out a dropped connection or a Redis restart (~15 s of retries) instead of
-    failing the turn. Bytes in, bytes out: RQ requires ``decode_responses=False``."""
-    return Redis.from_url(
-        url or Settings.from_env().redis_url,
-        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=12),
-        retry_on_error=[ConnectionError, TimeoutError],
-        health_check_interval=30,
-        socket_keepalive=True,
-    )
+    failing the turn. Bytes in, bytes out: RQ requires ``decode_responses=False``.
+
+    ``max_connections`` is for a process of many threads (``worker --concurrency N``): its threads
+    share that many connections and wait up to 30 s for a free one. redis-py's default pool holds 100
+    and fails the 101st caller at once (``MaxConnectionsError``)."""
+    options = {
+        "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=12),
+        "retry_on_error": [ConnectionError, TimeoutError],
+        "health_check_interval": 30,
+        "socket_keepalive": True,
+    }
+    url = url or Settings.from_env().redis_url
+    if max_connections is None:
+        return Redis.from_url(url, **options)
+    return Redis(connection_pool=BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=30,
+                                                                 **options))
 
 
 def redact_url(url: str) -> str:
