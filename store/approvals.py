@@ -12,10 +12,10 @@ from typing import Any
 
 from redis import Redis
 
-from store.codec import pack, unpack
-from store.keys import RunKeys
-from store.ledger import fenced_hset, input_digest
-from store.records import SCHEMA_VERSION
+from agentpool.store.codec import pack, unpack
+from agentpool.store.keys import RunKeys
+from agentpool.store.ledger import fenced_hset, input_digest
+from agentpool.store.records import SCHEMA_VERSION
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,13 @@ class Decision:
 
 
 def request(r: Redis, keys: RunKeys, token: str, call: dict[str, Any], *, now: float, deadline: float | None) -> None:
-    record = {"v": SCHEMA_VERSION, "name": call["name"], "input": input_digest(call["input"]),
-              "requested_at": now, "deadline": deadline}
+    record = {
+        "v": SCHEMA_VERSION,
+        "name": call["name"],
+        "input": input_digest(call["input"]),
+        "requested_at": now,
+        "deadline": deadline,
+    }
     fenced_hset(r, keys, token, keys.approvals, f"{call['id']}:wait", record)
 
 
@@ -50,13 +55,21 @@ def read(r: Redis, keys: RunKeys) -> tuple[dict[str, Wait], dict[str, Decision]]
         record = unpack(blob, f"approval record {name}")
         if name.endswith(":wait"):
             tool_use_id = name[: -len(":wait")]
-            waits[tool_use_id] = Wait(tool_use_id, record["name"], record["input"], record["requested_at"], record.get("deadline"))
+            waits[tool_use_id] = Wait(
+                tool_use_id, record["name"], record["input"], record["requested_at"], record.get("deadline")
+            )
         else:
-            decisions[name] = Decision(bool(record["approved"]), record.get("reason") or "", record["input"],
-                                       record["at"], record.get("by", "person"))
+            decisions[name] = Decision(
+                bool(record["approved"]),
+                record.get("reason") or "",
+                record["input"],
+                record["at"],
+                record.get("by", "person"),
+            )
     return waits, decisions
 
 
 def decision_record(wait: Wait, *, approved: bool, reason: str, now: float, by: str) -> bytes:
-    return pack({"v": SCHEMA_VERSION, "approved": approved, "reason": reason, "input": wait.input_digest,
-                 "at": now, "by": by})
+    return pack(
+        {"v": SCHEMA_VERSION, "approved": approved, "reason": reason, "input": wait.input_digest, "at": now, "by": by}
+    )

@@ -15,13 +15,13 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import WatchError
 
-from store import ledger
-from store.clock import now_ms
-from store.errors import LeaseLost, RunNotActive, RunNotFound
-from store.events import Event, script_args
-from store.keys import RUNS, RUNS_WATCH, STATS, RunKeys
-from store.ledger import Outcome
-from store.records import (
+from agentpool.store import ledger
+from agentpool.store.clock import now_ms
+from agentpool.store.errors import LeaseLost, RunNotActive, RunNotFound
+from agentpool.store.events import Event, script_args
+from agentpool.store.keys import RUNS, RUNS_WATCH, STATS, RunKeys
+from agentpool.store.ledger import Outcome
+from agentpool.store.records import (
     SCHEMA_VERSION,
     TERMINAL_STATUSES,
     USAGE_FIELDS,
@@ -33,15 +33,13 @@ from store.records import (
     pack_result,
     unpack_message,
 )
-from store.scripts import run_script
+from agentpool.store.scripts import run_script
 
 # How long a committed turn may wait in the queue before the reaper checks that its job still exists.
 QUEUED_RECHECK_MS = 30_000
 
 
-def stage_create(
-    pipe: Pipeline, run_id: str, *, agent: str, task: str, limits: Mapping[str, Any], now: float
-) -> None:
+def stage_create(pipe: Pipeline, run_id: str, *, agent: str, task: str, limits: Mapping[str, Any], now: float) -> None:
     """Add the commands that create a run to ``pipe`` (the caller adds the first turn's enqueue)."""
     keys = RunKeys.of(run_id)
     pipe.hset(keys.run, mapping=new_header(agent, limits, now))
@@ -232,9 +230,16 @@ def finish(
         r,
         [keys.run, keys.lease, keys.messages, RUNS_WATCH, STATS, keys.events, keys.ledger, keys.approvals],
         [
-            token, status, error, now_ms(), keys.run_id, pack_message(message) if message else "", phase,
+            token,
+            status,
+            error,
+            now_ms(),
+            keys.run_id,
+            pack_message(message) if message else "",
+            phase,
             pack_result(result),
-            retention_s if status in TERMINAL_STATUSES else 0, "" if watch_at_ms is None else watch_at_ms,
+            retention_s if status in TERMINAL_STATUSES else 0,
+            "" if watch_at_ms is None else watch_at_ms,
             *script_args(event),
         ],
     )
@@ -262,7 +267,12 @@ def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int = 0) -
 
 
 def set_status_unfenced(
-    r: Redis, run_id: str, status: str, *, error: str = "", allowed_from: frozenset[str] | None = None,
+    r: Redis,
+    run_id: str,
+    status: str,
+    *,
+    error: str = "",
+    allowed_from: frozenset[str] | None = None,
     retention_s: int = 0,
 ) -> str:
     """A status change by a person (cancel): not fenced by a lease, checked against the current status.

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgpack
 
-from store.errors import UnreadableRecord
+from agentpool.store.errors import UnreadableRecord
 
 
 def _refuse_ext(code: int, data: bytes) -> Any:

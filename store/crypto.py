@@ -4,14 +4,14 @@ and events stay readable, so operators can see a run without the key.
 
 Fernet (AES-128-CBC + HMAC-SHA256, from ``cryptography``); the first key encrypts, every key decrypts,
 so a key is rotated by putting the new one first and keeping the old ones until old runs are gone.
-The process configures this once (``workers.settings`` does, from the environment).
+The process configures this once (``agentpool.runtime.settings`` does, from the environment).
 """
 
 from __future__ import annotations
 
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 
-from store.errors import UnreadableRecord
+from agentpool.store.errors import UnreadableRecord
 
 
 class EncryptionKeyMissing(UnreadableRecord):
@@ -24,8 +24,9 @@ class Cipher:
         try:
             self._fernet = MultiFernet([Fernet(key.encode() if isinstance(key, str) else key) for key in keys])
         except (ValueError, TypeError) as exc:
-            raise ValueError("an encryption key must be 32 url-safe base64-encoded bytes "
-                             "(make one with `agentpool genkey`)") from exc
+            raise ValueError(
+                "an encryption key must be 32 url-safe base64-encoded bytes (make one with `agentpool genkey`)"
+            ) from exc
 
     def seal(self, data: bytes) -> bytes:
         return self._fernet.encrypt(data)

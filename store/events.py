@@ -17,8 +17,8 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import RedisError
 
-from store import stats
-from store.keys import RunKeys
+from agentpool.store import stats
+from agentpool.store.keys import RunKeys
 
 MAX_EVENTS = 1000
 log = logging.getLogger("agentpool.events")
@@ -34,8 +34,12 @@ class Event:
     @classmethod
     def of(cls, run_id: str, kind: str, **fields: Any) -> Event:
         """``None`` fields are left out; the pool-wide counters are derived from the event."""
-        return cls(run_id, kind, {k: str(v) for k, v in fields.items() if v is not None},
-                   {k: v for k, v in stats.counters_for(kind, fields).items() if v})
+        return cls(
+            run_id,
+            kind,
+            {k: str(v) for k, v in fields.items() if v is not None},
+            {k: v for k, v in stats.counters_for(kind, fields).items() if v},
+        )
 
     def _script_args(self) -> list[str | int | float]:
         pairs = [x for item in {"kind": self.kind, **self.fields}.items() for x in item]
@@ -44,8 +48,9 @@ class Event:
 
     def stage(self, pipe: Any) -> None:
         """Add the event to a pipeline or MULTI the caller executes."""
-        pipe.xadd(RunKeys.of(self.run_id).events, {"kind": self.kind, **self.fields}, maxlen=MAX_EVENTS,
-                  approximate=True)
+        pipe.xadd(
+            RunKeys.of(self.run_id).events, {"kind": self.kind, **self.fields}, maxlen=MAX_EVENTS, approximate=True
+        )
         stats.stage(pipe, self.counters)
 
     def log(self) -> None:
@@ -73,7 +78,9 @@ def emit(r: Redis, run_id: str, kind: str, **fields: Any) -> None:
         log.warning("could not record event %s for run %s: %s", kind, run_id, exc)
 
 
-def read(r: Redis, run_id: str, after: str = "0-0", count: int = 1000, block_ms: int | None = None) -> list[tuple[str, dict[str, str]]]:
+def read(
+    r: Redis, run_id: str, after: str = "0-0", count: int = 1000, block_ms: int | None = None
+) -> list[tuple[str, dict[str, str]]]:
     key = RunKeys.of(run_id).events
     if block_ms is None:
         rows = r.xrange(key, min=f"({after}" if after != "0-0" else "-", count=count)

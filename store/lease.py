@@ -15,11 +15,11 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 
-from store.clock import now_ms
-from store.events import Event, script_args
-from store.keys import RUNS_WATCH, STATS, RunKeys
-from store.records import SCHEMA_VERSION
-from store.scripts import run_script
+from agentpool.store.clock import now_ms
+from agentpool.store.events import Event, script_args
+from agentpool.store.keys import RUNS_WATCH, STATS, RunKeys
+from agentpool.store.records import SCHEMA_VERSION
+from agentpool.store.scripts import run_script
 
 
 class Acquire(enum.IntEnum):
@@ -44,8 +44,16 @@ class AcquireResult:
         return self.detail
 
 
-def acquire(r: Redis, keys: RunKeys, *, turn: int, worker_id: str, ttl_ms: int, event: Event | None = None,
-            then: Callable[[Pipeline], None] | None = None) -> AcquireResult:
+def acquire(
+    r: Redis,
+    keys: RunKeys,
+    *,
+    turn: int,
+    worker_id: str,
+    ttl_ms: int,
+    event: Event | None = None,
+    then: Callable[[Pipeline], None] | None = None,
+) -> AcquireResult:
     """Take the lease for ``turn``. ``event`` is recorded with it if the turn is to call the model;
     the reads ``then`` stages go out in the same round trip, after the script (their replies are
     wasted when the lease is not taken: a rare stale or duplicate job)."""

@@ -12,12 +12,12 @@ from typing import Any
 
 from redis import Redis
 
-from store.codec import pack, unpack
-from store.errors import LeaseLost, LedgerMismatch, RunNotActive
-from store.events import Event, script_args
-from store.keys import STATS, RunKeys
-from store.records import SCHEMA_VERSION, open_value, seal_value
-from store.scripts import run_script
+from agentpool.store.codec import pack, unpack
+from agentpool.store.errors import LeaseLost, LedgerMismatch, RunNotActive
+from agentpool.store.events import Event, script_args
+from agentpool.store.keys import STATS, RunKeys
+from agentpool.store.records import SCHEMA_VERSION, open_value, seal_value
+from agentpool.store.scripts import run_script
 
 
 def input_digest(tool_input: Any) -> str:
@@ -60,9 +60,12 @@ def read(r: Redis, keys: RunKeys, tool_use_ids: list[str]) -> dict[str, Entry]:
         if outcome_blob:
             record = unpack(outcome_blob, f"ledger outcome {tool_use_id}")
             if "stored_in" in record:
-                raise LedgerMismatch(f"ledger outcome {tool_use_id} was moved into the conversation; "
-                                     "its turn is already committed")
-            content = open_value(record, f"ledger outcome {tool_use_id}") if "content" not in record else record["content"]
+                raise LedgerMismatch(
+                    f"ledger outcome {tool_use_id} was moved into the conversation; its turn is already committed"
+                )
+            content = (
+                open_value(record, f"ledger outcome {tool_use_id}") if "content" not in record else record["content"]
+            )
             outcome = Outcome(content=content, is_error=bool(record["is_error"]), how=record.get("how", ""))
         entries[tool_use_id] = Entry(intent, outcome)
     return entries
@@ -79,12 +82,19 @@ def check_same_call(entry: Entry, tool_use: dict[str, Any]) -> None:
         )
 
 
-def fenced_hset(r: Redis, keys: RunKeys, token: str, hash_key: str, field: str, record: dict[str, Any],
-                event: Event | None = None) -> None:
+def fenced_hset(
+    r: Redis, keys: RunKeys, token: str, hash_key: str, field: str, record: dict[str, Any], event: Event | None = None
+) -> None:
     """Write ``record`` into one of the run's hashes, only while ``token`` owns the running run,
     with the ``event`` that reports it."""
-    code = int(run_script("fenced_hset", r, [keys.lease, keys.run, hash_key, keys.events, STATS],  # type: ignore[arg-type]
-                          [token, field, pack(record), *script_args(event)]))
+    code = int(
+        run_script(
+            "fenced_hset",
+            r,
+            [keys.lease, keys.run, hash_key, keys.events, STATS],  # type: ignore[arg-type]
+            [token, field, pack(record), *script_args(event)],
+        )
+    )
     if code == -1:
         raise LeaseLost(keys.run_id)
     if code == -2:
@@ -94,7 +104,14 @@ def fenced_hset(r: Redis, keys: RunKeys, token: str, hash_key: str, field: str, 
 
 
 def write_intent(
-    r: Redis, keys: RunKeys, token: str, tool_use: dict[str, Any], *, effect: str, attempt: int, now: float,
+    r: Redis,
+    keys: RunKeys,
+    token: str,
+    tool_use: dict[str, Any],
+    *,
+    effect: str,
+    attempt: int,
+    now: float,
     event: Event | None = None,
 ) -> None:
     record = {
@@ -109,8 +126,17 @@ def write_intent(
     fenced_hset(r, keys, token, keys.ledger, tool_use["id"], record, event)
 
 
-def write_outcome(r: Redis, keys: RunKeys, token: str, tool_use_id: str, outcome: Outcome, *, how: str, now: float,
-                  event: Event | None = None) -> None:
+def write_outcome(
+    r: Redis,
+    keys: RunKeys,
+    token: str,
+    tool_use_id: str,
+    outcome: Outcome,
+    *,
+    how: str,
+    now: float,
+    event: Event | None = None,
+) -> None:
     # A tool's output is sealed like the messages when encryption at rest is on.
     record = {"v": SCHEMA_VERSION, **seal_value(outcome.content), "is_error": outcome.is_error, "how": how, "at": now}
     fenced_hset(r, keys, token, keys.ledger, f"{tool_use_id}:out", record, event)
@@ -120,8 +146,14 @@ def stage_compaction(pipe: Any, keys: RunKeys, outcomes: dict[str, Outcome], now
     """At save point B the results move into the conversation: keep only a note of each outcome in the
     ledger, so a large tool result is stored once. Reconcile never needs it again: the turn is over."""
     for tool_use_id, outcome in outcomes.items():
-        note = {"v": SCHEMA_VERSION, "is_error": outcome.is_error, "how": outcome.how, "at": now,
-                "chars": len(outcome.content), "stored_in": "messages"}
+        note = {
+            "v": SCHEMA_VERSION,
+            "is_error": outcome.is_error,
+            "how": outcome.how,
+            "at": now,
+            "chars": len(outcome.content),
+            "stored_in": "messages",
+        }
         pipe.hset(keys.ledger, f"{tool_use_id}:out", pack(note))
 
 
@@ -133,7 +165,9 @@ def read_all(r: Redis, keys: RunKeys) -> dict[str, dict[str, Any]]:
         tool_use_id, _, kind = name.partition(":")
         record = unpack(blob, f"ledger {name}")
         if kind and "content" not in record and "stored_in" not in record:
-            record = {**{k: v for k, v in record.items() if k not in ("plain", "sealed")},
-                      "content": open_value(record, f"ledger {name}")}
+            record = {
+                **{k: v for k, v in record.items() if k not in ("plain", "sealed")},
+                "content": open_value(record, f"ledger {name}"),
+            }
         out.setdefault(tool_use_id, {})["outcome" if kind else "intent"] = record
     return out

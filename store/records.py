@@ -11,9 +11,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from store import crypto
-from store.codec import pack, unpack
-from store.errors import SchemaTooNew, UnreadableRecord
+from agentpool.store import crypto
+from agentpool.store.codec import pack, unpack
+from agentpool.store.errors import SchemaTooNew, UnreadableRecord
 
 # 1: the first release. 2: the header counts cost (``cost_usd``), usage counts every call paid for
 # (recorded when the reply arrives, so a call whose turn was lost to a crash still counts), and the
@@ -24,6 +24,7 @@ ACTIVE_STATUSES = frozenset({"queued", "running"})
 TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
 STATUSES = ACTIVE_STATUSES | TERMINAL_STATUSES | {"waiting_approval", "stopped"}
 USAGE_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+
 
 # Upgrades of a decoded header, keyed by the version they upgrade from. Each returns the header in
 # the next version's shape; load_header applies them in order, in memory (the record in Redis is
@@ -117,7 +118,9 @@ def unpack_message(blob: bytes, index: int) -> dict[str, Any]:
         raise UnreadableRecord(f"message {index} is not a message record")
     version = record.get("v")
     if not isinstance(version, int) or version > SCHEMA_VERSION:
-        raise SchemaTooNew(f"message {index} has schema version {version!r}; this agentpool reads up to {SCHEMA_VERSION}")
+        raise SchemaTooNew(
+            f"message {index} has schema version {version!r}; this agentpool reads up to {SCHEMA_VERSION}"
+        )
     if "sealed" in record:
         content = unpack(crypto.open_sealed(record["sealed"], f"message {index}"), f"message {index}")
     else:
@@ -153,7 +156,7 @@ def unpack_result(text: str, run_id: str, open_sealed: bool = True) -> str:
     if text.startswith(RESULT_SEALED_PREFIX):
         if not open_sealed:
             return ""
-        return crypto.open_sealed(text[len(RESULT_SEALED_PREFIX):].encode(), f"run {run_id} result").decode()
+        return crypto.open_sealed(text[len(RESULT_SEALED_PREFIX) :].encode(), f"run {run_id} result").decode()
     return text
 
 
@@ -161,7 +164,7 @@ def _text(raw: Mapping[bytes, bytes], name: str) -> str:
     return raw.get(name.encode(), b"").decode("utf-8", errors="replace")
 
 
-def _number(raw: Mapping[bytes, bytes], name: str, kind: type[int] | type[float]) -> Any:
+def _number(raw: Mapping[bytes, bytes], name: str, kind: type[int | float]) -> Any:
     value = raw.get(name.encode(), b"0")
     try:
         return kind(value)

@@ -44,8 +44,13 @@ class _Scripts:
             client.script_load(script.script)
             return client.evalsha(script.sha, len(keys), *keys, *args)
 
-    def pipelined(self, r: Redis, name: str, calls: list[tuple[list[str], list[object]]],
-                  stage: Callable[[Pipeline], None] | None = None) -> list[object]:
+    def pipelined(
+        self,
+        r: Redis,
+        name: str,
+        calls: list[tuple[list[str], list[object]]],
+        stage: Callable[[Pipeline], None] | None = None,
+    ) -> list[object]:
         """One round trip: the script once per ``(keys, args)``, then the commands ``stage`` adds,
         which see what the scripts wrote. Replies in that order.
 
@@ -59,7 +64,7 @@ class _Scripts:
                 if stage:
                     stage(pipe)
                 replies = pipe.execute(raise_on_error=False)
-            if not any(isinstance(reply, NoScriptError) for reply in replies[:len(calls)]):
+            if not any(isinstance(reply, NoScriptError) for reply in replies[: len(calls)]):
                 break
             r.script_load(script.script)
         for reply in replies:

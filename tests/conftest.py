@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from workers.localpool import RedisNotInstalled, RedisServer, WorkerProcesses
-from workers.scripted_model import ScriptedModel
+from agentpool.testing.localpool import RedisNotInstalled, RedisServer, WorkerProcesses
+from agentpool.testing.scripted_model import ScriptedModel
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -74,7 +74,7 @@ class Pool(WorkerProcesses):
             "REDIS_URL": redis_url,
             "ANTHROPIC_BASE_URL": model.base_url,
             "ANTHROPIC_API_KEY": "sk-test-not-a-secret",
-            "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)]),
+            "PYTHONPATH": str(TESTS),  # agentpool itself comes from the install, as for a user
             "AGENTPOOL_TEST_EFFECTS": self.effects_path,
             "AGENTPOOL_FAULT_DIR": str(tmp),
             "AGENTPOOL_LEASE_TTL": "3",
@@ -116,7 +116,7 @@ def pool(r: Redis, redis_server: RedisServer, model: ScriptedModel, tmp_path: Pa
 def wait_for_status(r: Redis, run_id: str, status: str, timeout: float = 30) -> None:
     """Until the run's header says ``status``; reads only that field, so it works on a run whose
     messages cannot be decoded, and stops at statuses ``wait_for_run`` returns on (waiting_approval)."""
-    from store.keys import RunKeys
+    from agentpool.store.keys import RunKeys
 
     deadline = time.monotonic() + timeout
     while True:

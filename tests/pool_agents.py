@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-from workers import Agent, current_call, tool
+from agentpool import Agent, current_call, tool
 
 
 def record(tool_name: str, **info: object) -> None:
@@ -125,7 +125,7 @@ def wipe_cache(region: str) -> str:
     return f"wiped {region}"
 
 
-guarded = Agent(model="claude-sonnet-5-5", system="Ask before deploying.", tools=[read_notes, deploy, wipe_cache],
-                max_turns=10)
-budgeted = Agent(model="claude-sonnet-5-5", system="Be brief.", tools=[read_notes], max_turns=20,
-                 max_total_tokens=None)
+guarded = Agent(
+    model="claude-sonnet-5-5", system="Ask before deploying.", tools=[read_notes, deploy, wipe_cache], max_turns=10
+)
+budgeted = Agent(model="claude-sonnet-5-5", system="Be brief.", tools=[read_notes], max_turns=20, max_total_tokens=None)

@@ -8,42 +8,62 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import ROOT
 
 NUMBER = re.compile(r"^-?[\d,]+(\.\d+)?x?$")
 
 SECTIONS = {
-    "overhead": (["--turns", "10", "--threaded-turns", "10", "--rounds", "1", "--threads", "2"],
-                 "overhead: agentpool turn vs bare RQ job",
-                 ["bare RQ job: no-op", "bare RQ job: model call + tool", "agentpool turn"], 6),
-    "saves": (["--save-turns", "3", "--save-runs", "2"],
-              "saves: one run's store calls at turn 1 and at turn 3",
-              ["load", "save point A", "save point B", "ledger outcome", "all writes of the turn"], 5),
-    "memory": (["--high-concurrency", "4", "--hold", "0.5"],
-               "memory: turns in flight per GB",
-               ["forking (--concurrency 1)", "threaded (--concurrency 4)"], 2),
-    "recovery": (["--trials", "2", "--threads", "2", "--lease-ttl", "2", "--short-ttl", "0"],
-                 "recovery: SIGKILL while a turn runs a slow tool",
-                 ["work horse killed", "threaded worker process killed", "whole worker killed"], 3),
+    "overhead": (
+        ["--turns", "10", "--threaded-turns", "10", "--rounds", "1", "--threads", "2"],
+        "overhead: agentpool turn vs bare RQ job",
+        ["bare RQ job: no-op", "bare RQ job: model call + tool", "agentpool turn"],
+        6,
+    ),
+    "saves": (
+        ["--save-turns", "3", "--save-runs", "2"],
+        "saves: one run's store calls at turn 1 and at turn 3",
+        ["load", "save point A", "save point B", "ledger outcome", "all writes of the turn"],
+        5,
+    ),
+    "memory": (
+        ["--high-concurrency", "4", "--hold", "0.5"],
+        "memory: turns in flight per GB",
+        ["forking (--concurrency 1)", "threaded (--concurrency 4)"],
+        2,
+    ),
+    "recovery": (
+        ["--trials", "2", "--threads", "2", "--lease-ttl", "2", "--short-ttl", "0"],
+        "recovery: SIGKILL while a turn runs a slow tool",
+        ["work horse killed", "threaded worker process killed", "whole worker killed"],
+        3,
+    ),
 }
 
 
 def run_bench(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "workers.cli", "bench", *args], cwd=ROOT, capture_output=True, check=False,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-m", "agentpool", "bench", *args],
+        cwd=ROOT,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
 
-@pytest.mark.parametrize("section", [pytest.param(s, marks=pytest.mark.crash) if s == "recovery" else s
-                                     for s in SECTIONS])
+@pytest.mark.parametrize(
+    "section", [pytest.param(s, marks=pytest.mark.crash) if s == "recovery" else s for s in SECTIONS]
+)
 def test_bench_section_prints_its_table_of_figures(section):
     args, title, rows, at_least = SECTIONS[section]
     out = run_bench("--only", section, *args)
 
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(title))
-    body = [line for line in lines[start + 2:] if line.startswith("  ") and not line.startswith("  note:")]
+    body = [line for line in lines[start + 2 :] if line.startswith("  ") and not line.startswith("  note:")]
     header = lines[start + 1]
     assert "target" in header, header
     assert len(body) >= at_least, out

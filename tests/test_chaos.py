@@ -13,19 +13,27 @@ from collections import Counter, defaultdict
 
 import pytest
 
+from agentpool import enqueue_run, wait_for_run
+from agentpool.testing.localpool import horses_of
+
 from conftest import assert_valid_conversation, script_task
-from workers import enqueue_run, wait_for_run
-from workers.localpool import horses_of
 
 pytestmark = [pytest.mark.chaos, pytest.mark.crash]
 
 MIXED = [
-    {"tool_calls": [{"name": "read_notes", "input": {"topic": "q3"}}, {"name": "slow_read", "input": {"seconds": 0.3}}]},
+    {
+        "tool_calls": [
+            {"name": "read_notes", "input": {"topic": "q3"}},
+            {"name": "slow_read", "input": {"seconds": 0.3}},
+        ]
+    },
     {"tool_calls": [{"name": "create_ticket", "input": {"title": "Follow up", "body": "details"}}], "delay": 0.1},
-    {"tool_calls": [
-        {"name": "send_email", "input": {"to": "boss@example.com", "subject": "Status", "body": "All good"}},
-        {"name": "charge_card", "input": {"amount_cents": 1200}},
-    ]},
+    {
+        "tool_calls": [
+            {"name": "send_email", "input": {"to": "boss@example.com", "subject": "Status", "body": "All good"}},
+            {"name": "charge_card", "input": {"amount_cents": 1200}},
+        ]
+    },
     {"tool_calls": [{"name": "slow_read", "input": {"seconds": 0.2}}], "delay": 0.1},
     {"text": "Finished the job."},
 ]
@@ -88,7 +96,7 @@ def test_pool_under_random_kills_loses_nothing_and_repeats_no_effect(r, pool, mo
     thread.start()
     try:
         runs = [wait_for_run(run_id, timeout=240, connection=r) for run_id in run_ids]
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure to finish is reported with the pool's state
         pytest.fail(f"{_diagnose(r, run_ids)}\nactions {dict(actions)}\n{pool.logs(tail=3000)}")
     finally:
         done.set()
@@ -110,9 +118,15 @@ def test_pool_under_random_kills_loses_nothing_and_repeats_no_effect(r, pool, mo
         assert effects[run.id]["send_email"] <= 1, f"{run.id} sent an email twice"
         assert effects[run.id]["charge_card"] == 1, f"{run.id} charged {effects[run.id]['charge_card']} times"
         assert effects[run.id]["create_ticket"] >= 1 and len(keys[run.id]) == 1, f"{run.id} ticket keys {keys[run.id]}"
-        email_result = next(b for m in run.messages if m["role"] == "user" and isinstance(m["content"], list)
-                            for b in m["content"] if b["type"] == "tool_result" and "email" in str(b["content"]).lower()
-                            or (b["type"] == "tool_result" and "send_email" in str(b["content"])))
+        email_result = next(
+            b
+            for m in run.messages
+            if m["role"] == "user" and isinstance(m["content"], list)
+            for b in m["content"]
+            if b["type"] == "tool_result"
+            and "email" in str(b["content"]).lower()
+            or (b["type"] == "tool_result" and "send_email" in str(b["content"]))
+        )
         if effects[run.id]["send_email"] == 0:
             assert email_result.get("is_error"), "an email that never went out was not reported as sent"
     print(f"chaos actions: {dict(actions)}")
@@ -122,9 +136,9 @@ def _diagnose(r, run_ids) -> str:
     """Everything that says why a run is stuck: header, lease, watch score, its job, last events."""
     from rq.job import Job
 
-    from store.events import read as read_events
-    from store.keys import RUNS_WATCH, RunKeys
-    from workers.serializer import MsgpackSerializer
+    from agentpool.runtime.serializer import MsgpackSerializer
+    from agentpool.store.events import read as read_events
+    from agentpool.store.keys import RUNS_WATCH, RunKeys
 
     lines = []
     for run_id in run_ids:
@@ -136,9 +150,11 @@ def _diagnose(r, run_ids) -> str:
         try:
             fetched = Job.fetch(job, connection=r, serializer=MsgpackSerializer)
             job_state = (fetched.get_status(), fetched.worker_name, fetched.latest_result())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - diagnostics print whatever went wrong
             job_state = repr(exc)
-        lines.append(f"{run_id}: {header} lease={r.get(keys.lease)} pttl={r.pttl(keys.lease)} "
-                     f"watch={r.zscore(RUNS_WATCH, run_id)} now={time.time() * 1000:.0f} job={job} {job_state}")
+        lines.append(
+            f"{run_id}: {header} lease={r.get(keys.lease)} pttl={r.pttl(keys.lease)} "
+            f"watch={r.zscore(RUNS_WATCH, run_id)} now={time.time() * 1000:.0f} job={job} {job_state}"
+        )
         lines.extend(f"    {e}" for e in read_events(r, run_id)[-8:])
     return "\n".join(lines)

@@ -11,15 +11,16 @@ import time
 from collections import Counter
 
 import pytest
-from conftest import Pool, assert_valid_conversation, script_task
 from redis import Redis
 from rq.registry import FailedJobRegistry
 
-from store import checkpoint
-from store.events import read as read_events
-from workers import enqueue_run, wait_for_run
-from workers.jobs import turn_queue
-from workers.localpool import WorkerProcesses, children_of
+from agentpool import enqueue_run, wait_for_run
+from agentpool.runtime.jobs import turn_queue
+from agentpool.store import checkpoint
+from agentpool.store.events import read as read_events
+from agentpool.testing.localpool import WorkerProcesses, children_of
+
+from conftest import Pool, assert_valid_conversation, script_task
 
 CONCURRENCY = 8
 
@@ -94,10 +95,12 @@ def test_many_runs_complete_on_one_process_with_several_turns_in_flight_at_once(
 
 
 EMAIL_THEN_SLOW = [
-    {"tool_calls": [
-        {"name": "send_email", "input": {"to": "team@example.com", "subject": "Friday", "body": "Ship it"}},
-        {"name": "slow_read", "input": {"seconds": 2.0}},
-    ]},
+    {
+        "tool_calls": [
+            {"name": "send_email", "input": {"to": "team@example.com", "subject": "Friday", "body": "Ship it"}},
+            {"name": "slow_read", "input": {"seconds": 2.0}},
+        ]
+    },
     {"text": "Finished."},
 ]
 
@@ -109,8 +112,12 @@ def test_killed_worker_process_has_its_turns_taken_over_by_the_supervisor_at_onc
     child = worker_process(supervisor)
     run_ids = [enqueue_run("pool_agents:support", script_task("mixed", f"Task {i}"), connection=r) for i in range(6)]
     # Every run is inside slow_read, its send_email done and recorded: the OOM killer strikes.
-    wait_until(lambda: len({e["run"] for e in pool.effects() if e["tool"] == "slow_read"}) == len(run_ids),
-               30, "every run to be in slow_read", pool)
+    wait_until(
+        lambda: len({e["run"] for e in pool.effects() if e["tool"] == "slow_read"}) == len(run_ids),
+        30,
+        "every run to be in slow_read",
+        pool,
+    )
     os.kill(child, signal.SIGKILL)
 
     for run_id in run_ids:

@@ -9,11 +9,12 @@ import sys
 
 import pytest
 
+from agentpool import ApprovalError, approve, enqueue_run, get_run, resume, wait_for_run
+from agentpool.runtime.jobs import turn_queue
+from agentpool.store.keys import RunKeys
+from agentpool.store.records import SCHEMA_VERSION
+
 from conftest import ROOT, TESTS, assert_valid_conversation, script_task, wait_for_status
-from store.keys import RunKeys
-from store.records import SCHEMA_VERSION
-from workers import ApprovalError, approve, enqueue_run, get_run, resume, wait_for_run
-from workers.jobs import turn_queue
 
 DEPLOY = [
     {"tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}]},
@@ -23,14 +24,32 @@ DEPLOY = [
 
 
 def _tool_result(run, name):
-    ids = {b["id"]: b["name"] for m in run.messages if m["role"] == "assistant" for b in m["content"] if b["type"] == "tool_use"}
-    return next(b for m in run.messages if m["role"] == "user" and isinstance(m["content"], list)
-                for b in m["content"] if b["type"] == "tool_result" and ids.get(b["tool_use_id"]) == name)
+    ids = {
+        b["id"]: b["name"]
+        for m in run.messages
+        if m["role"] == "assistant"
+        for b in m["content"]
+        if b["type"] == "tool_use"
+    }
+    return next(
+        b
+        for m in run.messages
+        if m["role"] == "user" and isinstance(m["content"], list)
+        for b in m["content"]
+        if b["type"] == "tool_result" and ids.get(b["tool_use_id"]) == name
+    )
 
 
 def _cli(pool, *args):
-    return subprocess.run([sys.executable, "-m", "workers.cli", *args], env=pool.env, cwd=str(TESTS),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "agentpool", *args],
+        env=pool.env,
+        cwd=str(TESTS),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_an_approval_survives_a_worker_restart_and_the_call_runs_once(r, pool, model):
@@ -70,10 +89,19 @@ def test_a_denied_call_returns_the_reason_to_the_model_and_never_runs(r, pool, m
 
 
 def test_decisions_are_bound_to_the_waiting_calls(r, pool, model):
-    model.set_scripts({"two": [
-        {"tool_calls": [{"name": "deploy", "input": {"version": "1"}}, {"name": "deploy", "input": {"version": "2"}}]},
-        {"text": "ok"},
-    ]})
+    model.set_scripts(
+        {
+            "two": [
+                {
+                    "tool_calls": [
+                        {"name": "deploy", "input": {"version": "1"}},
+                        {"name": "deploy", "input": {"version": "2"}},
+                    ]
+                },
+                {"text": "ok"},
+            ]
+        }
+    )
     pool.start(1)
     run_id = enqueue_run("pool_agents:guarded", script_task("two"), connection=r)
     wait_for_status(r, run_id, "waiting_approval")
@@ -108,8 +136,12 @@ def test_an_unanswered_approval_expires_and_the_run_goes_on(r, pool, model):
 
 
 def test_a_token_budget_stops_the_run_between_turns_and_resume_continues_it(r, pool, model):
-    model.set_scripts({"loop": [{"tool_calls": [{"name": "read_notes", "input": {"topic": str(i)}}]} for i in range(5)]
-                       + [{"text": "finished"}]})
+    model.set_scripts(
+        {
+            "loop": [{"tool_calls": [{"name": "read_notes", "input": {"topic": str(i)}}]} for i in range(5)]
+            + [{"text": "finished"}]
+        }
+    )
     pool.start(1)
     run_id = enqueue_run("pool_agents:budgeted", script_task("loop"), connection=r, max_total_tokens=300)
     stopped = wait_for_run(run_id, timeout=60, connection=r)
@@ -125,8 +157,12 @@ def test_a_token_budget_stops_the_run_between_turns_and_resume_continues_it(r, p
 
 
 def test_turn_and_cost_budgets_and_the_resume_command(r, pool, model):
-    model.set_scripts({"loop": [{"tool_calls": [{"name": "read_notes", "input": {"topic": str(i)}}]} for i in range(4)]
-                       + [{"text": "finished"}]})
+    model.set_scripts(
+        {
+            "loop": [{"tool_calls": [{"name": "read_notes", "input": {"topic": str(i)}}]} for i in range(4)]
+            + [{"text": "finished"}]
+        }
+    )
     pool.start(1)
     by_turns = enqueue_run("pool_agents:budgeted", script_task("loop"), connection=r, max_turns=2)
     by_cost = enqueue_run("pool_agents:budgeted", script_task("loop"), connection=r, max_cost_usd=0.001)
@@ -141,14 +177,36 @@ def test_turn_and_cost_budgets_and_the_resume_command(r, pool, model):
 
 
 def test_bursts_of_429_and_529_are_retried_and_a_spend_limit_stops_the_run(r, pool, model):
-    model.set_scripts({
-        "burst": [{"error": {"status": 429, "type": "rate_limit_error", "message": "slow down", "times": 3,
-                             "retry_after": 0}, "tool_calls": [{"name": "read_notes", "input": {"topic": "a"}}]},
-                  {"error": {"status": 529, "type": "overloaded_error", "message": "Overloaded", "times": 2},
-                   "text": "done"}],
-        "broke": [{"error": {"status": 429, "type": "rate_limit_error", "times": 1,
-                             "message": "This request would exceed your organization's monthly usage limit."}}],
-    })
+    model.set_scripts(
+        {
+            "burst": [
+                {
+                    "error": {
+                        "status": 429,
+                        "type": "rate_limit_error",
+                        "message": "slow down",
+                        "times": 3,
+                        "retry_after": 0,
+                    },
+                    "tool_calls": [{"name": "read_notes", "input": {"topic": "a"}}],
+                },
+                {
+                    "error": {"status": 529, "type": "overloaded_error", "message": "Overloaded", "times": 2},
+                    "text": "done",
+                },
+            ],
+            "broke": [
+                {
+                    "error": {
+                        "status": 429,
+                        "type": "rate_limit_error",
+                        "times": 1,
+                        "message": "This request would exceed your organization's monthly usage limit.",
+                    }
+                }
+            ],
+        }
+    )
     pool.start(1, AGENTPOOL_MODEL_RETRIES="8")
     burst = enqueue_run("pool_agents:budgeted", script_task("burst"), connection=r)
     broke = enqueue_run("pool_agents:budgeted", script_task("broke"), connection=r)
@@ -161,8 +219,9 @@ def test_bursts_of_429_and_529_are_retried_and_a_spend_limit_stops_the_run(r, po
 
 
 def test_repeated_model_errors_stop_the_run_resumably(r, pool, model):
-    model.set_scripts({"down": [{"error": {"status": 500, "type": "api_error", "message": "boom", "times": 3},
-                                 "text": "back"}]})
+    model.set_scripts(
+        {"down": [{"error": {"status": 500, "type": "api_error", "message": "boom", "times": 3}, "text": "back"}]}
+    )
     pool.start(1, AGENTPOOL_MODEL_RETRIES="2")
     run_id = enqueue_run("pool_agents:budgeted", script_task("down"), connection=r)
     stopped = wait_for_run(run_id, timeout=60, connection=r)
@@ -175,7 +234,7 @@ def test_a_checkpoint_written_by_schema_version_1_migrates_and_resumes(r, pool, 
     golden = json.loads((ROOT / "tests" / "golden" / "run_v1.json").read_text())
     run_id = golden["run_id"]
     keys = RunKeys.of(run_id)
-    raw = lambda s: base64.b64decode(s)  # noqa: E731
+    raw = lambda s: base64.b64decode(s)
     r.hset(keys.run, mapping={k: raw(v) for k, v in golden["header"].items()})
     r.rpush(keys.messages, *[raw(m) for m in golden["messages"]])
     r.hset(keys.ledger, mapping={k: raw(v) for k, v in golden["ledger"].items()})
@@ -196,8 +255,14 @@ def test_a_checkpoint_written_by_schema_version_1_migrates_and_resumes(r, pool, 
 
 
 def test_watch_follows_a_run_to_its_end(r, pool, model):
-    model.set_scripts({"meeting": [{"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}], "delay": 0.3},
-                                   {"text": "done", "delay": 0.3}]})
+    model.set_scripts(
+        {
+            "meeting": [
+                {"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}], "delay": 0.3},
+                {"text": "done", "delay": 0.3},
+            ]
+        }
+    )
     pool.start(1)
     run_id = enqueue_run("pool_agents:support", script_task("meeting"), connection=r)
     out = _cli(pool, "watch", run_id)

@@ -13,10 +13,11 @@ from collections import Counter
 
 import pytest
 
+from agentpool import enqueue_run, get_run, wait_for_run
+from agentpool.store.events import read as read_events
+from agentpool.testing.localpool import horses_of
+
 from conftest import assert_valid_conversation, script_task
-from store.events import read as read_events
-from workers import enqueue_run, get_run, wait_for_run
-from workers.localpool import horses_of
 
 pytestmark = pytest.mark.crash
 
@@ -24,7 +25,11 @@ pytestmark = pytest.mark.crash
 # with a verify hook.
 CRASH_SCRIPT = [
     {"tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}]},
-    {"tool_calls": [{"name": "send_email", "input": {"to": "team@example.com", "subject": "Friday", "body": "Ship it"}}]},
+    {
+        "tool_calls": [
+            {"name": "send_email", "input": {"to": "team@example.com", "subject": "Friday", "body": "Ship it"}}
+        ]
+    },
     {"tool_calls": [{"name": "create_ticket", "input": {"title": "Changelog", "body": "Ana"}}]},
     {"tool_calls": [{"name": "charge_card", "input": {"amount_cents": 500}}]},
     {"text": "All done."},
@@ -59,10 +64,19 @@ def test_run_survives_a_work_horse_killed_at(point, r, pool, model):
 
     effects = [e for e in pool.effects() if e["run"] == run_id]
     by_tool = Counter(e["tool"] for e in effects)
-    results = {b["tool_use_id"]: b for m in run.messages if m["role"] == "user" and isinstance(m["content"], list)
-               for b in m["content"]}
-    tool_uses = {b["name"]: b["id"] for m in run.messages if m["role"] == "assistant" for b in m["content"]
-                 if b["type"] == "tool_use"}
+    results = {
+        b["tool_use_id"]: b
+        for m in run.messages
+        if m["role"] == "user" and isinstance(m["content"], list)
+        for b in m["content"]
+    }
+    tool_uses = {
+        b["name"]: b["id"]
+        for m in run.messages
+        if m["role"] == "assistant"
+        for b in m["content"]
+        if b["type"] == "tool_use"
+    }
 
     # unsafe: never twice
     assert by_tool["send_email"] == 1 and by_tool["charge_card"] == 1

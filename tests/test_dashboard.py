@@ -19,30 +19,44 @@ from typing import Any
 
 import pytest
 
+from agentpool import Agent, enqueue_run, get_run, tool, wait_for_run
+from agentpool.testing.localpool import free_port
+
 from conftest import ROOT, script_task
 from pool_agents import record
-from workers import Agent, enqueue_run, get_run, tool, wait_for_run
-from workers.dashboard import api_function
-from workers.localpool import free_port
 
 CHROMIUM = os.environ.get("AGENTPOOL_TEST_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 INSTALL = "apt-get update && apt-get install -y chromium chromium-driver; pip install -e '.[test]'"
 
 MEETING = [
     {"text": "Let me read the notes.", "tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}]},
-    {"tool_calls": [
-        {"name": "create_ticket", "input": {"title": "Changelog", "body": "Ana writes it"}},
-        {"name": "flaky_lookup", "input": {"item": "boom"}},
-        {"name": "send_email", "input": {"to": "team@example.com", "subject": "Release Friday", "body": "See ticket."}},
-    ]},
+    {
+        "tool_calls": [
+            {"name": "create_ticket", "input": {"title": "Changelog", "body": "Ana writes it"}},
+            {"name": "flaky_lookup", "input": {"item": "boom"}},
+            {
+                "name": "send_email",
+                "input": {"to": "team@example.com", "subject": "Release Friday", "body": "See ticket."},
+            },
+        ]
+    },
     {"text": "The release ships Friday; a ticket is open and the team is told."},
 ]
 SLOW = [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 30}}]}, {"text": "Too late."}]
 HOSTILE = [
-    {"text": '<img src=x onerror="window.pwned=1"><script>window.pwned=2</script>',
-     "tool_calls": [{"name": "read_notes", "input": {"topic": '<b onmouseover="window.pwned=3">bold</b>'}}]},
+    {
+        "text": '<img src=x onerror="window.pwned=1"><script>window.pwned=2</script>',
+        "tool_calls": [{"name": "read_notes", "input": {"topic": '<b onmouseover="window.pwned=3">bold</b>'}}],
+    },
     {"text": "</pre><iframe src=javascript:window.pwned=4></iframe>"},
 ]
 
@@ -57,25 +71,30 @@ def wire_money(amount_cents: int, to: str) -> str:
 
 approving = Agent(model="claude-sonnet-5-5", system="Ask before paying.", tools=[wire_money], max_turns=6)
 PAYMENT = [
-    {"text": "I will pay the invoice.", "tool_calls": [{"name": "wire_money", "input": {"amount_cents": 1250, "to": "ACME"}}]},
+    {
+        "text": "I will pay the invoice.",
+        "tool_calls": [{"name": "wire_money", "input": {"amount_cents": 1250, "to": "ACME"}}],
+    },
     {"text": "Paid."},
 ]
-needs_approvals = pytest.mark.skipif(
-    api_function("approve") is None, reason="approve() has not landed in workers yet (approvals are built separately)"
-)
-needs_resume = pytest.mark.skipif(
-    api_function("resume") is None, reason="resume() has not landed in workers yet (resume is built separately)"
-)
 
 
 # -- the dashboard process -----------------------------------------------------------------------
+
 
 class Dashboard:
     def __init__(self, base: str, token: str | None = None) -> None:
         self.base, self.token = base, token
 
-    def request(self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None,
-                token: str | None = None) -> tuple[int, dict[str, Any]]:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        headers: dict[str, str] | None = None,
+        token: str | None = None,
+    ) -> tuple[int, dict[str, Any]]:
         data = None if body is None else json.dumps(body).encode()
         hdrs = {"Content-Type": "application/json"} if body is not None else {}
         if token or self.token:
@@ -100,8 +119,13 @@ def dashboard_process(env: dict[str, str], tmp: Path, *args: str, token: str | N
     port = free_port()
     env = {**env, **({"AGENTPOOL_DASHBOARD_TOKEN": token} if token else {})}
     with open(tmp / f"dashboard-{port}.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "dashboard", "--port", str(port), *args],
-                                env=env, cwd=str(ROOT), stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentpool", "dashboard", "--port", str(port), *args],
+            env=env,
+            cwd=str(ROOT),
+            stdout=log,
+            stderr=log,
+        )
         try:
             board = Dashboard(f"http://127.0.0.1:{port}", token)
             deadline = time.monotonic() + 20
@@ -110,7 +134,9 @@ def dashboard_process(env: dict[str, str], tmp: Path, *args: str, token: str | N
                     board.request("GET", "/api/config")
                     break
                 except (urllib.error.URLError, ConnectionError):
-                    assert proc.poll() is None and time.monotonic() < deadline, (tmp / f"dashboard-{port}.log").read_text()
+                    assert proc.poll() is None and time.monotonic() < deadline, (
+                        tmp / f"dashboard-{port}.log"
+                    ).read_text()
                     time.sleep(0.1)
             yield board
         finally:
@@ -140,6 +166,7 @@ def wait_effect(pool, name: str, timeout: float = 30) -> None:
 
 # -- the JSON API ----------------------------------------------------------------------------------
 
+
 def test_api_lists_runs_and_serves_conversation_ledger_and_events(r, pool, model, board):
     model.set_scripts({"meeting": MEETING})
     pool.start(1)
@@ -151,7 +178,12 @@ def test_api_lists_runs_and_serves_conversation_ledger_and_events(r, pool, model
     listed = board.get("/api/runs")["runs"]
     assert [row["id"] for row in listed] == [other, run_id]
     row = listed[1]
-    assert (row["status"], row["turns"], row["tokens"], row["agent"]) == ("completed", 3, run.total_tokens, "pool_agents:support")
+    assert (row["status"], row["turns"], row["tokens"], row["agent"]) == (
+        "completed",
+        3,
+        run.total_tokens,
+        "pool_agents:support",
+    )
     assert [x["id"] for x in board.get("/api/runs?status=completed")["runs"]] == [run_id]
     assert [x["id"] for x in board.get("/api/runs?agent=pool_agents:short")["runs"]] == [other]
     assert board.get("/api/runs?status=failed")["runs"] == []
@@ -162,7 +194,11 @@ def test_api_lists_runs_and_serves_conversation_ledger_and_events(r, pool, model
     assert "messages" not in doc["run"]
     ledger = {e["name"]: e for e in doc["ledger"].values()}
     assert {name: e["effect"] for name, e in ledger.items()} == {
-        "read_notes": "read", "create_ticket": "idempotent", "flaky_lookup": "read", "send_email": "unsafe"}
+        "read_notes": "read",
+        "create_ticket": "idempotent",
+        "flaky_lookup": "read",
+        "send_email": "unsafe",
+    }
     assert [name for name, e in ledger.items() if e["outcome"]["is_error"]] == ["flaky_lookup"]
     assert ledger["send_email"]["outcome"]["how"] == "ran" and "owner" not in ledger["send_email"]
 
@@ -206,9 +242,15 @@ def test_actions_must_be_json_from_this_origin_and_host(r, board):
 
 
 def test_beyond_localhost_it_needs_a_token_and_every_api_call_carries_it(r, pool, tmp_path):
-    refused = subprocess.run([sys.executable, "-m", "workers.cli", "dashboard", "--host", "0.0.0.0", "--port",
-                              str(free_port())], env={k: v for k, v in pool.env.items() if k != "AGENTPOOL_DASHBOARD_TOKEN"},
-                             cwd=str(ROOT), capture_output=True, text=True, timeout=30, check=False)
+    refused = subprocess.run(
+        [sys.executable, "-m", "agentpool", "dashboard", "--host", "0.0.0.0", "--port", str(free_port())],
+        env={k: v for k, v in pool.env.items() if k != "AGENTPOOL_DASHBOARD_TOKEN"},
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert refused.returncode != 0 and "AGENTPOOL_DASHBOARD_TOKEN" in refused.stderr
 
     run_id = enqueue_run("pool_agents:support", "wait", connection=r)
@@ -223,6 +265,7 @@ def test_beyond_localhost_it_needs_a_token_and_every_api_call_carries_it(r, pool
 
 
 # -- the page, in headless Chromium ------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def browser() -> Iterator[Any]:
@@ -342,7 +385,6 @@ def test_token_from_the_url_is_kept_for_the_tab_and_taken_out_of_the_address(r, 
         assert page.evaluate("sessionStorage.getItem('agentpool.dashboard.token')") == "tab-token"
 
 
-@needs_approvals
 def test_approve_in_the_page_lets_a_paused_run_finish(r, pool, model, board, page):
     model.set_scripts({"payment": PAYMENT})
     pool.start(1)
@@ -362,7 +404,6 @@ def test_approve_in_the_page_lets_a_paused_run_finish(r, pool, model, board, pag
     assert get_run(run_id, connection=r).result == "Paid."
 
 
-@needs_approvals
 def test_deny_in_the_page_sends_the_reason_to_the_model_and_nothing_runs(r, pool, model, board, page):
     model.set_scripts({"payment": PAYMENT})
     pool.start(1)
@@ -378,7 +419,6 @@ def test_deny_in_the_page_sends_the_reason_to_the_model_and_nothing_runs(r, pool
     assert not any(e["tool"] == "wire_money" for e in pool.effects())
 
 
-@needs_resume
 def test_resume_in_the_page_continues_a_stopped_run(r, pool, model, board, page):
     model.set_scripts({"meeting": MEETING})
     pool.start(1)

@@ -26,15 +26,16 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, script_task
 from redis import Redis
 from redis.exceptions import RedisError
 from rq import Queue, Worker
 from rq.worker import WorkerStatus
 
-from store.keys import TURN_QUEUE
-from workers import Agent, enqueue_run, get_run, wait_for_run
-from workers.localpool import children_of, free_port
+from agentpool import Agent, enqueue_run, get_run, wait_for_run
+from agentpool.store.keys import TURN_QUEUE
+from agentpool.testing.localpool import children_of, free_port
+
+from conftest import ROOT, script_task
 
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
@@ -55,6 +56,7 @@ def _yaml():  # PyYAML is a test-only need; the project's runtime deps do not in
 
 
 # --- Parsing ---------------------------------------------------------------------------------------
+
 
 def dockerfile_instructions(path: Path = DEPLOY / "Dockerfile") -> list[tuple[str, str]]:
     """(INSTRUCTION, rest) pairs, continuation lines joined, comments dropped."""
@@ -81,7 +83,7 @@ def _exec_form(rest: str) -> list[str]:
 
 def final_stage(instructions: list[tuple[str, str]]) -> list[tuple[str, str]]:
     starts = [i for i, (word, _) in enumerate(instructions) if word == "FROM"]
-    return instructions[starts[-1]:]
+    return instructions[starts[-1] :]
 
 
 def image_entrypoint_and_cmd() -> tuple[list[str], list[str]]:
@@ -138,6 +140,7 @@ def compose() -> dict:
 
 # --- Every `agentpool …` command the deploy files run ------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Command:
     argv: tuple[str, ...]  # ("agentpool", subcommand, *args)
@@ -152,7 +155,7 @@ def as_agentpool(argv: list[str]) -> tuple[str, ...] | None:
     """The part of ``argv`` from the agentpool executable on (past `tini --`, an absolute path)."""
     for i, word in enumerate(argv):
         if os.path.basename(word) == "agentpool":
-            return ("agentpool", *argv[i + 1:])
+            return ("agentpool", *argv[i + 1 :])
     return None
 
 
@@ -163,8 +166,9 @@ def _expand_like_systemd(word: str, env: dict[str, str]) -> str:
 def _expand_like_sh(command: str) -> list[str]:
     """The argv ``sh -c`` would run for a Procfile line (honcho runs each line with the shell)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("METRICS_PORT", "PORT"))}
-    out = subprocess.run(["sh", "-c", f"set -- {command}; printf '%s\\0' \"$@\""], capture_output=True,
-                         env=env, check=True).stdout
+    out = subprocess.run(
+        ["sh", "-c", f"set -- {command}; printf '%s\\0' \"$@\""], capture_output=True, env=env, check=True
+    ).stdout
     return out.decode().split("\0")[:-1]
 
 
@@ -243,19 +247,25 @@ UNIQUE = _unique(COMMANDS)
 
 # --- Running agentpool as the deploy files do --------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def agentpool_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A PATH whose `agentpool` is this checkout (the installed one may be another tree's)."""
     bin_dir = tmp_path_factory.mktemp("bin")
     shim = bin_dir / "agentpool"
-    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m workers.cli "$@"\n')
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m agentpool "$@"\n')
     shim.chmod(0o755)
     return os.pathsep.join([str(bin_dir), os.environ.get("PATH", "")])
 
 
 def _env(agentpool_path: str, redis_url: str, **extra: str) -> dict[str, str]:
-    return {**os.environ, "PATH": agentpool_path, "PYTHONPATH": str(ROOT), "REDIS_URL": redis_url,
-            "ANTHROPIC_API_KEY": "sk-test-not-a-secret", **extra}
+    return {
+        **os.environ,
+        "PATH": agentpool_path,
+        "REDIS_URL": redis_url,
+        "ANTHROPIC_API_KEY": "sk-test-not-a-secret",
+        **extra,
+    }
 
 
 def _with_free_ports(argv: tuple[str, ...]) -> tuple[list[str], int | None]:
@@ -305,6 +315,7 @@ def _descendants(pid: int) -> list[int]:
 
 # --- The commands exist, with their flags -----------------------------------------------------------
 
+
 def test_the_deploy_files_run_the_commands_they_are_meant_to():
     subs = {c.sub for c in COMMANDS}
     assert {"worker", "check"} <= subs, COMMANDS
@@ -317,14 +328,22 @@ def test_the_deploy_files_run_the_commands_they_are_meant_to():
 @pytest.mark.parametrize("argv", list(UNIQUE), ids=[" ".join(a[1:]) for a in UNIQUE])
 def test_each_command_exists_with_the_flags_it_is_given(argv, agentpool_path):
     where = "; ".join(UNIQUE[argv])
-    result = subprocess.run(["agentpool", argv[1], "--help"], check=False, capture_output=True, text=True, timeout=60,
-                            env=_env(agentpool_path, "redis://127.0.0.1:1/0"), cwd=ROOT)
+    result = subprocess.run(
+        ["agentpool", argv[1], "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(agentpool_path, "redis://127.0.0.1:1/0"),
+        cwd=ROOT,
+    )
     assert result.returncode == 0, f"`agentpool {argv[1]} --help` failed (used by {where}):\n{result.stderr}"
     for word in argv[2:]:
         if word.startswith("-"):
             flag = word.split("=", 1)[0]
             assert re.search(rf"(^|[\s,/]){re.escape(flag)}\b", result.stdout, re.MULTILINE), (
-                f"`agentpool {argv[1]}` has no {flag} (used by {where}):\n{result.stdout}")
+                f"`agentpool {argv[1]}` has no {flag} (used by {where}):\n{result.stdout}"
+            )
 
 
 # --- The commands start against Redis and stop on SIGTERM -------------------------------------------
@@ -333,21 +352,26 @@ LONG = [a for a in UNIQUE if a[1] in LONG_RUNNING]
 
 
 @pytest.mark.parametrize("argv", LONG, ids=[" ".join(a[1:]) for a in LONG])
-def test_each_long_running_command_starts_and_stops_cleanly_on_sigterm(argv, r, redis_server, agentpool_path,
-                                                                      tmp_path):
+def test_each_long_running_command_starts_and_stops_cleanly_on_sigterm(argv, r, redis_server, agentpool_path, tmp_path):
     where = "; ".join(UNIQUE[argv])
     run_argv, port = _with_free_ports(argv)
     log = tmp_path / "out.log"
     env = _env(agentpool_path, redis_server.url, AGENTPOOL_DASHBOARD_TOKEN="test-token")
     with open(log, "wb") as out:
-        proc = subprocess.Popen(run_argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            run_argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         if argv[1] == "worker":
             # Idle, not merely registered: RQ installs its SIGTERM handler after registering the worker
             # (a SIGTERM in between kills it outright, harmlessly: it has no turn yet).
-            _wait(lambda: any(w.pid == proc.pid and w.get_state() == WorkerStatus.IDLE
-                              for w in Worker.all(connection=r)), 30, proc, log, where)
+            _wait(
+                lambda: any(w.pid == proc.pid and w.get_state() == WorkerStatus.IDLE for w in Worker.all(connection=r)),
+                30,
+                proc,
+                log,
+                where,
+            )
         elif argv[1] == "metrics":
             _wait(lambda: _http_status(f"http://127.0.0.1:{port}/metrics") == 200, 30, proc, log, where)
         else:
@@ -377,12 +401,26 @@ ONE = [a for a in UNIQUE if a[1] in ONE_SHOT]
 
 @pytest.mark.parametrize("argv", ONE, ids=[" ".join(a[1:]) for a in ONE])
 def test_each_probe_command_passes_with_redis_and_fails_without(argv, redis_server, agentpool_path):
-    ok = subprocess.run(list(argv), env=_env(agentpool_path, redis_server.url), cwd=ROOT,
-                        check=False, capture_output=True, text=True, timeout=30)
+    ok = subprocess.run(
+        list(argv),
+        env=_env(agentpool_path, redis_server.url),
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert ok.returncode == 0, ok.stderr
     started = time.monotonic()
-    down = subprocess.run(list(argv), env=_env(agentpool_path, f"redis://127.0.0.1:{free_port()}/0"), cwd=ROOT,
-                          check=False, capture_output=True, text=True, timeout=30)
+    down = subprocess.run(
+        list(argv),
+        env=_env(agentpool_path, f"redis://127.0.0.1:{free_port()}/0"),
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert down.returncode != 0, "a probe must fail when Redis is unreachable"
     assert time.monotonic() - started < 10, "within the probes' timeouts"
 
@@ -394,20 +432,33 @@ def test_every_subcommand_is_one_the_tests_know_how_to_start():
 
 # --- Procfile: honcho start runs the pool and stops it ----------------------------------------------
 
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_honcho_start_runs_the_pool_and_a_signal_lets_the_turn_in_flight_finish(sig, r, redis_server, model,
-                                                                                 agentpool_path, tmp_path):
+def test_honcho_start_runs_the_pool_and_a_signal_lets_the_turn_in_flight_finish(
+    sig, r, redis_server, model, agentpool_path, tmp_path
+):
     """Ctrl-C (or SIGTERM) to honcho: every process gets SIGTERM, the worker's turn finishes and commits,
     everything exits with no SIGKILL, and the next turn waits in Redis for any later worker."""
     # Longer than honcho's KILL_WAIT (5 s): honcho SIGKILLs what is left 5 s after any process exits.
     model.set_scripts({"slow": [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 6}}]}, {"text": "done"}]})
     effects = tmp_path / "effects.jsonl"
     log = tmp_path / "honcho.log"
-    env = _env(agentpool_path, redis_server.url, ANTHROPIC_BASE_URL=model.base_url, AGENTPOOL_TEST_EFFECTS=str(effects),
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]), METRICS_PORT=str(free_port()))
+    env = _env(
+        agentpool_path,
+        redis_server.url,
+        ANTHROPIC_BASE_URL=model.base_url,
+        AGENTPOOL_TEST_EFFECTS=str(effects),
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+        METRICS_PORT=str(free_port()),
+    )
     with open(log, "wb") as out:
-        honcho = subprocess.Popen([sys.executable, "-m", "honcho", "-f", str(ROOT / "Procfile"), "-d", str(ROOT),
-                                   "start"], env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        honcho = subprocess.Popen(
+            [sys.executable, "-m", "honcho", "-f", str(ROOT / "Procfile"), "-d", str(ROOT), "start"],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         workers_expected = sum(1 for command in procfile().values() if _expand_like_sh(command)[1:2] == ["worker"])
         _wait(lambda: len(Worker.all(connection=r)) == workers_expected, 30, honcho, log, "honcho start")
@@ -437,12 +488,25 @@ def test_honcho_start_runs_the_pool_and_a_signal_lets_the_turn_in_flight_finish(
 
 # --- redis.conf -------------------------------------------------------------------------------------
 
+
 def test_redis_conf_loads_in_redis_server_and_sets_what_agentpool_needs(tmp_path):
     port = free_port()
     log = tmp_path / "redis.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(["redis-server", str(DEPLOY / "redis.conf"), "--port", str(port), "--bind",
-                                 "127.0.0.1", "--dir", str(tmp_path)], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                "redis-server",
+                str(DEPLOY / "redis.conf"),
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(tmp_path),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     client = Redis(port=port, socket_connect_timeout=1)
     try:
         for _ in range(100):
@@ -453,10 +517,16 @@ def test_redis_conf_loads_in_redis_server_and_sets_what_agentpool_needs(tmp_path
                 if proc.poll() is not None:
                     pytest.fail(f"redis-server refused deploy/redis.conf:\n{log.read_text()}")
                 time.sleep(0.05)
-        config = {k: client.config_get(k)[k] for k in
-                  ("appendonly", "appendfsync", "maxmemory-policy", "no-appendfsync-on-rewrite")}
-        assert config == {"appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction",
-                          "no-appendfsync-on-rewrite": "no"}
+        config = {
+            k: client.config_get(k)[k]
+            for k in ("appendonly", "appendfsync", "maxmemory-policy", "no-appendfsync-on-rewrite")
+        }
+        assert config == {
+            "appendonly": "yes",
+            "appendfsync": "everysec",
+            "maxmemory-policy": "noeviction",
+            "no-appendfsync-on-rewrite": "no",
+        }
         client.set("k", "v")
         assert (tmp_path / "appendonlydir").is_dir()
     finally:
@@ -480,25 +550,34 @@ MANAGED_ACL = ["~*", "&*", "+@all", "-@dangerous"]  # the user deploy/README.md 
 def test_a_redis_user_without_dangerous_commands_runs_the_pool(r, redis_server, model, agentpool_path, tmp_path):
     from redis.exceptions import ResponseError
 
-    from workers.localpool import WorkerProcesses
+    from agentpool.testing.localpool import WorkerProcesses
 
     r.execute_command("ACL", "SETUSER", "agentpool-acl", "reset", "on", ">not-a-secret", *MANAGED_ACL)
     url = redis_server.url.replace("redis://", "redis://agentpool-acl:not-a-secret@")
     limited = Redis.from_url(url)
-    env = _env(agentpool_path, url, ANTHROPIC_BASE_URL=model.base_url,
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+    env = _env(
+        agentpool_path,
+        url,
+        ANTHROPIC_BASE_URL=model.base_url,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]),
+    )
     pool = WorkerProcesses(env, tmp_path, cwd=str(ROOT / "tests"))
     try:
         with pytest.raises(ResponseError):
             limited.config_get("maxmemory-policy")  # as on ElastiCache, Memorystore, Upstash
-        model.set_scripts({"acl": [{"tool_calls": [{"name": "read_notes", "input": {"topic": "acl"}}]},
-                                   {"text": "done"}]})
+        model.set_scripts(
+            {"acl": [{"tool_calls": [{"name": "read_notes", "input": {"topic": "acl"}}]}, {"text": "done"}]}
+        )
         pool.start(1)
-        run = wait_for_run(enqueue_run("pool_agents:support", script_task("acl"), connection=limited),
-                           timeout=60, connection=limited)
+        run = wait_for_run(
+            enqueue_run("pool_agents:support", script_task("acl"), connection=limited), timeout=60, connection=limited
+        )
         assert run.status == "completed", (run.error, pool.logs())
-        for argv in (["agentpool", "check"], ["agentpool", "runs"], [str(Path(sys.executable).with_name("rq")), "info",
-                                                                     "-u", url]):
+        for argv in (
+            ["agentpool", "check"],
+            ["agentpool", "runs"],
+            [str(Path(sys.executable).with_name("rq")), "info", "-u", url],
+        ):
             done = subprocess.run(argv, env=env, cwd=ROOT, check=False, capture_output=True, text=True, timeout=60)
             assert done.returncode == 0, (argv, done.stdout, done.stderr)
     finally:
@@ -509,8 +588,10 @@ def test_a_redis_user_without_dangerous_commands_runs_the_pool(r, redis_server, 
 
 # --- Dockerfile -------------------------------------------------------------------------------------
 
+
 def _dockerignore_excludes(path: str, patterns: list[str]) -> bool:
     """Docker's rule: the last pattern matching the path or one of its parent directories wins."""
+
     def regex(pattern: str) -> re.Pattern:
         out = re.escape(pattern.strip("/")).replace(r"\*\*/", "(.*/)?").replace(r"\*\*", ".*")
         return re.compile("^" + out.replace(r"\*", "[^/]*").replace(r"\?", "[^/]") + "$")
@@ -527,10 +608,18 @@ def _dockerignore_excludes(path: str, patterns: list[str]) -> bool:
 
 
 def _build_context() -> set[str]:
-    patterns = [line.strip() for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
-    tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout.split()
+    patterns = [
+        line.strip()
+        for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    tracked = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return {p for p in tracked if (ROOT / p).is_file() and not _dockerignore_excludes(p, patterns)}
 
 
@@ -565,18 +654,34 @@ def test_docker_build_context_holds_what_the_dockerfile_copies_and_nothing_else(
         if any(path == s.rstrip("/") or path.startswith(s.rstrip("/") + "/") for s in copied):
             (ctx / path).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / path, ctx / path)
-    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "out"),
-                             str(ctx)], check=False, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "out"), str(ctx)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     wheel = zipfile.ZipFile(next((tmp_path / "out").glob("agentpool-*.whl")))
     names = wheel.namelist()
-    packaged = {p for p in context if p.startswith(("store/", "workers/"))}
-    assert packaged and not packaged - set(names), f"in the context but not installed: {packaged - set(names)}"
+    # Installed under one namespace: store/ is agentpool/store/, workers/ is agentpool/ (no top-level
+    # `workers` or `store` package to clash with an app's own).
+    installed = {
+        "agentpool/store/" + p.removeprefix("store/")
+        if p.startswith("store/")
+        else "agentpool/" + p.removeprefix("workers/")
+        for p in context
+        if p.startswith(("store/", "workers/"))
+    }
+    installed = {p for p in installed if "__pycache__" not in p}
+    assert installed and not installed - set(names), f"in the context but not installed: {installed - set(names)}"
+    assert not [n for n in names if n.startswith(("workers/", "store/"))], "a top-level workers or store package"
     entry_points = wheel.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert "agentpool = workers.cli:main" in entry_points
+    assert "agentpool = agentpool.ops.cli:main" in entry_points
 
 
 # --- compose ----------------------------------------------------------------------------------------
+
 
 def _go_duration(text: str) -> float:
     units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
@@ -613,8 +718,15 @@ def test_compose_takes_secrets_from_the_host_environment_and_keeps_the_dashboard
 
 def test_the_dashboard_token_compose_passes_is_the_one_the_dashboard_reads(agentpool_path):
     names = [k for k in compose()["services"]["dashboard"]["environment"] if "TOKEN" in k]
-    help_text = subprocess.run(["agentpool", "dashboard", "--help"], check=False, capture_output=True, text=True,
-                               timeout=60, env=_env(agentpool_path, "redis://127.0.0.1:1/0"), cwd=ROOT).stdout
+    help_text = subprocess.run(
+        ["agentpool", "dashboard", "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_env(agentpool_path, "redis://127.0.0.1:1/0"),
+        cwd=ROOT,
+    ).stdout
     assert names and all(name in help_text for name in names), help_text
 
 
@@ -631,6 +743,7 @@ def test_compose_redis_runs_the_shipped_conf_on_a_volume():
 
 
 # --- Kubernetes -------------------------------------------------------------------------------------
+
 
 def _by_kind(kind: str) -> list[dict]:
     return [doc for _, doc in k8s_documents() if doc["kind"] == kind]
@@ -671,11 +784,11 @@ def test_k8s_pdb_and_scaledobject_target_the_worker_deployment():
 
 
 def test_the_list_keda_watches_is_where_turns_wait(r):
-    from workers.jobs import turn_queue
+    from agentpool.runtime.jobs import turn_queue
 
     (scaled,) = _by_kind("ScaledObject")
     list_name = scaled["spec"]["triggers"][0]["metadata"]["listName"]
-    turn_queue(r).enqueue("workers.turn.run_turn", "r_deploytest", 1)
+    turn_queue(r).enqueue("agentpool.runtime.turn.run_turn", "r_deploytest", 1)
     assert r.type(list_name) == b"list" and r.llen(list_name) == 1
 
 
@@ -691,6 +804,7 @@ def test_kustomize_renders_the_manifests():
 
 
 # --- systemd ----------------------------------------------------------------------------------------
+
 
 def _timespan(text: str) -> float:
     units = {"ms": 0.001, "s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "hr": 3600}
@@ -730,12 +844,14 @@ def test_systemd_analyze_accepts_the_units(tmp_path):
         if unit.name.endswith("@.service"):
             (tmp_path / unit.name).write_text(text)
         names.append(str(tmp_path / name))
-    result = subprocess.run([analyze, "verify", "--man=no", *names], check=False, capture_output=True, text=True,
-                            timeout=60, cwd=tmp_path)
+    result = subprocess.run(
+        [analyze, "verify", "--man=no", *names], check=False, capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert result.returncode == 0 and not result.stderr.strip(), result.stderr
 
 
 # --- The signal story the manifests rely on ---------------------------------------------------------
+
 
 def test_sigterm_to_every_process_cuts_the_turn_which_is_why_the_units_use_killmode_mixed(r, pool, model):
     """systemd's default KillMode=control-group sends SIGTERM to every process of the unit. The work

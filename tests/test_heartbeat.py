@@ -6,10 +6,10 @@ import logging
 import time
 from contextlib import ExitStack
 
-from store import checkpoint
-from store.keys import RunKeys
-from store.lease import Acquire, acquire, holder
-from workers.heartbeat import keep_alive
+from agentpool.runtime.heartbeat import keep_alive
+from agentpool.store import checkpoint
+from agentpool.store.keys import RunKeys
+from agentpool.store.lease import Acquire, acquire, holder
 
 TTL_MS = 300  # renewed every 100 ms
 

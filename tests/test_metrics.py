@@ -16,17 +16,23 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agentpool import enqueue_run, get_run, wait_for_run
+from agentpool.runtime.jobs import stage_turn
+from agentpool.testing.localpool import WorkerProcesses, free_port
+
 from conftest import ROOT, script_task
-from workers import enqueue_run, get_run, wait_for_run
-from workers.jobs import stage_turn
-from workers.localpool import WorkerProcesses, free_port
 
 MEETING = [
     {"text": "Let me read the notes.", "tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}]},
-    {"tool_calls": [
-        {"name": "create_ticket", "input": {"title": "Changelog", "body": "Ana writes it"}},
-        {"name": "send_email", "input": {"to": "team@example.com", "subject": "Release Friday", "body": "See ticket."}},
-    ]},
+    {
+        "tool_calls": [
+            {"name": "create_ticket", "input": {"title": "Changelog", "body": "Ana writes it"}},
+            {
+                "name": "send_email",
+                "input": {"to": "team@example.com", "subject": "Release Friday", "body": "See ticket."},
+            },
+        ]
+    },
     {"text": "The release ships Friday."},
 ]
 LOOP = [{"tool_calls": [{"name": "read_notes", "input": {"topic": str(i)}}]} for i in range(10)]
@@ -59,8 +65,13 @@ def sample(samples: dict, name: str, **labels: str) -> float:
 def metrics_command(tmp_path: Path, env: dict[str, str], *args: str) -> Iterator[int]:
     port = free_port()
     with open(tmp_path / "metrics.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "metrics", "--port", str(port),
-                                 "--host", "127.0.0.1", *args], env=env, cwd=str(ROOT), stdout=log, stderr=log)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "agentpool", "metrics", "--port", str(port), "--host", "127.0.0.1", *args],
+            env=env,
+            cwd=str(ROOT),
+            stdout=log,
+            stderr=log,
+        )
         try:
             yield port
         finally:
@@ -122,8 +133,9 @@ def test_metrics_command_exports_runs_tools_tokens_latency_and_queue_depth(r, po
     assert 0 < sample(m, "agentpool_model_call_seconds_sum") < 60
     # turns that ran tools: 2 per meeting run, 2 in the loop (its third turn stopped at the guard)
     assert sample(m, "agentpool_turn_seconds_count") == 6
-    buckets = sorted((float(dict(labels)["le"]), v) for (name, labels), v in m.items()
-                     if name == "agentpool_turn_seconds_bucket")
+    buckets = sorted(
+        (float(dict(labels)["le"]), v) for (name, labels), v in m.items() if name == "agentpool_turn_seconds_bucket"
+    )
     assert [le for le, _ in buckets] == [0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf")]
     counts = [v for _, v in buckets]
     assert counts == sorted(counts) and counts[-1] == 6, "buckets are cumulative and end at the count"
@@ -133,14 +145,19 @@ def test_worker_metrics_port_serves_the_same_pool_wide_numbers(r, pool, model):
     model.set_scripts({"meeting": MEETING})
     port = free_port()
     WorkerProcesses.start(pool, 1, "--log-level", "INFO", "--metrics-port", str(port))  # Pool.start takes no flags
-    run = wait_for_run(enqueue_run("pool_agents:support", script_task("meeting"), connection=r), timeout=60, connection=r)
+    run = wait_for_run(
+        enqueue_run("pool_agents:support", script_task("meeting"), connection=r), timeout=60, connection=r
+    )
     assert run.status == "completed", pool.logs()
 
     m = scrape(port)
 
     assert sample(m, "agentpool_runs", status="completed") == 1
     assert sample(m, "agentpool_tool_calls_total", effect="unsafe") == 1
-    assert sample(m, "agentpool_tokens_total", kind="output_tokens") == get_run(run.id, connection=r).usage["output_tokens"]
+    assert (
+        sample(m, "agentpool_tokens_total", kind="output_tokens")
+        == get_run(run.id, connection=r).usage["output_tokens"]
+    )
     assert sample(m, "agentpool_workers") == 1
     assert sample(m, "agentpool_queue_jobs", state="queued") == 0
 
@@ -155,7 +172,7 @@ def test_metrics_report_redis_down_instead_of_failing_the_scrape(tmp_path):
 def test_cost_is_exported_once_the_pool_counters_carry_it(r):
     from prometheus_client import generate_latest
 
-    from workers.metrics import registry_for
+    from agentpool.ops.metrics import registry_for
 
     assert b"agentpool_cost_usd" not in generate_latest(registry_for(r))
     r.hincrbyfloat("ap:stats", "cost_usd", 0.125)

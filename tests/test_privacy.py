@@ -8,19 +8,26 @@ import sys
 import pytest
 from redis import Redis
 
+from agentpool import approve, enqueue_run, get_run, list_runs, wait_for_run
+from agentpool.store import crypto
+from agentpool.store.crypto import Cipher, EncryptionKeyMissing, generate_key
+from agentpool.store.errors import UnreadableRecord
+from agentpool.store.events import read as read_events
+from agentpool.store.keys import RunKeys
+from agentpool.testing.localpool import RedisServer
+
 from conftest import TESTS, Pool, script_task, wait_for_status
-from store import crypto
-from store.crypto import Cipher, EncryptionKeyMissing, generate_key
-from store.errors import UnreadableRecord
-from store.events import read as read_events
-from store.keys import RunKeys
-from workers import approve, enqueue_run, get_run, list_runs, wait_for_run
-from workers.localpool import RedisServer
 
 SECRET_TASK = "Summarize the merger notes for Project Bluebird"
 SCRIPT = [
-    {"tool_calls": [{"name": "send_email", "input": {"to": "cfo@example.com", "subject": "Bluebird terms",
-                                                     "body": "Offer is 41 per share"}}]},
+    {
+        "tool_calls": [
+            {
+                "name": "send_email",
+                "input": {"to": "cfo@example.com", "subject": "Bluebird terms", "body": "Offer is 41 per share"},
+            }
+        ]
+    },
     {"text": "The Bluebird offer is summarized and sent."},
 ]
 PLAINTEXTS = [b"Bluebird", b"41 per share", b"cfo@example.com", b"email to cfo"]
@@ -37,15 +44,25 @@ def key_in_this_process():
 
 def _all_bytes(r: Redis, run_id: str) -> bytes:
     keys = RunKeys.of(run_id)
-    blobs = [b"".join(k + v for k, v in r.hgetall(keys.run).items()), *r.lrange(keys.messages, 0, -1),
-             b"".join(k + v for k, v in r.hgetall(keys.ledger).items())]
+    blobs = [
+        b"".join(k + v for k, v in r.hgetall(keys.run).items()),
+        *r.lrange(keys.messages, 0, -1),
+        b"".join(k + v for k, v in r.hgetall(keys.ledger).items()),
+    ]
     blobs += [str(e).encode() for e in read_events(r, run_id)]
     return b"".join(blobs)
 
 
 def _cli(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "workers.cli", *args], env=env, cwd=str(TESTS),
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "agentpool", *args],
+        env=env,
+        cwd=str(TESTS),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_an_encrypted_run_is_unreadable_without_its_key_and_readable_with_it(r, pool, model, key_in_this_process):
@@ -96,15 +113,56 @@ def test_a_rotated_key_still_reads_old_runs_and_writes_with_the_new_one(r, pool,
 def test_tls_and_an_acl_user_work_and_no_secret_reaches_logs_or_events(tmp_path, model):
     certs = tmp_path / "tls"
     certs.mkdir()
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(certs / "key.pem"),
-                    "-out", str(certs / "cert.pem"), "-days", "2", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(certs / "key.pem"),
+            "-out",
+            str(certs / "cert.pem"),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     password = "pw-Zq81xWv"
-    server = RedisServer(tmp_path, url=f"rediss://agentpool:{password}@127.0.0.1:{{port}}/0?ssl_ca_certs={certs / 'cert.pem'}")
-    server.extra_args = ("--port", "0", "--tls-port", str(server.port), "--tls-cert-file", str(certs / "cert.pem"),
-                         "--tls-key-file", str(certs / "key.pem"), "--tls-ca-cert-file", str(certs / "cert.pem"),
-                         "--tls-auth-clients", "no", "--user", "default", "off",
-                         "--user", "agentpool", "on", f">{password}", "~*", "&*", "+@all")
+    server = RedisServer(
+        tmp_path, url=f"rediss://agentpool:{password}@127.0.0.1:{{port}}/0?ssl_ca_certs={certs / 'cert.pem'}"
+    )
+    server.extra_args = (
+        "--port",
+        "0",
+        "--tls-port",
+        str(server.port),
+        "--tls-cert-file",
+        str(certs / "cert.pem"),
+        "--tls-key-file",
+        str(certs / "key.pem"),
+        "--tls-ca-cert-file",
+        str(certs / "cert.pem"),
+        "--tls-auth-clients",
+        "no",
+        "--user",
+        "default",
+        "off",
+        "--user",
+        "agentpool",
+        "on",
+        f">{password}",
+        "~*",
+        "&*",
+        "+@all",
+    )
     server.start()
     r = Redis.from_url(server.url)
     pool = Pool(server.url, model, tmp_path)
@@ -120,8 +178,9 @@ def test_tls_and_an_acl_user_work_and_no_secret_reaches_logs_or_events(tmp_path,
         for secret in (password, pool.env["ANTHROPIC_API_KEY"]):
             assert secret not in logs and secret not in events
         assert "rediss://agentpool:***@" in logs, "the worker names its Redis without the password"
-        assert f'agentpool.events: {{"run": "{run_id}", "kind": "turn_started"' in logs, \
+        assert f'agentpool.events: {{"run": "{run_id}", "kind": "turn_started"' in logs, (
             "at --log-level INFO every run event is a log line (so the checks above read them too)"
+        )
     finally:
         pool.stop()
         server.stop()

@@ -6,32 +6,34 @@ import time
 
 import pytest
 
-from store import checkpoint, ledger
-from store.keys import RunKeys
-from store.lease import acquire
-from store.ledger import Entry, Outcome
-from workers.reconcile import Action, idempotency_key, plan
-from workers.settings import Settings
-from workers.turn import Turn
+from agentpool.runtime.reconcile import Action, idempotency_key, plan
+from agentpool.runtime.settle import Settlement
+from agentpool.store import checkpoint, ledger
+from agentpool.store.keys import RunKeys
+from agentpool.store.lease import acquire
+from agentpool.store.ledger import Entry, Outcome
 
 STARTED = Entry(intent={"name": "t", "input": "x", "attempt": 1}, outcome=None)
 DONE = Entry(intent={"name": "t", "input": "x", "attempt": 1}, outcome=Outcome("ok", False))
 NOTHING = Entry(intent=None, outcome=None)
 
 
-@pytest.mark.parametrize("effect, entry, has_verify, action", [
-    ("read", DONE, False, Action.REPLAY),
-    ("read", STARTED, False, Action.RUN),
-    ("read", NOTHING, False, Action.RUN),
-    ("idempotent", DONE, False, Action.REPLAY),
-    ("idempotent", STARTED, False, Action.RUN),
-    ("idempotent", NOTHING, False, Action.RUN),
-    ("unsafe", DONE, True, Action.REPLAY),
-    ("unsafe", STARTED, True, Action.VERIFY),
-    ("unsafe", STARTED, False, Action.UNKNOWN),
-    ("unsafe", NOTHING, False, Action.RUN),
-    (None, STARTED, False, Action.UNKNOWN),  # the tool is gone since the call started
-])
+@pytest.mark.parametrize(
+    "effect, entry, has_verify, action",
+    [
+        ("read", DONE, False, Action.REPLAY),
+        ("read", STARTED, False, Action.RUN),
+        ("read", NOTHING, False, Action.RUN),
+        ("idempotent", DONE, False, Action.REPLAY),
+        ("idempotent", STARTED, False, Action.RUN),
+        ("idempotent", NOTHING, False, Action.RUN),
+        ("unsafe", DONE, True, Action.REPLAY),
+        ("unsafe", STARTED, True, Action.VERIFY),
+        ("unsafe", STARTED, False, Action.UNKNOWN),
+        ("unsafe", NOTHING, False, Action.RUN),
+        (None, STARTED, False, Action.UNKNOWN),  # the tool is gone since the call started
+    ],
+)
 def test_the_reconcile_table(effect, entry, has_verify, action):
     assert plan(effect, entry, has_verify=has_verify) is action
 
@@ -58,7 +60,7 @@ def test_calls_to_tools_the_agent_no_longer_has_get_is_error_results(r):
     checkpoint.commit_response(r, keys, token, turns_before=0, message=message, pending=[never, started])
     ledger.write_intent(r, keys, token, started, effect="unsafe", attempt=1, now=1.0)
 
-    results = Turn(r, keys, token, 0, Settings.from_env()).settle(short, [never, started])
+    results = Settlement(r, keys, token, 0).settle(short, [never, started])
     assert [b["tool_use_id"] for b in results] == ["toolu_never", "toolu_started"]
     assert results[0]["is_error"] and "no tool named 'retired_tool'" in results[0]["content"]
     assert results[1]["is_error"] and "status of this retired_tool call is unknown" in results[1]["content"]

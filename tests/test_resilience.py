@@ -11,15 +11,16 @@ import pytest
 from redis import Redis
 from rq.job import Job
 
+from agentpool import enqueue_run, get_run, wait_for_run
+from agentpool.runtime.jobs import job_id
+from agentpool.runtime.serializer import MsgpackSerializer
+from agentpool.runtime.settings import connect
+from agentpool.store import checkpoint
+from agentpool.store.keys import RunKeys
+from agentpool.store.records import SCHEMA_VERSION
+from agentpool.testing.localpool import RedisServer
+
 from conftest import Pool, assert_valid_conversation, script_task, wait_for_status
-from store import checkpoint
-from store.keys import RunKeys
-from store.records import SCHEMA_VERSION
-from workers import enqueue_run, get_run, wait_for_run
-from workers.jobs import job_id
-from workers.localpool import RedisServer
-from workers.serializer import MsgpackSerializer
-from workers.settings import connect
 
 SIMPLE = [{"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}]}, {"text": "ok"}]
 
@@ -71,9 +72,12 @@ def test_runs_survive_a_redis_restart(tmp_path, model):
     r = Redis.from_url(server.url)
     pool = Pool(server.url, model, tmp_path)
     try:
-        model.set_scripts({"steps": [
-            {"tool_calls": [{"name": "slow_read", "input": {"seconds": 0.3}}]} for _ in range(6)
-        ] + [{"text": "done"}]})
+        model.set_scripts(
+            {
+                "steps": [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 0.3}}]} for _ in range(6)]
+                + [{"text": "done"}]
+            }
+        )
         pool.start(2)
         runs = [enqueue_run("pool_agents:support", script_task("steps"), connection=r) for _ in range(4)]
         time.sleep(1.5)
@@ -91,9 +95,12 @@ def test_runs_survive_a_redis_restart(tmp_path, model):
 
 
 def test_dropped_connections_mid_turn_are_retried_not_failed(r, pool, model):
-    model.set_scripts({"steps": [
-        {"tool_calls": [{"name": "slow_read", "input": {"seconds": 0.2}}]} for _ in range(5)
-    ] + [{"text": "done"}]})
+    model.set_scripts(
+        {
+            "steps": [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 0.2}}]} for _ in range(5)]
+            + [{"text": "done"}]
+        }
+    )
     pool.start(2)
     runs = [enqueue_run("pool_agents:support", script_task("steps"), connection=r) for _ in range(4)]
     stop = threading.Event()
@@ -118,10 +125,14 @@ def test_dropped_connections_mid_turn_are_retried_not_failed(r, pool, model):
 
 
 def test_sigterm_lets_the_turn_in_flight_finish(r, pool, model):
-    model.set_scripts({"slow": [
-        {"tool_calls": [{"name": "slow_read", "input": {"seconds": 1.5}}]},
-        {"text": "done"},
-    ]})
+    model.set_scripts(
+        {
+            "slow": [
+                {"tool_calls": [{"name": "slow_read", "input": {"seconds": 1.5}}]},
+                {"text": "done"},
+            ]
+        }
+    )
     worker = pool.start(1)[0]
     run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
     pool.wait_for_effect("slow_read")

@@ -1,9 +1,8 @@
-"""Behaviour of workers.scripted_model, driven through the real anthropic SDK over HTTP."""
+"""Behaviour of agentpool.testing.scripted_model, driven through the real anthropic SDK over HTTP."""
 
 from __future__ import annotations
 
 import copy
-from concurrent.futures import ThreadPoolExecutor
 import json
 import os
 import re
@@ -13,22 +12,30 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import anthropic
 import pytest
 
-from workers.scripted_model import ScriptedModel, load_scripts
+from agentpool.testing.scripted_model import ScriptedModel, load_scripts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "claude-sonnet-5-5"
 TOOL_ID = re.compile(r"^toolu_[A-Za-z0-9]{24}$")
 TOOLS = [
-    {"name": "add", "description": "Add two numbers.",
-     "input_schema": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}},
-    {"name": "lookup", "description": "Look a word up.",
-     "input_schema": {"type": "object", "properties": {"word": {"type": "string"}}}},
+    {
+        "name": "add",
+        "description": "Add two numbers.",
+        "input_schema": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+    },
+    {
+        "name": "lookup",
+        "description": "Look a word up.",
+        "input_schema": {"type": "object", "properties": {"word": {"type": "string"}}},
+    },
 ]
 
 SCRIPTS: dict[str, list[dict]] = {
@@ -37,19 +44,22 @@ SCRIPTS: dict[str, list[dict]] = {
         {"text": "The answer is 3."},
     ],
     "parallel": [
-        {"tool_calls": [{"name": "add", "input": {"a": 1, "b": 1}},
-                        {"name": "lookup", "input": {"word": "rq"}}]},
+        {"tool_calls": [{"name": "add", "input": {"a": 1, "b": 1}}, {"name": "lookup", "input": {"word": "rq"}}]},
         {"text": "Both done."},
     ],
     "think": [
-        {"thinking": "I need to add 1 and 2.", "text": "Adding.",
-         "tool_calls": [{"name": "add", "input": {"a": 1, "b": 2}}]},
+        {
+            "thinking": "I need to add 1 and 2.",
+            "text": "Adding.",
+            "tool_calls": [{"name": "add", "input": {"a": 1, "b": 2}}],
+        },
         {"text": "3"},
     ],
     "flaky": [
-        {"error": {"status": 429, "type": "rate_limit_error", "message": "Slow down", "times": 2,
-                   "retry_after": 7},
-         "text": "Finally."},
+        {
+            "error": {"status": 429, "type": "rate_limit_error", "message": "Slow down", "times": 2, "retry_after": 7},
+            "text": "Finally.",
+        },
     ],
     "overloaded": [
         {"error": {"status": 529, "type": "overloaded_error", "message": "Overloaded"}, "text": "ok"},
@@ -58,8 +68,15 @@ SCRIPTS: dict[str, list[dict]] = {
     "custom_usage": [{"text": "x", "usage": {"output_tokens": 4096}, "stop_reason": "max_tokens"}],
     "default": [{"text": "default script here"}],
 }
-for _reason in ("end_turn", "stop_sequence", "tool_use", "pause_turn", "max_tokens", "refusal",
-                "model_context_window_exceeded"):
+for _reason in (
+    "end_turn",
+    "stop_sequence",
+    "tool_use",
+    "pause_turn",
+    "max_tokens",
+    "refusal",
+    "model_context_window_exceeded",
+):
     SCRIPTS[f"stop_{_reason}"] = [{"text": f"stopping with {_reason}", "stop_reason": _reason}]
 
 
@@ -95,15 +112,21 @@ def as_assistant(message: anthropic.types.Message) -> dict:
 
 
 def results_for(message: anthropic.types.Message, output: str = "ok") -> dict:
-    return {"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": b.id, "content": output}
-        for b in message.content if b.type == "tool_use"]}
+    return {
+        "role": "user",
+        "content": [
+            {"type": "tool_result", "tool_use_id": b.id, "content": output}
+            for b in message.content
+            if b.type == "tool_use"
+        ],
+    }
 
 
 def raw_post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, dict, Any]:
     data = json.dumps(body).encode() if not isinstance(body, bytes) else body
-    req = urllib.request.Request(url, data=data, method="POST",
-                                 headers={"content-type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=data, method="POST", headers={"content-type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, dict(resp.headers), json.loads(resp.read())
@@ -120,6 +143,7 @@ def raw_get(url: str) -> tuple[int, Any]:
 
 
 # ---- the happy path -------------------------------------------------------------------------------
+
 
 def test_tool_use_then_end_turn_round_trip(client: anthropic.Anthropic, model: ScriptedModel) -> None:
     messages = [user("[script:calc] what is 1 + 2?")]
@@ -174,8 +198,10 @@ def test_parallel_tool_calls(client: anthropic.Anthropic) -> None:
     assert second.content[0].text == "Both done." and second.stop_reason == "end_turn"
 
 
-@pytest.mark.parametrize("reason", ["end_turn", "stop_sequence", "tool_use", "pause_turn", "max_tokens",
-                                    "refusal", "model_context_window_exceeded"])
+@pytest.mark.parametrize(
+    "reason",
+    ["end_turn", "stop_sequence", "tool_use", "pause_turn", "max_tokens", "refusal", "model_context_window_exceeded"],
+)
 def test_each_stop_reason(client: anthropic.Anthropic, reason: str) -> None:
     message = create(client, [user(f"[script:stop_{reason}] go")])
     assert message.stop_reason == reason
@@ -192,8 +218,10 @@ def test_pause_turn_continuation_with_last_assistant_message(client: anthropic.A
 
 
 def test_default_script_and_builtin_default() -> None:
-    with ScriptedModel({"default": [{"text": "default script here"}]}) as m, \
-            anthropic.Anthropic(base_url=m.base_url, api_key="k", max_retries=0) as c:
+    with (
+        ScriptedModel({"default": [{"text": "default script here"}]}) as m,
+        anthropic.Anthropic(base_url=m.base_url, api_key="k", max_retries=0) as c,
+    ):
         assert create(c, [user("no marker")]).content[0].text == "default script here"
     with ScriptedModel() as m, anthropic.Anthropic(base_url=m.base_url, api_key="k", max_retries=0) as c:
         message = create(c, [user("no marker")], tools=anthropic.NOT_GIVEN)
@@ -210,6 +238,7 @@ def test_usage_override_and_delay(client: anthropic.Anthropic) -> None:
 
 # ---- rejections -----------------------------------------------------------------------------------
 
+
 def _tool_turn(client: anthropic.Anthropic, script: str = "parallel") -> tuple[list[dict], anthropic.types.Message]:
     messages = [user(f"[script:{script}] go")]
     first = create(client, messages)
@@ -220,9 +249,11 @@ def test_missing_tool_result_rejected(client: anthropic.Anthropic, model: Script
     messages, first = _tool_turn(client)
     ids = [b.id for b in first.content if b.type == "tool_use"]
     only_first = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": ids[0], "content": "ok"}]}
-    expected = (f"messages.1: `tool_use` ids were found without `tool_result` blocks immediately after: "
-                f"{ids[1]}. Each `tool_use` block must have a corresponding `tool_result` block in the "
-                f"next message.")
+    expected = (
+        f"messages.1: `tool_use` ids were found without `tool_result` blocks immediately after: "
+        f"{ids[1]}. Each `tool_use` block must have a corresponding `tool_result` block in the "
+        f"next message."
+    )
     with pytest.raises(anthropic.BadRequestError) as info:
         create(client, messages + [only_first])
     assert info.value.status_code == 400
@@ -231,10 +262,10 @@ def test_missing_tool_result_rejected(client: anthropic.Anthropic, model: Script
     assert info.value.request_id == info.value.body["request_id"]
 
     # Text before the results does not count as "immediately after".
-    text_first = {"role": "user", "content": [{"type": "text", "text": "here you go"}]
-                  + results_for(first)["content"]}
-    with pytest.raises(anthropic.BadRequestError, match=f"without `tool_result` blocks immediately after: "
-                                                        f"{ids[0]}, {ids[1]}"):
+    text_first = {"role": "user", "content": [{"type": "text", "text": "here you go"}] + results_for(first)["content"]}
+    with pytest.raises(
+        anthropic.BadRequestError, match=f"without `tool_result` blocks immediately after: {ids[0]}, {ids[1]}"
+    ):
         create(client, messages + [text_first])
 
     # Nor does a plain user message, or ending on the tool_use.
@@ -255,7 +286,8 @@ def test_unknown_tool_use_id_rejected(client: anthropic.Anthropic) -> None:
         create(client, messages + [results])
     assert info.value.body["error"]["message"] == (
         "messages.2.content.2: unexpected `tool_use_id` found in `tool_result` blocks: toolu_notarealid. "
-        "Each `tool_result` block must have a corresponding `tool_use` block in the previous message.")
+        "Each `tool_result` block must have a corresponding `tool_use` block in the previous message."
+    )
 
 
 def test_duplicate_tool_result_rejected(client: anthropic.Anthropic) -> None:
@@ -286,15 +318,22 @@ def test_tool_use_naming_undefined_tool_rejected(client: anthropic.Anthropic) ->
         create(client, messages + [results_for(first)], tools=[TOOLS[1]])
 
 
-@pytest.mark.parametrize("messages, fragment", [
-    ([{"role": "assistant", "content": "hi"}], 'first message must use the "user" role'),
-    ([{"role": "system", "content": "hi"}], "messages.0.role: Input should be 'user' or 'assistant'"),
-    ([{"role": "user", "content": [{"type": "video", "url": "x"}]}], "Input tag 'video'"),
-    ([{"role": "user", "content": [{"type": "text", "text": "a", "colour": "red"}]}],
-     "messages.0.content.0.text.colour: Extra inputs are not permitted"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello "}],
-     "final assistant content cannot end with trailing whitespace"),
-])
+@pytest.mark.parametrize(
+    "messages, fragment",
+    [
+        ([{"role": "assistant", "content": "hi"}], 'first message must use the "user" role'),
+        ([{"role": "system", "content": "hi"}], "messages.0.role: Input should be 'user' or 'assistant'"),
+        ([{"role": "user", "content": [{"type": "video", "url": "x"}]}], "Input tag 'video'"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "a", "colour": "red"}]}],
+            "messages.0.content.0.text.colour: Extra inputs are not permitted",
+        ),
+        (
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello "}],
+            "final assistant content cannot end with trailing whitespace",
+        ),
+    ],
+)
 def test_malformed_messages_rejected(client: anthropic.Anthropic, messages: list, fragment: str) -> None:
     with pytest.raises(anthropic.BadRequestError, match=re.escape(fragment)):
         create(client, messages)
@@ -329,12 +368,14 @@ def test_top_level_validation_over_raw_http(model: ScriptedModel) -> None:
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
     status, _, body = raw_post(url, b"{not json", headers)
     assert status == 400 and body["type"] == "error"
-    status, _, body = raw_post(url, {"model": MODEL, "max_tokens": 5, "messages": [user("hi")],
-                                     "whatever_new_param": 1}, headers)
+    status, _, body = raw_post(
+        url, {"model": MODEL, "max_tokens": 5, "messages": [user("hi")], "whatever_new_param": 1}, headers
+    )
     assert status == 200 and body["content"] == [{"type": "text", "text": "default script here"}]
 
 
 # ---- injected errors ------------------------------------------------------------------------------
+
 
 def test_injected_429_twice_then_success(client: anthropic.Anthropic, model: ScriptedModel) -> None:
     messages = [user("[script:flaky] go")]
@@ -343,8 +384,11 @@ def test_injected_429_twice_then_success(client: anthropic.Anthropic, model: Scr
             create(client, messages)
         err = info.value
         assert err.status_code == 429 and err.type == "rate_limit_error"
-        assert err.body == {"type": "error", "error": {"type": "rate_limit_error", "message": "Slow down"},
-                            "request_id": err.request_id}
+        assert err.body == {
+            "type": "error",
+            "error": {"type": "rate_limit_error", "message": "Slow down"},
+            "request_id": err.request_id,
+        }
         assert err.response.headers["retry-after"] == "7"
         assert err.response.headers["x-should-retry"] == "false"
     assert create(client, messages).content[0].text == "Finally."
@@ -386,6 +430,7 @@ def test_reset_forgets_error_counters(client: anthropic.Anthropic, model: Script
 
 # ---- thinking -------------------------------------------------------------------------------------
 
+
 def test_thinking_block_round_trips_and_tampering_is_rejected(client: anthropic.Anthropic) -> None:
     messages = [user("[script:think] 1 + 2?")]
     first = create(client, messages)
@@ -399,8 +444,7 @@ def test_thinking_block_round_trips_and_tampering_is_rejected(client: anthropic.
     tampered["content"][0]["thinking"] = "I need to add 1 and 3."
     with pytest.raises(anthropic.BadRequestError) as info:
         create(client, messages + [tampered, results_for(first)])
-    assert info.value.body["error"]["message"] == \
-        "messages.1.content.0: Invalid `signature` in `thinking` block"
+    assert info.value.body["error"]["message"] == "messages.1.content.0: Invalid `signature` in `thinking` block"
 
     forged = copy.deepcopy(assistant)
     forged["content"][0]["signature"] = "AAAA" + forged["content"][0]["signature"][4:]
@@ -409,6 +453,7 @@ def test_thinking_block_round_trips_and_tampering_is_rejected(client: anthropic.
 
 
 # ---- prompt caching -------------------------------------------------------------------------------
+
 
 def _cached_request(big: str) -> dict:
     return {
@@ -419,29 +464,40 @@ def _cached_request(big: str) -> dict:
 
 def test_cache_read_on_second_identical_request() -> None:
     big = "You are a careful agent. " * 40  # ~250 tokens by the //4 estimate
-    with ScriptedModel(cache_min_tokens=100) as m, \
-            anthropic.Anthropic(base_url=m.base_url, api_key="k", max_retries=0) as c:
-        messages = [{"role": "user", "content": [
-            {"type": "text", "text": "question one", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}]
+    with (
+        ScriptedModel(cache_min_tokens=100) as m,
+        anthropic.Anthropic(base_url=m.base_url, api_key="k", max_retries=0) as c,
+    ):
+        messages = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "question one", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+                ],
+            }
+        ]
         first = c.messages.create(model=MODEL, max_tokens=100, messages=messages, **_cached_request(big))
         second = c.messages.create(model=MODEL, max_tokens=100, messages=messages, **_cached_request(big))
 
         assert first.usage.cache_creation_input_tokens > 100 and first.usage.cache_read_input_tokens == 0
         assert second.usage.cache_read_input_tokens == first.usage.cache_creation_input_tokens
         assert second.usage.cache_creation_input_tokens == 0
-        total = lambda u: u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens  # noqa: E731
+        total = lambda u: u.input_tokens + u.cache_creation_input_tokens + u.cache_read_input_tokens
         assert total(first.usage) == total(second.usage)
 
         # Same system prompt, new question: the system prefix is read, the new tail is written.
-        other = [{"role": "user", "content": [
-            {"type": "text", "text": "question two " * 5, "cache_control": {"type": "ephemeral"}}]}]
+        other = [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "question two " * 5, "cache_control": {"type": "ephemeral"}}],
+            }
+        ]
         third = c.messages.create(model=MODEL, max_tokens=100, messages=other, **_cached_request(big))
         assert 0 < third.usage.cache_read_input_tokens < second.usage.cache_read_input_tokens
         assert third.usage.cache_creation_input_tokens > 0
 
         # A different model does not share the cache.
-        fourth = c.messages.create(model="claude-opus-5-5", max_tokens=100, messages=messages,
-                                   **_cached_request(big))
+        fourth = c.messages.create(model="claude-opus-5-5", max_tokens=100, messages=messages, **_cached_request(big))
         assert fourth.usage.cache_read_input_tokens == 0
 
 
@@ -458,22 +514,25 @@ def test_more_than_four_breakpoints_rejected(client: anthropic.Anthropic) -> Non
     tools = [{**t, "cache_control": marked} for t in TOOLS]
     with pytest.raises(anthropic.BadRequestError) as info:
         create(client, [user("hi")], system=system, tools=tools)
-    assert info.value.body["error"]["message"] == \
-        "A maximum of 4 blocks with cache_control may be provided. Found 5."
+    assert info.value.body["error"]["message"] == "A maximum of 4 blocks with cache_control may be provided. Found 5."
 
 
 # ---- auth and plumbing ----------------------------------------------------------------------------
 
+
 def test_missing_auth_is_401(model: ScriptedModel) -> None:
-    no_auth = anthropic.Anthropic(base_url=model.base_url, api_key="unused", max_retries=0,
-                                  default_headers={"Authorization": anthropic.Omit()})
+    no_auth = anthropic.Anthropic(
+        base_url=model.base_url, api_key="unused", max_retries=0, default_headers={"Authorization": anthropic.Omit()}
+    )
     with no_auth, pytest.raises(anthropic.AuthenticationError) as info:
         create(no_auth, [user("hi")])
     assert info.value.status_code == 401 and info.value.type == "authentication_error"
 
-    status, _, body = raw_post(model.base_url + "/v1/messages",
-                               {"model": MODEL, "max_tokens": 5, "messages": [user("hi")]},
-                               {"x-api-key": "sk-secret-value", "anthropic-version": "2023-06-01"})
+    status, _, _body = raw_post(
+        model.base_url + "/v1/messages",
+        {"model": MODEL, "max_tokens": 5, "messages": [user("hi")]},
+        {"x-api-key": "sk-secret-value", "anthropic-version": "2023-06-01"},
+    )
     assert status == 200
     assert "sk-secret-value" not in json.dumps(model.stats())
 
@@ -517,10 +576,14 @@ def test_main_runs_as_a_subprocess(tmp_path: Path) -> None:
     scripts_file.write_text(json.dumps({"hello": [{"text": "hi from the subprocess"}]}))
     assert load_scripts(str(scripts_file)) == {"hello": [{"text": "hi from the subprocess"}]}
     port = _free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = dict(os.environ)
     with subprocess.Popen(
-        [sys.executable, "-m", "workers.scripted_model", "--port", str(port), "--scripts", str(scripts_file)],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "agentpool.testing.scripted_model", "--port", str(port), "--scripts", str(scripts_file)],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     ) as proc:  # the context manager closes the pipes and waits for the process
         try:
             line = proc.stdout.readline()
@@ -536,8 +599,10 @@ def test_main_runs_as_a_subprocess(tmp_path: Path) -> None:
 
 
 def test_concurrent_requests_are_counted_exactly(model: ScriptedModel) -> None:
-    with anthropic.Anthropic(base_url=model.base_url, api_key="k", max_retries=0) as c, \
-            ThreadPoolExecutor(max_workers=8) as pool:
+    with (
+        anthropic.Anthropic(base_url=model.base_url, api_key="k", max_retries=0) as c,
+        ThreadPoolExecutor(max_workers=8) as pool,
+    ):
         replies = list(pool.map(lambda i: create(c, [user(f"[script:slow] request {i}")]), range(16)))
     assert all(r.content[0].text == "sorry for the wait" for r in replies)
     stats = model.stats()

@@ -7,14 +7,14 @@ import time
 import msgpack
 import pytest
 
-from store import checkpoint, events, ledger, stats
-from store.codec import pack, unpack
-from store.errors import LeaseLost, RunNotActive, UnreadableRecord
-from store.events import Event
-from store.keys import RunKeys
-from store.lease import Acquire, acquire, holder, release, release_dead_holder, renew
-from store.ledger import Outcome
-from store.records import SCHEMA_VERSION
+from agentpool.store import checkpoint, events, ledger, stats
+from agentpool.store.codec import pack, unpack
+from agentpool.store.errors import LeaseLost, RunNotActive, UnreadableRecord
+from agentpool.store.events import Event
+from agentpool.store.keys import RunKeys
+from agentpool.store.lease import Acquire, acquire, holder, release, release_dead_holder, renew
+from agentpool.store.ledger import Outcome
+from agentpool.store.records import SCHEMA_VERSION
 
 RUN = "r_test0001"
 KEYS = RunKeys.of(RUN)
@@ -84,18 +84,21 @@ def test_save_point_a_appends_counts_and_records_pending(r):
     token = take(r)
     call = {"id": "toolu_1", "name": "read_notes", "input": {"topic": "x"}}
     usage = {"input_tokens": 10, "output_tokens": 5, "cache_read_input_tokens": 3, "cache_creation_input_tokens": 2}
-    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(tool_use=call), pending=[call],
-                               usage=usage, cost_usd=0.25)
+    checkpoint.commit_response(
+        r, KEYS, token, turns_before=0, message=reply(tool_use=call), pending=[call], usage=usage, cost_usd=0.25
+    )
     state = checkpoint.load_run(r, RUN)
     assert (state.turns, state.phase, state.pending, state.current_turn) == (1, "tools", [call], 0)
     assert state.usage == usage and state.cost_usd == 0.25
     with pytest.raises(LeaseLost):
-        checkpoint.commit_response(r, KEYS, "9:zombie", turns_before=1, message=reply(), pending=[], usage=usage,
-                                   cost_usd=1.0)
+        checkpoint.commit_response(
+            r, KEYS, "9:zombie", turns_before=1, message=reply(), pending=[], usage=usage, cost_usd=1.0
+        )
     assert checkpoint.load_run(r, RUN).usage == usage, "a fenced-out zombie's call is not counted"
     with pytest.raises(LeaseLost):  # the same response twice: the checkpoint moved on
-        checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[], usage=usage,
-                                   cost_usd=0.25)
+        checkpoint.commit_response(
+            r, KEYS, token, turns_before=0, message=reply(), pending=[], usage=usage, cost_usd=0.25
+        )
     assert r.llen(KEYS.messages) == 2
     assert checkpoint.load_run(r, RUN).cost_usd == 0.5, "a response refused still counts the call it cost"
 
@@ -122,33 +125,78 @@ def test_save_point_b_lands_with_its_enqueue_or_not_at_all(r):
 
 def test_an_event_is_recorded_with_its_write_and_never_without_it(r):
     create(r)
-    loaded = acquire(r, KEYS, turn=0, worker_id="w1.100", ttl_ms=5000, event=Event.of(RUN, "turn_started", turn=0),
-                     then=lambda pipe: checkpoint.stage_load(pipe, RUN))
+    loaded = acquire(
+        r,
+        KEYS,
+        turn=0,
+        worker_id="w1.100",
+        ttl_ms=5000,
+        event=Event.of(RUN, "turn_started", turn=0),
+        then=lambda pipe: checkpoint.stage_load(pipe, RUN),
+    )
     state = checkpoint.decode_run(RUN, *loaded.then)
     assert (state.status, [m["content"] for m in state.messages]) == ("running", ["do it"]), "read after the lease"
     token = loaded.token
     usage = {"input_tokens": 7, "output_tokens": 3, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
     responded = Event.of(RUN, "model_responded", turn=0, seconds=0.2, cost_usd=0.5, **usage)
     with pytest.raises(LeaseLost):
-        checkpoint.commit_response(r, KEYS, "9:zombie", turns_before=0, message=reply(), pending=[], usage=usage,
-                                   cost_usd=0.5, responded=responded, event=Event.of(RUN, "response_committed"))
+        checkpoint.commit_response(
+            r,
+            KEYS,
+            "9:zombie",
+            turns_before=0,
+            message=reply(),
+            pending=[],
+            usage=usage,
+            cost_usd=0.5,
+            responded=responded,
+            event=Event.of(RUN, "response_committed"),
+        )
     call = {"id": "toolu_1", "name": "read_notes", "input": {"topic": "x"}}
     with pytest.raises(LeaseLost):
-        ledger.write_intent(r, KEYS, "9:zombie", call, effect="read", attempt=1, now=1.0,
-                            event=Event.of(RUN, "tool_started", tool="read_notes", effect="read"))
+        ledger.write_intent(
+            r,
+            KEYS,
+            "9:zombie",
+            call,
+            effect="read",
+            attempt=1,
+            now=1.0,
+            event=Event.of(RUN, "tool_started", tool="read_notes", effect="read"),
+        )
     assert [e["kind"] for _, e in events.read(r, RUN)] == ["turn_started"], "a fenced-out write leaves no event"
     assert stats.read_all(r) == {"turns": 1.0}
 
-    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(), pending=[], final_status="completed",
-                               retention_s=60, usage=usage, cost_usd=0.5, responded=responded,
-                               event=Event.of(RUN, "status", status="completed"))
+    checkpoint.commit_response(
+        r,
+        KEYS,
+        token,
+        turns_before=0,
+        message=reply(),
+        pending=[],
+        final_status="completed",
+        retention_s=60,
+        usage=usage,
+        cost_usd=0.5,
+        responded=responded,
+        event=Event.of(RUN, "status", status="completed"),
+    )
     recorded = [e for _, e in events.read(r, RUN)]
     assert [e["kind"] for e in recorded] == ["turn_started", "model_responded", "status"]
-    assert recorded[1] == {"kind": "model_responded", "turn": "0", "seconds": "0.2", "cost_usd": "0.5",
-                           **{k: str(v) for k, v in usage.items()}}
+    assert recorded[1] == {
+        "kind": "model_responded",
+        "turn": "0",
+        "seconds": "0.2",
+        "cost_usd": "0.5",
+        **{k: str(v) for k, v in usage.items()},
+    }
     counted = stats.read_all(r)
-    assert (counted["tokens|kind=input_tokens"], counted["cost_usd"], counted["model_call_seconds_count"],
-            counted["status_changes|status=completed"]) == (7, 0.5, 1, 1)
+    assert (
+        counted["tokens|kind=input_tokens"],
+        counted["cost_usd"],
+        counted["model_call_seconds_count"],
+        counted["status_changes|status=completed"],
+    ) == (7, 0.5, 1, 1)
     assert 0 < r.ttl(KEYS.events) <= 60, "the event stream expires with the finished run"
 
 
@@ -227,8 +275,14 @@ def test_save_point_b_keeps_a_tool_result_once(r):
     big = "x" * 10_000
     ledger.write_outcome(r, KEYS, token, "toolu_big", Outcome(big, False), how="ran", now=1.0)
     results = {"role": "user", "content": [Outcome(big, False).as_tool_result("toolu_big")]}
-    checkpoint.commit_tool_results(r, KEYS, token, message=results, enqueue_next=lambda pipe: None,
-                                   outcomes={"toolu_big": Outcome(big, False, how="ran")})
+    checkpoint.commit_tool_results(
+        r,
+        KEYS,
+        token,
+        message=results,
+        enqueue_next=lambda pipe: None,
+        outcomes={"toolu_big": Outcome(big, False, how="ran")},
+    )
     assert len(r.hget(KEYS.ledger, "toolu_big:out")) < 200, "the ledger keeps a note, the conversation the result"
     assert checkpoint.load_run(r, RUN).messages[-1] == results
     assert ledger.read_all(r, KEYS)["toolu_big"]["outcome"]["how"] == "ran"

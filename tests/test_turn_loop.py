@@ -7,16 +7,22 @@ import subprocess
 import sys
 import time
 
+from agentpool import cancel_run, enqueue_run, get_run, wait_for_run
+from agentpool.runtime.jobs import stage_turn
+
 from conftest import ROOT, assert_valid_conversation, script_task
-from workers import cancel_run, enqueue_run, get_run, wait_for_run
-from workers.jobs import stage_turn
 
 MEETING = [
     {"text": "Let me read the notes.", "tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}]},
-    {"tool_calls": [
-        {"name": "create_ticket", "input": {"title": "Changelog", "body": "Ana writes it"}},
-        {"name": "send_email", "input": {"to": "team@example.com", "subject": "Release Friday", "body": "See ticket."}},
-    ]},
+    {
+        "tool_calls": [
+            {"name": "create_ticket", "input": {"title": "Changelog", "body": "Ana writes it"}},
+            {
+                "name": "send_email",
+                "input": {"to": "team@example.com", "subject": "Release Friday", "body": "See ticket."},
+            },
+        ]
+    },
     {"text": "The release ships Friday; a ticket is open and the team is told."},
 ]
 
@@ -38,7 +44,9 @@ def test_run_completes_with_tools_counters_and_a_valid_conversation(r, pool, mod
     assert [b["type"] for b in second_results] == ["tool_result", "tool_result"]
     assert second_results[0]["content"].startswith("ticket ")
     assert second_results[1]["content"] == "email to team@example.com sent"
-    prompt_tokens = run.usage["input_tokens"] + run.usage["cache_read_input_tokens"] + run.usage["cache_creation_input_tokens"]
+    prompt_tokens = (
+        run.usage["input_tokens"] + run.usage["cache_read_input_tokens"] + run.usage["cache_creation_input_tokens"]
+    )
     assert prompt_tokens > 0 and run.usage["output_tokens"] > 0
     assert sorted(e["tool"] for e in pool.effects()) == ["create_ticket", "read_notes", "send_email"]
     assert model.stats()["rejected"] == 0, model.stats()["rejections"]
@@ -65,15 +73,21 @@ def test_stale_job_for_an_old_turn_exits_without_side_effects(r, pool, model):
 
 
 def test_bad_tool_calls_become_is_error_results_and_the_run_goes_on(r, pool, model):
-    model.set_scripts({"bad": [
-        {"tool_calls": [
-            {"name": "read_notes", "input": {"topic": 5, "extra": True}},
-            {"name": "flaky_lookup", "input": {"item": "boom"}},
-            {"name": "hanging_lookup", "input": {"item": "x"}},
-            {"name": "odd_result", "input": {"item": "x"}},
-        ]},
-        {"text": "I could not finish."},
-    ]})
+    model.set_scripts(
+        {
+            "bad": [
+                {
+                    "tool_calls": [
+                        {"name": "read_notes", "input": {"topic": 5, "extra": True}},
+                        {"name": "flaky_lookup", "input": {"item": "boom"}},
+                        {"name": "hanging_lookup", "input": {"item": "x"}},
+                        {"name": "odd_result", "input": {"item": "x"}},
+                    ]
+                },
+                {"text": "I could not finish."},
+            ]
+        }
+    )
     pool.start(1)
     run = wait_for_run(enqueue_run("pool_agents:support", script_task("bad"), connection=r), timeout=60, connection=r)
 
@@ -90,24 +104,35 @@ def test_bad_tool_calls_become_is_error_results_and_the_run_goes_on(r, pool, mod
 
 
 def test_stop_reasons(r, pool, model):
-    model.set_scripts({
-        "paused": [{"text": "Searching...", "stop_reason": "pause_turn"}, {"text": " Found it."}],
-        "cut": [{"text": "A long answ", "stop_reason": "max_tokens"}, {"text": "er."}],
-        "cut_tool": [
-            {"text": "Sending", "tool_calls": [{"name": "send_email", "input": {"to": "a@b.c", "subject": "x", "body": "y"}}],
-             "stop_reason": "max_tokens"},
-            {"text": "Gave up on the email."},
-        ],
-        "refused": [{"text": "I can't help with that.", "stop_reason": "refusal"}],
-        "overflow": [{"text": "...", "stop_reason": "model_context_window_exceeded"}],
-        "stopseq": [{"text": "Answer", "stop_reason": "stop_sequence"}],
-    })
+    model.set_scripts(
+        {
+            "paused": [{"text": "Searching...", "stop_reason": "pause_turn"}, {"text": " Found it."}],
+            "cut": [{"text": "A long answ", "stop_reason": "max_tokens"}, {"text": "er."}],
+            "cut_tool": [
+                {
+                    "text": "Sending",
+                    "tool_calls": [{"name": "send_email", "input": {"to": "a@b.c", "subject": "x", "body": "y"}}],
+                    "stop_reason": "max_tokens",
+                },
+                {"text": "Gave up on the email."},
+            ],
+            "refused": [{"text": "I can't help with that.", "stop_reason": "refusal"}],
+            "overflow": [{"text": "...", "stop_reason": "model_context_window_exceeded"}],
+            "stopseq": [{"text": "Answer", "stop_reason": "stop_sequence"}],
+        }
+    )
     pool.start(2)
-    ids = {name: enqueue_run("pool_agents:support", script_task(name), connection=r)
-           for name in ("paused", "cut", "cut_tool", "refused", "overflow", "stopseq")}
+    ids = {
+        name: enqueue_run("pool_agents:support", script_task(name), connection=r)
+        for name in ("paused", "cut", "cut_tool", "refused", "overflow", "stopseq")
+    }
     runs = {name: wait_for_run(i, timeout=60, connection=r) for name, i in ids.items()}
 
-    assert (runs["paused"].status, runs["paused"].result, runs["paused"].turns) == ("completed", "Searching... Found it.", 2)
+    assert (runs["paused"].status, runs["paused"].result, runs["paused"].turns) == (
+        "completed",
+        "Searching... Found it.",
+        2,
+    )
     assert (runs["cut"].status, runs["cut"].result) == ("completed", "A long answer.")
     assert runs["cut_tool"].status == "completed"
     truncated = runs["cut_tool"].messages[2]["content"][0]
@@ -122,10 +147,13 @@ def test_stop_reasons(r, pool, model):
 
 
 def test_max_turns_stops_the_run_with_a_reason(r, pool, model):
-    model.set_scripts({"loop": [{"tool_calls": [{"name": "read_notes", "input": {"topic": str(i)}}]} for i in range(10)]})
+    model.set_scripts(
+        {"loop": [{"tool_calls": [{"name": "read_notes", "input": {"topic": str(i)}}]} for i in range(10)]}
+    )
     pool.start(1)
-    run = wait_for_run(enqueue_run("pool_agents:support", script_task("loop"), connection=r, max_turns=3),
-                       timeout=60, connection=r)
+    run = wait_for_run(
+        enqueue_run("pool_agents:support", script_task("loop"), connection=r, max_turns=3), timeout=60, connection=r
+    )
     assert run.status == "stopped"
     assert run.turns == 3
     assert "max_turns=3" in run.error
@@ -133,10 +161,14 @@ def test_max_turns_stops_the_run_with_a_reason(r, pool, model):
 
 
 def test_cancel_ends_a_run_and_its_turn_commits_nothing_more(r, pool, model):
-    model.set_scripts({"slow": [
-        {"tool_calls": [{"name": "slow_read", "input": {"seconds": 2}}]},
-        {"tool_calls": [{"name": "send_email", "input": {"to": "a@b.c", "subject": "late", "body": "x"}}]},
-    ]})
+    model.set_scripts(
+        {
+            "slow": [
+                {"tool_calls": [{"name": "slow_read", "input": {"seconds": 2}}]},
+                {"tool_calls": [{"name": "send_email", "input": {"to": "a@b.c", "subject": "late", "body": "x"}}]},
+            ]
+        }
+    )
     pool.start(1)
     run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
     pool.wait_for_effect("slow_read")
@@ -150,21 +182,43 @@ def test_cancel_ends_a_run_and_its_turn_commits_nothing_more(r, pool, model):
 
 
 def test_model_api_400_fails_the_run_with_its_message_and_keeps_history(r, pool, model):
-    model.set_scripts({"bad_request": [{"error": {"status": 400, "type": "invalid_request_error",
-                                                  "message": "prompt is too long: 300000 tokens > 200000 maximum"}}]})
+    model.set_scripts(
+        {
+            "bad_request": [
+                {
+                    "error": {
+                        "status": 400,
+                        "type": "invalid_request_error",
+                        "message": "prompt is too long: 300000 tokens > 200000 maximum",
+                    }
+                }
+            ]
+        }
+    )
     pool.start(1)
-    run = wait_for_run(enqueue_run("pool_agents:support", script_task("bad_request"), connection=r), timeout=60, connection=r)
+    run = wait_for_run(
+        enqueue_run("pool_agents:support", script_task("bad_request"), connection=r), timeout=60, connection=r
+    )
     assert run.status == "failed"
     assert "prompt is too long" in run.error
     assert run.turns == 0 and len(run.messages) == 1
 
 
 def test_transient_model_errors_are_retried_later_without_consuming_turns(r, pool, model):
-    model.set_scripts({"overloaded": [
-        {"error": {"status": 529, "type": "overloaded_error", "message": "Overloaded", "times": 2}, "text": "Fine now."},
-    ]})
+    model.set_scripts(
+        {
+            "overloaded": [
+                {
+                    "error": {"status": 529, "type": "overloaded_error", "message": "Overloaded", "times": 2},
+                    "text": "Fine now.",
+                },
+            ]
+        }
+    )
     pool.start(1, AGENTPOOL_MODEL_RETRIES="4")
-    run = wait_for_run(enqueue_run("pool_agents:support", script_task("overloaded"), connection=r), timeout=60, connection=r)
+    run = wait_for_run(
+        enqueue_run("pool_agents:support", script_task("overloaded"), connection=r), timeout=60, connection=r
+    )
     assert run.status == "completed", run.error
     assert run.turns == 1
     assert model.stats()["errors_injected"] == 2
@@ -173,19 +227,28 @@ def test_transient_model_errors_are_retried_later_without_consuming_turns(r, poo
 def test_cli_enqueue_show_and_runs(r, pool, model, redis_server):
     model.set_scripts({"meeting": MEETING})
     pool.start(1)
-    cli = [sys.executable, "-m", "workers.cli"]
+    cli = [sys.executable, "-m", "agentpool"]
     env = pool.env
-    out = subprocess.run([*cli, "enqueue", "pool_agents:support", script_task("meeting"), "--wait"],
-                         env=env, cwd=str(ROOT / "tests"), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [*cli, "enqueue", "pool_agents:support", script_task("meeting"), "--wait"],
+        env=env,
+        cwd=str(ROOT / "tests"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr
     run_id = out.stdout.splitlines()[0].strip()
     assert run_id.startswith("r_") and "completed after 3 turns" in out.stdout
 
-    shown = subprocess.run([*cli, "show", run_id, "--json"], env=env, capture_output=True, text=True, timeout=60)
+    shown = subprocess.run(
+        [*cli, "show", run_id, "--json"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
     doc = json.loads(shown.stdout)
     for field in ("id", "agent", "status", "turns", "messages", "pending", "usage", "result", "error"):
         assert field in doc
     assert doc["status"] == "completed" and len(doc["ledger"]) == 3
 
-    table = subprocess.run([*cli, "runs"], env=env, capture_output=True, text=True, timeout=60).stdout
+    table = subprocess.run([*cli, "runs"], env=env, capture_output=True, text=True, timeout=60, check=False).stdout
     assert run_id in table and "completed" in table

@@ -1,18 +1,12 @@
-"""``Agent``: what a run executes. Named by an import path ``module:attribute`` that workers import."""
+"""``Agent``: what a run executes. Named by an import path ``module:attribute`` that workers import
+(``agentpool.runtime.loader``)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from store.errors import AgentPoolError
-from workers.tools import Tool
-
-
-class AgentNotFound(AgentPoolError):
-    pass
+from agentpool.tools import Tool
 
 
 @dataclass
@@ -23,7 +17,7 @@ class Agent:
     max_turns: int = 40
     max_tokens: int = 1024
     max_total_tokens: int | None = 2_000_000  # input + output + cache tokens of every call paid for
-    max_cost_usd: float | None = None  # needs a price for the model (workers.pricing)
+    max_cost_usd: float | None = None  # needs a price for the model (agentpool.pricing)
     approval_timeout: float | None = None  # seconds before an unanswered approval is denied
     tool_timeout: float = 120.0  # seconds; a tool's own ``timeout`` wins
     max_result_chars: int = 100_000  # a longer tool result is cut, with a note to the model
@@ -49,19 +43,3 @@ def check_agent_path(path: str) -> None:
     module, sep, attr = path.partition(":")
     if not sep or not module or not attr:
         raise ValueError(f"an agent is named 'module:attribute', got {path!r}")
-
-
-def load_agent(path: str) -> Agent:
-    """Import ``module:attribute`` with the current directory on the path, as ``rq worker`` does."""
-    check_agent_path(path)
-    module_name, _, attr = path.partition(":")
-    if "" not in sys.path and "." not in sys.path:
-        sys.path.insert(0, "")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise AgentNotFound(f"cannot import module {module_name!r} for agent {path!r}: {exc}") from exc
-    agent = getattr(module, attr, None)
-    if not isinstance(agent, Agent):
-        raise AgentNotFound(f"{path!r} is not an agentpool Agent (found {type(agent).__name__})")
-    return agent

@@ -41,11 +41,16 @@ PRICES: dict[str, Price] = {
 }
 
 
-def set_price(model: str, *, input: float, output: float, cache_read: float | None = None,
-              cache_write: float | None = None) -> None:
+def set_price(
+    model: str, *, input: float, output: float, cache_read: float | None = None, cache_write: float | None = None
+) -> None:
     """Add or correct a model's price (USD per million tokens); a prefix such as ``claude-sonnet`` works too."""
-    PRICES[model] = Price(input, output, input * 0.1 if cache_read is None else cache_read,
-                          input * 1.25 if cache_write is None else cache_write)
+    PRICES[model] = Price(
+        input,
+        output,
+        input * 0.1 if cache_read is None else cache_read,
+        input * 1.25 if cache_write is None else cache_write,
+    )
 
 
 def price_of(model: str) -> Price | None:

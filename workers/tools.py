@@ -79,8 +79,16 @@ def _strip_titles(schema: Any) -> Any:
     return schema
 
 
-def _build(fn: Callable[..., Any], *, name: str | None, effect: str, timeout: float | None,
-           requires_approval: bool, approval_timeout: float | None, verify: Callable[..., VerifyResult] | None) -> Tool:
+def _build(
+    fn: Callable[..., Any],
+    *,
+    name: str | None,
+    effect: str,
+    timeout: float | None,
+    requires_approval: bool,
+    approval_timeout: float | None,
+    verify: Callable[..., VerifyResult] | None,
+) -> Tool:
     if effect not in EFFECTS:
         raise ValueError(f"effect must be one of {', '.join(EFFECTS)}; got {effect!r}")
     doc = docstring_parser.parse(inspect.getdoc(fn) or "")
@@ -95,7 +103,10 @@ def _build(fn: Callable[..., Any], *, name: str | None, effect: str, timeout: fl
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise TypeError(f"tool {fn.__name__}: *args/**kwargs cannot be described to the model")
         default = ... if param.default is param.empty else param.default
-        fields[param.name] = (hints.get(param.name, Any), pydantic.Field(default, description=param_docs.get(param.name)))
+        fields[param.name] = (
+            hints.get(param.name, Any),
+            pydantic.Field(default, description=param_docs.get(param.name)),
+        )
     if effect == "idempotent" and not takes_key:
         raise TypeError(
             f"tool {fn.__name__} is idempotent but takes no keyword-only {IDEMPOTENCY_PARAM!r}: "
@@ -138,8 +149,16 @@ def tool(
     effect can be looked up after a crash. ``requires_approval`` pauses the run for a person's
     decision before the call starts; ``approval_timeout`` (seconds) denies it automatically after that.
     """
+
     def wrap(f: Callable[..., Any]) -> Tool:
-        return _build(f, name=name, effect=effect, timeout=timeout, requires_approval=requires_approval,
-                      approval_timeout=approval_timeout, verify=verify)
+        return _build(
+            f,
+            name=name,
+            effect=effect,
+            timeout=timeout,
+            requires_approval=requires_approval,
+            approval_timeout=approval_timeout,
+            verify=verify,
+        )
 
     return wrap(fn) if fn is not None else wrap

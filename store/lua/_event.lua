@@ -1,5 +1,5 @@
 -- Prepended to the scripts that report their write as a progress event (see store/scripts.py).
--- record_event(stream, stats, at) reads an event from ARGV[at..], as store.events.script_args lays
+-- record_event(stream, stats, at) reads an event from ARGV[at..], as agentpool.store.events.script_args lays
 -- it out: the stream's cap, a count n and n field/value pairs, a count m and m counter/amount pairs;
 -- a cap of 0 (or no ARGV[at] at all) stands for no event. It appends the event to the run's stream
 -- and adds the counters to the pool-wide stats hash, inside the script that makes the write: the

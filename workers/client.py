@@ -1,0 +1,243 @@
+"""The Python API apps use: enqueue a run, read it, wait for it, cancel, resume and approve it."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from redis import Redis
+from redis.exceptions import WatchError
+
+from agentpool.agent import check_agent_path
+from agentpool.runtime.approvals import decide
+from agentpool.runtime.jobs import stage_turn
+from agentpool.runtime.settings import Settings, connect
+from agentpool.runtime.takeover import stage_restart
+from agentpool.store import approvals, checkpoint
+from agentpool.store.codec import pack
+from agentpool.store.errors import AgentPoolError
+from agentpool.store.events import emit
+from agentpool.store.keys import RunKeys
+from agentpool.store.records import ACTIVE_STATUSES, RunState
+
+
+class RunTimeout(AgentPoolError):
+    pass
+
+
+@dataclass
+class Run:
+    """A run as an app sees it. ``messages`` is the conversation exactly as it would be sent."""
+
+    id: str
+    agent: str
+    status: str
+    turns: int
+    messages: list[dict[str, Any]]
+    pending: list[dict[str, Any]]
+    usage: dict[str, int]
+    result: str | None
+    error: str | None
+    created_at: float
+    updated_at: float
+    limits: dict[str, Any] = field(default_factory=dict)
+    cost_usd: float = 0.0
+    awaiting_approval: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_state(cls, state: RunState, awaiting: set[str] | None = None) -> Run:
+        pending = [{k: call[k] for k in ("id", "name", "input")} for call in state.pending]
+        waiting = [call for call in pending if awaiting and call["id"] in awaiting]
+        return cls(
+            id=state.id,
+            agent=state.agent,
+            status=state.status,
+            turns=state.turns,
+            messages=state.messages,
+            # While a person must decide, the calls awaiting the decision are what is pending.
+            pending=waiting if state.status == "waiting_approval" else pending,
+            usage=dict(state.usage),
+            result=state.result or None,
+            error=state.error or None,
+            created_at=state.created_at,
+            updated_at=state.updated_at,
+            limits=dict(state.limits),
+            cost_usd=state.cost_usd,
+            awaiting_approval=waiting,
+        )
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.usage.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def new_run_id() -> str:
+    """Sortable by creation, safe in URLs and RQ job ids (letters, digits, ``_`` and ``-``)."""
+    return f"r_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
+
+
+def enqueue_run(
+    agent: str,
+    task: str,
+    *,
+    connection: Redis | None = None,
+    max_turns: int | None = None,
+    max_total_tokens: int | None = None,
+    max_cost_usd: float | None = None,
+    run_id: str | None = None,
+) -> str:
+    """Create a run of ``agent`` (an import path ``module:attribute``) on ``task`` and queue its
+    first turn, atomically. Returns the run id. The limits, when given, override the agent's."""
+    check_agent_path(agent)
+    if not isinstance(task, str) or not task.strip():
+        raise ValueError("a run needs a non-empty task text")
+    limits = {
+        name: value
+        for name, value in (
+            ("max_turns", max_turns),
+            ("max_total_tokens", max_total_tokens),
+            ("max_cost_usd", max_cost_usd),
+        )
+        if value is not None
+    }
+    if any(value <= 0 for value in limits.values()):
+        raise ValueError(f"limits must be positive: {limits}")
+    r = connection or connect()
+    run_id = run_id or new_run_id()
+    with r.pipeline(transaction=True) as pipe:
+        pipe.multi()  # RQ's enqueue joins this transaction; our commands go first
+        checkpoint.stage_create(pipe, run_id, agent=agent, task=task, limits=limits, now=time.time())
+        stage_turn(pipe, r, run_id, 0)
+        pipe.execute()
+    emit(r, run_id, "status", status="queued", agent=agent)
+    return run_id
+
+
+def get_run(run_id: str, *, connection: Redis | None = None) -> Run:
+    r = connection or connect()
+    state = checkpoint.load_run(r, run_id)
+    awaiting = None
+    if state.status == "waiting_approval":
+        waits, decisions = approvals.read(r, RunKeys.of(run_id))
+        awaiting = {i for i in waits if i not in decisions}
+    return Run.from_state(state, awaiting)
+
+
+def wait_for_run(run_id: str, *, timeout: float = 300.0, connection: Redis | None = None, poll: float = 0.2) -> Run:
+    """Block until the run is no longer queued or running; raise RunTimeout after ``timeout`` s."""
+    r = connection or connect()
+    deadline = time.monotonic() + timeout
+    while True:
+        state = checkpoint.load_run(r, run_id, with_messages=False)
+        if state.status not in ACTIVE_STATUSES:
+            return get_run(run_id, connection=r)
+        if time.monotonic() >= deadline:
+            raise RunTimeout(f"run {run_id} still {state.status} after {timeout:g} s (turn {state.turns})")
+        time.sleep(poll)
+
+
+def cancel_run(run_id: str, *, connection: Redis | None = None, reason: str = "cancelled by request") -> str:
+    """End a run for good. A turn in flight notices at its next write and commits nothing further.
+    Returns the status the run had before."""
+    r = connection or connect()
+    before = checkpoint.set_status_unfenced(
+        r, run_id, "cancelled", error=reason, retention_s=Settings.from_env().retention
+    )
+    if before not in ("completed", "failed", "cancelled"):
+        emit(r, run_id, "status", status="cancelled", error=reason)
+    return before
+
+
+def resume(
+    run_id: str,
+    *,
+    add_turns: int = 0,
+    add_tokens: int = 0,
+    add_usd: float = 0.0,
+    connection: Redis | None = None,
+) -> Run:
+    """Continue a ``stopped`` run from its checkpoint, raising its limits by the amounts given (a run
+    stopped by repeated model errors needs none)."""
+    if min(add_turns, add_tokens, add_usd) < 0:
+        raise ValueError("resume can only raise limits")
+    r = connection or connect()
+    keys = RunKeys.of(run_id)
+    with r.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(keys.run)
+                state = checkpoint.load_run(pipe, run_id, with_messages=False)  # type: ignore[arg-type]
+                if state.status != "stopped":
+                    raise AgentPoolError(f"run {run_id} is {state.status}; only a stopped run can be resumed")
+                limits = dict(state.limits)
+                for name, amount in (("extra_turns", add_turns), ("extra_tokens", add_tokens), ("extra_usd", add_usd)):
+                    if amount:
+                        limits[name] = limits.get(name, 0) + amount
+                pipe.multi()
+                stage_restart(
+                    pipe,
+                    r,
+                    run_id,
+                    turn=state.current_turn,
+                    attempt=0,
+                    fields={"status": "running", "error": "", "model_errors": 0, "limits": pack(limits)},
+                )
+                pipe.execute()
+                break
+            except WatchError:
+                continue
+    emit(
+        r,
+        run_id,
+        "status",
+        status="running",
+        reason="resumed",
+        add_turns=add_turns or None,
+        add_tokens=add_tokens or None,
+        add_usd=add_usd or None,
+    )
+    return get_run(run_id, connection=r)
+
+
+def list_runs(
+    *, connection: Redis | None = None, limit: int = 100, status: str | None = None, agent: str | None = None
+) -> list[Run]:
+    """Newest first, headers only (``messages`` left empty)."""
+    r = connection or connect()
+    runs = []
+    for run_id in checkpoint.list_run_ids(r, limit=limit if not (status or agent) else limit * 20):
+        try:
+            state = checkpoint.load_run(r, run_id, with_messages=False)
+        except AgentPoolError:
+            continue
+        if (status and state.status != status) or (agent and state.agent != agent):
+            continue
+        runs.append(Run.from_state(state))
+        if len(runs) >= limit:
+            break
+    return runs
+
+
+def approve(
+    run_id: str,
+    tool_use_id: str | None = None,
+    *,
+    approved: bool = True,
+    reason: str | None = None,
+    connection: Redis | None = None,
+) -> list[str]:
+    """Decide on a call the run waits on (or, without ``tool_use_id``, on every one). A denied call
+    gets an ``is_error`` tool_result carrying ``reason``. Returns the tool_use ids decided."""
+    return decide(
+        connection or connect(),
+        run_id,
+        None if tool_use_id is None else [tool_use_id],
+        approved=approved,
+        reason=reason or "",
+        by="person",
+    )

@@ -1,0 +1,744 @@
+"""``agentpool bench``: what agentpool costs and how fast it recovers, measured on this machine.
+
+Every figure is measured in one invocation against its own redis-server (or an empty database given
+with ``--url``), its own scripted model server and real ``agentpool worker`` processes, with the
+baseline run beside it on the same worker class. It prints figures with their targets and judges
+nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery`` (``--only``; default all).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+from redis import Redis
+from redis.utils import HIREDIS_AVAILABLE
+
+from agentpool.agent import Agent
+from agentpool.context import current_call
+from agentpool.tools import tool
+
+SECTIONS = ("overhead", "saves", "memory", "recovery")
+AGENT = "agentpool.ops.bench:bench_agent"
+MODEL = "claude-sonnet-5-5"
+GB = 1e9  # figures per GB use 10^9 bytes
+KEEP_RESULTS = 3600  # a baseline job's result outlives the measurement: the finished registry counts them
+
+
+@tool(effect="read")
+def bench_lookup(key: str) -> str:
+    """Look a key up: the trivial tool of the overhead figures."""
+    return f"{key}: ok"
+
+
+@tool(effect="read")
+def bench_wait(seconds: float) -> str:
+    """Wait, on a tool call's first attempt only: slow enough to be killed in, quick when re-run."""
+    call = current_call()
+    if call is None or call.attempt <= 1:
+        time.sleep(seconds)
+    return "waited"
+
+
+bench_agent = Agent(
+    model=MODEL, system="You are a benchmark.", tools=[bench_lookup, bench_wait], max_turns=40, max_tokens=256
+)
+
+
+def bare_noop(n: int) -> int:
+    """Baseline job: nothing at all."""
+    return n
+
+
+def bare_model_call(n: int) -> int:
+    """Baseline job: the model call and the tool call of a turn, without any of agentpool's saves.
+    Job ``n`` sends the conversation a run of the overhead section has at its turn ``n % 10``, so
+    both sides of the ratio send the model the same bytes."""
+    from agentpool.runtime.model import call_model
+
+    call_model(bench_agent, conversation_at(n % TURNS_PER_RUN, f"overhead baseline {n} [script:overhead]"))
+    bench_lookup.fn(key="k")
+    return n
+
+
+def conversation_at(turn: int, task_text: str) -> list[dict[str, Any]]:
+    """The messages of a run of ``tool_steps`` before its ``turn``: the task, then a tool_use of
+    bench_lookup and its result per turn."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task_text}]
+    for i in range(turn):
+        call = {"type": "tool_use", "id": f"toolu_{i:022d}", "name": "bench_lookup", "input": {"key": "k"}}
+        messages += [
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call["id"], "content": "k: ok"}]},
+        ]
+    return messages
+
+
+# -- the pool under test -----------------------------------------------------------------------
+
+
+class Lab:
+    """A redis-server, the scripted model and worker processes, torn down together."""
+
+    def __init__(self, url: str | None, workdir: Path) -> None:
+        from agentpool.testing import scripted_model
+        from agentpool.testing.localpool import RedisServer, WorkerProcesses
+
+        self.server = None if url else RedisServer(workdir).start()
+        self.url = url or self.server.url  # type: ignore[union-attr]
+        self.r = Redis.from_url(self.url)
+        if url and self.r.dbsize():
+            raise click.ClickException(f"{url} is not empty: bench flushes the database it uses; give an empty one")
+        self.model = scripted_model.ScriptedModel(cache_min_tokens=1024).start()
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {
+            **os.environ,
+            "REDIS_URL": self.url,
+            "ANTHROPIC_BASE_URL": self.model.base_url,
+            "ANTHROPIC_API_KEY": "sk-bench-not-a-secret",
+            "PYTHONPATH": root,
+        }
+        env.pop("AGENTPOOL_FAULTS", None)
+        self.workers = WorkerProcesses(env, workdir)
+        self.names = 0
+
+    def reset(self, scripts: dict[str, list[dict[str, Any]]]) -> None:
+        self.workers.stop()
+        self.r.flushdb()
+        self.model.reset()
+        self.model.set_scripts(scripts)
+
+    def start(self, *args: str, **env: str) -> tuple[subprocess.Popen[bytes], str]:
+        """One ``agentpool worker`` (no scheduler: a bench process must not outlive a kill), once it listens."""
+        self.names += 1
+        name = f"bench-{self.names}"
+        proc = self.workers.start(1, "--name", name, "--no-scheduler", "--log-level", "WARNING", *args, **env)[0]
+        until(lambda: self.r.sismember("rq:workers", f"rq:worker:{name}"), 60, f"worker {name} to start", self)
+        return proc, name
+
+    def close(self) -> None:
+        self.workers.stop()
+        self.model.stop()
+        if self.server:
+            self.server.stop()
+
+
+def until(predicate: Callable[[], Any], timeout: float, what: str, lab: Lab, poll: float = 0.005) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"timed out waiting for {what}; worker logs:\n{lab.workers.logs(2000)}")
+        time.sleep(poll)
+
+
+def pct(values: list[float], p: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+def table(title: str, header: list[str], rows: list[list[str]], notes: tuple[str, ...] = ()) -> None:
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    click.echo(f"\n{title}")
+    for row in [header, *rows]:
+        click.echo("  " + "  ".join(str(cell).ljust(w) for cell, w in zip(row, widths)).rstrip())
+    for note in notes:
+        click.echo(f"  note: {note}")
+
+
+def task(script: str, n: int) -> str:
+    return f"bench task {n} [script:{script}]"
+
+
+def tool_steps(turns: int, final: str = "done") -> list[dict[str, Any]]:
+    return [{"tool_calls": [{"name": "bench_lookup", "input": {"key": "k"}}]}] * (turns - 1) + [{"text": final}]
+
+
+# -- overhead ----------------------------------------------------------------------------------
+
+TURNS_PER_RUN = 10
+
+
+def bench_overhead(lab: Lab, turns: int, threaded_turns: int, threads: int, rounds: int) -> None:
+    rows = []
+    for kind, args, n in (
+        ("forking (--concurrency 1)", (), turns),
+        (f"threaded (--concurrency {threads})", ("--concurrency", str(threads)), threaded_turns),
+    ):
+        lab.reset({"overhead": tool_steps(TURNS_PER_RUN)})
+        lab.start(*args)
+        _agentpool_rate(lab, TURNS_PER_RUN)  # warm: the client, its connections, the imports
+        _bare_rate(lab, "agentpool.ops.bench.bare_model_call", 3)
+        jobs: dict[str, Callable[[], float]] = {
+            "bare RQ job: no-op": lambda n=n: _bare_rate(lab, "agentpool.ops.bench.bare_noop", n),
+            "bare RQ job: model call + tool": lambda n=n: _bare_rate(lab, "agentpool.ops.bench.bare_model_call", n),
+            "agentpool turn": lambda n=n: _agentpool_rate(lab, n),
+        }
+        rates: dict[str, list[float]] = {job: [] for job in jobs}
+        for _ in range(rounds):  # interleaved, so a change in the machine's load hits every kind alike
+            for job, measure in jobs.items():
+                rates[job].append(measure())
+        mid = {job: statistics.median(r) for job, r in rates.items()}
+        for job, r in rates.items():
+            ours = job == "agentpool turn"
+            ratio = (
+                f"{mid['bare RQ job: model call + tool'] / mid[job]:.2f}x (vs no-op "
+                f"{mid['bare RQ job: no-op'] / mid[job]:.2f}x)"
+                if ours
+                else ""
+            )
+            rows.append(
+                [
+                    kind,
+                    job,
+                    f"{mid[job]:.1f}",
+                    f"{min(r):.1f}-{max(r):.1f}",
+                    f"{1000 / mid[job]:.2f}",
+                    ratio,
+                    "<= 1.5x" if ours else "",
+                ]
+            )
+    table(
+        "overhead: agentpool turn vs bare RQ job, same worker class, one worker process",
+        ["worker", "job", "jobs/s", "range", "ms/job", "agentpool cost vs model-call baseline", "target"],
+        rows,
+        (
+            (
+                f"{turns} jobs per measurement (threaded: {threaded_turns}), {rounds} rounds interleaved; jobs/s is "
+                "the median round, range the slowest and fastest; ms/job = 1000 / jobs/s (the process's throughput, "
+                "not a latency)"
+            ),
+            (
+                "a turn = one call to a zero-latency scripted model + a trivial read tool; the model-call baseline "
+                "makes the same HTTP call (same client, same conversation as the turn it stands for) and tool call "
+                "with none of agentpool's bookkeeping"
+            ),
+            f"redis-py reply parser: {'hiredis' if HIREDIS_AVAILABLE else 'pure Python (pip install hiredis)'}",
+        ),
+    )
+
+
+def _bare_rate(lab: Lab, func: str, n: int) -> float:
+    from agentpool.runtime.jobs import turn_queue
+
+    queue = turn_queue(lab.r)
+    failed = queue.failed_job_registry
+
+    def done() -> int:  # baseline jobs only: a turn job's result lives 60 s, a baseline job's an hour
+        return lab.r.zcount(queue.finished_job_registry.key, time.time() + KEEP_RESULTS / 2, "+inf")
+
+    before = done()
+    started = time.perf_counter()
+    with lab.r.pipeline() as pipe:
+        pipe.multi()
+        for i in range(n):
+            queue.enqueue(func, i, pipeline=pipe, result_ttl=KEEP_RESULTS, description="bench baseline")
+        pipe.execute()
+    until(lambda: done() - before >= n or failed.count, 60 + 5 * n, f"{n} {func} jobs", lab)
+    if failed.count:
+        raise click.ClickException(f"{func} jobs failed; worker logs:\n{lab.workers.logs(2000)}")
+    return n / (time.perf_counter() - started)
+
+
+def _agentpool_rate(lab: Lab, turns: int) -> float:
+    from agentpool.client import enqueue_run, get_run
+    from agentpool.store.keys import RUNS_WATCH
+
+    runs = math.ceil(turns / TURNS_PER_RUN)
+    started = time.perf_counter()
+    ids = [enqueue_run(AGENT, task("overhead", i), connection=lab.r) for i in range(runs)]
+    until(lambda: lab.r.zcard(RUNS_WATCH) == 0, 60 + 5 * turns, f"{runs} runs", lab)  # ended runs leave the watch set
+    elapsed = time.perf_counter() - started
+    bad = [
+        (run.id, run.status, run.error)
+        for run in (get_run(i, connection=lab.r) for i in ids)
+        if run.status != "completed" or run.turns != TURNS_PER_RUN
+    ]
+    if bad:
+        raise click.ClickException(f"runs did not complete as scripted: {bad[:3]}")
+    return runs * TURNS_PER_RUN / elapsed
+
+
+# -- saves -------------------------------------------------------------------------------------
+
+RESULT_BYTES = 10_000
+
+
+def bench_saves(lab: Lab, turns: int, runs: int) -> None:
+    """Drives the store calls of a turn directly (no worker, no model) and times each at the first and
+    at the last turn of ``runs`` runs; bytes are what the call sent Redis (for the load: read back)."""
+    from agentpool.client import new_run_id
+    from agentpool.store import checkpoint
+
+    lab.reset({})
+    ids = [new_run_id() for _ in range(runs)]
+    with lab.r.pipeline() as pipe:
+        pipe.multi()
+        for n, run_id in enumerate(ids):
+            checkpoint.stage_create(pipe, run_id, agent=AGENT, task=task("saves", n), limits={}, now=time.time())
+        pipe.execute()
+    measured: dict[tuple[str, int], list[tuple[float, int]]] = {}
+    for turn in range(turns):
+        watch = turn in (0, turns - 1)
+        for run_id in ids:
+            for name, step in _store_calls_of_a_turn(lab.r, run_id, turn):
+                if watch:
+                    measured.setdefault((name, turn), []).append(_timed_with_bytes(lab.r, step))
+                else:
+                    step()
+    names = list(dict.fromkeys(n for n, _ in measured))
+    for turn in (0, turns - 1):  # every write of a turn together, run by run (the load is a read)
+        per_run = zip(*(measured[(n, turn)] for n in names if not n.startswith("load")))
+        measured[("all writes of the turn", turn)] = [(sum(s for s, _ in w), sum(b for _, b in w)) for w in per_run]
+    rows = []
+    for name in dict.fromkeys(n for n, _ in measured):
+        first, last = measured[(name, 0)], measured[(name, turns - 1)]
+        row = [name]
+        for samples in (first, last):
+            ms = [s * 1000 for s, _ in samples]
+            row += [f"{pct(ms, 50):.3f}", f"{pct(ms, 95):.3f}", f"{statistics.median(b for _, b in samples):,.0f}"]
+        bytes_ratio = statistics.median(b for _, b in last) / statistics.median(b for _, b in first)
+        is_save = name.startswith("save")
+        row += [f"{bytes_ratio:.2f}x", "p50 <= 2 ms, <= 1.2x" if is_save else "-"]
+        rows.append(row)
+    table(
+        f"saves: one run's store calls at turn 1 and at turn {turns} ({runs} runs, 10 KB tool result each turn)",
+        [
+            "store call",
+            "t1 p50 ms",
+            "t1 p95 ms",
+            "t1 bytes",
+            f"t{turns} p50 ms",
+            f"t{turns} p95 ms",
+            f"t{turns} bytes",
+            "bytes ratio",
+            "target",
+        ],
+        rows,
+        (
+            "bytes = what the call sent to Redis (INFO total_net_input_bytes; for the load: bytes read back)",
+            "the load is not a save: it reads the whole conversation, which the model call needs anyway",
+        ),
+    )
+
+
+def _store_calls_of_a_turn(r: Redis, run_id: str, turn: int) -> list[tuple[str, Callable[[], Any]]]:
+    """What a turn of one tool call with a 10 KB result asks of the store, in order, with the progress
+    events each write records, as in agentpool.runtime.turn (the lease is taken untimed; its round trip also
+    carries the load)."""
+    from agentpool.runtime.jobs import stage_turn
+    from agentpool.store import checkpoint, lease, ledger
+    from agentpool.store.events import Event
+    from agentpool.store.keys import RunKeys
+
+    keys = RunKeys.of(run_id)
+    token = lease.acquire(
+        r, keys, turn=turn, worker_id="bench.0", ttl_ms=15_000, event=Event.of(run_id, "turn_started", turn=turn)
+    ).token
+    call: dict[str, Any] = {"id": f"toolu_{turn:05d}", "name": "bench_lookup", "input": {"key": "k"}}
+    message = {"role": "assistant", "content": [{"type": "text", "text": "Looking."}, {"type": "tool_use", **call}]}
+    outcome = ledger.Outcome("x" * RESULT_BYTES, False)
+    results = {"role": "user", "content": [outcome.as_tool_result(call["id"])]}
+    usage = {"input_tokens": 1000 + turn, "output_tokens": 20}
+    tool = {"tool": call["name"], "tool_use_id": call["id"], "effect": "read"}
+
+    def event(kind: str, **fields: Any) -> Event:
+        return Event.of(run_id, kind, **fields)
+
+    return [
+        ("load (read with the lease, before the model call)", lambda: checkpoint.load_run(r, run_id)),
+        (
+            "save point A (spend, response, pending)",
+            lambda: checkpoint.commit_response(
+                r,
+                keys,
+                token,
+                turns_before=turn,
+                message=message,
+                meta={"id": "msg_bench"},
+                pending=[call],
+                usage=usage,
+                cost_usd=0.003,
+                responded=event(
+                    "model_responded", turn=turn, stop_reason="tool_use", seconds=0.5, cost_usd=0.003, **usage
+                ),
+                event=event("response_committed", turn=turn, tool_uses=1),
+            ),
+        ),
+        (
+            "ledger intent",
+            lambda: ledger.write_intent(
+                r, keys, token, call, effect="read", attempt=1, now=time.time(), event=event("tool_started", **tool)
+            ),
+        ),
+        (
+            "ledger outcome (10 KB)",
+            lambda: ledger.write_outcome(
+                r,
+                keys,
+                token,
+                call["id"],
+                outcome,
+                how="ran",
+                now=time.time(),
+                event=event("tool_finished", **tool, is_error=False),
+            ),
+        ),
+        (
+            "save point B (10 KB results, next job)",
+            lambda: checkpoint.commit_tool_results(
+                r,
+                keys,
+                token,
+                message=results,
+                enqueue_next=lambda pipe: _discard(stage_turn(pipe, r, run_id, turn + 1)),
+                event=event("turn_committed", turn=turn, next_turn=turn + 1, tool_results=1, seconds=0.6),
+            ),
+        ),
+    ]
+
+
+def _discard(_value: object) -> None:
+    pass
+
+
+def _timed_with_bytes(r: Redis, step: Callable[[], Any]) -> tuple[float, int]:
+    """Seconds the call took and the bytes it moved: sent to Redis, or for a read, received from it.
+    Two INFO calls with nothing between them calibrate out the INFO calls' own bytes."""
+
+    def counters() -> tuple[int, int]:
+        stats = r.info("stats")
+        return int(stats["total_net_input_bytes"]), int(stats["total_net_output_bytes"])
+
+    a = counters()
+    b = counters()
+    started = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - started
+    c = counters()
+    sent = (c[0] - b[0]) - (b[0] - a[0])
+    received = (c[1] - b[1]) - (b[1] - a[1])
+    return seconds, max(sent, received)
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+def bench_memory(lab: Lab, high: int, hold: float) -> None:
+    rows = []
+    for kind, args, in_flight in (
+        ("forking (--concurrency 1)", (), 1),
+        (f"threaded (--concurrency {high})", ("--concurrency", str(high)), high),
+    ):
+        lab.reset({"hold": [{"delay": hold, "text": "held"}], "warm": [{"text": "warm"}]})
+        proc, _name = lab.start(*args)
+        _agentpool_run_and_wait(lab, "warm")
+        idle = _tree_memory(proc.pid)
+        peak = _peak_while_in_flight(lab, proc.pid, in_flight, hold)
+        count, rss, pss = peak
+        rows.append(
+            [
+                kind,
+                str(count),
+                f"{idle[0] / 1e6:.0f}",
+                f"{rss / 1e6:.0f}",
+                f"{count / (rss / GB):.0f}",
+                f"{pss / 1e6:.0f}",
+                f"{count / (pss / GB):.0f}",
+                ">= 500 (high concurrency)",
+            ]
+        )
+    table(
+        f"memory: turns in flight per GB of worker memory (model answers after {hold:g} s)",
+        ["worker", "in flight", "idle RSS MB", "RSS MB", "per GB RSS", "PSS MB", "per GB PSS", "target"],
+        rows,
+        (
+            (
+                "RSS and PSS summed over the worker's processes (forking: worker + work horse; threaded: supervisor "
+                "+ worker process), VmRSS from /proc/<pid>/status, Pss from smaps_rollup, at the peak of turns in "
+                "flight; the RSS sum counts pages a fork shares twice, PSS splits them"
+            ),
+        ),
+    )
+
+
+def _agentpool_run_and_wait(lab: Lab, script: str, n: int = 0) -> None:
+    from agentpool.client import enqueue_run, wait_for_run
+
+    run = wait_for_run(enqueue_run(AGENT, task(script, n), connection=lab.r), timeout=120, connection=lab.r)
+    if run.status != "completed":
+        raise click.ClickException(f"warm-up run {run.status}: {run.error}")
+
+
+def _peak_while_in_flight(lab: Lab, pid: int, runs: int, hold: float) -> tuple[int, int, int]:
+    from agentpool.client import enqueue_run
+
+    for n in range(runs):
+        enqueue_run(AGENT, task("hold", n), connection=lab.r)
+    best = (0, 0, 0)
+    deadline = time.monotonic() + hold + 30
+    while time.monotonic() < deadline:
+        held = len(lab.r.keys("ap:{run:*}:lease"))
+        if held >= best[0]:
+            rss, pss = _tree_memory(pid)
+            best = max(best, (held, rss, pss))
+        if best[0] >= runs or (best[0] and held == 0):
+            break
+        time.sleep(0.05)
+    return best
+
+
+def _tree_memory(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) in bytes of ``pid`` and its descendants."""
+    from agentpool.testing.localpool import children_of
+
+    rss = pss = 0
+    pending = [pid]
+    while pending:
+        p = pending.pop()
+        pending += children_of(p)
+        try:
+            rss += _kb(Path(f"/proc/{p}/status").read_text(), "VmRSS:") * 1024
+            pss += _kb(Path(f"/proc/{p}/smaps_rollup").read_text(), "Pss:") * 1024
+        except OSError:
+            continue
+    return rss, pss
+
+
+def _kb(text: str, field: str) -> int:
+    return next((int(line.split()[1]) for line in text.splitlines() if line.startswith(field)), 0)
+
+
+# -- recovery ----------------------------------------------------------------------------------
+
+SLOW_TOOL: list[dict[str, Any]] = [
+    {"tool_calls": [{"name": "bench_wait", "input": {"seconds": 120}}]},
+    {"text": "resumed"},
+]
+RESUMED = ("resumed", "turn_started")
+
+
+def bench_recovery(lab: Lab, trials: int, lease_ttl: float, short_ttl: float, threads: int) -> None:
+    rows = []
+    for kind, args, target in (
+        ("work horse killed (forking worker lives)", (), "p95 <= 1 s"),
+        (
+            "threaded worker process killed (supervisor lives)",
+            ("--concurrency", str(threads)),
+            "p95 <= 1 s (as a horse)",
+        ),
+    ):
+        lab.reset({"slow": SLOW_TOOL})
+        proc, _name = lab.start(*args)
+        times = [_kill_one_process(lab, proc.pid, n) for n in range(trials)]
+        rows.append([kind, "-", str(len(times)), f"{pct(times, 50):.3f}", f"{pct(times, 95):.3f}", target])
+    for ttl in [lease_ttl] + ([short_ttl] if short_ttl else []):
+        times = _kill_whole_workers(lab, trials, ttl)
+        label = "whole worker killed (worker + horse)" + ("" if ttl == lease_ttl else ", short TTL")
+        rows.append(
+            [
+                label,
+                f"{ttl:g}",
+                str(len(times)),
+                f"{pct(times, 50):.3f}",
+                f"{pct(times, 95):.3f}",
+                f"p95 <= {ttl + 3:g} s",
+            ]
+        )
+    table(
+        "recovery: SIGKILL while a turn runs a slow tool -> that run's next turn_started/resumed event",
+        ["crash", "lease TTL s", "trials", "p50 s", "p95 s", "target"],
+        rows,
+        (
+            (
+                "one worker for the first two rows (the same one resumes the turn); for a whole-worker kill, the "
+                "killed forking workers' runs are taken over by one live threaded worker through its reaper "
+                "(every 1 s); a lease lapses between 2/3 and all of its TTL after the kill (renewed every TTL/3)"
+            ),
+        ),
+    )
+
+
+def _kill_one_process(lab: Lab, worker_pid: int, n: int) -> float:
+    """The process running the run's turn (the horse, or the threaded worker) is SIGKILLed mid-tool."""
+    from agentpool.client import enqueue_run, wait_for_run
+    from agentpool.testing.localpool import horses_of
+
+    run_id = enqueue_run(AGENT, task("slow", n), connection=lab.r)
+    last = _wait_events(lab, [run_id], ("tool_started",))[run_id][0]
+    victims = horses_of(worker_pid)  # not RQ's scheduler child, if the worker runs one
+    if len(victims) != 1:
+        raise click.ClickException(f"expected one child of worker {worker_pid}, found {victims}")
+    os.kill(victims[0], signal.SIGKILL)
+    killed = time.monotonic()
+    resumed = _wait_events(lab, [run_id], RESUMED, after=last)[run_id][1]
+    if wait_for_run(run_id, timeout=60, connection=lab.r).status != "completed":
+        raise click.ClickException(f"run {run_id} did not complete after the kill")
+    return resumed - killed
+
+
+def _kill_whole_workers(lab: Lab, trials: int, ttl: float) -> list[float]:
+    """Rounds of up to 10 forking workers, each mid-tool in its own run, all SIGKILLed with their horses."""
+    from agentpool.client import enqueue_run
+
+    times: list[float] = []
+    while len(times) < trials:
+        lab.reset({"slow": SLOW_TOOL})
+        size = min(10, trials - len(times))
+        env = {"AGENTPOOL_LEASE_TTL": f"{ttl:g}"}
+        victims = [lab.start(**env)[0] for _ in range(size)]
+        ids = [enqueue_run(AGENT, task("slow", n), connection=lab.r) for n in range(size)]
+        started = _wait_events(lab, ids, ("tool_started",))
+        lab.start("--concurrency", str(max(size, 2)), **env)  # the survivor, after every run has its worker
+        killed = time.monotonic()
+        for victim in victims:
+            lab.workers.kill(victim)  # the worker and its horse
+        resumed = _wait_events(lab, ids, RESUMED, after={i: started[i][0] for i in ids}, timeout=ttl + 60)
+        times += [resumed[i][1] - killed for i in ids]
+    return times
+
+
+def _wait_events(
+    lab: Lab, run_ids: list[str], kinds: tuple[str, ...], after: Any = "0-0", timeout: float = 60
+) -> dict[str, tuple[str, float]]:
+    """For each run, the id of its first event of ``kinds`` after ``after`` and when it was read."""
+    from agentpool.store.keys import RunKeys
+
+    cursors = {RunKeys.of(i).events: (after[i] if isinstance(after, dict) else after) for i in run_ids}
+    runs = {RunKeys.of(i).events: i for i in run_ids}
+    found: dict[str, tuple[str, float]] = {}
+    deadline = time.monotonic() + timeout
+    while len(found) < len(run_ids):
+        if time.monotonic() > deadline:
+            missing = [i for i in run_ids if i not in found]
+            raise click.ClickException(f"no {kinds} event for {missing}; worker logs:\n{lab.workers.logs(2000)}")
+        waiting = {k: c for k, c in cursors.items() if runs[k] not in found}
+        replies: list[Any] = lab.r.xread(waiting, block=200) or []  # type: ignore[arg-type, assignment]
+        seen = time.monotonic()
+        for raw_key, rows in replies:
+            key = raw_key.decode()
+            for event_id, fields in rows:
+                cursors[key] = event_id.decode()
+                if fields[b"kind"].decode() in kinds and runs[key] not in found:
+                    found[runs[key]] = (event_id.decode(), seen)
+    return found
+
+
+# -- the command -------------------------------------------------------------------------------
+
+
+@contextmanager
+def _lab(url: str | None) -> Iterator[Lab]:
+    from agentpool.testing.localpool import scratch_dir
+
+    lab = Lab(url, scratch_dir("agentpool-bench-"))
+    try:
+        yield lab
+    finally:
+        lab.close()
+
+
+@click.command()
+@click.option("--url", "-u", default=None, help="An empty Redis database to use (default: a redis-server of its own).")
+@click.option("--only", type=click.Choice(SECTIONS), multiple=True, help="Run only these sections (repeatable).")
+@click.option(
+    "--turns",
+    type=click.IntRange(min=10),
+    default=60,
+    show_default=True,
+    help="overhead: jobs per measurement on the forking worker.",
+)
+@click.option(
+    "--threaded-turns",
+    type=click.IntRange(min=10),
+    default=400,
+    show_default=True,
+    help="overhead: jobs per measurement on the threaded worker (a few seconds' worth).",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="overhead: interleaved rounds of each measurement.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=2),
+    default=8,
+    show_default=True,
+    help="overhead, recovery: --concurrency of the threaded worker.",
+)
+@click.option(
+    "--save-turns",
+    type=click.IntRange(min=2),
+    default=200,
+    show_default=True,
+    help="saves: turns per run (the late figure is at this turn).",
+)
+@click.option(
+    "--save-runs",
+    type=click.IntRange(min=1),
+    default=50,
+    show_default=True,
+    help="saves: runs, i.e. samples per figure.",
+)
+@click.option(
+    "--high-concurrency",
+    type=click.IntRange(min=2),
+    default=200,
+    show_default=True,
+    help="memory: --concurrency of the threaded worker.",
+)
+@click.option("--hold", type=float, default=2.0, show_default=True, help="memory: seconds the model takes to answer.")
+@click.option("--trials", type=click.IntRange(min=1), default=20, show_default=True, help="recovery: kills per row.")
+@click.option("--lease-ttl", type=float, default=None, help="recovery: lease TTL (default AGENTPOOL_LEASE_TTL, 15).")
+@click.option(
+    "--short-ttl",
+    type=float,
+    default=3.0,
+    show_default=True,
+    help="recovery: also kill whole workers under this shorter TTL (0: skip).",
+)
+def bench(
+    url: str | None,
+    only: tuple[str, ...],
+    turns: int,
+    threaded_turns: int,
+    rounds: int,
+    threads: int,
+    save_turns: int,
+    save_runs: int,
+    high_concurrency: int,
+    hold: float,
+    trials: int,
+    lease_ttl: float | None,
+    short_ttl: float,
+) -> None:
+    """Measure agentpool on this machine: per-turn overhead, save cost, memory, crash recovery."""
+    from agentpool.runtime.settings import Settings
+
+    ttl = lease_ttl if lease_ttl is not None else Settings.from_env().lease_ttl
+    sections = only or SECTIONS
+    click.echo(f"agentpool bench: {', '.join(sections)} ({os.cpu_count()} CPUs; figures from this machine only)")
+    with _lab(url) as lab:
+        click.echo(
+            f"redis {lab.r.info('server')['redis_version']} at {lab.url}; scripted model at {lab.model.base_url}"
+        )
+        if "overhead" in sections:
+            bench_overhead(lab, turns, threaded_turns, threads, rounds)
+        if "saves" in sections:
+            bench_saves(lab, save_turns, save_runs)
+        if "memory" in sections:
+            bench_memory(lab, high_concurrency, hold)
+        if "recovery" in sections:
+            bench_recovery(lab, trials, ttl, short_ttl, threads)

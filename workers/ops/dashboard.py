@@ -1,0 +1,428 @@
+"""``agentpool dashboard``: a web page for runs, served by this process alone (no build step).
+
+The page is plain HTML, CSS and JavaScript from ``dashboard_static/``; it polls the JSON endpoints
+below, which read Redis through ``agentpool.client`` and ``store``::
+
+    GET  /api/config                      {"token_required": bool}
+    GET  /api/runs?status=&agent=&limit=  run headers, newest first
+    GET  /api/runs/<id>?from=N            header, messages[N:], ledger (messages are append-only)
+    GET  /api/runs/<id>/events?after=ID   events after stream id ID
+    POST /api/runs/<id>/cancel            {}
+    POST /api/runs/<id>/approve           {"tool_use_id": str|null, "approved": bool, "reason": str|null}
+    POST /api/runs/<id>/resume            {"add_turns": int, "add_tokens": int, "add_usd": float}
+
+Security. Bound to a loopback address and given no token, anyone on this machine may act, and requests
+naming another Host are refused (a DNS-rebinding page cannot reach it). Bound anywhere else, it refuses
+to start without a token, and then every /api/ request but /api/config must carry
+``Authorization: Bearer <token>``: conversations are the users' data, so reading them is guarded too.
+Every POST must be JSON (so a cross-site form cannot send one without a CORS preflight, which this
+server never grants) from no Origin or its own.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import re
+import socket
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import click
+from redis import Redis
+from redis.exceptions import RedisError
+
+from agentpool import client
+from agentpool.runtime.settings import Settings, redact_url
+from agentpool.store import checkpoint, events, ledger
+from agentpool.store.errors import AgentPoolError, RunNotFound
+from agentpool.store.keys import RunKeys
+from agentpool.store.records import STATUSES, load_header, unpack_message
+
+log = logging.getLogger("agentpool.dashboard")
+
+STATIC = Path(__file__).resolve().parent / "dashboard_static"
+PAGES = {
+    "index.html": "text/html; charset=utf-8",
+    "app.js": "text/javascript; charset=utf-8",
+    "style.css": "text/css; charset=utf-8",
+}
+TOKEN_ENV = "AGENTPOOL_DASHBOARD_TOKEN"
+MAX_BODY = 64 * 1024
+SCAN_WHEN_FILTERED = 2000  # newest runs looked at to fill a filtered page
+LEDGER_TEXT_CHARS = 2000  # the whole result is in the conversation; the ledger shows its head
+RUN_PAGE = re.compile(r"/runs/[A-Za-z0-9_-]{1,100}")
+RUN_PATH = re.compile(r"^/api/runs/([A-Za-z0-9_-]{1,100})(/events|/cancel|/approve|/resume)?$")
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+
+
+class HttpError(Exception):
+    def __init__(self, status: HTTPStatus, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+# -- reading runs ------------------------------------------------------------------------------
+
+
+def _row(run: client.Run, now: float) -> dict[str, Any]:
+    return {
+        "id": run.id,
+        "agent": run.agent,
+        "status": run.status,
+        "turns": run.turns,
+        "tokens": run.total_tokens,
+        "usage": run.usage,
+        "created_at": run.created_at,
+        "updated_at": run.updated_at,
+        "error": (run.error or "")[:300],
+        "age": max(0.0, now - run.created_at),
+        "cost_usd": getattr(run, "cost_usd", None),
+    }
+
+
+def list_rows(r: Redis, *, status: str | None, agent: str | None, limit: int) -> dict[str, Any]:
+    """Headers in pipelined batches (agentpool.client.list_runs reads them one round trip each)."""
+    ids = checkpoint.list_run_ids(r, limit=SCAN_WHEN_FILTERED if (status or agent) else limit)
+    with r.pipeline(transaction=False) as pipe:
+        for run_id in ids:
+            pipe.hgetall(RunKeys.of(run_id).run)
+        headers = pipe.execute()
+    now = time.time()
+    rows: list[dict[str, Any]] = []
+    agents: set[str] = set()
+    for run_id, raw in zip(ids, headers):
+        if not raw:
+            continue  # expired after its retention; the index entry outlives it a little
+        try:
+            # Not opening sealed fields: a listing needs no key when encryption at rest is on.
+            run = client.Run.from_state(load_header(run_id, raw, open_sealed=False))
+        except AgentPoolError:
+            continue  # an unreadable record is shown by `agentpool show`, not guessed at here
+        agents.add(run.agent)
+        if (status and run.status != status) or (agent and run.agent != agent) or len(rows) >= limit:
+            continue
+        rows.append(_row(run, now))
+    return {"now": now, "runs": rows, "agents": sorted(agents), "statuses": sorted(STATUSES)}
+
+
+def _slim(block: Any) -> Any:
+    """Base64 payloads (images, documents) are no use on the page and can be megabytes."""
+    if isinstance(block, dict):
+        source = block.get("source")
+        if isinstance(source, dict) and isinstance(source.get("data"), str):
+            block = {**block, "source": {**source, "data": f"({len(source['data'])} characters of base64)"}}
+        return {k: _slim(v) if k == "content" else v for k, v in block.items()}
+    if isinstance(block, list):
+        return [_slim(b) for b in block]
+    return block
+
+
+def ledger_rows(r: Redis, keys: RunKeys) -> dict[str, dict[str, Any]]:
+    """The ledger in the order the calls started, without the lease owner (nothing a reader needs)."""
+
+    def started(entry: dict[str, Any]) -> float:
+        return float((entry.get("intent") or {}).get("started_at") or (entry.get("outcome") or {}).get("at") or 0)
+
+    rows = {}
+    for tool_use_id, entry in sorted(ledger.read_all(r, keys).items(), key=lambda kv: started(kv[1])):
+        intent, outcome = entry.get("intent") or {}, entry.get("outcome")
+        rows[tool_use_id] = {
+            "name": intent.get("name"),
+            "effect": intent.get("effect"),
+            "attempt": intent.get("attempt", 0),
+            "started_at": intent.get("started_at"),
+            "outcome": None
+            if outcome is None
+            else {
+                "how": outcome.get("how"),
+                "is_error": bool(outcome.get("is_error")),
+                "at": outcome.get("at"),
+                # After save point B the ledger keeps only a note; the result is in the conversation.
+                "content": None if "stored_in" in outcome else str(outcome.get("content", ""))[:LEDGER_TEXT_CHARS],
+                "chars": outcome.get("chars"),
+            },
+        }
+    return rows
+
+
+def run_detail(r: Redis, run_id: str, start: int) -> dict[str, Any]:
+    """The header, the messages from index ``start`` on (the page keeps the earlier ones), the ledger."""
+    keys = RunKeys.of(run_id)
+    with r.pipeline(transaction=True) as pipe:  # header and messages as of one instant
+        pipe.hgetall(keys.run)
+        pipe.lrange(keys.messages, start, -1)
+        raw, blobs = pipe.execute()
+    if not raw:
+        raise RunNotFound(run_id)
+    run = client.Run.from_state(load_header(run_id, raw))
+    if run.status == "waiting_approval":
+        # Which calls still await a decision is the API's to say (it reads the approval records).
+        run.pending = client.get_run(run_id, connection=r).pending
+    messages = [_slim(unpack_message(blob, start + i)) for i, blob in enumerate(blobs)]
+    header = run.to_dict()
+    header.pop("messages")
+    now = time.time()
+    header.update(tokens=run.total_tokens, age=max(0.0, now - run.created_at))
+    return {
+        "now": now,
+        "run": header,
+        "messages": messages,
+        "messages_from": start,
+        "message_count": start + len(messages),
+        "ledger": ledger_rows(r, keys),
+    }
+
+
+# -- actions -----------------------------------------------------------------------------------
+
+
+def _number(body: dict[str, Any], name: str, kind: type) -> Any:
+    value = body.get(name) or 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise HttpError(HTTPStatus.BAD_REQUEST, f"{name} must be a non-negative number")
+    return kind(value)
+
+
+def act(r: Redis, run_id: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
+    if action == "cancel":
+        before = client.cancel_run(run_id, connection=r, reason="cancelled from the dashboard")
+        return {"ok": True, "before": before}
+    if action == "approve":
+        tool_use_id, reason, approved = body.get("tool_use_id"), body.get("reason"), body.get("approved", True)
+        if (
+            not isinstance(approved, bool)
+            or not isinstance(tool_use_id, (str, type(None)))
+            or not isinstance(reason, (str, type(None)))
+        ):
+            raise HttpError(
+                HTTPStatus.BAD_REQUEST, "approve takes tool_use_id (string), approved (bool), reason (string)"
+            )
+        result = client.approve(run_id, tool_use_id, approved=approved, reason=reason or None, connection=r)
+        return {"ok": True, "result": result}
+    if action == "resume":
+        result = client.resume(
+            run_id,
+            add_turns=_number(body, "add_turns", int),
+            add_tokens=_number(body, "add_tokens", int),
+            add_usd=_number(body, "add_usd", float),
+            connection=r,
+        )
+        return {"ok": True, "result": result}
+    raise HttpError(HTTPStatus.NOT_FOUND, f"no action {action!r}")
+
+
+# -- HTTP --------------------------------------------------------------------------------------
+
+
+class DashboardServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], r: Redis, token: str | None) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        self.r, self.token = r, token
+        self.loopback = is_loopback(address[0])
+        super().__init__(address, Handler)
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: DashboardServer
+    server_version = "agentpool-dashboard"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:  # the base class's parameter name
+        # Requests are polled every second; the path may carry ?token= on a first visit.
+        log.debug("%s %s", self.address_string(), self.command)
+
+    def do_GET(self) -> None:
+        self._dispatch()
+
+    def do_POST(self) -> None:
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        try:
+            self._check_host()
+            url = urlsplit(self.path)
+            if not url.path.startswith("/api/"):
+                return self._static(url.path)
+            if url.path != "/api/config":
+                self._check_token()
+            if self.command == "POST":
+                self._check_post()
+            self._json(HTTPStatus.OK, self._api(url.path, parse_qs(url.query)))
+        except HttpError as exc:
+            self._json(exc.status, {"error": str(exc)})
+        except RunNotFound as exc:
+            self._json(HTTPStatus.NOT_FOUND, {"error": str(exc)})
+        except (AgentPoolError, ValueError) as exc:
+            self._json(HTTPStatus.CONFLICT, {"error": str(exc)})
+        except RedisError as exc:
+            log.warning("dashboard: Redis failed: %s", exc)
+            self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "Redis is unavailable; retrying"})
+        except Exception:
+            log.exception("dashboard: %s %s failed", self.command, urlsplit(self.path).path)
+            self._json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error; see the dashboard's log"})
+
+    # -- guards --
+
+    def _check_host(self) -> None:
+        if self.server.token or not self.server.loopback:
+            return
+        host = (self.headers.get("Host") or "").strip()
+        name = host[1 : host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+        if not is_loopback(name):
+            raise HttpError(HTTPStatus.FORBIDDEN, "this dashboard answers only to localhost")
+
+    def _check_token(self) -> None:
+        if not self.server.token:
+            return
+        given = self.headers.get("Authorization", "")
+        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), self.server.token.encode())):
+            raise HttpError(HTTPStatus.UNAUTHORIZED, "a valid dashboard token is required")
+
+    def _check_post(self) -> None:
+        if (self.headers.get("Content-Type") or "").split(";")[0].strip() != "application/json":
+            raise HttpError(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "actions take a JSON body")
+        origin = self.headers.get("Origin")
+        if origin and urlsplit(origin).netloc != self.headers.get("Host"):
+            raise HttpError(HTTPStatus.FORBIDDEN, "cross-origin requests are refused")
+
+    def _body(self) -> dict[str, Any]:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            raise HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "body too large")
+        try:
+            body = json.loads(self.rfile.read(length) or b"{}")
+        except ValueError:
+            raise HttpError(HTTPStatus.BAD_REQUEST, "body is not JSON") from None
+        if not isinstance(body, dict):
+            raise HttpError(HTTPStatus.BAD_REQUEST, "body must be a JSON object")
+        return body
+
+    # -- routes --
+
+    def _api(self, path: str, query: dict[str, list[str]]) -> dict[str, Any]:
+        r = self.server.r
+
+        def arg(name: str) -> str:
+            return (query.get(name) or [""])[0]
+
+        def number(name: str, default: int) -> int:
+            try:
+                return int(arg(name) or default)
+            except ValueError:
+                raise HttpError(HTTPStatus.BAD_REQUEST, f"{name} must be an integer") from None
+
+        if path == "/api/config" and self.command == "GET":
+            return {"token_required": bool(self.server.token)}
+        if path == "/api/runs" and self.command == "GET":
+            limit = min(max(number("limit", 100), 1), 500)
+            return list_rows(r, status=arg("status") or None, agent=arg("agent") or None, limit=limit)
+        match = RUN_PATH.match(path)
+        if not match:
+            raise HttpError(HTTPStatus.NOT_FOUND, "no such endpoint")
+        run_id, sub = match.group(1), (match.group(2) or "").lstrip("/")
+        if self.command == "GET" and not sub:
+            return run_detail(r, run_id, max(number("from", 0), 0))
+        if self.command == "GET" and sub == "events":
+            after = arg("after") or "0-0"
+            if not re.fullmatch(r"\d+-\d+", after):
+                raise HttpError(HTTPStatus.BAD_REQUEST, "after must be a stream id like 1700000000000-0")
+            rows = events.read(r, run_id, after=after)
+            return {"events": [{"id": i, **fields} for i, fields in rows]}
+        if self.command == "POST" and sub in ("cancel", "approve", "resume"):
+            return act(r, run_id, sub, self._body())
+        raise HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.command} is not allowed here")
+
+    def _static(self, path: str) -> None:
+        if self.command != "GET":
+            raise HttpError(HTTPStatus.METHOD_NOT_ALLOWED, "pages are read with GET")
+        if path == "/" or RUN_PAGE.fullmatch(path):
+            name = "index.html"
+        elif path.startswith("/static/") and path.removeprefix("/static/") in PAGES:
+            name = path.removeprefix("/static/")
+        else:
+            raise HttpError(HTTPStatus.NOT_FOUND, "not found")
+        self._send(HTTPStatus.OK, (STATIC / name).read_bytes(), PAGES[name])
+
+    def _json(self, status: HTTPStatus, doc: dict[str, Any]) -> None:
+        self._send(status, json.dumps(doc, ensure_ascii=False, default=str).encode(), "application/json")
+
+    def _send(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.send_header("Content-Security-Policy", CSP)
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Referrer-Policy", "no-referrer")
+        self.send_header("X-Frame-Options", "DENY")
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def make_server(r: Redis, host: str = "127.0.0.1", port: int = 8000, token: str | None = None) -> DashboardServer:
+    """The server, bound and ready for ``serve_forever()``. Refuses a non-loopback address without a token."""
+    if not token and not is_loopback(host):
+        raise ValueError(
+            f"the dashboard would listen on {host}, beyond this machine, with no token: set {TOKEN_ENV} "
+            "or pass --token (then every request must carry it), or bind 127.0.0.1"
+        )
+    return DashboardServer((host, port), r, token or None)
+
+
+@click.command()
+@click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", "-p", type=int, default=8000, show_default=True)
+@click.option(
+    "--token",
+    envvar=TOKEN_ENV,
+    default=None,
+    show_envvar=True,
+    help="Required from every API request; mandatory when --host is not a loopback address. "
+    "Prefer the environment variable: a flag is visible in ps.",
+)
+def dashboard(url: str | None, host: str, port: int, token: str | None) -> None:
+    """Serve a web page for watching and steering runs."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    target = url or Settings.from_env().redis_url
+    r = Redis.from_url(target, socket_connect_timeout=2, socket_timeout=10, health_check_interval=30)
+    try:
+        server = make_server(r, host, port, token)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(
+        f"agentpool dashboard on http://{shown}:{server.server_address[1]}/ "
+        f"({'token required' if token else 'no token: localhost only'}) from {redact_url(target)}",
+        err=True,
+    )
+    try:
+        server.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()

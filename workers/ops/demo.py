@@ -1,0 +1,246 @@
+"""``agentpool demo``: a pool on this machine survives its workers being killed mid-turn.
+
+It uses REDIS_URL if a server answers there, otherwise a throwaway redis-server; starts the scripted
+model (or, with --real and ANTHROPIC_API_KEY, the real API) and a few worker processes; enqueues a
+batch of runs that read notes, open tickets and send emails; SIGKILLs a work horse (as the OOM killer
+does) and then a whole worker mid-turn; shows the runs finishing on the survivors, then counts every
+side effect from the outbox the tools write, outside the pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import click
+from redis import Redis
+
+from agentpool.client import enqueue_run, list_runs
+from agentpool.ops.demo_agents import demo_script
+from agentpool.runtime.settings import redact_url
+from agentpool.store.events import read as read_events
+from agentpool.store.records import ACTIVE_STATUSES
+from agentpool.testing.localpool import (
+    RedisNotInstalled,
+    RedisServer,
+    WorkerProcesses,
+    horses_of,
+    redis_answers,
+    scratch_dir,
+)
+
+AGENT = "agentpool.ops.demo_agents:secretary"
+TEAMS = ["platform", "billing", "search", "mobile", "infra", "growth", "security", "data", "support", "design"]
+
+
+class Screen:
+    """A live table, redrawn in place on a terminal; plain periodic lines otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stdout.isatty()
+        self.lines = 0
+        self.last_plain = 0.0
+
+    def draw(self, rows: list[str]) -> None:
+        if self.tty:
+            if self.lines:
+                sys.stdout.write(f"\x1b[{self.lines}F\x1b[J")
+            sys.stdout.write("\n".join(rows) + "\n")
+            sys.stdout.flush()
+            self.lines = len(rows)
+        elif time.monotonic() - self.last_plain > 2:
+            self.last_plain = time.monotonic()
+            print("\n".join(rows), flush=True)
+
+    def say(self, text: str) -> None:
+        self.lines = 0  # keep the message above the next table
+        print(text, flush=True)
+
+
+def _table(r: Redis, run_ids: list[str], note: str) -> list[str]:
+    runs = {run.id: run for run in list_runs(connection=r, limit=len(run_ids) + 50)}
+    rows = [f"{'RUN':<26} {'STATUS':<10} {'TURNS':>5} {'TOKENS':>7}  LAST EVENT", "-" * 78]
+    for run_id in run_ids:
+        run = runs.get(run_id)
+        if run is None:
+            continue
+        events = read_events(r, run_id)
+        last = events[-1][1] if events else {}
+        detail = last.get("kind", "")
+        if last.get("tool"):
+            detail += f" {last['tool']}"
+        if last.get("kind") == "takeover":
+            detail = f"TAKEN OVER ({last.get('cause_kind')})"
+        rows.append(f"{run.id:<26} {run.status:<10} {run.turns:>5} {run.total_tokens:>7}  {detail[:40]}")
+    rows.append(note)
+    return rows
+
+
+def _busy_workers(workers: WorkerProcesses) -> list[tuple[int, list[int]]]:
+    """(worker pid, its work horse pids) for workers that are running a turn right now."""
+    return [(p.pid, horses) for p in workers.alive() if (horses := horses_of(p.pid))]
+
+
+def _outbox(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@click.command()
+@click.option("--runs", "n_runs", type=click.IntRange(1, 200), default=8, show_default=True)
+@click.option("--workers", "n_workers", type=click.IntRange(2, 32), default=3, show_default=True)
+@click.option("--real", is_flag=True, help="Use the real Anthropic API (needs ANTHROPIC_API_KEY).")
+@click.option(
+    "--lease-ttl",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Lease TTL for the demo's workers (production default 15 s).",
+)
+@click.option("--timeout", type=float, default=180.0, show_default=True)
+def demo(n_runs: int, n_workers: int, real: bool, lease_ttl: float, timeout: float) -> None:
+    """Run a pool on this machine, kill workers mid-turn, and show nothing is lost or repeated."""
+    if real and not os.environ.get("ANTHROPIC_API_KEY"):
+        raise click.ClickException("--real needs ANTHROPIC_API_KEY in the environment")
+    tmp = scratch_dir("agentpool-demo-")
+    screen = Screen()
+    redis_server = model = workers = None
+    try:
+        url = os.environ.get("REDIS_URL")
+        if url and redis_answers(url):
+            screen.say(f"Redis: {redact_url(url)} (from REDIS_URL)")
+        else:
+            try:
+                redis_server = RedisServer(tmp, durable=True).start()
+            except RedisNotInstalled as exc:
+                raise click.ClickException(str(exc)) from None
+            url = redis_server.url
+            screen.say(f"Redis: throwaway redis-server on {url} (AOF on, noeviction)")
+        r = Redis.from_url(url)
+        env = {
+            **os.environ,
+            "REDIS_URL": url,
+            "AGENTPOOL_LEASE_TTL": str(lease_ttl),
+            "AGENTPOOL_REAPER_INTERVAL": "0.5",
+            "AGENTPOOL_DEMO_OUTBOX": str(tmp / "outbox.jsonl"),
+        }
+        if real:
+            screen.say("Model: the real Anthropic API")
+        else:
+            from agentpool.testing.scripted_model import ScriptedModel
+
+            model = ScriptedModel({"demo": demo_script()}).start()
+            env.update(ANTHROPIC_BASE_URL=model.base_url, ANTHROPIC_API_KEY="offline-demo")
+            screen.say(f"Model: scripted Messages API on {model.base_url} (offline; --real for the API)")
+        workers = WorkerProcesses(env, tmp, cwd=str(tmp))
+        workers.start(n_workers, "--log-level", "WARNING")
+        screen.say(f"Workers: {n_workers} `agentpool worker` processes; lease TTL {lease_ttl:g} s\n")
+
+        marker = "" if real else " [script:demo]"
+        run_ids = [
+            enqueue_run(
+                AGENT, f"Summarize this week's meeting notes of the {TEAMS[i % len(TEAMS)]} team.{marker}", connection=r
+            )
+            for i in range(n_runs)
+        ]
+        crashes = _drive(r, run_ids, workers, screen, timeout)
+        _summary(r, run_ids, crashes, tmp / "outbox.jsonl", screen)
+    finally:
+        if workers:
+            workers.stop()
+        if model:
+            model.stop()
+        if redis_server:
+            redis_server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _drive(r: Redis, run_ids: list[str], workers: WorkerProcesses, screen: Screen, timeout: float) -> list[str]:
+    """Watch the runs, killing a work horse and then a whole worker once turns are under way."""
+    crashes: list[str] = []
+    started = time.monotonic()
+    note = "waiting for turns to start..."
+    plan = [("horse", 1.5), ("worker", 3.5)]
+    while time.monotonic() - started < timeout:
+        statuses = {run.id: run.status for run in list_runs(connection=r, limit=len(run_ids) + 50)}
+        if all(statuses.get(i) not in ACTIVE_STATUSES for i in run_ids):
+            screen.draw(_table(r, run_ids, note))
+            return crashes
+        if plan and time.monotonic() - started >= plan[0][1]:
+            busy = _busy_workers(workers)
+            if busy and len(workers.alive()) > 1:
+                what, _ = plan.pop(0)
+                worker_pid, horses = random.choice(busy)
+                if what == "horse":
+                    os.kill(horses[0], signal.SIGKILL)
+                    note = f"SIGKILLed work horse {horses[0]} mid-turn (like the OOM killer); its worker re-enqueues the turn at once"
+                else:
+                    proc = next(p for p in workers.alive() if p.pid == worker_pid)
+                    workers.kill(proc)
+                    note = (
+                        f"SIGKILLed worker {worker_pid} and its horse (a lost machine); its lease expires and a "
+                        "survivor's reaper takes the run over"
+                    )
+                crashes.append(note)
+                screen.say(f"\n*** {note}\n")
+        screen.draw(_table(r, run_ids, note))
+        time.sleep(0.25)
+    raise click.ClickException(f"runs still active after {timeout:g} s:\n{workers.logs()}")
+
+
+def _summary(r: Redis, run_ids: list[str], crashes: list[str], outbox: Path, screen: Screen) -> None:
+    runs = [run for run in list_runs(connection=r, limit=len(run_ids) + 50) if run.id in set(run_ids)]
+    completed = [run for run in runs if run.status == "completed"]
+    takeovers = Counter(
+        event.get("cause_kind", "?")
+        for run_id in run_ids
+        for _, event in read_events(r, run_id)
+        if event["kind"] == "takeover"
+    )
+    effects = _outbox(outbox)
+    emails = Counter(e["run"] for e in effects if e["kind"] == "email")
+    ticket_keys = Counter((e["run"], e["key"]) for e in effects if e["kind"] == "ticket")
+    tickets_per_run = Counter(run for run, _key in ticket_keys)
+    reads = sum(1 for e in effects if e["kind"] == "read")
+    duplicate_emails = sum(1 for n in emails.values() if n > 1)
+    extra_tickets = sum(1 for n in tickets_per_run.values() if n > 1)
+    screen.say("")
+    screen.say("Summary")
+    screen.say(f"  runs completed:      {len(completed)}/{len(run_ids)}")
+    screen.say(
+        f"  turns:               {sum(run.turns for run in runs)} (tokens {sum(run.total_tokens for run in runs)})"
+    )
+    screen.say(
+        f"  crashes survived:    {len(crashes)} kills, {sum(takeovers.values())} turns taken over "
+        f"({', '.join(f'{k}: {v}' for k, v in sorted(takeovers.items())) or 'none'})"
+    )
+    screen.say(f"  emails sent:         {sum(emails.values())} for {len(emails)} runs, duplicates: {duplicate_emails}")
+    screen.say(
+        f"  tickets opened:      {sum(ticket_keys.values())} executions, {len(ticket_keys)} distinct keys, "
+        f"runs with two tickets: {extra_tickets}"
+    )
+    screen.say(f"  notes read:          {reads} (read tools may re-run after a crash)")
+    unknown = [
+        run.id
+        for run in runs
+        for m in run.messages
+        if m["role"] == "user" and isinstance(m["content"], list)
+        for b in m["content"]
+        if b.get("is_error") and "unknown" in str(b.get("content"))
+    ]
+    if unknown:
+        screen.say(f"  emails whose outcome was unknown after a crash, reported to the model: {len(unknown)}")
+    ok = len(completed) == len(run_ids) and not duplicate_emails and not extra_tickets
+    screen.say(
+        "\n" + ("Every run finished; every side effect happened at most once." if ok else "SOMETHING WENT WRONG")
+    )
+    if not ok:
+        raise SystemExit(1)

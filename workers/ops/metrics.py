@@ -1,0 +1,232 @@
+"""Prometheus metrics for the whole pool, read from Redis at scrape time.
+
+Nothing is counted in the exporting process: every number comes from Redis when Prometheus asks, so
+``agentpool metrics`` (a process of its own) and ``agentpool worker --metrics-port`` (any worker)
+export the same pool-wide values, and a restarted exporter loses nothing. Counters and histograms come
+from the ``ap:stats`` hash (store/stats.py); run counts by status from the run headers; queue depth
+from RQ's keys.
+
+Cost of one scrape: one HGETALL of ``ap:stats``, a few O(1) reads of RQ's keys, and the run-status
+count. ``ap:runs`` keeps every run ever created, so the status count looks only at the newest
+``max_runs`` of them (default 10,000): ZREVRANGE in pages of 500, each page one pipelined round trip
+of HGET status. Runs older than that window are left out of ``agentpool_runs`` and counted in
+``agentpool_runs_indexed``; runs that are queued or running are also counted exactly, whatever their
+age, by ``agentpool_runs_active`` (the reaper's watch set).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+
+import click
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from redis import Redis
+from redis.exceptions import RedisError
+from rq.worker_registration import WORKERS_BY_QUEUE_KEY
+
+from agentpool.runtime.jobs import turn_queue
+from agentpool.runtime.settings import Settings, redact_url
+from agentpool.store import stats
+from agentpool.store.keys import RUNS, RUNS_WATCH, TURN_QUEUE, RunKeys
+from agentpool.store.records import STATUSES
+
+log = logging.getLogger("agentpool.metrics")
+
+DEFAULT_MAX_RUNS = 10_000
+PAGE = 500
+
+# Spend is priced per model (workers/pricing.py) when a reply arrives; the model_responded event
+# carries it and agentpool.store.stats adds it up under this field.
+COST_FIELD = "cost_usd"
+
+# (ap:stats metric, label name, help text, label values always exported, at 0 until seen)
+COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
+    ("turns", None, "Turns a worker started to call the model (a budget can still stop one before the call).", ()),
+    ("tool_calls", "effect", "Tool executions started, by the tool's effect class.", ("read", "idempotent", "unsafe")),
+    (
+        "reconciliations",
+        "outcome",
+        "Dangling tool_uses reconciled after a crash, by outcome.",
+        ("replayed", "verified", "unknown"),
+    ),
+    (
+        "takeovers",
+        "cause",
+        "Turns re-enqueued because their worker was gone, by cause.",
+        ("horse_death", "lease_expiry", "job_lost"),
+    ),
+    ("model_errors", "type", "Transient model API errors (the turn is retried later), by type.", ()),
+    ("tokens", "kind", "Tokens reported by the model API, by kind.", stats.TOKEN_FIELDS),
+    ("status_changes", "status", "Runs entering a status.", ()),
+)
+HISTOGRAMS = (
+    ("turn_seconds", "Wall time of a turn that ran tools, from lease to save point B."),
+    ("model_call_seconds", "Wall time of one messages.create call that answered."),
+)
+
+
+def _split(field_name: str) -> tuple[str, dict[str, str]]:
+    metric, *parts = field_name.split("|")
+    labels = dict(p.split("=", 1) for p in parts if "=" in p)
+    return metric, labels
+
+
+class PoolCollector(Collector):
+    """Reads the pool's state from Redis on every ``collect()``; holds no state of its own."""
+
+    def __init__(self, r: Redis, *, max_runs: int = DEFAULT_MAX_RUNS) -> None:
+        self.r = r
+        self.max_runs = max_runs
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("agentpool_redis_up", "1 if Redis answered this scrape, 0 if it did not.")
+        try:
+            families = [*self._from_stats(stats.read_all(self.r)), *self._runs(), *self._queue()]
+        except RedisError as exc:
+            log.warning("metrics scrape: Redis failed: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from families
+
+    # -- ap:stats ----------------------------------------------------------------------------
+
+    def _from_stats(self, raw: Mapping[str, float]) -> list[Metric]:
+        by_metric: dict[str, dict[str, float]] = {}
+        for field_name, value in raw.items():
+            metric, labels = _split(field_name)
+            by_metric.setdefault(metric, {})[labels.get("le") or next(iter(labels.values()), "")] = value
+        out: list[Metric] = []
+        for metric, label, help_text, preset in COUNTERS:
+            family = CounterMetricFamily(f"agentpool_{metric}", help_text, labels=[label] if label else None)
+            seen = by_metric.get(metric, {})
+            if label is None:
+                family.add_metric([], seen.get("", 0.0))
+            else:
+                for label_value in sorted(set(preset) | set(seen)):
+                    family.add_metric([label_value], seen.get(label_value, 0.0))
+            out.append(family)
+        if COST_FIELD in raw:
+            out.append(
+                CounterMetricFamily(
+                    "agentpool_cost_usd", "Spend on model calls, priced per model, in USD.", value=raw[COST_FIELD]
+                )
+            )
+        for metric, help_text in HISTOGRAMS:
+            out.append(_histogram(metric, help_text, by_metric.get(metric, {}), raw.get(f"{metric}_sum", 0.0)))
+        return out
+
+    # -- runs --------------------------------------------------------------------------------
+
+    def _runs(self) -> list[Metric]:
+        counts = dict.fromkeys(sorted(STATUSES), 0)
+        indexed = int(self.r.zcard(RUNS))
+        for start in range(0, min(indexed, self.max_runs), PAGE):
+            stop = min(start + PAGE, self.max_runs) - 1
+            ids = self.r.zrevrange(RUNS, start, stop)
+            if not ids:
+                break
+            with self.r.pipeline(transaction=False) as pipe:
+                for run_id in ids:
+                    pipe.hget(RunKeys.of(run_id.decode() if isinstance(run_id, bytes) else str(run_id)).run, "status")
+                for status in pipe.execute():
+                    name = (status or b"").decode(errors="replace")
+                    if name in counts:
+                        counts[name] += 1
+        by_status = GaugeMetricFamily(
+            "agentpool_runs", f"Runs by status, among the newest {self.max_runs} runs.", labels=["status"]
+        )
+        for name, n in counts.items():
+            by_status.add_metric([name], n)
+        return [
+            by_status,
+            GaugeMetricFamily("agentpool_runs_indexed", "Runs in the ap:runs index (every run kept).", value=indexed),
+            GaugeMetricFamily(
+                "agentpool_runs_active", "Runs queued or running (exact, any age).", value=int(self.r.zcard(RUNS_WATCH))
+            ),
+        ]
+
+    # -- RQ ----------------------------------------------------------------------------------
+
+    def _queue(self) -> list[Metric]:
+        queue = turn_queue(self.r)
+        with self.r.pipeline(transaction=False) as pipe:
+            pipe.llen(queue.key)
+            # ZCARD, not registry.count: that runs RQ's cleanup, and a scrape must not change state.
+            for registry in (queue.scheduled_job_registry, queue.started_job_registry, queue.failed_job_registry):
+                pipe.zcard(registry.key)
+            pipe.scard(WORKERS_BY_QUEUE_KEY % TURN_QUEUE)
+            queued, scheduled, started, failed, workers = pipe.execute()
+        depth = GaugeMetricFamily(
+            "agentpool_queue_jobs",
+            f"Turn jobs on the RQ queue {TURN_QUEUE!r}: queued (waiting for a worker), scheduled (a deferred "
+            "retry), started (in a worker now), failed (RQ's failed registry).",
+            labels=["state"],
+        )
+        for state, n in (("queued", queued), ("scheduled", scheduled), ("started", started), ("failed", failed)):
+            depth.add_metric([state], int(n))
+        return [
+            depth,
+            GaugeMetricFamily("agentpool_workers", f"RQ workers registered on {TURN_QUEUE!r}.", value=int(workers)),
+        ]
+
+
+def _histogram(metric: str, help_text: str, buckets: Mapping[str, float], total: float) -> Metric:
+    bounds = sorted(stats.LATENCY_BUCKETS)
+    rows = []
+    cumulative = 0.0
+    for bound in bounds:
+        key = "+Inf" if bound == float("inf") else f"{bound:g}"
+        # stats counts each observation in its own bucket only; Prometheus buckets are cumulative.
+        # stats writes int-valued bounds as "1", "5"; "{:g}" reads both spellings alike
+        cumulative += buckets.get(key, buckets.get(str(bound), 0.0))
+        rows.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))  # Prometheus spells 1 "1.0"
+    return HistogramMetricFamily(f"agentpool_{metric}", help_text, buckets=rows, sum_value=total)
+
+
+def registry_for(r: Redis, *, max_runs: int = DEFAULT_MAX_RUNS) -> CollectorRegistry:
+    """A registry holding only the pool collector (no process metrics: they would describe the
+    exporter, not the pool)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(PoolCollector(r, max_runs=max_runs))
+    return registry
+
+
+def start_metrics_server(port: int, r: Redis, *, host: str = "0.0.0.0", max_runs: int = DEFAULT_MAX_RUNS) -> None:
+    """Serve ``/metrics`` on ``host:port`` from a daemon thread (it dies with the worker)."""
+    start_http_server(port, addr=host, registry=registry_for(r, max_runs=max_runs))
+    log.info("serving Prometheus metrics on http://%s:%d/metrics", host, port)
+
+
+@click.command()
+@click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
+@click.option("--port", "-p", type=int, required=True, help="Port to serve /metrics on.")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to bind.")
+@click.option(
+    "--max-runs",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_RUNS,
+    show_default=True,
+    help="How many of the newest runs agentpool_runs counts, per scrape.",
+)
+def metrics(url: str | None, port: int, host: str, max_runs: int) -> None:
+    """Serve pool-wide Prometheus metrics read from Redis (any number of these may run)."""
+    target = url or Settings.from_env().redis_url
+    # Short timeouts and no retry loop: a scrape should report agentpool_redis_up 0 within
+    # Prometheus's scrape timeout, not hang while Redis is away.
+    r = Redis.from_url(target, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        start_metrics_server(port, r, host=host, max_runs=max_runs)
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
+    click.echo(f"agentpool metrics on http://{host}:{port}/metrics from {redact_url(target)}", err=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,37 @@
+"""Named fault points inside a turn, armed only by tests (and the demo's crash scenarios).
+
+``AGENTPOOL_FAULTS="after_save_a,in_tool"`` arms points; each fires once per (point, run, turn), marked
+by a file in ``AGENTPOOL_FAULT_DIR``, so the turn that takes over runs through. Firing SIGKILLs the
+process that reaches the point: in a forking worker that is the work horse, exactly as the OOM killer
+would. Unarmed, ``fault()`` is one dict lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+POINTS = (
+    "before_model_call",  # lease held, checkpoint loaded, nothing asked yet
+    "after_model_reply",  # the model answered (and billed us); save point A, which counts it, not written
+    "after_save_a",  # response committed, no tool started
+    "in_tool",  # inside a tool, after its effect, before it returns
+    "after_tool_outcome",  # a tool's outcome is in the ledger; save point B not written
+    "after_save_b",  # tool results committed with the next job; this job not yet finished
+)
+
+_ARMED = frozenset(p for p in os.environ.get("AGENTPOOL_FAULTS", "").split(",") if p)
+if _ARMED - set(POINTS):
+    raise RuntimeError(f"unknown fault points in AGENTPOOL_FAULTS: {sorted(_ARMED - set(POINTS))}")
+
+
+def fault(point: str, run_id: str, turn: int) -> None:
+    if point not in _ARMED:
+        return
+    marker = Path(os.environ.get("AGENTPOOL_FAULT_DIR", "/tmp")) / f"fault-{point}-{run_id}-{turn}"
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,286 @@
+"""One RQ job = one agent turn: reconcile what a dead worker left, call the model, run the tools
+(``agentpool.runtime.settle``), commit.
+
+The order of writes is the whole point (see DESIGN.md, "Save points inside a turn"):
+
+1. take the lease for exactly this turn (a stale or duplicate job stops here, having done nothing);
+2. tool_uses left pending by a dead worker are reconciled against the ledger;
+3. guards (max_turns) may stop the run, resumably;
+4. the model is called; save point A counts its spend and commits its response and pending
+   tool_uses before any tool runs;
+5. each tool: intent in the ledger, the tool, outcome in the ledger;
+6. save point B: the tool results and the next turn's job, in one transaction.
+
+Every write is fenced by the lease token, so a worker that lost its lease (frozen, partitioned)
+commits nothing, writes no ledger entry and starts no tool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import time
+from typing import Any
+
+from redis import Redis
+from rq import get_current_job
+
+from agentpool.agent import Agent
+from agentpool.pricing import price_of
+from agentpool.runtime.faults import fault
+from agentpool.runtime.heartbeat import keep_alive
+from agentpool.runtime.jobs import stage_turn
+from agentpool.runtime.limits import Limits
+from agentpool.runtime.loader import AgentNotFound, load_agent
+from agentpool.runtime.model import ModelQuotaExhausted, ModelRejected, ModelReply, ModelUnavailable, call_model
+from agentpool.runtime.settings import Settings, connect
+from agentpool.runtime.settle import Settlement
+from agentpool.store import checkpoint
+from agentpool.store.crypto import EncryptionKeyMissing
+from agentpool.store.errors import LeaseLost, LedgerMismatch, RunNotActive, SchemaTooNew, UnreadableRecord
+from agentpool.store.events import Event, emit
+from agentpool.store.keys import RunKeys
+from agentpool.store.lease import Acquire, acquire, release
+from agentpool.store.records import RunState
+
+log = logging.getLogger("agentpool.turn")
+
+FINISHED_STOPS = ("end_turn", "stop_sequence")
+CONTINUE_STOPS = ("pause_turn", "max_tokens")  # continue with no new user message
+FAILED_STOPS = {
+    "refusal": "the model declined to continue (stop_reason: refusal)",
+    "model_context_window_exceeded": "the conversation no longer fits the model's context window",
+}
+# After an unexpected error, the turn is re-enqueued by the reaper after this pause.
+CRASH_RECHECK_MS = 5_000
+
+
+def worker_identity() -> str:
+    """``<rq worker name>.<pid>``: the worker's parent can release the lease of a horse it saw die."""
+    return f"{os.environ.get('RQ_WORKER_ID') or socket.gethostname()}.{os.getpid()}"
+
+
+def run_turn(run_id: str, turn: int) -> str:
+    """The RQ job function. Returns a one-word summary RQ keeps briefly; the checkpoint is the truth."""
+    job = get_current_job()
+    r = job.connection if job is not None else connect()
+    settings = Settings.from_env()
+    keys = RunKeys.of(run_id)
+    # One round trip takes the lease (recording turn_started) and reads the run it now owns.
+    got = acquire(
+        r,
+        keys,
+        turn=turn,
+        worker_id=worker_identity(),
+        ttl_ms=settings.lease_ttl_ms,
+        event=Event.of(run_id, "turn_started", turn=turn),
+        then=lambda pipe: checkpoint.stage_load(pipe, run_id),
+    )
+    if got.code is Acquire.TOO_NEW:
+        raise SchemaTooNew(f"run {run_id} has schema version {got.detail}, newer than this worker; left untouched")
+    if got.code is Acquire.UNREADABLE:
+        checkpoint.fail_unfenced(r, run_id, f"run header field {got.detail!r} is unreadable; data left as found")
+        return "unreadable"
+    if got.code is not Acquire.ACQUIRED:
+        log.info("run %s turn %s: %s (%s); nothing to do", run_id, turn, got.code.name.lower(), got.detail)
+        return got.code.name.lower()
+    token = got.token
+    with keep_alive(r, keys, token, settings.lease_ttl_ms):
+        try:
+            return Turn(r, keys, token, turn, settings).run(*got.then)
+        except (LeaseLost, RunNotActive) as exc:
+            log.warning("run %s turn %s: %s", run_id, turn, exc)
+            return "abandoned"
+        except EncryptionKeyMissing:
+            # This worker is misconfigured, the run is fine: give it back for a worker with the key.
+            release(r, keys, token, recheck_in_ms=CRASH_RECHECK_MS)
+            raise
+        except (UnreadableRecord, LedgerMismatch, AgentNotFound) as exc:
+            log.error("run %s turn %s failed: %s", run_id, turn, exc)
+            checkpoint.finish(
+                r,
+                keys,
+                token,
+                status="failed",
+                error=str(exc),
+                retention_s=settings.retention,
+                event=Event.of(run_id, "status", status="failed", error=str(exc)),
+            )
+            return "failed"
+        except BaseException:
+            # A bug, a lost Redis, a shutdown: give the turn back; the reaper re-enqueues it shortly.
+            release(r, keys, token, recheck_in_ms=CRASH_RECHECK_MS)
+            raise
+
+
+class Turn:
+    def __init__(self, r: Redis, keys: RunKeys, token: str, turn: int, settings: Settings) -> None:
+        self.r, self.keys, self.token, self.turn, self.settings = r, keys, token, turn, settings
+        self.run_id = keys.run_id
+        self.where = f"run {self.run_id} turn {turn}"
+        self.started = time.monotonic()
+        self.tools = Settlement(r, keys, token, turn)
+
+    def run(self, header: dict[bytes, bytes], blobs: list[bytes]) -> str:
+        """The turn, given the run's header and messages as read with the lease."""
+        state = checkpoint.decode_run(self.run_id, header, blobs)
+        agent = load_agent(state.agent)
+        if state.phase == "tools":
+            emit(self.r, self.run_id, "resumed", turn=self.turn, pending=len(state.pending))
+            results = self.tools.settle(agent, state.pending)
+            if results is None:
+                return "waiting_approval"
+            return self.after_tools(results, turns=state.turns)
+        reason = Limits.of(agent, state.limits).reached(agent, state)
+        if reason:
+            return self.stop(reason)
+        fault("before_model_call", self.run_id, self.turn)
+        asked = time.monotonic()
+        try:
+            reply = call_model(agent, state.messages)
+        except ModelUnavailable as exc:
+            return self.defer(state, exc)
+        except ModelQuotaExhausted as exc:
+            return self.stop(str(exc))
+        except ModelRejected as exc:
+            return self.end("failed", f"the model API rejected the request: {exc}")
+        fault("after_model_reply", self.run_id, self.turn)
+        return self.handle_reply(agent, state, reply, seconds=time.monotonic() - asked)
+
+    def handle_reply(self, agent: Agent, state: RunState, reply: ModelReply, seconds: float) -> str:
+        tool_uses = [b for b in reply.message["content"] if b.get("type") == "tool_use"]
+        pending = [{"id": b["id"], "name": b["name"], "input": b.get("input")} for b in tool_uses]
+        stop = reply.stop_reason
+        failure = FAILED_STOPS.get(stop) or (
+            None if stop in FINISHED_STOPS + CONTINUE_STOPS + ("tool_use",) else f"unknown stop_reason {stop!r}"
+        )
+        if pending and stop == "max_tokens" and reply.message["content"][-1].get("type") == "tool_use":
+            pending[-1]["not_run"] = (
+                f"This call was cut off by max_tokens={agent.max_tokens} and was not executed; its input may be "
+                "incomplete. Call it again with a shorter input if it is still needed."
+            )
+        if failure:
+            for call in pending:
+                call.setdefault("not_run", f"Not executed: {failure}.")
+        final = ""
+        result = ""
+        if not pending and (stop in FINISHED_STOPS or failure):
+            final = "failed" if failure else "completed"
+            result = _trailing_text(state.messages + [reply.message])
+        price = price_of(agent.model)
+        cost = price.cost(reply.usage) if price else 0.0
+        checkpoint.commit_response(
+            self.r,
+            self.keys,
+            self.token,
+            turns_before=state.turns,
+            message=reply.message,
+            meta=reply.meta,
+            pending=pending,
+            final_status=final,
+            result=result,
+            error=failure or "",
+            retention_s=self.settings.retention,
+            usage=reply.usage,
+            cost_usd=cost,
+            responded=Event.of(
+                self.run_id,
+                "model_responded",
+                turn=self.turn,
+                stop_reason=reply.stop_reason,
+                seconds=round(seconds, 4),
+                cost_usd=round(cost, 8),
+                **reply.usage,
+            ),
+            event=Event.of(self.run_id, "status", status=final, error=failure)
+            if final
+            else Event.of(self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending)),
+        )
+        fault("after_save_a", self.run_id, self.turn)
+        if final:
+            return final
+        results = self.tools.settle(agent, pending, fresh=True) if pending else []
+        if results is None:
+            return "waiting_approval"
+        if failure:
+            return self.end("failed", failure, message=_results_message(results))
+        return self.after_tools(results, turns=state.turns + 1)
+
+    # -- ends of a turn ----------------------------------------------------------------------
+
+    def after_tools(self, results: list[dict[str, Any]], *, turns: int) -> str:
+        """Save point B, then the next turn (numbered by the turns counted so far) is queued."""
+        checkpoint.commit_tool_results(
+            self.r,
+            self.keys,
+            self.token,
+            message=_results_message(results),
+            enqueue_next=lambda pipe: stage_turn(pipe, self.r, self.run_id, turns),
+            outcomes=self.tools.outcomes,
+            event=Event.of(
+                self.run_id,
+                "turn_committed",
+                turn=self.turn,
+                next_turn=turns,
+                tool_results=len(results),
+                seconds=round(time.monotonic() - self.started, 4),
+            ),
+        )
+        fault("after_save_b", self.run_id, self.turn)
+        return "committed"
+
+    def defer(self, state: RunState, exc: ModelUnavailable) -> str:
+        errors = state.model_errors + 1
+        emit(
+            self.r, self.run_id, "model_error", turn=self.turn, error=str(exc), error_type=exc.kind, consecutive=errors
+        )
+        if errors > self.settings.model_retries:
+            return self.stop(f"the model API failed {errors} times in a row (last: {exc}); resume to try again")
+        delay = max(exc.retry_after or 0.0, random.uniform(0, min(120.0, 2.0 * 2 ** (errors - 1))))
+        log.warning("%s: %s; retrying in %.1fs (%d/%d)", self.where, exc, delay, errors, self.settings.model_retries)
+        checkpoint.defer_turn(
+            self.r,
+            self.keys,
+            self.token,
+            model_errors=errors,
+            delay_ms=int(delay * 1000),
+            enqueue_later=lambda pipe, attempt: stage_turn(pipe, self.r, self.run_id, self.turn, attempt, delay=delay),
+        )
+        return "deferred"
+
+    def stop(self, reason: str) -> str:
+        return self.end("stopped", reason)
+
+    def end(self, status: str, reason: str, message: dict[str, Any] | None = None) -> str:
+        checkpoint.finish(
+            self.r,
+            self.keys,
+            self.token,
+            status=status,
+            error=reason,
+            message=message,
+            phase="done" if message else "",
+            retention_s=self.settings.retention,
+            event=Event.of(self.run_id, "status", status=status, error=reason),
+        )
+        log.info("%s: %s: %s", self.where, status, reason)
+        return status
+
+
+def _results_message(results: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return {"role": "user", "content": results} if results else None
+
+
+def _trailing_text(messages: list[dict[str, Any]]) -> str:
+    """The text of the assistant messages after the last user message (a paused or cut-off answer
+    continues over several)."""
+    parts: list[str] = []
+    for message in reversed(messages):
+        if message["role"] != "assistant":
+            break
+        content = message["content"]
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        parts.insert(0, "".join(b.get("text", "") for b in blocks if b.get("type") == "text"))
+    return "".join(parts)

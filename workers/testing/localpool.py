@@ -1,0 +1,185 @@
+"""A whole pool on one machine, for the demo, the benchmarks and the tests: a redis-server (if none
+is given), the scripted model, and real ``agentpool worker`` processes that can be killed for real."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO
+
+from redis import Redis
+from redis.exceptions import RedisError
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisNotInstalled(RuntimeError):
+    pass
+
+
+class RedisServer:
+    """A throwaway redis-server on a free port. ``durable`` turns on AOF (appendfsync everysec) as
+    deploy/redis.conf does, so a restart keeps what was committed."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        durable: bool = False,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        url: str | None = None,
+    ) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RedisNotInstalled(
+                "redis-server is not installed; install it (Debian/Ubuntu: apt-get install -y redis-server, "
+                "macOS: brew install redis) or point REDIS_URL at a running server"
+            )
+        self.binary, self.workdir, self.durable = binary, workdir, durable
+        self.port = port or free_port()
+        self.extra_args = extra_args  # TLS, ACL users...: then give the ``url`` clients must use
+        self.url = (url or "redis://127.0.0.1:{port}/0").format(port=self.port)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.workdir),
+            "--save",
+            "",
+            "--maxmemory-policy",
+            "noeviction",
+        ]
+        args += ["--appendonly", "yes", "--appendfsync", "everysec"] if self.durable else ["--appendonly", "no"]
+        args += self.extra_args
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = Redis.from_url(self.url)
+        try:
+            for _ in range(500):
+                try:
+                    client.ping()
+                    return self
+                except RedisError:
+                    time.sleep(0.02)
+        finally:
+            client.close()
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=10)
+
+
+def redis_answers(url: str) -> bool:
+    client = Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5)
+    try:
+        return bool(client.ping())
+    except RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def _children(pid: int) -> list[tuple[int, int]]:
+    """(pid, process group) of each child process of ``pid``, from /proc."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # state, ppid, pgrp, ...
+        if int(fields[1]) == pid:
+            children.append((int(entry.name), int(fields[2])))
+    return children
+
+
+def children_of(pid: int) -> list[int]:
+    """Child processes of ``pid``: its work horse, and RQ's scheduler process if it runs one. The
+    horse calls setpgrp(), so killing a worker's process group misses it: a test or demo that means
+    "this machine died" kills them all."""
+    return [child for child, _group in _children(pid)]
+
+
+def horses_of(pid: int) -> list[int]:
+    """The work horse(s) of worker ``pid``: the children that lead their own process group (RQ's
+    scheduler child stays in the worker's group)."""
+    return [child for child, group in _children(pid) if group == child]
+
+
+class WorkerProcesses:
+    """``agentpool worker`` processes sharing one environment."""
+
+    def __init__(self, env: dict[str, str], logdir: Path, cwd: str | None = None) -> None:
+        self.env, self.logdir, self.cwd = env, logdir, cwd
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._logs: list[IO[bytes]] = []
+
+    def start(self, n: int = 1, *args: str, **env: str) -> list[subprocess.Popen[bytes]]:
+        started = []
+        for _ in range(n):
+            log = open(self.logdir / f"worker-{len(self.procs)}.log", "wb")  # noqa: SIM115 - closed by stop()
+            self._logs.append(log)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "agentpool", "worker", *args],
+                env={**self.env, **env},
+                cwd=self.cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            self.procs.append(proc)
+            started.append(proc)
+        return started
+
+    def alive(self) -> list[subprocess.Popen[bytes]]:
+        return [p for p in self.procs if p.poll() is None]
+
+    def kill(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL, *, with_horse: bool = True) -> None:
+        targets = children_of(proc.pid) if with_horse else []
+        for pid in [proc.pid, *targets]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        if sig == signal.SIGKILL:
+            proc.wait(timeout=10)
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                self.kill(proc, sig)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill(proc)
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def logs(self, tail: int = 4000) -> str:
+        return "\n".join(p.read_text(errors="replace")[-tail:] for p in sorted(self.logdir.glob("worker-*.log")))
+
+
+def scratch_dir(prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix))

@@ -1,0 +1,98 @@
+"""Token estimates and prompt caching, as the API counts them: a prefix up to a cache breakpoint is
+written once and read while it lives (5 min, or 1 h with ttl "1h"); shorter prefixes are not cached."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from agentpool.testing.scripted_model.common import canonical, estimate_tokens
+
+CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}
+
+
+def strip_cache_control(block: Any) -> tuple[Any, str | None]:
+    """Block without cache_control (also inside tool_result content) and the marker's TTL, if any."""
+    if not isinstance(block, dict):
+        return block, None
+    ttl = None
+    stripped = {k: v for k, v in block.items() if k != "cache_control"}
+    if block.get("cache_control"):
+        ttl = block["cache_control"].get("ttl", "5m")
+    if block.get("type") == "tool_result" and isinstance(block.get("content"), list):
+        inner = []
+        for sub in block["content"]:
+            sub_stripped, sub_ttl = strip_cache_control(sub)
+            inner.append(sub_stripped)
+            ttl = ttl or sub_ttl
+        stripped["content"] = inner
+    return stripped, ttl
+
+
+def cache_units(body: dict) -> tuple[list, list[tuple[int, str]]]:
+    """The prompt as an ordered list of units (tools, system, message blocks) without cache_control,
+    and the (unit index, ttl) of every cache breakpoint, in the API's prefix order."""
+    units: list = []
+    markers: list[tuple[int, str]] = []
+
+    def add(unit: Any, ttl: str | None) -> None:
+        units.append(unit)
+        if ttl:
+            markers.append((len(units) - 1, ttl))
+
+    for tool in body.get("tools") or []:
+        stripped, ttl = strip_cache_control(tool)
+        add(["tool", stripped], ttl)
+    system = body.get("system")
+    if isinstance(system, str):
+        add(["system", system], None)
+    elif isinstance(system, list):
+        for block in system:
+            stripped, ttl = strip_cache_control(block)
+            add(["system", stripped], ttl)
+    for i, msg in enumerate(body.get("messages") or []):
+        content = msg.get("content") if isinstance(msg, dict) else None
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if isinstance(content, str):
+            add(["message", i, role, content], None)
+            continue
+        for block in content or []:
+            stripped, ttl = strip_cache_control(block)
+            add(["message", i, role, stripped], ttl)
+    return units, markers
+
+
+class PromptCache:
+    """Remembers prefix hashes until they expire (5 min, or 1 h with ttl "1h"), like the API's cache."""
+
+    def __init__(self, min_tokens: int) -> None:
+        self.min_tokens = min_tokens
+        self._expiry: dict[str, float] = {}
+
+    def clear(self) -> None:
+        self._expiry.clear()
+
+    def usage(self, body: dict) -> dict[str, int]:
+        """Input-side usage for one request; caller holds the model's lock."""
+        units, markers = cache_units(body)
+        total = estimate_tokens(canonical(units))
+        now = time.monotonic()
+        self._expiry = {k: t for k, t in self._expiry.items() if t > now}
+        prefixes = []
+        for pos, ttl in markers:
+            text = canonical(units[: pos + 1])
+            tokens = len(text) // 4
+            if tokens >= self.min_tokens:  # shorter prefixes are silently not cached, as in the API
+                key = hashlib.sha256(f"{body['model']}\0{text}".encode()).hexdigest()
+                prefixes.append((tokens, key, CACHE_TTLS[ttl]))
+        read = max((tokens for tokens, key, _ in prefixes if key in self._expiry), default=0)
+        longest = max((tokens for tokens, _, _ in prefixes), default=0)
+        creation = longest - read
+        for _, key, ttl_s in prefixes:  # a hit refreshes the entry's lifetime, as in the API
+            self._expiry[key] = max(self._expiry.get(key, 0.0), now + ttl_s)
+        return {
+            "input_tokens": max(0, total - read - creation),
+            "cache_creation_input_tokens": creation,
+            "cache_read_input_tokens": read,
+        }

@@ -1,0 +1,81 @@
+"""What the scripted model's parts share: the API's error shape, ids, token estimates, thinking signatures."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+import string
+from typing import Any
+
+# Signatures only need to be unforgeable by the client and stable within one server process.
+_SIGNING_SECRET = secrets.token_bytes(32)
+
+
+_BASE62 = string.ascii_letters + string.digits
+
+
+ERROR_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    502: "api_error",
+    503: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+class ApiError(Exception):
+    """An error answered in the API's error shape."""
+
+    def __init__(self, status: int, err_type: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.err_type = err_type
+        self.message = message
+        self.headers = headers or {}
+
+
+def invalid(message: str) -> ApiError:
+    return ApiError(400, "invalid_request_error", message)
+
+
+def random_id(prefix: str, length: int = 24) -> str:
+    return prefix + "".join(secrets.choice(_BASE62) for _ in range(length))
+
+
+def canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def estimate_tokens(text: str) -> int:
+    return max(1, len(text) // 4)
+
+
+def sign_thinking(thinking: str) -> str:
+    """Signature of a thinking block; only this process can make one that verifies."""
+    digest = hmac.new(_SIGNING_SECRET, thinking.encode("utf-8"), hashlib.sha256).digest()
+    return base64.b64encode(digest).decode("ascii")
+
+
+def parse_json(raw: bytes) -> Any:
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid(f"There was an error parsing the body: {exc}") from None
+
+
+def error_body(err: ApiError, request_id: str) -> dict:
+    return {"type": "error", "error": {"type": err.err_type, "message": err.message}, "request_id": request_id}

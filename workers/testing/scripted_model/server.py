@@ -1,0 +1,281 @@
+"""The scripted model's HTTP server: ``ScriptedModel`` serves ``POST /v1/messages`` from a ``ScriptBook``,
+validating each request as the API does, and a few endpoints of its own for tests."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+import urllib.parse
+from collections.abc import Callable
+from typing import Any, Self
+
+from agentpool.testing.scripted_model.cache import PromptCache
+from agentpool.testing.scripted_model.common import (
+    ApiError,
+    canonical,
+    error_body,
+    estimate_tokens,
+    invalid,
+    parse_json,
+    random_id,
+)
+from agentpool.testing.scripted_model.scripts import STOP_SEQUENCE, InjectedError, ScriptBook, build_content
+from agentpool.testing.scripted_model.validation import validate_request
+
+MAX_REJECTIONS_KEPT = 50
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], model: ScriptedModel) -> None:
+        self.model = model
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
+        super().__init__(address, _Handler)
+
+    # Track keep-alive connections so stop() can close them: otherwise a client's pooled connection
+    # would keep being served by a handler thread after the server "stopped".
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._connections_lock:
+            self._connections.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._connections_lock:
+            self._connections.discard(request)
+        super().shutdown_request(request)
+
+    def close_connections(self) -> None:
+        with self._connections_lock:
+            connections = list(self._connections)
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive, like the real API; every reply sets Content-Length
+    disable_nagle_algorithm = True  # else Nagle + delayed ACK add ~40 ms to every reply
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # quiet: tests and the demo run many requests; /_stats is the way to look inside
+
+    def do_GET(self) -> None:
+        self.server.model._dispatch(self, "GET")
+
+    def do_POST(self) -> None:
+        self.server.model._dispatch(self, "POST")
+
+    def do_PUT(self) -> None:
+        self.server.model._dispatch(self, "PUT")
+
+    def do_DELETE(self) -> None:
+        self.server.model._dispatch(self, "DELETE")
+
+    def do_PATCH(self) -> None:
+        self.server.model._dispatch(self, "PATCH")
+
+
+class ScriptedModel:
+    """Scripted Messages API server. ``ScriptedModel(scripts).start()`` then use ``base_url``."""
+
+    def __init__(
+        self,
+        scripts: dict[str, list[dict]] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        cache_min_tokens: int = 1024,
+    ) -> None:
+        self._book = ScriptBook(scripts)
+        self._host = host
+        self._port = port
+        self._lock = threading.Lock()
+        self._cache = PromptCache(cache_min_tokens)
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._routes: dict[str, dict[str, Callable[[Any], tuple[int, dict]]]] = {
+            "/v1/messages": {"POST": self._handle_messages},
+            "/_stats": {"GET": lambda _body: (200, self.stats())},
+            "/_scripts": {"POST": self._handle_set_scripts},
+            "/_reset": {"POST": self._handle_reset},
+        }
+        self._reset_counters()
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> ScriptedModel:
+        if self._server is not None:
+            return self
+        self._server = _Server((self._host, self._port), self)
+        # A short poll interval keeps stop() (which waits for the next poll) fast in test teardown.
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="scripted-model", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.shutdown()
+        server.close_connections()
+        server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def base_url(self) -> str:
+        if self._server is None:
+            raise RuntimeError("ScriptedModel is not started")
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    # ---- state -----------------------------------------------------------------------------------
+
+    def _reset_counters(self) -> None:
+        with self._lock:
+            self._counts = {"requests": 0, "responses": 0, "rejected": 0, "errors_injected": 0}
+            self._rejections: list[str] = []
+            self._by_script: dict[str, int] = {}
+            self._book.forget_errors()
+            self._cache.clear()
+
+    def reset(self) -> None:
+        self._reset_counters()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {**self._counts, "rejections": list(self._rejections), "by_script": dict(self._by_script)}
+
+    def set_scripts(self, scripts: dict[str, list[dict]]) -> list[str]:
+        return self._book.replace(scripts)
+
+    # ---- HTTP plumbing ---------------------------------------------------------------------------
+
+    def _dispatch(self, handler: _Handler, method: str) -> None:
+        request_id = random_id("req_")
+        try:
+            # Read the body even for a request we reject: with keep-alive, unread bytes would be
+            # taken for the next request on this connection.
+            raw = self._read_raw_body(handler)
+            path = urllib.parse.urlsplit(handler.path).path.rstrip("/") or "/"
+            methods = self._routes.get(path)
+            if methods is None:
+                raise ApiError(404, "not_found_error", f"Not found: {method} {path}")
+            if method not in methods:
+                raise ApiError(
+                    405,
+                    "invalid_request_error",
+                    f"Method {method} not allowed for {path}",
+                    {"allow": ", ".join(methods)},
+                )
+            if path == "/v1/messages":
+                with self._lock:
+                    self._counts["requests"] += 1
+                self._check_auth(handler)
+            status, payload = methods[method](parse_json(raw))
+            self._send(handler, status, payload, request_id, {})
+        except InjectedError as injected:
+            with self._lock:
+                self._counts["errors_injected"] += 1
+            self._send(
+                handler,
+                injected.error.status,
+                error_body(injected.error, request_id),
+                request_id,
+                injected.error.headers,
+            )
+        except ApiError as err:
+            self._record_rejection(err.message)
+            self._send(handler, err.status, error_body(err, request_id), request_id, err.headers)
+
+    @staticmethod
+    def _read_raw_body(handler: _Handler) -> bytes:
+        try:
+            length = int(handler.headers.get("content-length") or 0)
+        except ValueError:
+            raise invalid("Content-Length header is not an integer") from None
+        return handler.rfile.read(length) if length > 0 else b""
+
+    @staticmethod
+    def _check_auth(handler: _Handler) -> None:
+        # Presence only: the value is never compared, logged or stored.
+        bearer = handler.headers.get("authorization", "")
+        has_bearer = bearer.lower().startswith("bearer ") and bearer[7:].strip() != ""
+        if not (handler.headers.get("x-api-key") or has_bearer):
+            raise ApiError(401, "authentication_error", "x-api-key header is required")
+        if not handler.headers.get("anthropic-version"):
+            raise invalid("anthropic-version: header is required")
+
+    @staticmethod
+    def _send(handler: _Handler, status: int, payload: dict, request_id: str, headers: dict[str, str]) -> None:
+        data = json.dumps(payload).encode("utf-8")
+        try:
+            handler.send_response(status)
+            handler.send_header("content-type", "application/json")
+            handler.send_header("content-length", str(len(data)))
+            handler.send_header("request-id", request_id)
+            for name, value in headers.items():
+                handler.send_header(name, value)
+            handler.end_headers()
+            handler.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client gave up (e.g. its timeout fired during a scripted delay)
+
+    def _record_rejection(self, message: str) -> None:
+        with self._lock:
+            self._counts["rejected"] += 1
+            self._rejections.append(message)
+            del self._rejections[:-MAX_REJECTIONS_KEPT]
+
+    # ---- endpoints -------------------------------------------------------------------------------
+
+    def _handle_set_scripts(self, body: Any) -> tuple[int, dict]:
+        if not isinstance(body, dict):
+            raise invalid("POST /_scripts needs a JSON object mapping script names to lists of steps")
+        try:
+            names = self.set_scripts(body)
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        return 200, {"ok": True, "scripts": names}
+
+    def _handle_reset(self, _body: Any) -> tuple[int, dict]:
+        self.reset()
+        return 200, {"ok": True}
+
+    def _handle_messages(self, body: Any) -> tuple[int, dict]:
+        validate_request(body)
+        name, _index, step = self._book.step_for(body)
+        content = build_content(step)
+        stop_reason = step.get("stop_reason") or ("tool_use" if step.get("tool_calls") else "end_turn")
+        with self._lock:
+            usage = self._cache.usage(body)
+            self._counts["responses"] += 1
+            self._by_script[name] = self._by_script.get(name, 0) + 1
+        usage["output_tokens"] = estimate_tokens(canonical(content))
+        usage.update(step.get("usage") or {})
+        return 200, {
+            "id": random_id("msg_"),
+            "type": "message",
+            "role": "assistant",
+            "model": body["model"],
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": STOP_SEQUENCE if stop_reason == "stop_sequence" else None,
+            "usage": usage,
+        }

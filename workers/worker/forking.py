@@ -1,0 +1,61 @@
+"""``AgentWorker``: RQ's forking worker plus what makes takeover fast.
+
+- When a work horse dies (the OOM killer's usual victim) RQ's parent notices at once (it waits on the
+  horse's pid) and calls ``work_horse_killed_handler``. We drop the dead horse's lease and re-enqueue
+  its turn right there: no waiting for a lease to expire, nor for RQ's abandoned-job cleanup (minutes).
+- A reaper thread (see ``agentpool.runtime.reaper``) covers a worker killed whole, or its machine lost.
+- Jobs are msgpack; warm shutdown on SIGTERM lets the current turn finish, as RQ does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from redis import Redis
+from rq import Worker
+
+from agentpool.runtime.reaper import ReaperThread
+from agentpool.runtime.serializer import MsgpackSerializer
+from agentpool.runtime.settings import Settings
+from agentpool.runtime.takeover import hand_over_dead_holder
+from agentpool.store.keys import TURN_QUEUE
+
+log = logging.getLogger("agentpool.worker")
+
+
+class AgentWorker(Worker):
+    def __init__(
+        self, queues: Any = (TURN_QUEUE,), *, connection: Redis, reaper_interval: float | None = None, **kwargs: Any
+    ) -> None:
+        kwargs.setdefault("serializer", MsgpackSerializer)
+        kwargs.setdefault("work_horse_killed_handler", self._on_horse_killed)
+        super().__init__(list(queues), connection=connection, **kwargs)
+        self.reaper_interval = reaper_interval if reaper_interval is not None else Settings.from_env().reaper_interval
+
+    def _on_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
+        how = f"signal {os.WTERMSIG(ret_val)}" if os.WIFSIGNALED(ret_val) else f"exit status {os.WEXITSTATUS(ret_val)}"
+        hand_over_dead_holder(self.connection, job, f"{self.name}.{retpid}", cause=f"work horse {retpid} died ({how})")
+
+    def work(self, *args: Any, **kwargs: Any) -> bool:
+        # Every work horse is forked from this process: import the turn code here, once, or each horse
+        # imports anthropic itself (~1 s of CPU per turn, measured by `agentpool bench --only overhead`).
+        import agentpool.runtime.turn  # noqa: F401
+        from agentpool.runtime.model import warm_up
+
+        warm_up()
+        # The reaper gets its own connection pool: it runs beside the worker's blocking dequeue.
+        pool_kwargs = self.connection.connection_pool.connection_kwargs
+        reaper_conn = Redis(
+            connection_pool=type(self.connection.connection_pool)(
+                connection_class=self.connection.connection_pool.connection_class, **pool_kwargs
+            )
+        )
+        reaper = ReaperThread(reaper_conn, owner=self.name, interval=self.reaper_interval)
+        if self.reaper_interval > 0:
+            reaper.start()
+        try:
+            return super().work(*args, **kwargs)
+        finally:
+            reaper.stop()

@@ -1,0 +1,291 @@
+"""``agentpool worker --concurrency N``: the supervisor process above the threaded worker.
+
+``Supervisor`` forks the threaded worker (``agentpool.worker.threaded``) and waits on it, as RQ's worker waits
+on its work horse. When the child dies it releases every lease the child held and re-enqueues those
+turns at once (cause_kind ``horse_death``), marks the child's RQ executions failed as RQ does for a
+killed horse, and starts a new child, backing off if children keep dying young.
+
+Which runs the dead child held is read from RQ's own per-worker execution index
+(``rq:worker:<name>:executions``, one ``<job id>:<execution id>`` member per running job). RQ adds the
+member when it prepares an execution (before the turn takes its lease) and removes it in the same
+transaction that records the job's end (after the turn's last write), so it covers every lease the
+child can hold, costs no extra write per turn, and the same members are what must be failed in RQ's
+registries. A key of our own would duplicate it; scanning ``ap:runs:watch`` costs O(active runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+from uuid import uuid4
+
+import redis.exceptions
+from redis import Redis
+from rq.exceptions import NoSuchJobError
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.utils import as_text, now
+
+from agentpool.runtime.serializer import MsgpackSerializer
+from agentpool.runtime.takeover import hand_over_dead_holder
+from agentpool.worker.threaded import EXIT_COLD, ThreadedWorker
+
+log = logging.getLogger("agentpool.supervisor")
+
+COLD_KILL_AFTER = 10.0  # seconds a cold-stopped child gets before the supervisor SIGKILLs it
+HEALTHY_UPTIME = 30.0  # a worker process that lived this long was not dying young
+MAX_BACKOFF = 30.0
+
+
+def hand_over_dead_worker(r: Redis, name: str, pid: int, how: str) -> list[str]:
+    """After worker process ``pid`` (RQ name ``name``) died: release the leases it held, re-enqueue
+    those turns, fail its RQ executions as RQ fails a killed horse's job, and record its death.
+    Returns the run ids re-enqueued. Only for a process known to be gone: nothing it ran can write."""
+    ghost = ThreadedWorker(connection=r, name=name, prepare_for_work=False)
+    cause = f"threaded worker {pid} died ({how})"
+    executions = [Execution.from_composite_key(as_text(m), connection=r) for m in r.smembers(ghost.executions_key)]
+    jobs: list[tuple[Job, Execution]] = []
+    requeued = []
+    for execution in executions:
+        execution.worker_name = name
+        try:
+            job = Job.fetch(execution.job_id, connection=r, serializer=MsgpackSerializer)
+        except NoSuchJobError:
+            continue
+        jobs.append((job, execution))
+        run_id = hand_over_dead_holder(r, job, f"{name}.{pid}", cause=cause)
+        if run_id is not None:
+            requeued.append(run_id)
+    # RQ's bookkeeping after the runs are safe again: the same as its forking worker on a killed horse.
+    for job, execution in jobs:
+        try:
+            if job.get_status() == JobStatus.STARTED:
+                job.ended_at = now()
+                queue = Queue(job.origin, connection=r, serializer=MsgpackSerializer)
+                ghost.handle_job_failure(
+                    job, queue, exc_string=f"{cause}; its turn was re-enqueued", execution=execution
+                )
+        except redis.exceptions.RedisError:
+            raise
+        except Exception:
+            log.exception("supervisor: could not record the failure of job %s", job.id)
+    ghost.register_death()
+    return requeued
+
+
+def _exit_when_parent_dies(parent: int) -> None:
+    """Linux: a SIGTERM (warm shutdown) when the supervisor dies, so a SIGKILLed supervisor does not
+    leave an unwatched worker behind. Elsewhere nothing: such a worker still works, only unwatched."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # it died before the request was made
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class Supervisor:
+    """Forks the threaded worker, waits on it, hands its turns over when it dies, restarts it."""
+
+    def __init__(
+        self, r: Redis, *, name: str, concurrency: int, burst: bool, logging_level: str, with_scheduler: bool
+    ) -> None:
+        self.r, self.name, self.concurrency, self.burst = r, name, concurrency, burst
+        self.logging_level, self.with_scheduler = logging_level, with_scheduler
+        self.pid = os.getpid()
+        self.child = 0
+        self.stopping = threading.Event()
+        self._first_signal_at = 0.0
+
+    def run(self) -> int:
+        """Returns the exit status for this process: 0 after a warm shutdown (or a burst) that ended well."""
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+        quick_deaths = 0
+        while True:
+            started = time.monotonic()
+            self.child = self._fork_child()
+            if self.stopping.is_set():  # the signal came while forking: nobody forwarded it
+                self._signal_child(signal.SIGTERM)
+            status = self._wait_child()
+            child, self.child = self.child, 0
+            useful = self._finished_a_turn()
+            how = _describe_exit(status)
+            clean = os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+            if not clean:
+                log.warning("supervisor: worker %s (pid %d) %s", self.name, child, how)
+            self._bury(child, how)
+            if self.stopping.is_set() or (self.burst and clean):
+                return 0 if clean else 1
+            # Dying young is dying before finishing one turn, soon after starting (a bad deploy, Redis
+            # refusing us): back off. A worker that got work done restarts at once; a turn that kills
+            # every worker it lands on is stopped by its attempt cap (agentpool.runtime.takeover), not by this.
+            dying_young = not useful and time.monotonic() - started < HEALTHY_UPTIME
+            quick_deaths = quick_deaths + 1 if dying_young else 0
+            delay = 0.0 if quick_deaths <= 1 else min(MAX_BACKOFF, 0.5 * 2 ** (quick_deaths - 2))
+            if delay:
+                log.warning("supervisor: the worker keeps dying; restarting it in %.1f s", delay)
+            if self.stopping.wait(delay):
+                return 0
+
+    def _fork_child(self) -> int:
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:
+            # The supervisor's handlers must not run here: they would signal "the child" (pid 0).
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            # Its own process group, so the supervisor can take down the scheduler process it forks too.
+            os.setpgrp()
+            _exit_when_parent_dies(self.pid)
+            code = run_worker_process(
+                self.r,
+                name=self.name,
+                concurrency=self.concurrency,
+                burst=self.burst,
+                logging_level=self.logging_level,
+                with_scheduler=self.with_scheduler,
+            )
+        except BaseException:
+            log.exception("worker process failed")
+        finally:
+            logging.shutdown()
+            os._exit(code)
+
+    def _finished_a_turn(self) -> bool:
+        """Read before the hand-over, which counts the dead worker's turns as failed jobs."""
+        try:
+            return (
+                int(self.r.hget(ThreadedWorker.redis_worker_namespace_prefix + self.name, "successful_job_count") or 0)
+                > 0
+            )
+        except redis.exceptions.RedisError:
+            return False
+
+    def _wait_child(self) -> int:
+        # Blocking: a death is seen the instant it happens. Signal handlers run inside the wait (PEP 475).
+        _pid, status = os.waitpid(self.child, 0)
+        return status
+
+    def _bury(self, child: int, how: str) -> None:
+        """Hand over first (other workers can start on those turns now), then tidy up."""
+        try:
+            requeued = hand_over_dead_worker(self.r, self.name, child, how)
+            if requeued:
+                log.warning(
+                    "supervisor: re-enqueued %d turn(s) of worker %d: %s", len(requeued), child, ", ".join(requeued)
+                )
+        except redis.exceptions.RedisError as exc:
+            log.error("supervisor: could not hand over worker %d's turns (%s); their leases expire instead", child, exc)
+        _end_process_group(child)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self.pid:
+            return  # a forked child before it reset its handlers
+        first = not self.stopping.is_set()
+        if not first and time.monotonic() - self._first_signal_at < 1:
+            return  # the same request delivered twice (terminal and supervisor, a cgroup)
+        self.stopping.set()
+        if first:
+            self._first_signal_at = time.monotonic()
+            log.info("supervisor: warm shutdown; the worker finishes its turns in flight")
+        else:
+            log.warning("supervisor: cold shutdown; the worker's turns in flight are handed over")
+            timer = threading.Timer(COLD_KILL_AFTER, self._kill_child, args=(self.child,))
+            timer.daemon = True
+            timer.start()
+        self._signal_child(signal.SIGTERM)
+
+    def _signal_child(self, signum: int) -> None:
+        if self.child:
+            try:
+                os.kill(self.child, signum)
+            except ProcessLookupError:
+                pass
+
+    def _kill_child(self, child: int) -> None:
+        if child and child == self.child:
+            self._signal_child(signal.SIGKILL)
+
+
+def _end_process_group(pgid: int, grace: float = 3.0) -> None:
+    """What the dead worker left in its process group (RQ's scheduler process, a tool's subprocess):
+    SIGTERM, so a scheduler releases its locks for the next worker, then SIGKILL after ``grace``."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline + 2:  # a zombie someone else must reap must not hold us for ever
+        _reap_orphans()
+        try:
+            os.killpg(pgid, 0 if time.monotonic() < deadline else signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+
+
+def _reap_orphans() -> None:
+    """In a container the supervisor may be PID 1, the parent of every orphan: reap what the dead worker
+    left, or it stays a zombie (and a member of its group). Called only while no worker is running."""
+    while True:
+        try:
+            pid, _status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _describe_exit(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        return f"killed by signal {os.WTERMSIG(status)}"
+    return f"exited with status {os.waitstatus_to_exitcode(status)}"
+
+
+def run_worker_process(
+    r: Redis, *, name: str, concurrency: int, burst: bool, logging_level: str, with_scheduler: bool
+) -> int:
+    """The threaded worker itself, in the current process. Returns its exit status."""
+    os.environ["RQ_WORKER_ID"] = name  # lease tokens read "<fence>:<name>.<pid>" (agentpool.runtime.turn)
+    import agentpool.runtime.turn  # noqa: F401  (loaded before the first turn, not inside it)
+
+    worker = ThreadedWorker(connection=r, name=name, concurrency=concurrency)
+    try:
+        worker.work(burst=burst, logging_level=logging_level, with_scheduler=with_scheduler)
+    except SystemExit:
+        return worker.exit_code or EXIT_COLD
+    return worker.exit_code
+
+
+def run_threaded_worker(
+    r: Redis,
+    *,
+    name: str | None,
+    concurrency: int,
+    burst: bool = False,
+    logging_level: str = "INFO",
+    with_scheduler: bool = True,
+) -> None:
+    """``agentpool worker --concurrency N``: the supervisor in this process, the worker in a child."""
+    name = name or uuid4().hex
+    os.environ["RQ_WORKER_ID"] = name
+    # Imported once here, every worker process forked later starts ready (anthropic takes ~1 s to import):
+    # a worker restarted after an OOM kill is dequeuing again within milliseconds.
+    import agentpool.runtime.turn  # noqa: F401
+
+    code = Supervisor(
+        r, name=name, concurrency=concurrency, burst=burst, logging_level=logging_level, with_scheduler=with_scheduler
+    ).run()
+    if code:
+        raise SystemExit(code)
