@@ -11,11 +11,13 @@ from redis import Redis
 from redis.exceptions import WatchError
 
 from agentpool.agent import check_agent_path
+from agentpool.checks import limit_value
 from agentpool.runtime.approvals import decide
 from agentpool.runtime.jobs import stage_turn
+from agentpool.runtime.limits import Limits
 from agentpool.runtime.settings import Settings, connect
 from agentpool.runtime.takeover import stage_restart
-from agentpool.store import approvals, checkpoint
+from agentpool.store import approvals, checkpoint, events
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.events import emit
@@ -25,6 +27,11 @@ from agentpool.store.records import ACTIVE_STATUSES, RunState
 
 class RunTimeout(AgentPoolError):
     pass
+
+
+class ResumeRefused(AgentPoolError):
+    """``resume`` would not let another turn start: the run would stop again at once. The message
+    says what to add ("the run has used 2 of max_turns=2; resume with add_turns>=1")."""
 
 
 @dataclass
@@ -97,16 +104,14 @@ def enqueue_run(
     if not isinstance(task, str) or not task.strip():
         raise ValueError("a run needs a non-empty task text")
     limits = {
-        name: value
-        for name, value in (
-            ("max_turns", max_turns),
-            ("max_total_tokens", max_total_tokens),
-            ("max_cost_usd", max_cost_usd),
+        name: limit_value(name, value, whole=whole)
+        for name, value, whole in (
+            ("max_turns", max_turns, True),
+            ("max_total_tokens", max_total_tokens, True),
+            ("max_cost_usd", max_cost_usd, False),
         )
         if value is not None
     }
-    if any(value <= 0 for value in limits.values()):
-        raise ValueError(f"limits must be positive: {limits}")
     r = connection or connect()
     run_id = run_id or new_run_id()
     with r.pipeline(transaction=True) as pipe:
@@ -162,9 +167,14 @@ def resume(
     connection: Redis | None = None,
 ) -> Run:
     """Continue a ``stopped`` run from its checkpoint, raising its limits by the amounts given (a run
-    stopped by repeated model errors needs none)."""
-    if min(add_turns, add_tokens, add_usd) < 0:
-        raise ValueError("resume can only raise limits")
+    stopped by repeated model errors or a spend-limit 429 needs none).
+
+    A run stopped by a limit must be given enough for one more turn: ``resume`` raises
+    :class:`ResumeRefused` saying what is needed otherwise, and changes nothing. The check uses the
+    limits the run was held to when it stopped (recorded by the worker)."""
+    add_turns = limit_value("add_turns", add_turns, whole=True, zero_ok=True)
+    add_tokens = limit_value("add_tokens", add_tokens, whole=True, zero_ok=True)
+    add_usd = limit_value("add_usd", add_usd, zero_ok=True)
     r = connection or connect()
     keys = RunKeys.of(run_id)
     with r.pipeline(transaction=True) as pipe:
@@ -174,6 +184,12 @@ def resume(
                 state = checkpoint.load_run(pipe, run_id, with_messages=False)  # type: ignore[arg-type]
                 if state.status != "stopped":
                     raise AgentPoolError(f"run {run_id} is {state.status}; only a stopped run can be resumed")
+                held_to = limits_when_stopped(r, run_id)
+                short = held_to and held_to.short_of(
+                    state, {"add_turns": add_turns, "add_tokens": add_tokens, "add_usd": add_usd}
+                )
+                if short:
+                    raise ResumeRefused(f"run {run_id} would stop again at once: {short}")
                 limits = dict(state.limits)
                 for name, amount in (("extra_turns", add_turns), ("extra_tokens", add_tokens), ("extra_usd", add_usd)):
                     if amount:
@@ -202,6 +218,23 @@ def resume(
         add_usd=add_usd or None,
     )
     return get_run(run_id, connection=r)
+
+
+def limits_when_stopped(r: Redis, run_id: str) -> Limits | None:
+    """The limits a stopped run was held to, from the ``status`` event its worker wrote when it
+    stopped; None when it stopped for another reason (model errors) or before this was recorded."""
+    for _id, fields in events.latest(r, run_id, count=20):
+        if fields.get("kind") == "status":
+            return Limits.from_fields(fields) if fields.get("status") == "stopped" else None
+    return None
+
+
+def resume_needs(r: Redis, run_id: str) -> dict[str, int | float]:
+    """The least ``resume`` must add for a stopped run to take another turn (empty: nothing)."""
+    held_to = limits_when_stopped(r, run_id)
+    if held_to is None:
+        return {}
+    return held_to.needed_to_resume(checkpoint.load_run(r, run_id, with_messages=False))
 
 
 def list_runs(

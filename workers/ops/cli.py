@@ -6,15 +6,39 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 import click
 
+from agentpool.checks import InvalidLimit, limit_value
 from agentpool.runtime.settings import Settings, connect, redact_url
 from agentpool.store import ledger
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.keys import RunKeys
 
 url_option = click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
+
+
+class LimitParam(click.ParamType):
+    """A limit or an amount to add, checked by ``agentpool.checks.limit_value`` as the API checks it
+    (click's own ``FloatRange`` lets ``nan`` through)."""
+
+    def __init__(self, *, whole: bool, zero_ok: bool = False) -> None:
+        self.whole, self.zero_ok = whole, zero_ok
+        self.name = "integer" if whole else "number"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            try:
+                value = int(value) if self.whole and value.strip().lstrip("+-").isdigit() else float(value)
+            except ValueError:
+                self.fail(f"{value!r} is not a number", param, ctx)
+        try:
+            return limit_value(
+                (param.name if param else None) or "value", value, whole=self.whole, zero_ok=self.zero_ok
+            )
+        except InvalidLimit as exc:
+            self.fail(str(exc), param, ctx)
 
 
 def _fail(message: str) -> None:
@@ -91,16 +115,31 @@ def worker(
 @url_option
 @click.argument("agent")
 @click.argument("task")
-@click.option("--max-turns", type=int, default=None)
+@click.option("--max-turns", type=LimitParam(whole=True), default=None, help="Overrides the agent's max_turns.")
+@click.option(
+    "--max-total-tokens", type=LimitParam(whole=True), default=None, help="Overrides the agent's max_total_tokens."
+)
+@click.option("--max-cost-usd", type=LimitParam(whole=False), default=None, help="Overrides the agent's max_cost_usd.")
 @click.option("--wait", is_flag=True, help="Wait for the run to end and print its result.")
-@click.option("--timeout", type=float, default=600.0, show_default=True)
-def enqueue(url: str | None, agent: str, task: str, max_turns: int | None, wait: bool, timeout: float) -> None:
+@click.option("--timeout", type=LimitParam(whole=False), default=600.0, show_default=True, help="Seconds, with --wait.")
+def enqueue(
+    url: str | None,
+    agent: str,
+    task: str,
+    max_turns: int | None,
+    max_total_tokens: int | None,
+    max_cost_usd: float | None,
+    wait: bool,
+    timeout: float,
+) -> None:
     """Enqueue a run of AGENT (module:attribute) on TASK; print its id."""
     from agentpool.client import enqueue_run, wait_for_run
 
     r = connect(url)
     try:
-        run_id = enqueue_run(agent, task, connection=r, max_turns=max_turns)
+        run_id = enqueue_run(
+            agent, task, connection=r, max_turns=max_turns, max_total_tokens=max_total_tokens, max_cost_usd=max_cost_usd
+        )
     except ValueError as exc:
         _fail(str(exc))
     click.echo(run_id)
@@ -241,9 +280,11 @@ def approve(url: str | None, run_id: str, tool_use_id: str | None, deny: bool, r
 @main.command()
 @url_option
 @click.argument("run_id")
-@click.option("--add-turns", type=click.IntRange(min=0), default=0)
-@click.option("--add-tokens", type=click.IntRange(min=0), default=0)
-@click.option("--add-usd", type=click.FloatRange(min=0), default=0.0)
+@click.option("--add-turns", type=LimitParam(whole=True, zero_ok=True), default=0, help="Turns to add to max_turns.")
+@click.option(
+    "--add-tokens", type=LimitParam(whole=True, zero_ok=True), default=0, help="Tokens to add to max_total_tokens."
+)
+@click.option("--add-usd", type=LimitParam(whole=False, zero_ok=True), default=0.0, help="USD to add to max_cost_usd.")
 def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_usd: float) -> None:
     """Continue a stopped run from its checkpoint, raising its limits."""
     from agentpool.client import resume as resume_run

@@ -39,6 +39,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from agentpool import client
+from agentpool.checks import InvalidLimit, limit_value
 from agentpool.runtime.settings import Settings, redact_url
 from agentpool.store import checkpoint, events, ledger
 from agentpool.store.errors import AgentPoolError, RunNotFound
@@ -182,6 +183,8 @@ def run_detail(r: Redis, run_id: str, start: int) -> dict[str, Any]:
     header.pop("messages")
     now = time.time()
     header.update(tokens=run.total_tokens, age=max(0.0, now - run.created_at))
+    if run.status == "stopped":  # the least a resume must add (the page prefills at least that)
+        header["resume_needs"] = client.resume_needs(r, run_id)
     return {
         "now": now,
         "run": header,
@@ -195,11 +198,13 @@ def run_detail(r: Redis, run_id: str, start: int) -> dict[str, Any]:
 # -- actions -----------------------------------------------------------------------------------
 
 
-def _number(body: dict[str, Any], name: str, kind: type) -> Any:
-    value = body.get(name) or 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise HttpError(HTTPStatus.BAD_REQUEST, f"{name} must be a non-negative number")
-    return kind(value)
+def _amount(body: dict[str, Any], name: str, *, whole: bool) -> Any:
+    """An amount ``resume`` adds: absent or null is 0; NaN, Infinity (JSON allows both) and bools are a 400."""
+    value = body.get(name)
+    try:
+        return limit_value(name, 0 if value is None else value, whole=whole, zero_ok=True)
+    except InvalidLimit as exc:
+        raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
 
 
 def act(r: Redis, run_id: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -221,9 +226,9 @@ def act(r: Redis, run_id: str, action: str, body: dict[str, Any]) -> dict[str, A
     if action == "resume":
         result = client.resume(
             run_id,
-            add_turns=_number(body, "add_turns", int),
-            add_tokens=_number(body, "add_tokens", int),
-            add_usd=_number(body, "add_usd", float),
+            add_turns=_amount(body, "add_turns", whole=True),
+            add_tokens=_amount(body, "add_tokens", whole=True),
+            add_usd=_amount(body, "add_usd", whole=False),
             connection=r,
         )
         return {"ok": True, "result": result}

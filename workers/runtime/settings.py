@@ -10,19 +10,20 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
 
+from agentpool.checks import limit_value
 from agentpool.store import crypto
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_float(name: str, default: float, *, zero_ok: bool = False) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        return limit_value(name, float(raw), zero_ok=zero_ok)
     except ValueError:
-        raise SystemExit(f"{name} must be a number, got {raw!r}") from None
+        raise SystemExit(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {raw!r}") from None
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,9 @@ class Settings:
             redis_url=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
             lease_ttl=_env_float("AGENTPOOL_LEASE_TTL", 15.0),
             turn_timeout=_env_float("AGENTPOOL_TURN_TIMEOUT", 3600.0),
-            reaper_interval=_env_float("AGENTPOOL_REAPER_INTERVAL", 1.0),
-            model_retries=int(_env_float("AGENTPOOL_MODEL_RETRIES", 6)),
-            retention=int(_env_float("AGENTPOOL_RETENTION_SECONDS", 7 * 24 * 3600)),
+            reaper_interval=_env_float("AGENTPOOL_REAPER_INTERVAL", 1.0, zero_ok=True),  # 0: no reaper thread
+            model_retries=int(_env_float("AGENTPOOL_MODEL_RETRIES", 6, zero_ok=True)),
+            retention=int(_env_float("AGENTPOOL_RETENTION_SECONDS", 7 * 24 * 3600, zero_ok=True)),
         )
 
     @property
