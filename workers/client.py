@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import secrets
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from redis import Redis
+from redis import ConnectionPool, Redis
 from redis.exceptions import WatchError
 
 from agentpool.agent import check_agent_path
@@ -22,7 +23,7 @@ from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.events import emit
 from agentpool.store.keys import RunKeys
-from agentpool.store.records import ACTIVE_STATUSES, RunState
+from agentpool.store.records import ACTIVE_STATUSES, STATUSES, RunState
 
 
 class RunTimeout(AgentPoolError):
@@ -83,6 +84,38 @@ class Run:
         return asdict(self)
 
 
+# A bytes client per connection pool of the decode_responses=True clients apps hand us.
+_bytes_clients: weakref.WeakKeyDictionary[ConnectionPool, Redis] = weakref.WeakKeyDictionary()
+
+
+def _binary(connection: Redis | None) -> Redis:
+    """The client to use: agentpool reads Redis as bytes (msgpack records, and RQ requires it). A client
+    made with ``decode_responses=True`` is accepted: a bytes client with the same connection settings
+    is built from its pool once and reused."""
+    if connection is None:
+        return connect()
+    pool = connection.connection_pool
+    if not pool.connection_kwargs.get("decode_responses"):
+        return connection
+    client = _bytes_clients.get(pool)
+    if client is None:
+        try:
+            client = Redis(
+                connection_pool=type(pool)(
+                    connection_class=pool.connection_class,
+                    max_connections=pool.max_connections,
+                    **{**pool.connection_kwargs, "decode_responses": False},
+                )
+            )
+        except TypeError:
+            raise AgentPoolError(
+                f"agentpool reads Redis as bytes, as RQ does, and cannot derive a bytes client from this "
+                f"decode_responses=True client ({type(pool).__name__}); pass one made without decode_responses=True"
+            ) from None
+        _bytes_clients[pool] = client
+    return client
+
+
 def new_run_id() -> str:
     """Sortable by creation, safe in URLs and RQ job ids (letters, digits, ``_`` and ``-``)."""
     return f"r_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
@@ -112,7 +145,7 @@ def enqueue_run(
         )
         if value is not None
     }
-    r = connection or connect()
+    r = _binary(connection)
     run_id = run_id or new_run_id()
     with r.pipeline(transaction=True) as pipe:
         pipe.multi()  # RQ's enqueue joins this transaction; our commands go first
@@ -124,7 +157,7 @@ def enqueue_run(
 
 
 def get_run(run_id: str, *, connection: Redis | None = None) -> Run:
-    r = connection or connect()
+    r = _binary(connection)
     state = checkpoint.load_run(r, run_id)
     awaiting = None
     if state.status == "waiting_approval":
@@ -135,7 +168,7 @@ def get_run(run_id: str, *, connection: Redis | None = None) -> Run:
 
 def wait_for_run(run_id: str, *, timeout: float = 300.0, connection: Redis | None = None, poll: float = 0.2) -> Run:
     """Block until the run is no longer queued or running; raise RunTimeout after ``timeout`` s."""
-    r = connection or connect()
+    r = _binary(connection)
     deadline = time.monotonic() + timeout
     while True:
         state = checkpoint.load_run(r, run_id, with_messages=False)
@@ -149,7 +182,7 @@ def wait_for_run(run_id: str, *, timeout: float = 300.0, connection: Redis | Non
 def cancel_run(run_id: str, *, connection: Redis | None = None, reason: str = "cancelled by request") -> str:
     """End a run for good. A turn in flight notices at its next write and commits nothing further.
     Returns the status the run had before."""
-    r = connection or connect()
+    r = _binary(connection)
     before = checkpoint.set_status_unfenced(
         r, run_id, "cancelled", error=reason, retention_s=Settings.from_env().retention
     )
@@ -175,7 +208,7 @@ def resume(
     add_turns = limit_value("add_turns", add_turns, whole=True, zero_ok=True)
     add_tokens = limit_value("add_tokens", add_tokens, whole=True, zero_ok=True)
     add_usd = limit_value("add_usd", add_usd, zero_ok=True)
-    r = connection or connect()
+    r = _binary(connection)
     keys = RunKeys.of(run_id)
     with r.pipeline(transaction=True) as pipe:
         while True:
@@ -237,18 +270,28 @@ def resume_needs(r: Redis, run_id: str) -> dict[str, int | float]:
     return held_to.needed_to_resume(checkpoint.load_run(r, run_id, with_messages=False))
 
 
+def agent_matches(wanted: str, agent: str) -> bool:
+    """``wanted`` names ``agent`` (``myapp.agents:refunds``) by its full path, by its attribute
+    (``refunds``) or by its module or a package above it (``myapp.agents``, ``myapp``)."""
+    module, _, attribute = agent.partition(":")
+    return wanted in (agent, attribute) or module == wanted or module.startswith(wanted + ".")
+
+
 def list_runs(
     *, connection: Redis | None = None, limit: int = 100, status: str | None = None, agent: str | None = None
 ) -> list[Run]:
-    """Newest first, headers only (``messages`` left empty)."""
-    r = connection or connect()
+    """Newest first, headers only (``messages`` left empty). ``agent`` matches as ``agent_matches``
+    says; an unknown ``status`` is a ValueError listing the valid ones."""
+    if status is not None and status not in STATUSES:
+        raise ValueError(f"unknown status {status!r}; valid: {', '.join(sorted(STATUSES))}")
+    r = _binary(connection)
     runs = []
     for run_id in checkpoint.list_run_ids(r, limit=limit if not (status or agent) else limit * 20):
         try:
             state = checkpoint.load_run(r, run_id, with_messages=False)
         except AgentPoolError:
             continue
-        if (status and state.status != status) or (agent and state.agent != agent):
+        if (status and state.status != status) or (agent and not agent_matches(agent, state.agent)):
             continue
         runs.append(Run.from_state(state))
         if len(runs) >= limit:
@@ -267,7 +310,7 @@ def approve(
     """Decide on a call the run waits on (or, without ``tool_use_id``, on every one). A denied call
     gets an ``is_error`` tool_result carrying ``reason``. Returns the tool_use ids decided."""
     return decide(
-        connection or connect(),
+        _binary(connection),
         run_id,
         None if tool_use_id is None else [tool_use_id],
         approved=approved,

@@ -40,7 +40,8 @@ from redis.exceptions import RedisError
 
 from agentpool import client
 from agentpool.checks import InvalidLimit, limit_value
-from agentpool.runtime.settings import Settings, redact_url
+from agentpool.ops.redisconn import quick_client, target_url, warn_if_unreachable
+from agentpool.runtime.settings import redact_url
 from agentpool.store import checkpoint, events, ledger
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.keys import RunKeys
@@ -119,7 +120,9 @@ def list_rows(r: Redis, *, status: str | None, agent: str | None, limit: int) ->
         except AgentPoolError:
             continue  # an unreadable record is shown by `agentpool show`, not guessed at here
         agents.add(run.agent)
-        if (status and run.status != status) or (agent and run.agent != agent) or len(rows) >= limit:
+        if (status and run.status != status) or (agent and not client.agent_matches(agent, run.agent)):
+            continue
+        if len(rows) >= limit:
             continue
         rows.append(_row(run, now))
     return {"now": now, "runs": rows, "agents": sorted(agents), "statuses": sorted(STATUSES)}
@@ -342,6 +345,10 @@ class Handler(BaseHTTPRequestHandler):
             return {"token_required": bool(self.server.token)}
         if path == "/api/runs" and self.command == "GET":
             limit = min(max(number("limit", 100), 1), 500)
+            if arg("status") and arg("status") not in STATUSES:
+                raise HttpError(
+                    HTTPStatus.BAD_REQUEST, f"unknown status {arg('status')!r}; valid: {', '.join(sorted(STATUSES))}"
+                )
             return list_rows(r, status=arg("status") or None, agent=arg("agent") or None, limit=limit)
         match = RUN_PATH.match(path)
         if not match:
@@ -411,8 +418,8 @@ def make_server(r: Redis, host: str = "127.0.0.1", port: int = 8000, token: str 
 def dashboard(url: str | None, host: str, port: int, token: str | None) -> None:
     """Serve a web page for watching and steering runs."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    target = url or Settings.from_env().redis_url
-    r = Redis.from_url(target, socket_connect_timeout=2, socket_timeout=10, health_check_interval=30)
+    target = target_url(url)
+    r = quick_client(url, health_check_interval=30)
     try:
         server = make_server(r, host, port, token)
     except ValueError as exc:
@@ -425,6 +432,7 @@ def dashboard(url: str | None, host: str, port: int, token: str | None) -> None:
         f"({'token required' if token else 'no token: localhost only'}) from {redact_url(target)}",
         err=True,
     )
+    warn_if_unreachable(r, "the page shows 'Redis unavailable' until it answers")
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:

@@ -28,8 +28,9 @@ from redis import Redis
 from redis.exceptions import RedisError
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
+from agentpool.ops.redisconn import quick_client, target_url, warn_if_unreachable
 from agentpool.runtime.jobs import turn_queue
-from agentpool.runtime.settings import Settings, redact_url
+from agentpool.runtime.settings import redact_url
 from agentpool.store import stats
 from agentpool.store.keys import RUNS, RUNS_WATCH, TURN_QUEUE, RunKeys
 from agentpool.store.records import STATUSES
@@ -198,7 +199,7 @@ def registry_for(r: Redis, *, max_runs: int = DEFAULT_MAX_RUNS) -> CollectorRegi
     return registry
 
 
-def start_metrics_server(port: int, r: Redis, *, host: str = "0.0.0.0", max_runs: int = DEFAULT_MAX_RUNS) -> None:
+def start_metrics_server(port: int, r: Redis, *, host: str = "127.0.0.1", max_runs: int = DEFAULT_MAX_RUNS) -> None:
     """Serve ``/metrics`` on ``host:port`` from a daemon thread (it dies with the worker)."""
     start_http_server(port, addr=host, registry=registry_for(r, max_runs=max_runs))
     log.info("serving Prometheus metrics on http://%s:%d/metrics", host, port)
@@ -207,7 +208,12 @@ def start_metrics_server(port: int, r: Redis, *, host: str = "0.0.0.0", max_runs
 @click.command()
 @click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
 @click.option("--port", "-p", type=int, required=True, help="Port to serve /metrics on.")
-@click.option("--host", default="0.0.0.0", show_default=True, help="Address to bind.")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to bind; 0.0.0.0 for a Prometheus on another machine (the deploy manifests pass it).",
+)
 @click.option(
     "--max-runs",
     type=click.IntRange(min=1),
@@ -217,15 +223,15 @@ def start_metrics_server(port: int, r: Redis, *, host: str = "0.0.0.0", max_runs
 )
 def metrics(url: str | None, port: int, host: str, max_runs: int) -> None:
     """Serve pool-wide Prometheus metrics read from Redis (any number of these may run)."""
-    target = url or Settings.from_env().redis_url
     # Short timeouts and no retry loop: a scrape should report agentpool_redis_up 0 within
     # Prometheus's scrape timeout, not hang while Redis is away.
-    r = Redis.from_url(target, socket_connect_timeout=2, socket_timeout=5)
+    r = quick_client(url, socket_timeout=5)
     try:
         start_metrics_server(port, r, host=host, max_runs=max_runs)
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
-    click.echo(f"agentpool metrics on http://{host}:{port}/metrics from {redact_url(target)}", err=True)
+    click.echo(f"agentpool metrics on http://{host}:{port}/metrics from {redact_url(target_url(url))}", err=True)
+    warn_if_unreachable(r, "serving agentpool_redis_up 0 until it answers")
     try:
         threading.Event().wait()
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from redis import BlockingConnectionPool, Redis
 from redis.backoff import ExponentialBackoff
+from redis.connection import parse_url
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
 
@@ -67,6 +68,22 @@ def configure_encryption() -> None:
 configure_encryption()
 
 
+URL_FORM = "expected redis://[user:password@]host:port/db, rediss://… (TLS) or unix:///path/to/redis.sock"
+
+
+class BadRedisUrl(ValueError):
+    """A Redis URL redis-py cannot use; the message names the expected form, never the password."""
+
+
+def check_redis_url(url: str, *, subject: str = "the Redis URL") -> str:
+    """``url`` if redis-py can connect with it; otherwise a :class:`BadRedisUrl` saying what is expected."""
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise BadRedisUrl(f"{subject} is not a Redis URL: {redact_url(url)!r} ({exc}); {URL_FORM}") from None
+    return url
+
+
 def connect(url: str | None = None, *, max_connections: int | None = None) -> Redis:
     """A client that rides out a dropped connection or a Redis restart (~15 s of retries) instead of
     failing the turn. Bytes in, bytes out: RQ requires ``decode_responses=False``.
@@ -80,7 +97,7 @@ def connect(url: str | None = None, *, max_connections: int | None = None) -> Re
         "health_check_interval": 30,
         "socket_keepalive": True,
     }
-    url = url or Settings.from_env().redis_url
+    url = check_redis_url(url or Settings.from_env().redis_url, subject="REDIS_URL" if url is None else "the Redis URL")
     if max_connections is None:
         return Redis.from_url(url, **options)
     return Redis(
@@ -89,10 +106,14 @@ def connect(url: str | None = None, *, max_connections: int | None = None) -> Re
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password, for logs and banners."""
-    if "@" not in url:
+    """The URL without its password, for logs, banners and error messages. A lone credential before
+    ``@`` (``redis://secret@host``) is taken for a password too; an ACL user name is kept."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" not in rest:
         return url
-    scheme, _, rest = url.partition("://")
     creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user + ':***@' if user else '***@'}{host}"
+    user, colon, _password = creds.partition(":")
+    shown = f"{user}:***@" if colon and user else "***@"
+    return f"{scheme}{sep}{shown}{host}"
