@@ -26,26 +26,27 @@ from agentpool.runtime.settings import BadRedisUrl, Settings, check_redis_url, r
 _target: dict[str, str] = {}
 
 
-def target_url(url: str | None) -> str:
+def target_url(url: str | None, *, param: str = "url") -> str:
     """The URL a command was given (``--url``, else ``REDIS_URL``, else the default), checked: a
     malformed one is a :class:`BadRedisUrl` naming where it came from and the expected form."""
     ctx = click.get_current_context(silent=True)
-    source = ctx.get_parameter_source("url") if ctx is not None and "url" in ctx.params else None
+    source = ctx.get_parameter_source(param) if ctx is not None and param in ctx.params else None
+    flag = "--" + param.replace("_", "-")
     if url is None:
         subject, origin = "the default URL", "the default; set REDIS_URL or pass --url"
     elif source is ParameterSource.ENVIRONMENT:
         subject, origin = "REDIS_URL", "from REDIS_URL"
     else:
-        subject, origin = "--url", "from --url"
+        subject, origin = flag, f"from {flag}"
     url = url or Settings.from_env().redis_url
     _target.update(url=redact_url(url), origin=origin)
     return check_redis_url(url, subject=subject)
 
 
-def quick_client(url: str | None, *, socket_timeout: float = 10.0, **options: Any) -> Redis:
+def quick_client(url: str | None, *, socket_timeout: float = 10.0, param: str = "url", **options: Any) -> Redis:
     """A client for a command a person waits on: 2 s to connect, one quick retry, no 15 s ride-out."""
     return Redis.from_url(
-        target_url(url),
+        target_url(url, param=param),
         socket_connect_timeout=2,
         socket_timeout=socket_timeout,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1),
