@@ -149,3 +149,21 @@ async def async_hang(item: str) -> str:
 
 
 asynchronous = Agent(model="claude-sonnet-5-5", system="Be brief.", tools=[async_lookup, async_hang], max_turns=5)
+
+
+@tool(effect="unsafe", requires_approval=True)
+def issue_credit(order: str, cents: int) -> str:
+    """Credit a customer's account for an order (a person approves each credit)."""
+    record("issue_credit", order=order, cents=cents)
+    return f"credited {cents} cents for {order}"
+
+
+@tool(effect="read")
+def order_status(order: str) -> str:
+    """Look up where an order is."""
+    return f"order {order}: shipped on Monday"
+
+
+refunds = Agent(
+    model="claude-sonnet-5-5", system="You handle refunds.", tools=[issue_credit, order_status], max_turns=6
+)
