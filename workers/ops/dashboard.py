@@ -5,11 +5,14 @@ below, which read Redis through ``agentpool.client`` and ``store``::
 
     GET  /api/config                      {"token_required": bool}
     GET  /api/runs?status=&agent=&limit=  run headers, newest first
-    GET  /api/runs/<id>?from=N            header, messages[N:], ledger (messages are append-only)
+    GET  /api/runs/<id>?from=N            header (with resume_needs when stopped), messages[N:], ledger
     GET  /api/runs/<id>/events?after=ID   events after stream id ID
     POST /api/runs/<id>/cancel            {}
     POST /api/runs/<id>/approve           {"tool_use_id": str|null, "approved": bool, "reason": str|null}
     POST /api/runs/<id>/resume            {"add_turns": int, "add_tokens": int, "add_usd": float}
+
+Errors are ``{"error": text}``: 400 bad input (NaN, an unknown status), 401, 403, 404, 409 refused by
+the run's state (a resume that cannot help), 415, 503 Redis unavailable. The README documents it all.
 
 Security. Bound to a loopback address and given no token, anyone on this machine may act, and requests
 naming another Host are refused (a DNS-rebinding page cannot reach it). Bound anywhere else, it refuses

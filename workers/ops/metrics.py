@@ -46,12 +46,25 @@ COST_FIELD = "cost_usd"
 
 # (ap:stats metric, label name, help text, label values always exported, at 0 until seen)
 COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
-    ("turns", None, "Turns a worker started to call the model (a budget can still stop one before the call).", ()),
-    ("tool_calls", "effect", "Tool executions started, by the tool's effect class.", ("read", "idempotent", "unsafe")),
+    (
+        "turns",
+        None,
+        (
+            "Turn starts: each time a worker took a turn's lease, retries after a crash or a model error, "
+            "tool-only turns after an approval and turns a limit stops before the call included."
+        ),
+        (),
+    ),
+    (
+        "tool_calls",
+        "effect",
+        "Tool executions started (an intent written), re-runs after a crash included, by effect class.",
+        ("read", "idempotent", "unsafe"),
+    ),
     (
         "reconciliations",
         "outcome",
-        "Dangling tool_uses reconciled after a crash, by outcome.",
+        "Dangling tool_uses settled after a crash without running, by outcome (replayed, verified, unknown).",
         ("replayed", "verified", "unknown"),
     ),
     (
@@ -60,13 +73,19 @@ COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
         "Turns re-enqueued because their worker was gone, by cause.",
         ("horse_death", "lease_expiry", "job_lost"),
     ),
-    ("model_errors", "type", "Transient model API errors (the turn is retried later), by type.", ()),
-    ("tokens", "kind", "Tokens reported by the model API, by kind.", stats.TOKEN_FIELDS),
-    ("status_changes", "status", "Runs entering a status.", ()),
+    ("model_errors", "type", "Transient model API errors whose turn was retried later, by type.", ()),
+    ("tokens", "kind", "Tokens of every model call paid for, by kind.", stats.TOKEN_FIELDS),
+    ("status_changes", "status", "Runs entering a status (a resumed run enters running again).", ()),
 )
 HISTOGRAMS = (
-    ("turn_seconds", "Wall time of a turn that ran tools, from lease to save point B."),
-    ("model_call_seconds", "Wall time of one messages.create call that answered."),
+    (
+        "turn_seconds",
+        (
+            "Wall time of a turn that ran tools and committed them (save point B), from lease to commit; "
+            "final turns, turns that stop, fail or wait for a person, and turns lost to a crash are not counted."
+        ),
+    ),
+    ("model_call_seconds", "Wall time of one model call that answered; _count is the number of calls paid for."),
 )
 
 
@@ -149,7 +168,9 @@ class PoolCollector(Collector):
             by_status,
             GaugeMetricFamily("agentpool_runs_indexed", "Runs in the ap:runs index (every run kept).", value=indexed),
             GaugeMetricFamily(
-                "agentpool_runs_active", "Runs queued or running (exact, any age).", value=int(self.r.zcard(RUNS_WATCH))
+                "agentpool_runs_active",
+                "Runs the reaper watches: queued or running, or waiting for an approval with a deadline (exact, any age).",
+                value=int(self.r.zcard(RUNS_WATCH)),
             ),
         ]
 
