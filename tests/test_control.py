@@ -27,6 +27,7 @@ from agentpool import (
 from agentpool.client import resume_needs
 from agentpool.ops.dashboard import make_server
 from agentpool.runtime.jobs import turn_queue
+from agentpool.store.codec import pack
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import SCHEMA_VERSION
 
@@ -401,3 +402,7 @@ def test_nan_infinity_and_bools_are_refused_on_every_way_a_limit_is_set(r, pool,
             assert status == 400 and "must be" in doc["error"], (body, status, doc)
     after = get_run(run_id, connection=r)
     assert (after.status, after.limits) == ("stopped", stopped.limits), "every refusal left the run as it was"
+
+    # A NaN an older version let into the record is replaced by the next resume, not added to.
+    r.hset(RunKeys.of(run_id).run, "limits", pack({**stopped.limits, "extra_usd": math.nan}))
+    assert resume(run_id, add_usd=1.0, connection=r).limits["extra_usd"] == 1.0

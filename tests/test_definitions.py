@@ -183,3 +183,13 @@ def test_whole_limits_refuse_fractions_and_accept_whole_floats():
 def test_tool_timeouts_are_finite_positive_numbers(option, value):
     with pytest.raises(InvalidLimit, match=option):
         tool(effect="read", **{option: value})(lambda item: item)
+
+
+def test_a_nan_limit_already_in_a_record_does_not_switch_a_budget_off():
+    from agentpool.runtime.limits import Limits
+
+    agent = Agent(model="claude-sonnet-5-5", max_turns=5, max_cost_usd=1.0)
+    # As an older version could write them: a NaN budget, and NaN added by resume.
+    held = Limits.of(agent, {"max_cost_usd": math.nan, "extra_usd": math.nan, "extra_turns": math.inf})
+    assert (held.max_turns, held.max_cost_usd) == (5, 1.0), "the agent's limits hold"
+    assert Limits.of(agent, {"max_cost_usd": 2.0, "extra_usd": 0.5}).max_cost_usd == 2.5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 import weakref
@@ -226,7 +227,9 @@ def resume(
                 limits = dict(state.limits)
                 for name, amount in (("extra_turns", add_turns), ("extra_tokens", add_tokens), ("extra_usd", add_usd)):
                     if amount:
-                        limits[name] = limits.get(name, 0) + amount
+                        before = limits.get(name, 0)
+                        # A NaN an older version let in is replaced, not added to (NaN + x is NaN).
+                        limits[name] = (before if math.isfinite(before) else 0) + amount
                 pipe.multi()
                 stage_restart(
                     pipe,

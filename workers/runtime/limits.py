@@ -21,6 +21,12 @@ RAISED_BY = {"max_turns": "add_turns", "max_total_tokens": "add_tokens", "max_co
 EXTRAS = {"max_turns": "extra_turns", "max_total_tokens": "extra_tokens", "max_cost_usd": "extra_usd"}
 
 
+def _finite(value: Any) -> Any:
+    """A number stored in a run's record, or None: NaN or infinity (a record written before every way of
+    setting a limit was checked) must not switch a budget off, so it counts as not set."""
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
 @dataclass(frozen=True)
 class Limits:
     max_turns: int
@@ -30,9 +36,9 @@ class Limits:
     @classmethod
     def of(cls, agent: Agent, run_limits: Mapping[str, Any]) -> Limits:
         def pick(name: str) -> Any:
-            base = run_limits.get(name)
+            base = _finite(run_limits.get(name))
             base = getattr(agent, name) if base is None else base
-            return None if base is None else base + run_limits.get(EXTRAS[name], 0)
+            return None if base is None else base + (_finite(run_limits.get(EXTRAS[name])) or 0)
 
         return cls(pick("max_turns"), pick("max_total_tokens"), pick("max_cost_usd"))
 
