@@ -88,3 +88,9 @@ def read(
         got = r.xread({key: after}, count=count, block=block_ms) or []
         rows = got[0][1] if got else []
     return [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in rows]
+
+
+def latest(r: Redis, run_id: str, count: int = 20) -> list[tuple[str, dict[str, str]]]:
+    """The newest ``count`` events, newest first."""
+    rows = r.xrevrange(RunKeys.of(run_id).events, count=count)
+    return [(i.decode(), {k.decode(): v.decode() for k, v in f.items()}) for i, f in rows]

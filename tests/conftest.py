@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
+from agentpool.testing import assert_valid_conversation  # noqa: F401 - the tests import it from here
 from agentpool.testing.localpool import RedisNotInstalled, RedisServer, WorkerProcesses
 from agentpool.testing.scripted_model import ScriptedModel
 
@@ -126,25 +127,6 @@ def wait_for_status(r: Redis, run_id: str, status: str, timeout: float = 30) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"run {run_id} is {current}, not {status}")
         time.sleep(0.05)
-
-
-def assert_valid_conversation(messages: list[dict]) -> None:
-    """What the Messages API demands, checked independently of the scripted server: every tool_use has
-    exactly one tool_result, first in the very next user message, in order; no stray results."""
-    assert messages and messages[0]["role"] == "user"
-    for i, message in enumerate(messages):
-        content = message["content"]
-        if message["role"] != "assistant" or isinstance(content, str):
-            continue
-        ids = [b["id"] for b in content if b["type"] == "tool_use"]
-        if not ids:
-            continue
-        assert i + 1 < len(messages), f"messages[{i}] has tool_use {ids} and nothing after it"
-        following = messages[i + 1]
-        assert following["role"] == "user", f"messages[{i + 1}] should carry the tool results"
-        results = [b for b in following["content"] if b["type"] == "tool_result"]
-        assert [b["tool_use_id"] for b in results] == ids, f"results {results} do not answer {ids} in order"
-        assert following["content"][: len(ids)] == results, "tool_result blocks must come first"
 
 
 def script_task(name: str, text: str = "Summarize this week's meeting notes") -> str:

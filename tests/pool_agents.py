@@ -3,6 +3,7 @@ named by AGENTPOOL_TEST_EFFECTS: a count kept outside the system under test."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -129,3 +130,40 @@ guarded = Agent(
     model="claude-sonnet-5-5", system="Ask before deploying.", tools=[read_notes, deploy, wipe_cache], max_turns=10
 )
 budgeted = Agent(model="claude-sonnet-5-5", system="Be brief.", tools=[read_notes], max_turns=20, max_total_tokens=None)
+
+
+@tool(effect="read")
+async def async_lookup(item: str) -> str:
+    """Look something up with an async client."""
+    await asyncio.sleep(0.01)
+    record("async_lookup", item=item, in_call=current_call() is not None)
+    return f"{item}: found by an async tool"
+
+
+@tool(effect="read", timeout=0.5)
+async def async_hang(item: str) -> str:
+    """An async lookup that never answers in time."""
+    record("async_hang", item=item)
+    await asyncio.sleep(30)
+    return "too late"
+
+
+asynchronous = Agent(model="claude-sonnet-5-5", system="Be brief.", tools=[async_lookup, async_hang], max_turns=5)
+
+
+@tool(effect="unsafe", requires_approval=True)
+def issue_credit(order: str, cents: int) -> str:
+    """Credit a customer's account for an order (a person approves each credit)."""
+    record("issue_credit", order=order, cents=cents)
+    return f"credited {cents} cents for {order}"
+
+
+@tool(effect="read")
+def order_status(order: str) -> str:
+    """Look up where an order is."""
+    return f"order {order}: shipped on Monday"
+
+
+refunds = Agent(
+    model="claude-sonnet-5-5", system="You handle refunds.", tools=[issue_credit, order_status], max_turns=6
+)

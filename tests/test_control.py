@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import subprocess
 import sys
+import threading
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
 
 import pytest
 
-from agentpool import ApprovalError, approve, enqueue_run, get_run, resume, wait_for_run
+from agentpool import (
+    ApprovalError,
+    InvalidLimit,
+    ResumeRefused,
+    approve,
+    enqueue_run,
+    get_run,
+    resume,
+    wait_for_run,
+)
+from agentpool.client import resume_needs
+from agentpool.ops.dashboard import make_server
 from agentpool.runtime.jobs import turn_queue
+from agentpool.store.codec import pack
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import SCHEMA_VERSION
 
@@ -279,3 +296,113 @@ def test_finished_runs_expire_after_the_retention(r, pool, model, retention, exp
     wait_for_run(run_id, timeout=60, connection=r)
     ttl = r.ttl(RunKeys.of(run_id).run)
     assert (0 < ttl <= 2) if expires else ttl == -1
+
+
+@contextmanager
+def dashboard_in_process(r):
+    """The dashboard's real HTTP server on a free loopback port, in this process."""
+    server = make_server(r, "127.0.0.1", 0)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+
+    def post(path: str, raw: bytes) -> tuple[int, dict]:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{server.server_address[1]}{path}",
+            data=raw,
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            with err:
+                return err.code, json.loads(err.read())
+
+    try:
+        yield post
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+LOOP = [{"tool_calls": [{"name": "read_notes", "input": {"topic": str(i)}}]} for i in range(4)] + [{"text": "finished"}]
+
+
+def test_a_resume_that_cannot_help_is_refused_with_what_is_needed(r, pool, model):
+    model.set_scripts({"loop": LOOP})
+    pool.start(1)
+    by_turns = enqueue_run("pool_agents:budgeted", script_task("loop"), connection=r, max_turns=2)
+    by_tokens = enqueue_run("pool_agents:budgeted", script_task("loop"), connection=r, max_total_tokens=300)
+    by_cost = enqueue_run("pool_agents:budgeted", script_task("loop"), connection=r, max_cost_usd=0.001)
+    stopped = {run_id: wait_for_run(run_id, timeout=60, connection=r) for run_id in (by_turns, by_tokens, by_cost)}
+    assert all(run.status == "stopped" for run in stopped.values()), stopped
+
+    with pytest.raises(ResumeRefused, match=r"the run has used 2 of max_turns=2; resume with add_turns>=1"):
+        resume(by_turns, connection=r)
+    out = _cli(pool, "resume", by_turns)
+    assert out.returncode == 1 and "resume with add_turns>=1" in out.stderr, out
+    with dashboard_in_process(r) as post:
+        status, doc = post(f"/api/runs/{by_turns}/resume", b"{}")
+    assert status == 409 and "add_turns>=1" in doc["error"], (status, doc)
+
+    used = stopped[by_tokens].total_tokens
+    with pytest.raises(ResumeRefused, match=rf"used {used} of max_total_tokens=300 tokens.*add_tokens>={used - 299}"):
+        resume(by_tokens, add_tokens=used - 300, connection=r)  # one short
+    with pytest.raises(ResumeRefused, match=r"max_cost_usd=0.001; resume with add_usd>=0.0\d+"):
+        resume(by_cost, add_usd=1e-9, connection=r)
+
+    for run_id, run in stopped.items():  # refused: nothing changed
+        after = get_run(run_id, connection=r)
+        assert (after.status, after.limits, after.turns) == ("stopped", run.limits, run.turns)
+
+    needed = resume_needs(r, by_cost)["add_usd"]
+    assert resume(by_turns, add_turns=1, connection=r).status == "running"
+    assert resume(by_tokens, add_tokens=used - 299, connection=r).status == "running"
+    assert resume(by_cost, add_usd=needed, connection=r).status == "running"
+    assert wait_for_run(by_turns, timeout=60, connection=r).turns == 3, "exactly one more turn"
+    assert wait_for_run(by_tokens, timeout=60, connection=r).turns > stopped[by_tokens].turns
+    assert wait_for_run(by_cost, timeout=60, connection=r).turns > stopped[by_cost].turns
+
+
+NOT_A_LIMIT = [math.nan, math.inf, True]
+
+
+def test_nan_infinity_and_bools_are_refused_on_every_way_a_limit_is_set(r, pool, model):
+    for value in NOT_A_LIMIT:
+        for name in ("max_turns", "max_total_tokens", "max_cost_usd"):
+            with pytest.raises(InvalidLimit, match=name):
+                enqueue_run("pool_agents:budgeted", "task", connection=r, **{name: value})
+    assert r.zcard("ap:runs") == 0 and turn_queue(r).count == 0, "a refused enqueue writes nothing"
+    for flag, value in (("--max-cost-usd", "inf"), ("--max-total-tokens", "nan"), ("--max-turns", "1.5")):
+        out = _cli(pool, "enqueue", "pool_agents:budgeted", "task", flag, value)
+        assert out.returncode == 2 and flag in out.stderr and "Traceback" not in out.stderr, out
+
+    model.set_scripts({"loop": LOOP})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:budgeted", script_task("loop"), connection=r, max_cost_usd=0.001)
+    stopped = wait_for_run(run_id, timeout=60, connection=r)
+    assert stopped.status == "stopped"
+    for value in NOT_A_LIMIT:
+        for name in ("add_turns", "add_tokens", "add_usd"):
+            with pytest.raises(InvalidLimit, match=name):
+                resume(run_id, connection=r, **{name: value})
+    for flag in ("--add-usd", "--add-tokens", "--add-turns"):
+        for value in ("nan", "inf", "-1"):
+            out = _cli(pool, "resume", run_id, flag, value)
+            assert out.returncode == 2 and flag in out.stderr and "Traceback" not in out.stderr, out
+    with dashboard_in_process(r) as post:
+        for body in (
+            b'{"add_usd": NaN}',
+            b'{"add_turns": Infinity}',
+            b'{"add_tokens": -Infinity}',
+            b'{"add_usd": true}',
+        ):
+            status, doc = post(f"/api/runs/{run_id}/resume", body)
+            assert status == 400 and "must be" in doc["error"], (body, status, doc)
+    after = get_run(run_id, connection=r)
+    assert (after.status, after.limits) == ("stopped", stopped.limits), "every refusal left the run as it was"
+
+    # A NaN an older version let into the record is replaced by the next resume, not added to.
+    r.hset(RunKeys.of(run_id).run, "limits", pack({**stopped.limits, "extra_usd": math.nan}))
+    assert resume(run_id, add_usd=1.0, connection=r).limits["extra_usd"] == 1.0

@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 
 from agentpool import enqueue_run, get_run, wait_for_run
+from agentpool.runtime.jobs import turn_queue
 from agentpool.store.events import read as read_events
 from agentpool.testing.localpool import horses_of
 
@@ -35,6 +36,17 @@ CRASH_SCRIPT = [
     {"text": "All done."},
 ]
 POINTS = ["before_model_call", "after_model_reply", "after_save_a", "in_tool", "after_tool_outcome", "after_save_b"]
+
+
+def _rq_failed_jobs(r, timeout: float = 10) -> int:
+    """What `rq info` counts as failed once it has run RQ's cleanup past every dead worker's heartbeat,
+    after the worker that saw a horse die has finished its bookkeeping (polled, a few ms)."""
+    queue = turn_queue(r)
+    queue.started_job_registry.cleanup(timestamp=time.time() + 3600)
+    deadline = time.monotonic() + timeout
+    while (failed := r.zcard(queue.failed_job_registry.key)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return failed
 
 
 def _committed_usage(r, run_id: str) -> Counter:
@@ -61,6 +73,7 @@ def test_run_survives_a_work_horse_killed_at(point, r, pool, model):
     assert dict(_committed_usage(r, run_id)) == {k: v for k, v in run.usage.items()}, "usage carried over every resume"
     kills = len(list(pool.tmp.glob(f"fault-{point}-{run_id}-*")))
     assert kills >= 4, f"the fault point should have fired in most turns, fired {kills}"
+    assert _rq_failed_jobs(r) == 0, "a turn handed over is not an RQ failure"
 
     effects = [e for e in pool.effects() if e["run"] == run_id]
     by_tool = Counter(e["tool"] for e in effects)
@@ -119,6 +132,7 @@ def test_whole_worker_killed_mid_tool_is_taken_over_after_the_lease_expires(r, p
     assert run.status == "completed", (run.error, pool.logs())
     takeovers = [e for _, e in read_events(r, run_id) if e["kind"] == "takeover"]
     assert [e["cause_kind"] for e in takeovers] == ["lease_expiry"], takeovers
+    assert _rq_failed_jobs(r) == 0, "the dead worker's turn job was taken out of RQ's started registry"
     assert Counter(e["tool"] for e in pool.effects())["send_email"] == 1
     assert Counter(e["tool"] for e in pool.effects())["slow_read"] == 2, "a read tool re-runs"
     assert_valid_conversation(run.messages)

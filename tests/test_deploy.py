@@ -716,6 +716,16 @@ def test_compose_takes_secrets_from_the_host_environment_and_keeps_the_dashboard
     assert any("TOKEN" in k for k in services["dashboard"]["environment"])
 
 
+def test_metrics_listen_beyond_loopback_only_where_a_service_or_published_port_must_reach_them():
+    # `agentpool metrics` binds 127.0.0.1 unless told otherwise, as the dashboard does.
+    for command in COMMANDS:
+        if command.sub != "metrics":
+            continue
+        host = command.argv[command.argv.index("--host") + 1] if "--host" in command.argv else "127.0.0.1"
+        behind_a_network = command.where.startswith(("deploy/k8s", "deploy/compose.yaml"))
+        assert host == ("0.0.0.0" if behind_a_network else "127.0.0.1"), command
+
+
 def test_the_dashboard_token_compose_passes_is_the_one_the_dashboard_reads(agentpool_path):
     names = [k for k in compose()["services"]["dashboard"]["environment"] if "TOKEN" in k]
     help_text = subprocess.run(

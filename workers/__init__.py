@@ -8,20 +8,42 @@ turn), the definitions apps write (``agent``, ``tools``, ``context``, ``pricing`
 """
 
 from agentpool.agent import Agent
-from agentpool.client import Run, RunTimeout, approve, cancel_run, enqueue_run, get_run, list_runs, resume, wait_for_run
+from agentpool.checks import InvalidLimit
+from agentpool.client import (
+    ResumeRefused,
+    Run,
+    RunTimeout,
+    approve,
+    cancel_run,
+    enqueue_run,
+    get_run,
+    list_runs,
+    resume,
+    wait_for_run,
+)
 from agentpool.context import ToolCall, current_call
+from agentpool.pricing import set_price
 from agentpool.runtime.approvals import ApprovalError
-from agentpool.store.errors import AgentPoolError, RunNotFound
-from agentpool.tools import tool
+from agentpool.store.crypto import EncryptionKeyMissing
+from agentpool.store.errors import AgentPoolError, RunNotFound, SchemaTooNew, StoreError, UnreadableRecord
+from agentpool.tools import Tool, ToolInputError, tool
 
 __all__ = [
     "Agent",
     "AgentPoolError",
     "ApprovalError",
+    "EncryptionKeyMissing",
+    "InvalidLimit",
+    "ResumeRefused",
     "Run",
     "RunNotFound",
     "RunTimeout",
+    "SchemaTooNew",
+    "StoreError",
+    "Tool",
     "ToolCall",
+    "ToolInputError",
+    "UnreadableRecord",
     "approve",
     "cancel_run",
     "current_call",
@@ -29,6 +51,7 @@ __all__ = [
     "get_run",
     "list_runs",
     "resume",
+    "set_price",
     "tool",
     "wait_for_run",
 ]

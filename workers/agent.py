@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentpool.checks import limit_value, optional_limit
 from agentpool.tools import Tool
 
 
@@ -24,15 +25,27 @@ class Agent:
     model_options: dict[str, Any] = field(default_factory=dict)  # extra messages.create arguments
 
     def __post_init__(self) -> None:
+        if isinstance(self.tools, Tool) or not isinstance(self.tools, (list, tuple)):
+            raise TypeError(f"Agent(tools=...) takes a list of @tool functions, got {type(self.tools).__name__}")
+        for t in self.tools:
+            if not isinstance(t, Tool):  # before anything reads .name
+                what = getattr(t, "__name__", None) or repr(t)
+                raise TypeError(
+                    f"Agent(tools=...): {what} is not a tool; decorate it with @tool(effect=...) "
+                    "(read, idempotent or unsafe) so the model gets its schema and a crash is reconciled safely"
+                )
+        self.tools = list(self.tools)
         names = [t.name for t in self.tools]
         duplicates = {n for n in names if names.count(n) > 1}
         if duplicates:
             raise ValueError(f"duplicate tool names: {', '.join(sorted(duplicates))}")
-        for t in self.tools:
-            if not isinstance(t, Tool):
-                raise TypeError(f"{t!r} is not a tool: decorate it with @tool(effect=...)")
-        if self.max_turns < 1 or self.max_tokens < 1:
-            raise ValueError("max_turns and max_tokens must be positive")
+        self.max_turns = limit_value("max_turns", self.max_turns, whole=True)
+        self.max_tokens = limit_value("max_tokens", self.max_tokens, whole=True)
+        self.max_total_tokens = optional_limit("max_total_tokens", self.max_total_tokens, whole=True)
+        self.max_cost_usd = optional_limit("max_cost_usd", self.max_cost_usd)
+        self.approval_timeout = optional_limit("approval_timeout", self.approval_timeout)
+        self.tool_timeout = limit_value("tool_timeout", self.tool_timeout)
+        self.max_result_chars = limit_value("max_result_chars", self.max_result_chars, whole=True)
         self._by_name = {t.name: t for t in self.tools}
 
     def tool_named(self, name: str) -> Tool | None:

@@ -2,29 +2,38 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from redis import Redis
+from redis import ConnectionPool, Redis
 from redis.exceptions import WatchError
 
 from agentpool.agent import check_agent_path
+from agentpool.checks import limit_value
 from agentpool.runtime.approvals import decide
 from agentpool.runtime.jobs import stage_turn
+from agentpool.runtime.limits import Limits
 from agentpool.runtime.settings import Settings, connect
 from agentpool.runtime.takeover import stage_restart
-from agentpool.store import approvals, checkpoint
+from agentpool.store import approvals, checkpoint, events
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.events import emit
 from agentpool.store.keys import RunKeys
-from agentpool.store.records import ACTIVE_STATUSES, RunState
+from agentpool.store.records import ACTIVE_STATUSES, STATUSES, RunState
 
 
 class RunTimeout(AgentPoolError):
     pass
+
+
+class ResumeRefused(AgentPoolError):
+    """``resume`` would not let another turn start: the run would stop again at once. The message
+    says what to add ("the run has used 2 of max_turns=2; resume with add_turns>=1")."""
 
 
 @dataclass
@@ -76,6 +85,38 @@ class Run:
         return asdict(self)
 
 
+# A bytes client per connection pool of the decode_responses=True clients apps hand us.
+_bytes_clients: weakref.WeakKeyDictionary[ConnectionPool, Redis] = weakref.WeakKeyDictionary()
+
+
+def _binary(connection: Redis | None) -> Redis:
+    """The client to use: agentpool reads Redis as bytes (msgpack records, and RQ requires it). A client
+    made with ``decode_responses=True`` is accepted: a bytes client with the same connection settings
+    is built from its pool once and reused."""
+    if connection is None:
+        return connect()
+    pool = connection.connection_pool
+    if not pool.connection_kwargs.get("decode_responses"):
+        return connection
+    client = _bytes_clients.get(pool)
+    if client is None:
+        try:
+            client = Redis(
+                connection_pool=type(pool)(
+                    connection_class=pool.connection_class,
+                    max_connections=pool.max_connections,
+                    **{**pool.connection_kwargs, "decode_responses": False},
+                )
+            )
+        except TypeError:
+            raise AgentPoolError(
+                f"agentpool reads Redis as bytes, as RQ does, and cannot derive a bytes client from this "
+                f"decode_responses=True client ({type(pool).__name__}); pass one made without decode_responses=True"
+            ) from None
+        _bytes_clients[pool] = client
+    return client
+
+
 def new_run_id() -> str:
     """Sortable by creation, safe in URLs and RQ job ids (letters, digits, ``_`` and ``-``)."""
     return f"r_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
@@ -97,17 +138,15 @@ def enqueue_run(
     if not isinstance(task, str) or not task.strip():
         raise ValueError("a run needs a non-empty task text")
     limits = {
-        name: value
-        for name, value in (
-            ("max_turns", max_turns),
-            ("max_total_tokens", max_total_tokens),
-            ("max_cost_usd", max_cost_usd),
+        name: limit_value(name, value, whole=whole)
+        for name, value, whole in (
+            ("max_turns", max_turns, True),
+            ("max_total_tokens", max_total_tokens, True),
+            ("max_cost_usd", max_cost_usd, False),
         )
         if value is not None
     }
-    if any(value <= 0 for value in limits.values()):
-        raise ValueError(f"limits must be positive: {limits}")
-    r = connection or connect()
+    r = _binary(connection)
     run_id = run_id or new_run_id()
     with r.pipeline(transaction=True) as pipe:
         pipe.multi()  # RQ's enqueue joins this transaction; our commands go first
@@ -119,7 +158,7 @@ def enqueue_run(
 
 
 def get_run(run_id: str, *, connection: Redis | None = None) -> Run:
-    r = connection or connect()
+    r = _binary(connection)
     state = checkpoint.load_run(r, run_id)
     awaiting = None
     if state.status == "waiting_approval":
@@ -130,7 +169,7 @@ def get_run(run_id: str, *, connection: Redis | None = None) -> Run:
 
 def wait_for_run(run_id: str, *, timeout: float = 300.0, connection: Redis | None = None, poll: float = 0.2) -> Run:
     """Block until the run is no longer queued or running; raise RunTimeout after ``timeout`` s."""
-    r = connection or connect()
+    r = _binary(connection)
     deadline = time.monotonic() + timeout
     while True:
         state = checkpoint.load_run(r, run_id, with_messages=False)
@@ -144,7 +183,7 @@ def wait_for_run(run_id: str, *, timeout: float = 300.0, connection: Redis | Non
 def cancel_run(run_id: str, *, connection: Redis | None = None, reason: str = "cancelled by request") -> str:
     """End a run for good. A turn in flight notices at its next write and commits nothing further.
     Returns the status the run had before."""
-    r = connection or connect()
+    r = _binary(connection)
     before = checkpoint.set_status_unfenced(
         r, run_id, "cancelled", error=reason, retention_s=Settings.from_env().retention
     )
@@ -162,10 +201,15 @@ def resume(
     connection: Redis | None = None,
 ) -> Run:
     """Continue a ``stopped`` run from its checkpoint, raising its limits by the amounts given (a run
-    stopped by repeated model errors needs none)."""
-    if min(add_turns, add_tokens, add_usd) < 0:
-        raise ValueError("resume can only raise limits")
-    r = connection or connect()
+    stopped by repeated model errors or a spend-limit 429 needs none).
+
+    A run stopped by a limit must be given enough for one more turn: ``resume`` raises
+    :class:`ResumeRefused` saying what is needed otherwise, and changes nothing. The check uses the
+    limits the run was held to when it stopped (recorded by the worker)."""
+    add_turns = limit_value("add_turns", add_turns, whole=True, zero_ok=True)
+    add_tokens = limit_value("add_tokens", add_tokens, whole=True, zero_ok=True)
+    add_usd = limit_value("add_usd", add_usd, zero_ok=True)
+    r = _binary(connection)
     keys = RunKeys.of(run_id)
     with r.pipeline(transaction=True) as pipe:
         while True:
@@ -174,10 +218,18 @@ def resume(
                 state = checkpoint.load_run(pipe, run_id, with_messages=False)  # type: ignore[arg-type]
                 if state.status != "stopped":
                     raise AgentPoolError(f"run {run_id} is {state.status}; only a stopped run can be resumed")
+                held_to = limits_when_stopped(r, run_id)
+                short = held_to and held_to.short_of(
+                    state, {"add_turns": add_turns, "add_tokens": add_tokens, "add_usd": add_usd}
+                )
+                if short:
+                    raise ResumeRefused(f"run {run_id} would stop again at once: {short}")
                 limits = dict(state.limits)
                 for name, amount in (("extra_turns", add_turns), ("extra_tokens", add_tokens), ("extra_usd", add_usd)):
                     if amount:
-                        limits[name] = limits.get(name, 0) + amount
+                        before = limits.get(name, 0)
+                        # A NaN an older version let in is replaced, not added to (NaN + x is NaN).
+                        limits[name] = (before if math.isfinite(before) else 0) + amount
                 pipe.multi()
                 stage_restart(
                     pipe,
@@ -204,18 +256,45 @@ def resume(
     return get_run(run_id, connection=r)
 
 
+def limits_when_stopped(r: Redis, run_id: str) -> Limits | None:
+    """The limits a stopped run was held to, from the ``status`` event its worker wrote when it
+    stopped; None when it stopped for another reason (model errors) or before this was recorded."""
+    for _id, fields in events.latest(r, run_id, count=20):
+        if fields.get("kind") == "status":
+            return Limits.from_fields(fields) if fields.get("status") == "stopped" else None
+    return None
+
+
+def resume_needs(r: Redis, run_id: str) -> dict[str, int | float]:
+    """The least ``resume`` must add for a stopped run to take another turn (empty: nothing)."""
+    held_to = limits_when_stopped(r, run_id)
+    if held_to is None:
+        return {}
+    return held_to.needed_to_resume(checkpoint.load_run(r, run_id, with_messages=False))
+
+
+def agent_matches(wanted: str, agent: str) -> bool:
+    """``wanted`` names ``agent`` (``myapp.agents:refunds``) by its full path, by its attribute
+    (``refunds``) or by its module or a package above it (``myapp.agents``, ``myapp``)."""
+    module, _, attribute = agent.partition(":")
+    return wanted in (agent, attribute) or module == wanted or module.startswith(wanted + ".")
+
+
 def list_runs(
     *, connection: Redis | None = None, limit: int = 100, status: str | None = None, agent: str | None = None
 ) -> list[Run]:
-    """Newest first, headers only (``messages`` left empty)."""
-    r = connection or connect()
+    """Newest first, headers only (``messages`` left empty). ``agent`` matches as ``agent_matches``
+    says; an unknown ``status`` is a ValueError listing the valid ones."""
+    if status is not None and status not in STATUSES:
+        raise ValueError(f"unknown status {status!r}; valid: {', '.join(sorted(STATUSES))}")
+    r = _binary(connection)
     runs = []
     for run_id in checkpoint.list_run_ids(r, limit=limit if not (status or agent) else limit * 20):
         try:
             state = checkpoint.load_run(r, run_id, with_messages=False)
         except AgentPoolError:
             continue
-        if (status and state.status != status) or (agent and state.agent != agent):
+        if (status and state.status != status) or (agent and not agent_matches(agent, state.agent)):
             continue
         runs.append(Run.from_state(state))
         if len(runs) >= limit:
@@ -234,7 +313,7 @@ def approve(
     """Decide on a call the run waits on (or, without ``tool_use_id``, on every one). A denied call
     gets an ``is_error`` tool_result carrying ``reason``. Returns the tool_use ids decided."""
     return decide(
-        connection or connect(),
+        _binary(connection),
         run_id,
         None if tool_use_id is None else [tool_use_id],
         approved=approved,

@@ -9,13 +9,19 @@ passes a key that is stable for one tool_use across every retry and worker.
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
 import inspect
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_type_hints
 
 import docstring_parser
 import pydantic
+
+from agentpool.checks import optional_limit
 
 Effect = Literal["read", "idempotent", "unsafe"]
 EFFECTS: tuple[str, ...] = ("read", "idempotent", "unsafe")
@@ -43,15 +49,24 @@ class Tool:
     requires_approval: bool = False
     approval_timeout: float | None = None
     verify_fn: Callable[..., VerifyResult] | None = field(default=None, repr=False)
+    # The function as written; ``fn`` is what the worker calls (for an ``async def`` tool, a function
+    # that runs the coroutine to completion on an event loop of its own, in the tool's thread).
+    function: Callable[..., Any] | None = field(default=None, repr=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # Still callable as the plain function, for the app's own code and tests.
-        return self.fn(*args, **kwargs)
+        # Still callable as the plain function (a coroutine function stays one), for the app's own code.
+        return (self.function or self.fn)(*args, **kwargs)
+
+    @property
+    def parameters(self) -> list[str]:
+        """The names of the input the model gives (every parameter but ``idempotency_key``)."""
+        return list(self.input_model.model_fields)
 
     def verify(self, fn: Callable[..., VerifyResult]) -> Callable[..., VerifyResult]:
         """Decorator: ``@send_email.verify`` registers the hook reconcile asks when an unsafe call
-        started and nobody recorded how it ended. It gets the call's arguments and ``idempotency_key``."""
-        self.verify_fn = fn
+        started and nobody recorded how it ended. It gets the call's arguments and ``idempotency_key``.
+        Checked here: only an ``unsafe`` tool takes one, and it must accept those arguments."""
+        self.verify_fn = _checked_verify(self, fn)
         return fn
 
     def to_param(self) -> dict[str, Any]:
@@ -79,6 +94,79 @@ def _strip_titles(schema: Any) -> Any:
     return schema
 
 
+def _run_to_completion(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A plain function running the coroutine function ``fn`` on an event loop of its own. The worker
+    calls it in the tool's thread, under the tool's timeout, as it calls any tool."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        coroutine = fn(*args, **kwargs)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(coroutine)
+        # Called from inside a running loop (an async test, say): asyncio.run would refuse there.
+        context = contextvars.copy_context()
+        with ThreadPoolExecutor(1, thread_name_prefix="agentpool-async-tool") as pool:
+            return pool.submit(context.run, asyncio.run, coroutine).result()
+
+    return run
+
+
+def _callable_form(fn: Callable[..., Any], what: str) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        raise TypeError(f"{what} is a generator function: a tool returns its result, it cannot yield it")
+    return _run_to_completion(fn) if inspect.iscoroutinefunction(fn) else fn
+
+
+def _checked_verify(tool: Tool, fn: Any) -> Callable[..., VerifyResult]:
+    if tool.effect != "unsafe":
+        kind = (
+            "an idempotent tool is simply run again with the same idempotency_key"
+            if tool.effect == "idempotent"
+            else "a read tool is simply run again"
+        )
+        raise TypeError(
+            f"tool {tool.name}: a verify hook is for unsafe tools; {kind} after a crash, so its hook would never be asked"
+        )
+    if not callable(fn):
+        raise TypeError(f"tool {tool.name}: verify must be a function, got {type(fn).__name__}")
+    name = getattr(fn, "__name__", "verify")
+    try:
+        inspect.signature(fn).bind(**dict.fromkeys(tool.parameters), **{IDEMPOTENCY_PARAM: ""})
+    except TypeError as exc:
+        args = ", ".join(tool.parameters)
+        raise TypeError(
+            f"tool {tool.name}: its verify hook {name} is called with the tool's arguments ({args}) and a "
+            f"keyword {IDEMPOTENCY_PARAM}, as in `def {name}({args + ', ' if args else ''}*, {IDEMPOTENCY_PARAM})`; "
+            f"it cannot take them: {exc}"
+        ) from None
+    except ValueError:
+        pass  # no signature to check (a builtin): trust it
+    return _callable_form(fn, f"tool {tool.name}: verify hook {name}")
+
+
+def _input_model(tool_name: str, fields: dict[str, Any]) -> tuple[type[pydantic.BaseModel], dict[str, Any]]:
+    """The pydantic model of the tool's input and its JSON schema, or a TypeError naming the parameter
+    whose type cannot be described to the model."""
+    try:
+        model = pydantic.create_model(  # type: ignore[call-overload]
+            f"{tool_name}_input", __config__=pydantic.ConfigDict(extra="forbid"), **fields
+        )
+        return model, _strip_titles(model.model_json_schema())
+    except pydantic.PydanticUserError as exc:
+        for param, (hint, _field) in fields.items():
+            try:
+                pydantic.TypeAdapter(hint).json_schema()
+            except pydantic.PydanticUserError:
+                raise TypeError(
+                    f"tool {tool_name}: parameter {param!r} has type {getattr(hint, '__name__', hint)!s}, which "
+                    "cannot be described to the model as JSON Schema; take JSON-friendly input (str, int, float, "
+                    "bool, list, dict, Literal, a TypedDict or a pydantic model) and build the object inside the tool"
+                ) from None
+        raise TypeError(f"tool {tool_name}: its input cannot be described to the model: {exc}") from None
+
+
 def _build(
     fn: Callable[..., Any],
     *,
@@ -89,11 +177,24 @@ def _build(
     approval_timeout: float | None,
     verify: Callable[..., VerifyResult] | None,
 ) -> Tool:
+    if isinstance(fn, str):
+        raise TypeError(f"@tool takes keyword arguments: write @tool(effect={fn!r}), not @tool({fn!r})")
+    if isinstance(fn, Tool):
+        raise TypeError(f"{fn.name} is already a tool: apply @tool once")
+    if not callable(fn):
+        raise TypeError(f"@tool decorates a function, got {type(fn).__name__}")
     if effect not in EFFECTS:
         raise ValueError(f"effect must be one of {', '.join(EFFECTS)}; got {effect!r}")
+    label = getattr(fn, "__name__", repr(fn))
+    runner = _callable_form(fn, f"tool {label}")
+    timeout = optional_limit(f"tool {label}: timeout", timeout)
+    approval_timeout = optional_limit(f"tool {label}: approval_timeout", approval_timeout)
     doc = docstring_parser.parse(inspect.getdoc(fn) or "")
     param_docs = {p.arg_name: p.description for p in doc.params}
-    hints = get_type_hints(fn)
+    try:
+        hints = get_type_hints(fn)
+    except Exception as exc:  # noqa: BLE001 - a forward reference that does not resolve, say
+        raise TypeError(f"tool {label}: cannot read its type hints: {type(exc).__name__}: {exc}") from None
     fields: dict[str, Any] = {}
     takes_key = False
     for param in inspect.signature(fn).parameters.values():
@@ -112,24 +213,25 @@ def _build(
             f"tool {fn.__name__} is idempotent but takes no keyword-only {IDEMPOTENCY_PARAM!r}: "
             "without the key a retry is a second effect"
         )
-    tool_name = name or fn.__name__
-    model = pydantic.create_model(  # type: ignore[call-overload]
-        f"{tool_name}_input", __config__=pydantic.ConfigDict(extra="forbid"), **fields
-    )
+    tool_name = name or label
+    model, schema = _input_model(tool_name, fields)
     description = "\n\n".join(p for p in (doc.short_description, doc.long_description) if p) or tool_name
-    return Tool(
-        fn=fn,
+    built = Tool(
+        fn=runner,
         name=tool_name,
         description=description,
         effect=effect,  # type: ignore[arg-type]
         input_model=model,
-        input_schema=_strip_titles(model.model_json_schema()),
+        input_schema=schema,
         takes_key=takes_key,
         timeout=timeout,
         requires_approval=requires_approval,
         approval_timeout=approval_timeout,
-        verify_fn=verify,
+        function=fn,
     )
+    if verify is not None:
+        built.verify(verify)
+    return built
 
 
 def tool(
@@ -148,6 +250,11 @@ def tool(
     ``idempotency_key`` is safe. ``unsafe``: must not happen twice; give a ``verify`` hook if the
     effect can be looked up after a crash. ``requires_approval`` pauses the run for a person's
     decision before the call starts; ``approval_timeout`` (seconds) denies it automatically after that.
+
+    An ``async def`` tool (or hook) runs to completion on an event loop of its own in the tool's
+    thread, under the same timeout. Mistakes are refused here, not at the first call or crash: a
+    parameter type JSON Schema cannot describe, a generator, a verify hook on a read or idempotent
+    tool or one that cannot take the tool's arguments, a timeout that is not a finite positive number.
     """
 
     def wrap(f: Callable[..., Any]) -> Tool:

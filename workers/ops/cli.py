@@ -6,15 +6,41 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 import click
 
-from agentpool.runtime.settings import Settings, connect, redact_url
+from agentpool.checks import InvalidLimit, limit_value
+from agentpool.ops.redisconn import OneLineErrors, describe, quick_client, target_url
+from agentpool.runtime.settings import connect, redact_url
 from agentpool.store import ledger
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.keys import RunKeys
+from agentpool.store.records import STATUSES
 
 url_option = click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
+
+
+class LimitParam(click.ParamType):
+    """A limit or an amount to add, checked by ``agentpool.checks.limit_value`` as the API checks it
+    (click's own ``FloatRange`` lets ``nan`` through)."""
+
+    def __init__(self, *, whole: bool, zero_ok: bool = False) -> None:
+        self.whole, self.zero_ok = whole, zero_ok
+        self.name = "integer" if whole else "number"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str):
+            try:
+                value = int(value) if self.whole and value.strip().lstrip("+-").isdigit() else float(value)
+            except ValueError:
+                self.fail(f"{value!r} is not a number", param, ctx)
+        try:
+            return limit_value(
+                (param.name if param else None) or "value", value, whole=self.whole, zero_ok=self.zero_ok
+            )
+        except InvalidLimit as exc:
+            self.fail(str(exc), param, ctx)
 
 
 def _fail(message: str) -> None:
@@ -22,7 +48,7 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
-@click.group()
+@click.group(cls=OneLineErrors)
 def main() -> None:
     """agentpool: durable Claude agent runs on a pool of RQ workers."""
 
@@ -47,6 +73,12 @@ def main() -> None:
     help="Turns in flight at once in this process (threads); 1 forks a work horse per turn, as RQ does.",
 )
 @click.option("--metrics-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address --metrics-port binds (0.0.0.0 for a Prometheus on another machine).",
+)
 def worker(
     url: str | None,
     name: str | None,
@@ -55,19 +87,27 @@ def worker(
     no_scheduler: bool,
     concurrency: int,
     metrics_port: int | None,
+    metrics_host: str,
 ) -> None:
     """Run an RQ worker for agent turns."""
     from rq.logutils import setup_loghandlers
 
     # agentpool's own lines (events at INFO, takeovers, lost leases) beside RQ's, named by their logger.
     setup_loghandlers(log_level.upper(), name="agentpool", log_format="%(asctime)s %(name)s: %(message)s")
+    target = target_url(url)
     # A threaded worker's turns, RQ's heartbeat thread, the lease keeper and the reaper share its pool.
-    r = connect(url, max_connections=2 * concurrency + 16 if concurrency > 1 else None)
-    click.echo(f"agentpool worker on {redact_url(url or Settings.from_env().redis_url)}", err=True)
+    r = connect(target, max_connections=2 * concurrency + 16 if concurrency > 1 else None)
+    click.echo(f"agentpool worker on {redact_url(target)}", err=True)
+    # Say now, in one line, if Redis cannot be reached: at once for a burst worker (a script waits on
+    # it), after riding out a restart (the client's ~15 s of retries) for a long-lived one.
+    (quick_client(target) if burst else r).ping()
     if metrics_port:
         from agentpool.ops.metrics import start_metrics_server
 
-        start_metrics_server(metrics_port, r)
+        try:
+            start_metrics_server(metrics_port, r, host=metrics_host)
+        except OSError as exc:
+            raise click.ClickException(f"cannot listen on {metrics_host}:{metrics_port}: {exc}") from None
     if concurrency > 1:
         from agentpool.worker.supervisor import run_threaded_worker
 
@@ -91,16 +131,31 @@ def worker(
 @url_option
 @click.argument("agent")
 @click.argument("task")
-@click.option("--max-turns", type=int, default=None)
+@click.option("--max-turns", type=LimitParam(whole=True), default=None, help="Overrides the agent's max_turns.")
+@click.option(
+    "--max-total-tokens", type=LimitParam(whole=True), default=None, help="Overrides the agent's max_total_tokens."
+)
+@click.option("--max-cost-usd", type=LimitParam(whole=False), default=None, help="Overrides the agent's max_cost_usd.")
 @click.option("--wait", is_flag=True, help="Wait for the run to end and print its result.")
-@click.option("--timeout", type=float, default=600.0, show_default=True)
-def enqueue(url: str | None, agent: str, task: str, max_turns: int | None, wait: bool, timeout: float) -> None:
+@click.option("--timeout", type=LimitParam(whole=False), default=600.0, show_default=True, help="Seconds, with --wait.")
+def enqueue(
+    url: str | None,
+    agent: str,
+    task: str,
+    max_turns: int | None,
+    max_total_tokens: int | None,
+    max_cost_usd: float | None,
+    wait: bool,
+    timeout: float,
+) -> None:
     """Enqueue a run of AGENT (module:attribute) on TASK; print its id."""
     from agentpool.client import enqueue_run, wait_for_run
 
-    r = connect(url)
+    r = quick_client(url)
     try:
-        run_id = enqueue_run(agent, task, connection=r, max_turns=max_turns)
+        run_id = enqueue_run(
+            agent, task, connection=r, max_turns=max_turns, max_total_tokens=max_total_tokens, max_cost_usd=max_cost_usd
+        )
     except ValueError as exc:
         _fail(str(exc))
     click.echo(run_id)
@@ -119,19 +174,24 @@ def _age(seconds: float) -> str:
 
 @main.command()
 @url_option
-@click.option("--status", default=None, help="Only runs with this status.")
-@click.option("--agent", default=None, help="Only runs of this agent.")
-@click.option("--limit", type=int, default=50, show_default=True)
+@click.option("--status", type=click.Choice(sorted(STATUSES)), default=None, help="Only runs with this status.")
+@click.option(
+    "--agent",
+    default=None,
+    help="Only runs of this agent: its full path (myapp.agents:refunds), its name (refunds) or its module (myapp.agents).",
+)
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Show at most this many runs.")
 def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> None:
     """A table of runs, newest first."""
     from agentpool.client import list_runs
 
-    rows = list_runs(connection=connect(url), limit=limit, status=status, agent=agent)
-    click.echo(f"{'ID':<28} {'AGENT':<32} {'STATUS':<17} {'TURNS':>5} {'TOKENS':>9} {'AGE':>5}")
+    rows = list_runs(connection=quick_client(url), limit=limit, status=status, agent=agent)
+    click.echo(f"{'ID':<28} {'AGENT':<32} {'STATUS':<17} {'TURNS':>5} {'TOKENS':>9} {'COST':>9} {'AGE':>5}")
     now = time.time()
     for run in rows:
         click.echo(
-            f"{run.id:<28} {run.agent[:32]:<32} {run.status:<17} {run.turns:>5} {run.total_tokens:>9} {_age(now - run.created_at):>5}"
+            f"{run.id:<28} {run.agent[:32]:<32} {run.status:<17} {run.turns:>5} {run.total_tokens:>9} "
+            f"{'$' + format(run.cost_usd, '.4f'):>9} {_age(now - run.created_at):>5}"
         )
 
 
@@ -143,10 +203,10 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
     """A run's header, conversation, pending tool_uses and ledger."""
     from agentpool.client import get_run
 
-    r = connect(url)
+    r = quick_client(url)
     try:
         run = get_run(run_id, connection=r)
-        entries = ledger.read_all(r, RunKeys.of(run_id))
+        entries = _in_call_order(run.messages, ledger.read_all(r, RunKeys.of(run_id)))
     except AgentPoolError as exc:
         _fail(str(exc))
     if as_json:
@@ -154,7 +214,10 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
         doc["ledger"] = entries
         click.echo(json.dumps(doc, ensure_ascii=False, default=str))
         return
-    click.echo(f"run {run.id}  agent {run.agent}  status {run.status}  turns {run.turns}")
+    click.echo(
+        f"run {run.id}  agent {run.agent}  status {run.status}  turns {run.turns}  "
+        f"tokens {run.total_tokens}  cost ${run.cost_usd:.4f}"
+    )
     click.echo("usage " + ", ".join(f"{k}={v}" for k, v in run.usage.items()))
     if run.error:
         click.echo(f"error: {run.error}")
@@ -185,6 +248,19 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
             )
 
 
+def _in_call_order(messages: list[dict[str, Any]], entries: dict[str, Any]) -> dict[str, Any]:
+    """The ledger in the order the model asked for the calls (a hash has no order of its own)."""
+    order = [
+        block["id"]
+        for message in messages
+        if message["role"] == "assistant" and isinstance(message["content"], list)
+        for block in message["content"]
+        if block.get("type") == "tool_use"
+    ]
+    rank = {tool_use_id: n for n, tool_use_id in enumerate(order)}
+    return dict(sorted(entries.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+
+
 def _describe(content: object) -> list[str]:
     if isinstance(content, str):
         return [content[:300]]
@@ -212,7 +288,7 @@ def cancel(url: str | None, run_id: str) -> None:
     from agentpool.client import cancel_run
 
     try:
-        before = cancel_run(run_id, connection=connect(url))
+        before = cancel_run(run_id, connection=quick_client(url))
     except AgentPoolError as exc:
         _fail(str(exc))
     click.echo(
@@ -232,7 +308,7 @@ def approve(url: str | None, run_id: str, tool_use_id: str | None, deny: bool, r
     from agentpool.client import approve as decide
 
     try:
-        decided = decide(run_id, tool_use_id, approved=not deny, reason=reason, connection=connect(url))
+        decided = decide(run_id, tool_use_id, approved=not deny, reason=reason, connection=quick_client(url))
     except AgentPoolError as exc:
         _fail(str(exc))
     click.echo(f"{'denied' if deny else 'approved'}: {', '.join(decided)}")
@@ -241,15 +317,19 @@ def approve(url: str | None, run_id: str, tool_use_id: str | None, deny: bool, r
 @main.command()
 @url_option
 @click.argument("run_id")
-@click.option("--add-turns", type=click.IntRange(min=0), default=0)
-@click.option("--add-tokens", type=click.IntRange(min=0), default=0)
-@click.option("--add-usd", type=click.FloatRange(min=0), default=0.0)
+@click.option("--add-turns", type=LimitParam(whole=True, zero_ok=True), default=0, help="Turns to add to max_turns.")
+@click.option(
+    "--add-tokens", type=LimitParam(whole=True, zero_ok=True), default=0, help="Tokens to add to max_total_tokens."
+)
+@click.option("--add-usd", type=LimitParam(whole=False, zero_ok=True), default=0.0, help="USD to add to max_cost_usd.")
 def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_usd: float) -> None:
     """Continue a stopped run from its checkpoint, raising its limits."""
     from agentpool.client import resume as resume_run
 
     try:
-        run = resume_run(run_id, add_turns=add_turns, add_tokens=add_tokens, add_usd=add_usd, connection=connect(url))
+        run = resume_run(
+            run_id, add_turns=add_turns, add_tokens=add_tokens, add_usd=add_usd, connection=quick_client(url)
+        )
     except AgentPoolError as exc:
         _fail(str(exc))
     click.echo(f"{run_id}: {run.status} at turn {run.turns}")
@@ -263,7 +343,7 @@ def watch(url: str | None, run_id: str) -> None:
     from agentpool.store import checkpoint
     from agentpool.store.events import read as read_events
 
-    r = connect(url)
+    r = quick_client(url)
     try:
         state = checkpoint.load_run(r, run_id, with_messages=False)
     except AgentPoolError as exc:
@@ -273,11 +353,11 @@ def watch(url: str | None, run_id: str) -> None:
     while True:
         for event_id, event in read_events(r, run_id, after=last, block_ms=1000):
             last = event_id
-            click.echo(_event_line(event))
+            click.echo(_event_line(event_id, event))
         state = checkpoint.load_run(r, run_id, with_messages=False)
         if state.status in ("completed", "failed", "cancelled", "stopped"):
             for event_id, event in read_events(r, run_id, after=last):
-                click.echo(_event_line(event))
+                click.echo(_event_line(event_id, event))
             click.echo(
                 f"run {run_id} {state.status} after {state.turns} turns, {sum(state.usage.values())} tokens"
                 + (f": {state.error}" if state.error else "")
@@ -285,27 +365,49 @@ def watch(url: str | None, run_id: str) -> None:
             return
 
 
-def _event_line(event: dict[str, str]) -> str:
+def _event_line(event_id: str, event: dict[str, str]) -> str:
+    """One event, stamped with its own time: the milliseconds of its stream id (when Redis recorded it)."""
     kind = event.pop("kind", "?")
     detail = " ".join(f"{k}={v}" for k, v in event.items())
-    return f"{time.strftime('%H:%M:%S')} {kind:<18} {detail}"
+    at = int(event_id.split("-", 1)[0]) / 1000
+    return f"{time.strftime('%H:%M:%S', time.localtime(at))}.{int(at * 1000) % 1000:03d} {kind:<18} {detail}"
 
 
 @main.command()
 @url_option
-@click.option("--interval", type=float, default=1.0, show_default=True)
-@click.option("--once", is_flag=True, help="Scan once and exit.")
+@click.option("--interval", type=LimitParam(whole=False), default=1.0, show_default=True, help="Seconds between scans.")
+@click.option("--once", is_flag=True, help="Scan once, print what was done (or 'nothing to do') and exit.")
 def reap(url: str | None, interval: float, once: bool) -> None:
-    """Re-enqueue turns whose worker died (the reaper every worker also runs)."""
-    from agentpool.runtime.reaper import reap_once
+    """Re-enqueue turns whose worker died, deny approvals past their deadline (the reaper every worker
+    also runs). Prints one line for each thing it does."""
+    from redis.exceptions import RedisError
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    r = connect(url)
+    from agentpool.runtime.reaper import reap_once
+    from agentpool.store.keys import RUNS_WATCH
+
+    # Each thing done is reported below; the takeover module's own warning would say it twice.
+    logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(message)s")
+
+    done: list[str] = []
+
+    def report(run_id: str, what: str) -> None:
+        done.append(run_id)
+        click.echo(f"{time.strftime('%H:%M:%S')} {run_id}: {what}")
+
+    # --once answers now; the loop, like a worker, rides out a Redis restart.
+    r = quick_client(url) if once else connect(target_url(url))
     while True:
-        for run_id in reap_once(r):
-            click.echo(f"re-enqueued {run_id}")
-        if once:
-            return
+        try:
+            reap_once(r, report=report)
+            if once:
+                if not done:
+                    watched = r.zcard(RUNS_WATCH)
+                    click.echo(f"nothing to do: none of the {watched} runs watched is orphaned or past a deadline")
+                return
+        except RedisError as exc:
+            if once:
+                raise
+            click.echo(f"warning: {describe(exc)}; retrying", err=True)
         time.sleep(interval)
 
 
@@ -321,14 +423,9 @@ def genkey() -> None:
 @url_option
 def check(url: str | None) -> None:
     """Exit 0 if Redis answers within 2 s (for liveness/readiness probes), non-zero otherwise."""
-    from redis import Redis
-    from redis.exceptions import RedisError
-
-    client = Redis.from_url(url or Settings.from_env().redis_url, socket_connect_timeout=2, socket_timeout=2)
+    client = quick_client(url, socket_timeout=2)
     try:
         client.ping()
-    except RedisError as exc:
-        _fail(f"Redis unreachable at {redact_url(url or Settings.from_env().redis_url)}: {exc}")
     finally:
         client.close()
     click.echo("ok")

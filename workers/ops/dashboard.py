@@ -5,11 +5,14 @@ below, which read Redis through ``agentpool.client`` and ``store``::
 
     GET  /api/config                      {"token_required": bool}
     GET  /api/runs?status=&agent=&limit=  run headers, newest first
-    GET  /api/runs/<id>?from=N            header, messages[N:], ledger (messages are append-only)
+    GET  /api/runs/<id>?from=N            header (with resume_needs when stopped), messages[N:], ledger
     GET  /api/runs/<id>/events?after=ID   events after stream id ID
     POST /api/runs/<id>/cancel            {}
     POST /api/runs/<id>/approve           {"tool_use_id": str|null, "approved": bool, "reason": str|null}
     POST /api/runs/<id>/resume            {"add_turns": int, "add_tokens": int, "add_usd": float}
+
+Errors are ``{"error": text}``: 400 bad input (NaN, an unknown status), 401, 403, 404, 409 refused by
+the run's state (a resume that cannot help), 415, 503 Redis unavailable. The README documents it all.
 
 Security. Bound to a loopback address and given no token, anyone on this machine may act, and requests
 naming another Host are refused (a DNS-rebinding page cannot reach it). Bound anywhere else, it refuses
@@ -39,7 +42,9 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from agentpool import client
-from agentpool.runtime.settings import Settings, redact_url
+from agentpool.checks import InvalidLimit, limit_value
+from agentpool.ops.redisconn import quick_client, target_url, warn_if_unreachable
+from agentpool.runtime.settings import redact_url
 from agentpool.store import checkpoint, events, ledger
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.keys import RunKeys
@@ -118,7 +123,9 @@ def list_rows(r: Redis, *, status: str | None, agent: str | None, limit: int) ->
         except AgentPoolError:
             continue  # an unreadable record is shown by `agentpool show`, not guessed at here
         agents.add(run.agent)
-        if (status and run.status != status) or (agent and run.agent != agent) or len(rows) >= limit:
+        if (status and run.status != status) or (agent and not client.agent_matches(agent, run.agent)):
+            continue
+        if len(rows) >= limit:
             continue
         rows.append(_row(run, now))
     return {"now": now, "runs": rows, "agents": sorted(agents), "statuses": sorted(STATUSES)}
@@ -182,6 +189,8 @@ def run_detail(r: Redis, run_id: str, start: int) -> dict[str, Any]:
     header.pop("messages")
     now = time.time()
     header.update(tokens=run.total_tokens, age=max(0.0, now - run.created_at))
+    if run.status == "stopped":  # the least a resume must add (the page prefills at least that)
+        header["resume_needs"] = client.resume_needs(r, run_id)
     return {
         "now": now,
         "run": header,
@@ -195,11 +204,13 @@ def run_detail(r: Redis, run_id: str, start: int) -> dict[str, Any]:
 # -- actions -----------------------------------------------------------------------------------
 
 
-def _number(body: dict[str, Any], name: str, kind: type) -> Any:
-    value = body.get(name) or 0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise HttpError(HTTPStatus.BAD_REQUEST, f"{name} must be a non-negative number")
-    return kind(value)
+def _amount(body: dict[str, Any], name: str, *, whole: bool) -> Any:
+    """An amount ``resume`` adds: absent or null is 0; NaN, Infinity (JSON allows both) and bools are a 400."""
+    value = body.get(name)
+    try:
+        return limit_value(name, 0 if value is None else value, whole=whole, zero_ok=True)
+    except InvalidLimit as exc:
+        raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
 
 
 def act(r: Redis, run_id: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -221,9 +232,9 @@ def act(r: Redis, run_id: str, action: str, body: dict[str, Any]) -> dict[str, A
     if action == "resume":
         result = client.resume(
             run_id,
-            add_turns=_number(body, "add_turns", int),
-            add_tokens=_number(body, "add_tokens", int),
-            add_usd=_number(body, "add_usd", float),
+            add_turns=_amount(body, "add_turns", whole=True),
+            add_tokens=_amount(body, "add_tokens", whole=True),
+            add_usd=_amount(body, "add_usd", whole=False),
             connection=r,
         )
         return {"ok": True, "result": result}
@@ -337,6 +348,10 @@ class Handler(BaseHTTPRequestHandler):
             return {"token_required": bool(self.server.token)}
         if path == "/api/runs" and self.command == "GET":
             limit = min(max(number("limit", 100), 1), 500)
+            if arg("status") and arg("status") not in STATUSES:
+                raise HttpError(
+                    HTTPStatus.BAD_REQUEST, f"unknown status {arg('status')!r}; valid: {', '.join(sorted(STATUSES))}"
+                )
             return list_rows(r, status=arg("status") or None, agent=arg("agent") or None, limit=limit)
         match = RUN_PATH.match(path)
         if not match:
@@ -406,8 +421,8 @@ def make_server(r: Redis, host: str = "127.0.0.1", port: int = 8000, token: str 
 def dashboard(url: str | None, host: str, port: int, token: str | None) -> None:
     """Serve a web page for watching and steering runs."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    target = url or Settings.from_env().redis_url
-    r = Redis.from_url(target, socket_connect_timeout=2, socket_timeout=10, health_check_interval=30)
+    target = target_url(url)
+    r = quick_client(url, health_check_interval=30)
     try:
         server = make_server(r, host, port, token)
     except ValueError as exc:
@@ -420,6 +435,7 @@ def dashboard(url: str | None, host: str, port: int, token: str | None) -> None:
         f"({'token required' if token else 'no token: localhost only'}) from {redact_url(target)}",
         err=True,
     )
+    warn_if_unreachable(r, "the page shows 'Redis unavailable' until it answers")
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:

@@ -1,10 +1,12 @@
 """``agentpool demo``: a pool on this machine survives its workers being killed mid-turn.
 
-It uses REDIS_URL if a server answers there, otherwise a throwaway redis-server; starts the scripted
+It starts a throwaway redis-server (never the REDIS_URL an app's workers use: they would take the
+demo's turns), or with ``--redis-url`` uses an empty database it wipes afterwards; starts the scripted
 model (or, with --real and ANTHROPIC_API_KEY, the real API) and a few worker processes; enqueues a
 batch of runs that read notes, open tickets and send emails; SIGKILLs a work horse (as the OOM killer
 does) and then a whole worker mid-turn; shows the runs finishing on the survivors, then counts every
-side effect from the outbox the tools write, outside the pool.
+side effect from the outbox the tools write, outside the pool. When something goes wrong it says what:
+which runs did not complete and why, which effects were repeated, and the tail of the workers' logs.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from pathlib import Path
 import click
 from redis import Redis
 
-from agentpool.client import enqueue_run, list_runs
+from agentpool.client import Run, enqueue_run, list_runs
 from agentpool.ops.demo_agents import demo_script
+from agentpool.ops.redisconn import quick_client
 from agentpool.runtime.settings import redact_url
 from agentpool.store.events import read as read_events
 from agentpool.store.records import ACTIVE_STATUSES
@@ -32,7 +35,6 @@ from agentpool.testing.localpool import (
     RedisServer,
     WorkerProcesses,
     horses_of,
-    redis_answers,
     scratch_dir,
 )
 
@@ -48,14 +50,14 @@ class Screen:
         self.lines = 0
         self.last_plain = 0.0
 
-    def draw(self, rows: list[str]) -> None:
+    def draw(self, rows: list[str], *, final: bool = False) -> None:
         if self.tty:
             if self.lines:
                 sys.stdout.write(f"\x1b[{self.lines}F\x1b[J")
             sys.stdout.write("\n".join(rows) + "\n")
             sys.stdout.flush()
             self.lines = len(rows)
-        elif time.monotonic() - self.last_plain > 2:
+        elif final or time.monotonic() - self.last_plain > 2:
             self.last_plain = time.monotonic()
             print("\n".join(rows), flush=True)
 
@@ -106,22 +108,31 @@ def _outbox(path: Path) -> list[dict]:
     help="Lease TTL for the demo's workers (production default 15 s).",
 )
 @click.option("--timeout", type=float, default=180.0, show_default=True)
-def demo(n_runs: int, n_workers: int, real: bool, lease_ttl: float, timeout: float) -> None:
+@click.option(
+    "--redis-url",
+    default=None,
+    help="Use this Redis instead of a throwaway redis-server: an EMPTY database (redis://host:6379/15), "
+    "wiped when the demo ends. REDIS_URL is never used: an app's workers there would take the demo's turns.",
+)
+def demo(n_runs: int, n_workers: int, real: bool, lease_ttl: float, timeout: float, redis_url: str | None) -> None:
     """Run a pool on this machine, kill workers mid-turn, and show nothing is lost or repeated."""
     if real and not os.environ.get("ANTHROPIC_API_KEY"):
         raise click.ClickException("--real needs ANTHROPIC_API_KEY in the environment")
     tmp = scratch_dir("agentpool-demo-")
     screen = Screen()
-    redis_server = model = workers = None
+    redis_server = model = workers = borrowed = None
     try:
-        url = os.environ.get("REDIS_URL")
-        if url and redis_answers(url):
-            screen.say(f"Redis: {redact_url(url)} (from REDIS_URL)")
+        if redis_url:
+            borrowed = _borrow(redis_url)
+            url = redis_url
+            screen.say(f"Redis: {redact_url(url)} (--redis-url; an empty database, wiped at the end)")
         else:
             try:
                 redis_server = RedisServer(tmp, durable=True).start()
             except RedisNotInstalled as exc:
-                raise click.ClickException(str(exc)) from None
+                raise click.ClickException(
+                    f"{exc}; or pass --redis-url with an empty database the demo may use and wipe"
+                ) from None
             url = redis_server.url
             screen.say(f"Redis: throwaway redis-server on {url} (AOF on, noeviction)")
         r = Redis.from_url(url)
@@ -152,7 +163,7 @@ def demo(n_runs: int, n_workers: int, real: bool, lease_ttl: float, timeout: flo
             for i in range(n_runs)
         ]
         crashes = _drive(r, run_ids, workers, screen, timeout)
-        _summary(r, run_ids, crashes, tmp / "outbox.jsonl", screen)
+        _summary(r, run_ids, crashes, tmp / "outbox.jsonl", screen, workers)
     finally:
         if workers:
             workers.stop()
@@ -160,7 +171,37 @@ def demo(n_runs: int, n_workers: int, real: bool, lease_ttl: float, timeout: flo
             model.stop()
         if redis_server:
             redis_server.stop()
+        if borrowed is not None:
+            screen.say(f"Cleaned up: {_wipe(borrowed)} keys the demo wrote deleted from {redact_url(redis_url or '')}")
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _borrow(url: str) -> Redis:
+    """The database ``--redis-url`` names, if it is empty: the demo deletes everything it wrote there
+    afterwards, which is only safe where nothing else was (and where no app's worker waits for turns)."""
+    r = quick_client(url, param="redis_url")
+    held = r.dbsize()
+    if held:
+        raise click.ClickException(
+            f"the database at {redact_url(url)} holds {held} keys; the demo needs an empty one (it deletes "
+            "everything it wrote when it ends, and an app's workers there would take its turns): name another "
+            "database (redis://host:6379/15) or leave out --redis-url for a throwaway redis-server"
+        )
+    return r
+
+
+def _wipe(r: Redis) -> int:
+    """Delete every key of the borrowed database, which was empty when the demo started."""
+    deleted = 0
+    batch: list[bytes] = []
+    for key in r.scan_iter(count=1000):
+        batch.append(key)
+        if len(batch) == 500:
+            deleted += r.unlink(*batch)
+            batch.clear()
+    if batch:
+        deleted += r.unlink(*batch)
+    return deleted
 
 
 def _drive(r: Redis, run_ids: list[str], workers: WorkerProcesses, screen: Screen, timeout: float) -> list[str]:
@@ -172,8 +213,12 @@ def _drive(r: Redis, run_ids: list[str], workers: WorkerProcesses, screen: Scree
     while time.monotonic() - started < timeout:
         statuses = {run.id: run.status for run in list_runs(connection=r, limit=len(run_ids) + 50)}
         if all(statuses.get(i) not in ACTIVE_STATUSES for i in run_ids):
-            screen.draw(_table(r, run_ids, note))
+            screen.draw(_table(r, run_ids, note), final=True)
             return crashes
+        if not workers.alive():
+            raise click.ClickException(
+                "every worker exited before the runs finished:\n" + _diagnosis(r, run_ids, workers)
+            )
         if plan and time.monotonic() - started >= plan[0][1]:
             busy = _busy_workers(workers)
             if busy and len(workers.alive()) > 1:
@@ -193,10 +238,34 @@ def _drive(r: Redis, run_ids: list[str], workers: WorkerProcesses, screen: Scree
                 screen.say(f"\n*** {note}\n")
         screen.draw(_table(r, run_ids, note))
         time.sleep(0.25)
-    raise click.ClickException(f"runs still active after {timeout:g} s:\n{workers.logs()}")
+    raise click.ClickException(f"runs still active after {timeout:g} s:\n" + _diagnosis(r, run_ids, workers))
 
 
-def _summary(r: Redis, run_ids: list[str], crashes: list[str], outbox: Path, screen: Screen) -> None:
+def _run_line(r: Redis, run: Run) -> str:
+    events = read_events(r, run.id)
+    last = events[-1][1] if events else {}
+    detail = f": {run.error}" if run.error else f" (last event: {last.get('kind', 'none')})"
+    return f"  {run.id} {run.status} after {run.turns} turns{detail}"
+
+
+def _diagnosis(r: Redis, run_ids: list[str], workers: WorkerProcesses, lines: int = 25) -> str:
+    """Which runs did not complete and why, and the end of each worker's log."""
+    runs = {run.id: run for run in list_runs(connection=r, limit=len(run_ids) + 50)}
+    unfinished = [runs[i] for i in run_ids if i in runs and runs[i].status != "completed"]
+    missing = [i for i in run_ids if i not in runs]
+    out = [f"{len(unfinished) + len(missing)} of {len(run_ids)} runs did not complete:"]
+    out += [_run_line(r, run) for run in unfinished]
+    out += [f"  {i}: no longer in Redis (deleted by someone else?)" for i in missing]
+    for path in sorted(workers.logdir.glob("worker-*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- {path.stem}'s log, its last {lines} lines at most ---")
+        out += tail or ["(empty)"]
+    return "\n".join(out)
+
+
+def _summary(
+    r: Redis, run_ids: list[str], crashes: list[str], outbox: Path, screen: Screen, workers: WorkerProcesses
+) -> None:
     runs = [run for run in list_runs(connection=r, limit=len(run_ids) + 50) if run.id in set(run_ids)]
     completed = [run for run in runs if run.status == "completed"]
     takeovers = Counter(
@@ -238,9 +307,13 @@ def _summary(r: Redis, run_ids: list[str], crashes: list[str], outbox: Path, scr
     ]
     if unknown:
         screen.say(f"  emails whose outcome was unknown after a crash, reported to the model: {len(unknown)}")
-    ok = len(completed) == len(run_ids) and not duplicate_emails and not extra_tickets
-    screen.say(
-        "\n" + ("Every run finished; every side effect happened at most once." if ok else "SOMETHING WENT WRONG")
-    )
-    if not ok:
-        raise SystemExit(1)
+    if len(completed) == len(run_ids) and not duplicate_emails and not extra_tickets:
+        screen.say("\nEvery run finished; every side effect happened at most once.")
+        return
+    problems = []
+    if duplicate_emails:
+        problems.append("emails sent twice, for runs " + ", ".join(run for run, n in emails.items() if n > 1))
+    if extra_tickets:
+        problems.append("two tickets opened, for runs " + ", ".join(run for run, n in tickets_per_run.items() if n > 1))
+    report = "\n".join(problems + ([_diagnosis(r, run_ids, workers)] if len(completed) < len(run_ids) else []))
+    raise click.ClickException("the demo did not go as it should:\n" + report)

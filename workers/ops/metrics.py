@@ -28,8 +28,9 @@ from redis import Redis
 from redis.exceptions import RedisError
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
+from agentpool.ops.redisconn import quick_client, target_url, warn_if_unreachable
 from agentpool.runtime.jobs import turn_queue
-from agentpool.runtime.settings import Settings, redact_url
+from agentpool.runtime.settings import redact_url
 from agentpool.store import stats
 from agentpool.store.keys import RUNS, RUNS_WATCH, TURN_QUEUE, RunKeys
 from agentpool.store.records import STATUSES
@@ -45,12 +46,25 @@ COST_FIELD = "cost_usd"
 
 # (ap:stats metric, label name, help text, label values always exported, at 0 until seen)
 COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
-    ("turns", None, "Turns a worker started to call the model (a budget can still stop one before the call).", ()),
-    ("tool_calls", "effect", "Tool executions started, by the tool's effect class.", ("read", "idempotent", "unsafe")),
+    (
+        "turns",
+        None,
+        (
+            "Turn starts: each time a worker took a turn's lease, retries after a crash or a model error, "
+            "tool-only turns after an approval and turns a limit stops before the call included."
+        ),
+        (),
+    ),
+    (
+        "tool_calls",
+        "effect",
+        "Tool executions started (an intent written), re-runs after a crash included, by effect class.",
+        ("read", "idempotent", "unsafe"),
+    ),
     (
         "reconciliations",
         "outcome",
-        "Dangling tool_uses reconciled after a crash, by outcome.",
+        "Dangling tool_uses settled after a crash without running, by outcome (replayed, verified, unknown).",
         ("replayed", "verified", "unknown"),
     ),
     (
@@ -59,13 +73,19 @@ COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
         "Turns re-enqueued because their worker was gone, by cause.",
         ("horse_death", "lease_expiry", "job_lost"),
     ),
-    ("model_errors", "type", "Transient model API errors (the turn is retried later), by type.", ()),
-    ("tokens", "kind", "Tokens reported by the model API, by kind.", stats.TOKEN_FIELDS),
-    ("status_changes", "status", "Runs entering a status.", ()),
+    ("model_errors", "type", "Transient model API errors whose turn was retried later, by type.", ()),
+    ("tokens", "kind", "Tokens of every model call paid for, by kind.", stats.TOKEN_FIELDS),
+    ("status_changes", "status", "Runs entering a status (a resumed run enters running again).", ()),
 )
 HISTOGRAMS = (
-    ("turn_seconds", "Wall time of a turn that ran tools, from lease to save point B."),
-    ("model_call_seconds", "Wall time of one messages.create call that answered."),
+    (
+        "turn_seconds",
+        (
+            "Wall time of a turn that ran tools and committed them (save point B), from lease to commit; "
+            "final turns, turns that stop, fail or wait for a person, and turns lost to a crash are not counted."
+        ),
+    ),
+    ("model_call_seconds", "Wall time of one model call that answered; _count is the number of calls paid for."),
 )
 
 
@@ -148,7 +168,9 @@ class PoolCollector(Collector):
             by_status,
             GaugeMetricFamily("agentpool_runs_indexed", "Runs in the ap:runs index (every run kept).", value=indexed),
             GaugeMetricFamily(
-                "agentpool_runs_active", "Runs queued or running (exact, any age).", value=int(self.r.zcard(RUNS_WATCH))
+                "agentpool_runs_active",
+                "Runs the reaper watches: queued or running, or waiting for an approval with a deadline (exact, any age).",
+                value=int(self.r.zcard(RUNS_WATCH)),
             ),
         ]
 
@@ -198,7 +220,7 @@ def registry_for(r: Redis, *, max_runs: int = DEFAULT_MAX_RUNS) -> CollectorRegi
     return registry
 
 
-def start_metrics_server(port: int, r: Redis, *, host: str = "0.0.0.0", max_runs: int = DEFAULT_MAX_RUNS) -> None:
+def start_metrics_server(port: int, r: Redis, *, host: str = "127.0.0.1", max_runs: int = DEFAULT_MAX_RUNS) -> None:
     """Serve ``/metrics`` on ``host:port`` from a daemon thread (it dies with the worker)."""
     start_http_server(port, addr=host, registry=registry_for(r, max_runs=max_runs))
     log.info("serving Prometheus metrics on http://%s:%d/metrics", host, port)
@@ -207,7 +229,12 @@ def start_metrics_server(port: int, r: Redis, *, host: str = "0.0.0.0", max_runs
 @click.command()
 @click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
 @click.option("--port", "-p", type=int, required=True, help="Port to serve /metrics on.")
-@click.option("--host", default="0.0.0.0", show_default=True, help="Address to bind.")
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to bind; 0.0.0.0 for a Prometheus on another machine (the deploy manifests pass it).",
+)
 @click.option(
     "--max-runs",
     type=click.IntRange(min=1),
@@ -217,15 +244,15 @@ def start_metrics_server(port: int, r: Redis, *, host: str = "0.0.0.0", max_runs
 )
 def metrics(url: str | None, port: int, host: str, max_runs: int) -> None:
     """Serve pool-wide Prometheus metrics read from Redis (any number of these may run)."""
-    target = url or Settings.from_env().redis_url
     # Short timeouts and no retry loop: a scrape should report agentpool_redis_up 0 within
     # Prometheus's scrape timeout, not hang while Redis is away.
-    r = Redis.from_url(target, socket_connect_timeout=2, socket_timeout=5)
+    r = quick_client(url, socket_timeout=5)
     try:
         start_metrics_server(port, r, host=host, max_runs=max_runs)
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
-    click.echo(f"agentpool metrics on http://{host}:{port}/metrics from {redact_url(target)}", err=True)
+    click.echo(f"agentpool metrics on http://{host}:{port}/metrics from {redact_url(target_url(url))}", err=True)
+    warn_if_unreachable(r, "serving agentpool_redis_up 0 until it answers")
     try:
         threading.Event().wait()
     except KeyboardInterrupt:

@@ -78,9 +78,9 @@ def decide(r: Redis, run_id: str, tool_use_ids: list[str] | None, *, approved: b
             return targets
 
 
-def expire_due(r: Redis, run_id: str) -> bool:
-    """Deny the calls whose approval deadline passed (the reaper calls this for waiting runs).
-    Returns True if the run was handled (denied, or rescheduled for its next deadline)."""
+def expire_due(r: Redis, run_id: str) -> list[str]:
+    """Deny the calls whose approval deadline passed (the reaper calls this for waiting runs), or
+    reschedule the run for its next deadline. Returns the tool_use ids denied."""
     keys = RunKeys.of(run_id)
     waits, decisions = approvals.read(r, keys)
     open_waits = [w for w in waits.values() if w.tool_use_id not in decisions]
@@ -88,7 +88,7 @@ def expire_due(r: Redis, run_id: str) -> bool:
     if due:
         waited = max(time.time() - w.requested_at for w in due)
         try:
-            decide(
+            return decide(
                 r,
                 run_id,
                 [w.tool_use_id for w in due],
@@ -97,11 +97,10 @@ def expire_due(r: Redis, run_id: str) -> bool:
                 reason=f"no decision within {waited:.0f} s; denied automatically",
             )
         except ApprovalError:
-            pass  # decided or cancelled meanwhile
-        return True
+            return []  # decided or cancelled meanwhile
     deadlines = [w.deadline for w in open_waits if w.deadline is not None]
     if deadlines:
         r.zadd(RUNS_WATCH, {run_id: int(min(deadlines) * 1000)})
     else:
         r.zrem(RUNS_WATCH, run_id)
-    return True
+    return []

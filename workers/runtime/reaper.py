@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from redis import Redis
 from redis.exceptions import RedisError
@@ -30,17 +31,20 @@ log = logging.getLogger("agentpool.reaper")
 WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value}
 
 
-def reap_once(r: Redis, *, batch: int = 500) -> list[str]:
-    """Look at every run that is due. Returns the ids of runs whose turn was re-enqueued."""
+def reap_once(r: Redis, *, batch: int = 500, report: Callable[[str, str], None] | None = None) -> list[str]:
+    """Look at every run that is due. Returns the ids of runs whose turn was re-enqueued; ``report``
+    (``agentpool reap``) is told each thing done, as (run id, what)."""
     requeued = []
     for raw in r.zrangebyscore(RUNS_WATCH, "-inf", now_ms(), start=0, num=batch):
         run_id = raw.decode()
         try:
-            found = _why_orphaned(r, run_id)
+            found = _why_orphaned(r, run_id, report)
             if not found:
                 continue
-            if requeue_turn(r, run_id, cause=found[1], cause_kind=found[2], dead_job=found[0]):
+            if jid := requeue_turn(r, run_id, cause=found[1], cause_kind=found[2], dead_job=found[0]):
                 requeued.append(run_id)
+                if report:
+                    report(run_id, f"re-enqueued as {jid} ({found[1]})")
             else:  # left alone on purpose (a newer schema, say): look again later, not every second
                 r.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS}, xx=True)
         except RedisError:
@@ -50,12 +54,16 @@ def reap_once(r: Redis, *, batch: int = 500) -> list[str]:
     return requeued
 
 
-def _why_orphaned(r: Redis, run_id: str) -> tuple[str, str, str] | None:
+def _why_orphaned(
+    r: Redis, run_id: str, report: Callable[[str, str], None] | None = None
+) -> tuple[str, str, str] | None:
     """None if the run is fine (when to look again is then recorded); else (its dead job, why, kind)."""
     keys = RunKeys.of(run_id)
     status, job_id = r.hmget(keys.run, ["status", "job"])
     if status == b"waiting_approval":
-        expire_due(r, run_id)  # due because an approval deadline passed
+        denied = expire_due(r, run_id)  # due because an approval deadline passed
+        if denied and report:
+            report(run_id, f"denied {', '.join(denied)}: the approval expired")
         return None
     if status is None or status.decode() not in ACTIVE_STATUSES:
         r.zrem(RUNS_WATCH, run_id)

@@ -7,22 +7,24 @@ from dataclasses import dataclass
 
 from redis import BlockingConnectionPool, Redis
 from redis.backoff import ExponentialBackoff
+from redis.connection import parse_url
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
 
+from agentpool.checks import limit_value
 from agentpool.store import crypto
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
-def _env_float(name: str, default: float) -> float:
+def _env_float(name: str, default: float, *, zero_ok: bool = False) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        return limit_value(name, float(raw), zero_ok=zero_ok)
     except ValueError:
-        raise SystemExit(f"{name} must be a number, got {raw!r}") from None
+        raise SystemExit(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {raw!r}") from None
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,9 @@ class Settings:
             redis_url=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
             lease_ttl=_env_float("AGENTPOOL_LEASE_TTL", 15.0),
             turn_timeout=_env_float("AGENTPOOL_TURN_TIMEOUT", 3600.0),
-            reaper_interval=_env_float("AGENTPOOL_REAPER_INTERVAL", 1.0),
-            model_retries=int(_env_float("AGENTPOOL_MODEL_RETRIES", 6)),
-            retention=int(_env_float("AGENTPOOL_RETENTION_SECONDS", 7 * 24 * 3600)),
+            reaper_interval=_env_float("AGENTPOOL_REAPER_INTERVAL", 1.0, zero_ok=True),  # 0: no reaper thread
+            model_retries=int(_env_float("AGENTPOOL_MODEL_RETRIES", 6, zero_ok=True)),
+            retention=int(_env_float("AGENTPOOL_RETENTION_SECONDS", 7 * 24 * 3600, zero_ok=True)),
         )
 
     @property
@@ -66,6 +68,22 @@ def configure_encryption() -> None:
 configure_encryption()
 
 
+URL_FORM = "expected redis://[user:password@]host:port/db, rediss://… (TLS) or unix:///path/to/redis.sock"
+
+
+class BadRedisUrl(ValueError):
+    """A Redis URL redis-py cannot use; the message names the expected form, never the password."""
+
+
+def check_redis_url(url: str, *, subject: str = "the Redis URL") -> str:
+    """``url`` if redis-py can connect with it; otherwise a :class:`BadRedisUrl` saying what is expected."""
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise BadRedisUrl(f"{subject} is not a Redis URL: {redact_url(url)!r} ({exc}); {URL_FORM}") from None
+    return url
+
+
 def connect(url: str | None = None, *, max_connections: int | None = None) -> Redis:
     """A client that rides out a dropped connection or a Redis restart (~15 s of retries) instead of
     failing the turn. Bytes in, bytes out: RQ requires ``decode_responses=False``.
@@ -79,7 +97,7 @@ def connect(url: str | None = None, *, max_connections: int | None = None) -> Re
         "health_check_interval": 30,
         "socket_keepalive": True,
     }
-    url = url or Settings.from_env().redis_url
+    url = check_redis_url(url or Settings.from_env().redis_url, subject="REDIS_URL" if url is None else "the Redis URL")
     if max_connections is None:
         return Redis.from_url(url, **options)
     return Redis(
@@ -88,10 +106,14 @@ def connect(url: str | None = None, *, max_connections: int | None = None) -> Re
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password, for logs and banners."""
-    if "@" not in url:
+    """The URL without its password, for logs, banners and error messages. A lone credential before
+    ``@`` (``redis://secret@host``) is taken for a password too; an ACL user name is kept."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    if "@" not in rest:
         return url
-    scheme, _, rest = url.partition("://")
     creds, _, host = rest.rpartition("@")
-    user = creds.split(":", 1)[0]
-    return f"{scheme}://{user + ':***@' if user else '***@'}{host}"
+    user, colon, _password = creds.partition(":")
+    shown = f"{user}:***@" if colon and user else "***@"
+    return f"{scheme}{sep}{shown}{host}"

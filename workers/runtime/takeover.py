@@ -12,11 +12,12 @@ import logging
 
 from redis import Redis
 from redis.client import Pipeline
-from redis.exceptions import WatchError
-from rq.exceptions import DeserializationError
+from redis.exceptions import RedisError, WatchError
+from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.job import Job
 
 from agentpool.runtime.jobs import stage_turn
+from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.store.checkpoint import QUEUED_RECHECK_MS, fail_unfenced
 from agentpool.store.clock import now_ms
 from agentpool.store.events import emit
@@ -84,7 +85,31 @@ def requeue_turn(r: Redis, run_id: str, *, cause: str, cause_kind: str, dead_job
                 continue
             log.warning("run %s: turn %s re-enqueued as %s (%s)", run_id, turn, jid, cause)
             emit(r, run_id, "takeover", turn=turn, cause=cause, cause_kind=cause_kind, job=jid)
+            if dead_job and cause_kind == "lease_expiry":
+                # Its worker is gone (or frozen past the lease: fenced out either way). A job that failed
+                # for a reason of its own (job_lost) is kept: its traceback is worth reading.
+                forget_turn_job(r, dead_job)
             return jid
+
+
+def is_turn_job(job: Job) -> bool:
+    try:
+        _run_id, _turn = job.args
+    except (DeserializationError, ValueError, TypeError):
+        return False
+    return True
+
+
+def forget_turn_job(r: Redis, job_id: str) -> None:
+    """Delete the RQ job of a turn that was handed over (its run's turn is queued again under a new job
+    id), with its registry entries: otherwise ``rq info`` shows it started for minutes, then RQ's cleanup
+    counts it ``failed`` although the run goes on. Best effort: it is bookkeeping, not the run's state."""
+    try:
+        Job.fetch(job_id, connection=r, serializer=MsgpackSerializer).delete()
+    except NoSuchJobError:
+        pass
+    except RedisError as exc:
+        log.warning("could not delete handed-over job %s: %s", job_id, exc)
 
 
 def hand_over_dead_holder(r: Redis, job: Job, holder: str, *, cause: str) -> str | None:

@@ -133,9 +133,10 @@ class Turn:
             if results is None:
                 return "waiting_approval"
             return self.after_tools(results, turns=state.turns)
-        reason = Limits.of(agent, state.limits).reached(agent, state)
+        limits = Limits.of(agent, state.limits)
+        reason = limits.reached(agent, state)
         if reason:
-            return self.stop(reason)
+            return self.stop(reason, limits)
         fault("before_model_call", self.run_id, self.turn)
         asked = time.monotonic()
         try:
@@ -250,10 +251,13 @@ class Turn:
         )
         return "deferred"
 
-    def stop(self, reason: str) -> str:
-        return self.end("stopped", reason)
+    def stop(self, reason: str, limits: Limits | None = None) -> str:
+        # The limits it was held to go in the status event: resume checks what it adds against them.
+        return self.end("stopped", reason, detail=limits.limit_fields() if limits else None)
 
-    def end(self, status: str, reason: str, message: dict[str, Any] | None = None) -> str:
+    def end(
+        self, status: str, reason: str, message: dict[str, Any] | None = None, detail: dict[str, Any] | None = None
+    ) -> str:
         checkpoint.finish(
             self.r,
             self.keys,
@@ -263,7 +267,7 @@ class Turn:
             message=message,
             phase="done" if message else "",
             retention_s=self.settings.retention,
-            event=Event.of(self.run_id, "status", status=status, error=reason),
+            event=Event.of(self.run_id, "status", status=status, error=reason, **(detail or {})),
         )
         log.info("%s: %s: %s", self.where, status, reason)
         return status

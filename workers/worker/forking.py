@@ -19,7 +19,7 @@ from rq import Worker
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
-from agentpool.runtime.takeover import hand_over_dead_holder
+from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
 from agentpool.store.keys import TURN_QUEUE
 
 log = logging.getLogger("agentpool.worker")
@@ -32,11 +32,23 @@ class AgentWorker(Worker):
         kwargs.setdefault("serializer", MsgpackSerializer)
         kwargs.setdefault("work_horse_killed_handler", self._on_horse_killed)
         super().__init__(list(queues), connection=connection, **kwargs)
+        self._handed_over: set[str] = set()  # turn jobs whose dead horse's turn was handed over
         self.reaper_interval = reaper_interval if reaper_interval is not None else Settings.from_env().reaper_interval
 
     def _on_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         how = f"signal {os.WTERMSIG(ret_val)}" if os.WIFSIGNALED(ret_val) else f"exit status {os.WEXITSTATUS(ret_val)}"
         hand_over_dead_holder(self.connection, job, f"{self.name}.{retpid}", cause=f"work horse {retpid} died ({how})")
+        if is_turn_job(job):
+            self._handed_over.add(job.id)
+
+    def handle_job_failure(self, job: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
+        """RQ's bookkeeping for a killed horse (the worker's failed count, the execution), then the turn
+        job is deleted rather than left in the failed registry: its turn was handed over (re-enqueued, or
+        already committed), so ``rq info`` would count a failure no run had."""
+        super().handle_job_failure(job, queue, *args, **kwargs)
+        if job.id in self._handed_over:
+            self._handed_over.discard(job.id)
+            forget_turn_job(self.connection, job.id)
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
         # Every work horse is forked from this process: import the turn code here, once, or each horse

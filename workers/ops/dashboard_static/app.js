@@ -364,13 +364,16 @@ function actionsPanel(run, post) {
   }
   const buttons = [];
   if (run.status === "stopped") {
-    // Prefill what the stop reason asks for ("resume with more turns / tokens / budget").
+    // Prefill what the stop reason asks for ("resume with more turns / tokens / budget"), and never less
+    // than the server says one more turn needs (a smaller resume is refused: the run would stop again).
     const why = run.error || "";
-    const turns = h("input", { type: "number", min: "0", step: "1", value: /max_turns/.test(why) ? "10" : "0",
+    const needs = run.resume_needs || {};
+    const prefill = (name, suggested, pattern) => String(Math.max(pattern.test(why) ? suggested : 0, needs[name] || 0));
+    const turns = h("input", { type: "number", min: "0", step: "1", value: prefill("add_turns", 10, /max_turns/),
       id: "resume-turns", "aria-label": "add turns" });
-    const tokens = h("input", { type: "number", min: "0", step: "1000", value: /max_total_tokens/.test(why) ? "100000" : "0",
-      id: "resume-tokens", "aria-label": "add tokens" });
-    const usd = h("input", { type: "number", min: "0", step: "0.5", value: /max_cost_usd/.test(why) ? "1" : "0",
+    const tokens = h("input", { type: "number", min: "0", step: "1000",
+      value: prefill("add_tokens", 100000, /max_total_tokens/), id: "resume-tokens", "aria-label": "add tokens" });
+    const usd = h("input", { type: "number", min: "0", step: "any", value: prefill("add_usd", 1, /max_cost_usd/),
       id: "resume-usd", "aria-label": "add USD" });
     buttons.push(h("span", { class: "resume" },
       h("label", {}, "+ turns ", turns), h("label", {}, "+ tokens ", tokens), h("label", {}, "+ USD ", usd),

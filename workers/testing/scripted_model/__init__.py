@@ -31,6 +31,11 @@ Every key of a step is optional::
       ]
     }
 
+A step may instead hold ``branches``, chosen by ``when`` conditions on the last tool results
+(``is_error``, ``result_contains``, ``result_matches``, ``tool``) or the task (``task_contains``), and
+in-process a script or a step may be a function of a :class:`ScriptRequest` returning a step: see
+``selection``. ``ScriptedModel([...])`` or ``ScriptedModel(function)`` sets the ``default`` script.
+
 ``stop_reason`` defaults to ``tool_use`` when there are ``tool_calls``, else ``end_turn``; with
 ``stop_sequence`` the response's ``stop_sequence`` is ``"###"``. A step with none of ``text``,
 ``thinking`` and ``tool_calls`` answers with the text "Done.". Keys starting with ``_`` are comments.
@@ -45,7 +50,17 @@ Streaming (``stream: true``) is not supported and is rejected with a 400.
 
 from agentpool.testing.scripted_model.common import ApiError, sign_thinking
 from agentpool.testing.scripted_model.scripts import ScriptBook, load_scripts
+from agentpool.testing.scripted_model.selection import ScriptRequest, ToolResult
 from agentpool.testing.scripted_model.server import ScriptedModel
 from agentpool.testing.scripted_model.validation import validate_request
 
-__all__ = ["ApiError", "ScriptBook", "ScriptedModel", "load_scripts", "sign_thinking", "validate_request"]
+__all__ = [
+    "ApiError",
+    "ScriptBook",
+    "ScriptRequest",
+    "ScriptedModel",
+    "ToolResult",
+    "load_scripts",
+    "sign_thinking",
+    "validate_request",
+]

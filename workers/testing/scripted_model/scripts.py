@@ -1,5 +1,5 @@
 """Scripts: what the scripted model answers at each step, and the errors it injects (see the package
-docstring for the format)."""
+docstring for the format; ``selection`` for branches and script functions)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from agentpool.testing.scripted_model.common import (
     random_id,
     sign_thinking,
 )
+from agentpool.testing.scripted_model.selection import request_of, resolve, validate_branches
 
 SCRIPT_MARKER = re.compile(r"\[script:([^\]\s]+)\]")
 
@@ -42,6 +43,9 @@ STEP_KEYS = frozenset({"text", "thinking", "tool_calls", "stop_reason", "delay",
 def _validate_step(where: str, step: Any) -> None:
     if not isinstance(step, dict):
         raise ValueError(f"{where}: a step must be an object")
+    if "branches" in step:
+        validate_branches(where, step, _validate_step)
+        return
     unknown = [k for k in step if k not in STEP_KEYS and not k.startswith("_")]
     if unknown:
         raise ValueError(f"{where}: unknown step keys {unknown}; allowed: {sorted(STEP_KEYS)}")
@@ -67,18 +71,29 @@ def _validate_step(where: str, step: Any) -> None:
             raise ValueError(f"{where}.error.status: must be a 4xx or 5xx status")
 
 
-def validate_scripts(scripts: Any) -> dict[str, list[dict]]:
-    """Check a scripts dict up front: a malformed script is a test bug and should fail loudly."""
+def validate_scripts(scripts: Any) -> dict[str, Any]:
+    """Check scripts up front: a malformed script is a test bug and should fail loudly. ``scripts`` maps
+    names to lists of steps (a step may be a function, in-process) or to functions; a bare list or
+    function is the ``default`` script (the one a request without a ``[script:NAME]`` marker gets)."""
     if scripts is None:
         return {}
+    if callable(scripts) or isinstance(scripts, list):
+        scripts = {DEFAULT_SCRIPT: scripts}
     if not isinstance(scripts, dict):
         raise ValueError("scripts must be an object mapping script names to lists of steps")
+    checked: dict[str, Any] = {}
     for name, steps in scripts.items():
-        if not isinstance(name, str) or not isinstance(steps, list):
-            raise ValueError(f"script {name!r}: must map a string name to a list of steps")
+        if not isinstance(name, str) or not (isinstance(steps, list) or callable(steps)):
+            raise ValueError(f"script {name!r}: must map a string name to a list of steps (or, in-process, a function)")
+        if callable(steps):
+            checked[name] = steps  # called per request; what it returns is checked then
+            continue
         for i, step in enumerate(steps):
-            _validate_step(f"{name}.{i}", step)
-    return copy.deepcopy(scripts)
+            if not callable(step):
+                _validate_step(f"{name}.{i}", step)
+        # Copied so a test changing its dict later changes nothing here; functions are kept as they are.
+        checked[name] = [step if callable(step) else copy.deepcopy(step) for step in steps]
+    return checked
 
 
 def load_scripts(path: str) -> dict:
@@ -160,16 +175,16 @@ class ScriptBook:
         """(script name, step index, step) for a validated request; injects the step's error, if due."""
         messages = body["messages"]
         first_text = first_user_text(messages)
-        name, steps = self._select_script(first_text)
+        name, script = self._select_script(first_text)
         index = sum(1 for m in messages if m["role"] == "assistant")
-        step = steps[index] if index < len(steps) else {}
+        step = resolve(name, script, request_of(body, index, first_text), _validate_step)
         check_tool_calls_defined(name, index, step, body)
         if step.get("delay"):
             time.sleep(float(step["delay"]))
         self._maybe_inject_error(first_text, name, index, step)
         return name, index, step
 
-    def _select_script(self, first_text: str) -> tuple[str, list[dict]]:
+    def _select_script(self, first_text: str) -> tuple[str, Any]:
         match = SCRIPT_MARKER.search(first_text)
         with self._lock:
             scripts = self._scripts

@@ -1,0 +1,68 @@
+"""`agentpool demo` on a machine where an app already has its Redis: it never touches it unless told to,
+leaves nothing behind where it is told to, and says what went wrong when something does."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from redis import Redis
+
+from agentpool.testing.localpool import free_port
+
+from conftest import TESTS
+
+
+def demo(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, **env}
+    return subprocess.run(
+        [sys.executable, "-m", "agentpool", "demo", "--runs", "2", "--workers", "2", *args],
+        env=environment,
+        cwd=str(TESTS),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_the_demo_leaves_the_apps_redis_alone(r, redis_server):
+    r.set("the-apps-own-key", "1")
+    out = demo(REDIS_URL=redis_server.url)
+
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "throwaway redis-server" in out.stdout
+    assert r.keys("*") == [b"the-apps-own-key"], "nothing enqueued, counted or registered in the app's Redis"
+
+
+def test_with_redis_url_it_refuses_a_database_in_use_and_wipes_an_empty_one_afterwards(r, redis_server):
+    r.set("the-apps-own-key", "1")
+    refused = demo("--redis-url", redis_server.url)
+    assert refused.returncode == 1
+    assert "holds 1 keys; the demo needs an empty one" in refused.stderr, refused.stderr
+    assert r.keys("*") == [b"the-apps-own-key"]
+
+    spare = redis_server.url.rsplit("/", 1)[0] + "/5"
+    out = demo("--redis-url", spare)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Every run finished" in out.stdout and "keys the demo wrote deleted" in out.stdout
+    assert Redis.from_url(spare).dbsize() == 0, "the borrowed database is empty again"
+
+
+def test_when_the_runs_do_not_complete_it_says_which_and_why_with_the_workers_logs():
+    unreachable_api = {
+        "ANTHROPIC_API_KEY": "sk-test-not-a-secret",
+        "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{free_port()}",  # nothing listens: every call fails
+        "AGENTPOOL_MODEL_RETRIES": "0",
+    }
+    out = demo("--real", **unreachable_api)
+
+    assert out.returncode == 1
+    assert "2 of 2 runs did not complete:" in out.stderr, out.stderr
+    assert out.stderr.count("stopped after 0 turns: the model API failed 1 times in a row") == 2
+    assert "worker-0's log" in out.stderr and "SOMETHING WENT WRONG" not in out.stdout + out.stderr
+
+    late = demo("--timeout", "0.5")
+    assert late.returncode == 1
+    assert "runs still active after 0.5 s" in late.stderr and "2 of 2 runs did not complete" in late.stderr

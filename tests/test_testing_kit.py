@@ -1,0 +1,213 @@
+"""The testing kit as an app author uses it (README, "Test your agents"): a local pool in a few lines,
+scripts that react to what the tools answered (a denied approval above all), script functions, a
+pytest fixture, and one tool called as a worker calls it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+import textwrap
+
+import anthropic
+import pytest
+from redis import Redis
+from redis.exceptions import RedisError
+
+from agentpool import current_call, tool
+from agentpool.runtime.reconcile import idempotency_key
+from agentpool.testing import LocalPool, ScriptedModel, ScriptRequest, call_tool, local_pool, tool_context, tool_result
+from agentpool.tools import ToolInputError
+
+from conftest import TESTS
+
+CREDIT = [
+    {"tool_calls": [{"name": "issue_credit", "input": {"order": "A-17", "cents": 500}}]},
+    {
+        "branches": [
+            {"when": {"tool": "issue_credit", "is_error": True}, "text": "I could not issue the credit."},
+            {"when": {"tool": "issue_credit", "result_matches": r"credited \d+ cents"}, "text": "Credit issued."},
+        ]
+    },
+]
+
+
+@pytest.fixture
+def shared_pool(r, redis_server, model):
+    """A LocalPool on the suite's own redis-server and scripted model (cwd: the tests, for pool_agents)."""
+    with LocalPool(redis_url=redis_server.url, model=model, cwd=TESTS) as pool:
+        yield pool
+
+
+def test_a_script_answers_a_denied_approval_differently_from_an_approved_one(shared_pool):
+    pool = shared_pool
+    denied = pool.run("pool_agents:refunds", "Refund order A-17", script=CREDIT)
+    assert denied.status == "waiting_approval" and denied.pending[0]["name"] == "issue_credit"
+    denied = pool.approve(denied.id, approved=False, reason="over the monthly limit")
+    approved = pool.run("pool_agents:refunds", "Refund order A-17", script=CREDIT)
+    approved = pool.approve(approved.id)
+
+    assert (denied.status, denied.result) == ("completed", "I could not issue the credit.")
+    assert (approved.status, approved.result) == ("completed", "Credit issued.")
+    assert pool.model.stats()["rejected"] == 0, pool.model.stats()["rejections"]
+
+
+def test_a_script_function_sees_the_step_the_task_and_the_last_tool_results(shared_pool):
+    pool = shared_pool
+    seen: list[tuple[int, str | None]] = []
+
+    def support(request: ScriptRequest) -> dict | None:
+        seen.append((request.step, request.last_result and request.last_result.tool))
+        if request.step == 0:
+            order = request.task.split()[-1]  # each run asks about its own order
+            return {"tool_calls": [{"name": "order_status", "input": {"order": order}}]}
+        return {"text": f"Status: {request.result_of('order_status').content}"}
+
+    pool.set_scripts({"default": support})
+    runs = [pool.run("pool_agents:refunds", f"Where is order {order}") for order in ("A-1", "B-2")]
+
+    assert [run.result for run in runs] == [
+        "Status: order A-1: shipped on Monday",
+        "Status: order B-2: shipped on Monday",
+    ]
+    assert sorted(seen) == [(0, None), (0, None), (1, "order_status"), (1, "order_status")]
+
+
+def test_a_script_that_matches_no_branch_or_raises_fails_the_run_with_the_reason(shared_pool):
+    pool = shared_pool
+    unmatched = [CREDIT[0], {"branches": [{"when": {"is_error": True}, "text": "denied"}]}]
+    run = pool.run("pool_agents:refunds", "Refund order A-17", script=unmatched)
+    run = pool.approve(run.id)
+    assert run.status == "failed" and "no branch's `when` matches" in run.error
+
+    run = pool.run("pool_agents:refunds", "Where is A-1", script=lambda request: {"text": 1 / 0})
+    assert run.status == "failed" and "the script function failed: ZeroDivisionError" in run.error
+
+
+def test_malformed_branches_are_refused_when_the_script_is_set():
+    for bad, says in (
+        ({"branches": []}, "non-empty list"),
+        ({"branches": [{"when": {"is_eror": True}, "text": "x"}]}, "unknown keys ['is_eror']"),
+        ({"branches": [{"text": "x"}], "text": "y"}, "no other keys"),
+        ({"branches": [{"when": {"result_matches": "("}}]}, "not a regular expression"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            ScriptedModel({"s": [bad]})
+
+
+def test_a_scripted_model_can_be_one_function_answering_over_http():
+    def echo(request: ScriptRequest) -> dict:
+        return {"text": f"step {request.step}: {request.task}"}
+
+    with ScriptedModel(echo) as model:
+        client = anthropic.Anthropic(base_url=model.base_url, api_key="sk-test", max_retries=0)
+        reply = client.messages.create(
+            model="claude-sonnet-5-5", max_tokens=100, messages=[{"role": "user", "content": "hello"}]
+        )
+    assert reply.content[0].text == "step 0: hello"
+
+
+APP = '''
+from agentpool import Agent, tool
+
+@tool(effect="read")
+def lookup(order: str) -> str:
+    """Where an order is."""
+    return f"{order} ships today"
+
+support = Agent(model="claude-sonnet-5-5", system="You answer order questions.", tools=[lookup], max_turns=5)
+'''
+
+SLOW_LOOKUP = [
+    {"tool_calls": [{"name": "lookup", "input": {"order": "A-17"}}], "delay": 1.0},
+    {"text": "A-17 ships today."},
+]
+
+
+def test_local_pool_runs_an_apps_own_agents_and_survives_a_killed_worker(tmp_path, monkeypatch):
+    (tmp_path / "shop_agents.py").write_text(textwrap.dedent(APP))
+    monkeypatch.chdir(tmp_path)  # workers import agents from the current directory, as `agentpool worker` does
+
+    with local_pool(SLOW_LOOKUP, workers=1) as pool:
+        run_id = pool.enqueue("shop_agents:support", "Where is A-17?")
+        pool.kill_worker()  # mid-turn or before it: either way another worker must finish the run
+        pool.start_workers(1)
+        run = pool.wait(run_id)
+        assert (run.status, run.result) == ("completed", "A-17 ships today."), pool.logs()
+        url = pool.redis_url
+    assert pool.workers.alive() == []
+    with pytest.raises(RedisError):  # the throwaway redis-server is gone with the pool
+        Redis.from_url(url, socket_connect_timeout=1).ping()
+
+
+CONFTEST = 'pytest_plugins = ["agentpool.testing.pytest_plugin"]\n'
+PLUGIN_TEST = """
+def test_support_answers(agentpool_pool):
+    run = agentpool_pool.run("shop_agents:support", "Where is A-17?", script=[
+        {"tool_calls": [{"name": "lookup", "input": {"order": "A-17"}}]},
+        {"branches": [{"when": {"result_contains": "ships today"}, "text": "Today."}, {"text": "Unknown."}]},
+    ])
+    assert (run.status, run.result) == ("completed", "Today.")
+"""
+
+
+def test_the_pytest_plugin_gives_a_test_a_pool_in_one_fixture(tmp_path):
+    (tmp_path / "shop_agents.py").write_text(textwrap.dedent(APP))
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_shop.py").write_text(textwrap.dedent(PLUGIN_TEST))
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "1 passed" in out.stdout
+
+
+@tool(effect="idempotent")
+def open_ticket(title: str, *, idempotency_key: str) -> str:
+    """Open a ticket."""
+    call = current_call()
+    return f"{title} by {call.run_id}/{call.tool_use_id} key {idempotency_key}"
+
+
+@tool(effect="read", timeout=0.2)
+async def slow_search(query: str) -> str:
+    """Search, slowly."""
+    await asyncio.sleep(5)
+    return query
+
+
+@tool(effect="read")
+def broken(item: str) -> str:
+    """Always fails."""
+    raise RuntimeError(f"no {item}")
+
+
+def test_call_tool_runs_a_tool_as_a_worker_does():
+    text = call_tool(open_ticket, title="Changelog", run_id="r_1", tool_use_id="toolu_9")
+    assert text == f"Changelog by r_1/toolu_9 key {idempotency_key('r_1', 'toolu_9')}"
+    with pytest.raises(ToolInputError, match="invalid input for open_ticket: title"):
+        call_tool(open_ticket, {"title": ["not", "text"]})
+    with pytest.raises(ToolInputError, match="Extra inputs are not permitted"):
+        call_tool(open_ticket, title="x", idempotency_key="mine")  # the key is the runner's, never the model's
+    with pytest.raises(RuntimeError, match="no kettle"):
+        call_tool(broken, item="kettle")
+    assert current_call() is None, "set only during the call"
+
+    with tool_context(run_id="r_2") as call:
+        assert current_call() == call and call.idempotency_key == idempotency_key("r_2", "toolu_test")
+
+
+def test_tool_result_is_what_the_model_would_be_sent():
+    assert tool_result(broken, item="kettle").is_error
+    assert "broken failed: RuntimeError: no kettle" in tool_result(broken, item="kettle").content
+    bad = tool_result(open_ticket, title=3)
+    assert bad.is_error and "title" in bad.content
+    late = tool_result(slow_search, query="x")
+    assert late.is_error and "timed out after 0.2 s" in late.content
+    assert tool_result(open_ticket, title="y" * 50, max_result_chars=10).content.startswith("y" * 10 + "\n[... cut")

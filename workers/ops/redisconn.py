@@ -1,0 +1,97 @@
+"""How the operator tools reach Redis: quickly, and with one line when they cannot.
+
+A worker rides out a Redis restart (``agentpool.runtime.settings.connect`` retries for ~15 s); a person
+typing ``agentpool runs`` wants an answer now. So the interactive commands use :func:`quick_client`
+(2 s to connect, one quick retry), and :class:`OneLineErrors` turns whatever Redis error escapes a
+command into ``error: Redis unreachable at redis://host:port/0 (from REDIS_URL): Connection refused``
+instead of a traceback. URLs are always shown without their password.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Any
+
+import click
+from click.core import ParameterSource
+from redis import Redis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import AuthenticationError, ConnectionError, RedisError, ResponseError, TimeoutError
+from redis.retry import Retry
+
+from agentpool.runtime.settings import BadRedisUrl, Settings, check_redis_url, redact_url
+
+# The URL the current command talks to, and where it came from, for the error line.
+_target: dict[str, str] = {}
+
+
+def target_url(url: str | None, *, param: str = "url") -> str:
+    """The URL a command was given (``--url``, else ``REDIS_URL``, else the default), checked: a
+    malformed one is a :class:`BadRedisUrl` naming where it came from and the expected form."""
+    ctx = click.get_current_context(silent=True)
+    source = ctx.get_parameter_source(param) if ctx is not None and param in ctx.params else None
+    flag = "--" + param.replace("_", "-")
+    if url is None:
+        subject, origin = "the default URL", "the default; set REDIS_URL or pass --url"
+    elif source is ParameterSource.ENVIRONMENT:
+        subject, origin = "REDIS_URL", "from REDIS_URL"
+    else:
+        subject, origin = flag, f"from {flag}"
+    url = url or Settings.from_env().redis_url
+    _target.update(url=redact_url(url), origin=origin)
+    return check_redis_url(url, subject=subject)
+
+
+def quick_client(url: str | None, *, socket_timeout: float = 10.0, param: str = "url", **options: Any) -> Redis:
+    """A client for a command a person waits on: 2 s to connect, one quick retry, no 15 s ride-out."""
+    return Redis.from_url(
+        target_url(url, param=param),
+        socket_connect_timeout=2,
+        socket_timeout=socket_timeout,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1),
+        retry_on_error=[ConnectionError, TimeoutError],
+        **options,
+    )
+
+
+def reason(exc: RedisError) -> str:
+    """redis-py's message without the noise: "Error 111 connecting to h:p. Connection refused." ->
+    "Connection refused"."""
+    text = str(exc).strip() or type(exc).__name__
+    found = re.match(r"Error -?\d+ connecting to \S+?\.? (.*)$", text, re.DOTALL)
+    return (found.group(1) if found else text).rstrip(".")
+
+
+def describe(exc: RedisError) -> str:
+    where = f"{_target.get('url', '?')} ({_target.get('origin', 'from REDIS_URL')})"
+    if isinstance(exc, AuthenticationError) or "WRONGPASS" in str(exc) or "NOAUTH" in str(exc):
+        return f"Redis at {where} refused the credentials: {reason(exc)}"
+    if isinstance(exc, ResponseError):
+        return f"Redis at {where} answered with an error: {reason(exc)}"
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return f"Redis unreachable at {where}: {reason(exc)}"
+    return f"Redis at {where}: {reason(exc)}"
+
+
+def warn_if_unreachable(r: Redis, what: str) -> None:
+    """For a server that keeps serving while Redis is away (metrics, dashboard): one line, not a stop."""
+    try:
+        r.ping()
+    except RedisError as exc:
+        click.echo(f"warning: {describe(exc)}; {what}", err=True)
+
+
+class OneLineErrors(click.Group):
+    """The ``agentpool`` group: a malformed Redis URL (exit 2) or a Redis error (exit 1) that escapes a
+    command is one line on stderr, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except BadRedisUrl as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(2)
+        except RedisError as exc:
+            click.echo(f"error: {describe(exc)}", err=True)
+            sys.exit(1)
