@@ -65,9 +65,10 @@ def worker(
     r = connect(url, max_connections=2 * concurrency + 16 if concurrency > 1 else None)
     click.echo(f"agentpool worker on {redact_url(url or Settings.from_env().redis_url)}", err=True)
     if metrics_port:
-        from agentpool.ops.metrics import start_metrics_server
+        from agentpool.ops.metrics import scrape_client, start_metrics_server
 
-        start_metrics_server(metrics_port, r)
+        # Its own client: a scrape must answer quickly while Redis hangs, not retry as a turn does.
+        start_metrics_server(metrics_port, scrape_client(url))
     if concurrency > 1:
         from agentpool.worker.supervisor import run_threaded_worker
 
