@@ -9,7 +9,7 @@ turn), the definitions apps write (``agent``, ``tools``, ``context``, ``pricing`
 
 from agentpool.agent import Agent
 from agentpool.client import Run, RunTimeout, approve, cancel_run, enqueue_run, get_run, list_runs, resume, wait_for_run
-from agentpool.context import ToolCall, current_call
+from agentpool.context import CallNotOwned, ToolCall, current_call
 from agentpool.runtime.approvals import ApprovalError
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.tools import tool
@@ -18,6 +18,7 @@ __all__ = [
     "Agent",
     "AgentPoolError",
     "ApprovalError",
+    "CallNotOwned",
     "Run",
     "RunNotFound",
     "RunTimeout",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -25,6 +26,13 @@ def _env_float(name: str, default: float) -> float:
         raise SystemExit(f"{name} must be a number, got {raw!r}") from None
 
 
+def _at_least(name: str, default: float, low: float) -> float:
+    value = _env_float(name, default)
+    if not math.isfinite(value) or value < low:
+        raise SystemExit(f"{name} must be a finite number >= {low:g}, got {os.environ.get(name)!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Settings:
     redis_url: str
@@ -33,6 +41,12 @@ class Settings:
     reaper_interval: float
     model_retries: int  # consecutive transient model errors before a run is stopped
     retention: int  # seconds a finished run is kept; 0 keeps it forever
+    # Seconds added to a tool's timeout before a takeover repeats or verifies a call that another worker
+    # started and may still be running (clock skew between machines, scheduling delays).
+    takeover_margin: float = 5.0
+    # Tool threads abandoned after their timeout and still running that make a threaded worker process
+    # recycle itself (warm: its turns finish, then a fresh process takes its place).
+    max_abandoned_tools: int = 4
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -43,6 +57,8 @@ class Settings:
             reaper_interval=_env_float("AGENTPOOL_REAPER_INTERVAL", 1.0),
             model_retries=int(_env_float("AGENTPOOL_MODEL_RETRIES", 6)),
             retention=int(_env_float("AGENTPOOL_RETENTION_SECONDS", 7 * 24 * 3600)),
+            takeover_margin=_at_least("AGENTPOOL_TAKEOVER_MARGIN", 5.0, 0),
+            max_abandoned_tools=int(_at_least("AGENTPOOL_MAX_ABANDONED_TOOLS", 4, 1)),
         )
 
     @property
