@@ -92,6 +92,7 @@ def test_many_runs_complete_on_one_process_with_several_turns_in_flight_at_once(
         assert_valid_conversation(run.messages)
     assert Counter(e["tool"] for e in pool.effects())["read_notes"] == len(run_ids)
     assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+    assert "lease lost" not in pool.logs(tail=10**6), "no turn lost its lease: none is reported lost"
 
 
 EMAIL_THEN_SLOW = [
