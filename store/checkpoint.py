@@ -17,6 +17,7 @@ from redis.exceptions import WatchError
 
 from agentpool.store import ledger
 from agentpool.store.clock import now_ms
+from agentpool.store.codec import safe_text
 from agentpool.store.errors import LeaseLost, RunNotActive, RunNotFound
 from agentpool.store.events import Event, script_args
 from agentpool.store.keys import RUNS, RUNS_WATCH, STATS, RunKeys
@@ -259,7 +260,7 @@ def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int = 0) -
     touching only its status and error fields."""
     keys = RunKeys.of(run_id)
     with r.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.run, mapping={"status": "failed", "error": reason, "updated_at": now_ms()})
+        pipe.hset(keys.run, mapping={"status": "failed", "error": safe_text(reason), "updated_at": now_ms()})
         pipe.delete(keys.lease)
         pipe.zrem(RUNS_WATCH, run_id)
         _expire(pipe, keys, retention_s)
@@ -292,7 +293,7 @@ def set_status_unfenced(
                     pipe.unwatch()
                     return before
                 pipe.multi()
-                pipe.hset(keys.run, mapping={"status": status, "error": error, "updated_at": now_ms()})
+                pipe.hset(keys.run, mapping={"status": status, "error": safe_text(error), "updated_at": now_ms()})
                 if status in TERMINAL_STATUSES:
                     pipe.zrem(RUNS_WATCH, run_id)
                     _expire(pipe, keys, retention_s)

@@ -18,6 +18,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from agentpool.store import stats
+from agentpool.store.codec import safe_text
 from agentpool.store.keys import RunKeys
 
 MAX_EVENTS = 1000
@@ -33,11 +34,12 @@ class Event:
 
     @classmethod
     def of(cls, run_id: str, kind: str, **fields: Any) -> Event:
-        """``None`` fields are left out; the pool-wide counters are derived from the event."""
+        """``None`` fields are left out; the pool-wide counters are derived from the event. Texts (an
+        error, a tool name the model made up) are made safe to store (``codec.safe_text``)."""
         return cls(
             run_id,
             kind,
-            {k: str(v) for k, v in fields.items() if v is not None},
+            {k: safe_text(str(v)) for k, v in fields.items() if v is not None},
             {k: v for k, v in stats.counters_for(kind, fields).items() if v},
         )
 

@@ -2,18 +2,24 @@
 outcome written right after. Reconcile reads it to decide what a dangling tool_use needs.
 
 Field ``<tool_use_id>`` holds the intent, ``<tool_use_id>:out`` the outcome; both msgpack maps.
+An intent records who started the call (``owner``, the lease token), when (``started_at``) and the
+tool's ``timeout``, so a worker taking the run over knows until when that attempt may still be
+running; ``ended_at`` is added once the owner's process is known to be gone (``mark_ended``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import WatchError
 
+from agentpool.store import crypto
 from agentpool.store.codec import pack, unpack
-from agentpool.store.errors import LeaseLost, LedgerMismatch, RunNotActive
+from agentpool.store.errors import LeaseLost, LedgerMismatch, RunNotActive, UnreadableRecord
 from agentpool.store.events import Event, script_args
 from agentpool.store.keys import STATS, RunKeys
 from agentpool.store.records import SCHEMA_VERSION, open_value, seal_value
@@ -21,7 +27,23 @@ from agentpool.store.scripts import run_script
 
 
 def input_digest(tool_input: Any) -> str:
-    return hashlib.sha256(pack(tool_input)).hexdigest()[:32]
+    """What binds a ledger intent or an approval to its call's input. Keyed (``crypto.Cipher.digest``)
+    when encryption at rest is on: the input itself is sealed, and a plain hash would let anyone with a
+    dump confirm guesses of it. Without encryption the input is stored in clear anyway: a plain SHA-256."""
+    cipher = crypto.active()
+    data = pack(tool_input)
+    return cipher.digest(data) if cipher else hashlib.sha256(data).hexdigest()[:32]
+
+
+def same_input(recorded: Any, tool_input: Any) -> bool:
+    """Whether a digest on record was made of ``tool_input``: under any key this process has (a key
+    rotation), or plainly (a record written before encryption was turned on)."""
+    if not isinstance(recorded, str):
+        return False
+    data = pack(tool_input)
+    cipher = crypto.active()
+    candidates = [hashlib.sha256(data).hexdigest()[:32], *(cipher.digests(data) if cipher else [])]
+    return any(hmac.compare_digest(recorded, candidate) for candidate in candidates)
 
 
 @dataclass(frozen=True)
@@ -75,7 +97,7 @@ def check_same_call(entry: Entry, tool_use: dict[str, Any]) -> None:
     """A ledger slot replayed for a different call is a bug or tampering, never something to guess past."""
     if entry.intent is None:
         return
-    if entry.intent.get("name") != tool_use["name"] or entry.intent.get("input") != input_digest(tool_use["input"]):
+    if entry.intent.get("name") != tool_use["name"] or not same_input(entry.intent.get("input"), tool_use["input"]):
         raise LedgerMismatch(
             f"ledger entry for {tool_use['id']} records {entry.intent.get('name')!r} with other input than "
             f"the pending call to {tool_use['name']!r}"
@@ -112,6 +134,7 @@ def write_intent(
     effect: str,
     attempt: int,
     now: float,
+    timeout: float | None = None,
     event: Event | None = None,
 ) -> None:
     record = {
@@ -123,6 +146,8 @@ def write_intent(
         "started_at": now,
         "owner": token,
     }
+    if timeout is not None:
+        record["timeout"] = timeout
     fenced_hset(r, keys, token, keys.ledger, tool_use["id"], record, event)
 
 
@@ -140,6 +165,38 @@ def write_outcome(
     # A tool's output is sealed like the messages when encryption at rest is on.
     record = {"v": SCHEMA_VERSION, **seal_value(outcome.content), "is_error": outcome.is_error, "how": how, "at": now}
     fenced_hset(r, keys, token, keys.ledger, f"{tool_use_id}:out", record, event)
+
+
+def mark_ended(r: Redis, keys: RunKeys, holder: str, now: float) -> int:
+    """Record that process ``holder`` (``<worker>.<pid>``, the end of its lease tokens) is gone, with
+    every process it started: the calls it started and left without an outcome can no longer take
+    effect, so reconcile need not wait out their timeout. Only for a process known to be dead and its
+    process group known to be empty. Returns how many intents were marked."""
+    with r.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(keys.ledger)
+                fields: dict[bytes, bytes] = pipe.hgetall(keys.ledger)  # type: ignore[assignment]
+                marked = {}
+                for name, blob in fields.items():
+                    if b":" in name or name + b":out" in fields:
+                        continue
+                    try:
+                        intent = unpack(blob, "ledger intent")
+                    except UnreadableRecord:
+                        continue  # its turn will fail on it; nothing to mark
+                    owner = intent.get("owner") if isinstance(intent, dict) else None
+                    if isinstance(owner, str) and owner.endswith(f":{holder}") and "ended_at" not in intent:
+                        marked[name] = pack({**intent, "ended_at": now})
+                if not marked:
+                    pipe.unwatch()
+                    return 0
+                pipe.multi()
+                pipe.hset(keys.ledger, mapping=marked)  # type: ignore[arg-type]
+                pipe.execute()
+                return len(marked)
+            except WatchError:
+                continue
 
 
 def stage_compaction(pipe: Any, keys: RunKeys, outcomes: dict[str, Outcome], now: float) -> None:

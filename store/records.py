@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentpool.store import crypto
-from agentpool.store.codec import pack, unpack
+from agentpool.store.codec import pack, safe_text, unpack
 from agentpool.store.errors import SchemaTooNew, UnreadableRecord
 
 # 1: the first release. 2: the header counts cost (``cost_usd``), usage counts every call paid for
@@ -148,6 +148,7 @@ RESULT_SEALED_PREFIX = "sealed:"
 
 
 def pack_result(text: str) -> str:
+    text = safe_text(text)  # the model's own text: it may end in half an emoji
     cipher = crypto.active()
     return RESULT_SEALED_PREFIX + cipher.seal(text.encode()).decode() if cipher and text else text
 

@@ -14,6 +14,8 @@ from redis.client import Pipeline
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 
+from agentpool.store.codec import safe_text
+
 _LUA_DIR = Path(__file__).with_name("lua")
 
 
@@ -39,10 +41,19 @@ class _Scripts:
         """Run the script now, on a client or on a pipeline in WATCH mode (whose commands run at once)."""
         script = self._script(name)
         try:
-            return client.evalsha(script.sha, len(keys), *keys, *args)
+            return self._evalsha(client, script, keys, args)
         except NoScriptError:  # a restarted or flushed Redis
             client.script_load(script.script)
+            return self._evalsha(client, script, keys, args)
+
+    @staticmethod
+    def _evalsha(client: Redis | Pipeline, script: Script, keys: list[str], args: list[object]) -> object:
+        try:
             return client.evalsha(script.sha, len(keys), *keys, *args)
+        except UnicodeEncodeError:
+            # A text argument (an error, a result, an event field) with a lone surrogate: redis-py
+            # refuses it before sending anything, so sending the cleaned arguments is the first send.
+            return client.evalsha(script.sha, len(keys), *keys, *_safe_args(args))
 
     def pipelined(
         self,
@@ -60,7 +71,7 @@ class _Scripts:
         for _ in range(2):
             with r.pipeline(transaction=False) as pipe:
                 for keys, args in calls:
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                    pipe.evalsha(script.sha, len(keys), *keys, *_safe_args(args))
                 if stage:
                     stage(pipe)
                 replies = pipe.execute(raise_on_error=False)
@@ -71,6 +82,10 @@ class _Scripts:
             if isinstance(reply, Exception):
                 raise reply
         return replies
+
+
+def _safe_args(args: list[object]) -> list[object]:
+    return [safe_text(a) if isinstance(a, str) else a for a in args]
 
 
 run_script = _Scripts()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import random
+import threading
 import time
 from contextlib import ExitStack
 
@@ -46,3 +48,26 @@ def test_a_lease_taken_over_is_dropped_not_renewed_for_the_new_owner(r, caplog):
         time.sleep(3 * TTL_MS / 1000)
         assert holder(r, keys) is None, "the new owner's lease was left to its own heartbeat, not extended"
     assert any("lease lost" in m for m in caplog.messages)
+
+
+def test_turns_that_commit_while_their_lease_is_being_renewed_are_not_reported_lost(r, caplog):
+    # Save point B deletes the lease; a renewal sent just before lands just after and finds none. Many
+    # short turns at once, on a short TTL, make that race common: none of them lost its lease.
+    caplog.set_level(logging.WARNING, logger="agentpool.heartbeat")
+    ttl_ms = 150  # renewed every 50 ms
+
+    def turns(n: int) -> None:
+        rng = random.Random(n)
+        for i in range(20):
+            keys, token = RunKeys.of(f"r_race{n:03d}{i:03d}"), f"1:test.{n}"
+            r.set(keys.lease, token, px=ttl_ms)
+            with keep_alive(r, keys, token, ttl_ms):
+                time.sleep(rng.uniform(0.03, 0.12))
+                r.delete(keys.lease)  # the commit that ends the turn
+
+    threads = [threading.Thread(target=turns, args=(n,)) for n in range(30)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not [m for m in caplog.messages if "lease lost" in m], caplog.messages[:5]

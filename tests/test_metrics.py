@@ -4,6 +4,7 @@ real processes, checked against what the runs themselves recorded."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agentpool import enqueue_run, get_run, wait_for_run
 from agentpool.runtime.jobs import stage_turn
-from agentpool.testing.localpool import WorkerProcesses, free_port
+from agentpool.testing.localpool import RedisServer, WorkerProcesses, free_port
 
 from conftest import ROOT, script_task
 
@@ -167,6 +168,33 @@ def test_metrics_report_redis_down_instead_of_failing_the_scrape(tmp_path):
         m = scrape(port)
     assert sample(m, "agentpool_redis_up") == 0
     assert not any(name.startswith("agentpool_runs") for name, _ in m)
+
+
+def test_a_worker_scrape_reports_redis_down_while_redis_hangs_instead_of_hanging(tmp_path, model):
+    server = RedisServer(tmp_path).start()  # its own: it is frozen below
+    port = free_port()
+    env = {**os.environ, "REDIS_URL": server.url, "ANTHROPIC_BASE_URL": model.base_url, "ANTHROPIC_API_KEY": "sk-t"}
+    workers = WorkerProcesses(env, tmp_path, cwd=str(ROOT / "tests"))
+    workers.start(1, "--no-scheduler", "--metrics-port", str(port))
+    try:
+        assert sample(scrape(port), "agentpool_redis_up") == 1
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)  # Redis hangs (a stuck primary, a paused VM): no error, no answer
+        try:
+            # Prometheus gives up after its scrape timeout (10 s by default); the scrape must answer first.
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=15) as resp:
+                text = resp.read().decode()
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        m = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+        }
+        assert sample(m, "agentpool_redis_up") == 0
+    finally:
+        workers.stop()
+        server.stop()
 
 
 def test_cost_is_exported_once_the_pool_counters_carry_it(r):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ from redis import Redis
 
 from agentpool import approve, enqueue_run, get_run, list_runs, wait_for_run
 from agentpool.store import crypto
+from agentpool.store.codec import pack
 from agentpool.store.crypto import Cipher, EncryptionKeyMissing, generate_key
 from agentpool.store.errors import UnreadableRecord
 from agentpool.store.events import read as read_events
@@ -108,6 +110,47 @@ def test_a_rotated_key_still_reads_old_runs_and_writes_with_the_new_one(r, pool,
     key_in_this_process(new)  # without the old key, what was written under it is unreadable
     with pytest.raises(UnreadableRecord, match="message 0 is encrypted with a key"):
         get_run(run_id, connection=r)
+
+
+def test_input_digests_in_a_redis_dump_cannot_confirm_guesses_when_encryption_is_on(
+    r, pool, model, key_in_this_process
+):
+    key = generate_key()
+    model.set_scripts({"ship": [{"tool_calls": [{"name": "deploy", "input": {"version": "2.4.1"}}]}, {"text": "ok"}]})
+    key_in_this_process(key)
+    pool.start(1, AGENTPOOL_ENCRYPTION_KEY=key)
+    run_id = enqueue_run("pool_agents:guarded", script_task("ship", SECRET_TASK), connection=r)
+    wait_for_status(r, run_id, "waiting_approval")
+    keys = RunKeys.of(run_id)
+    waiting = b"".join(k + v for k, v in r.hgetall(keys.approvals).items())
+    approve(run_id, connection=r)  # checked against the keyed digest of the call's input
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    assert [e["version"] for e in pool.effects() if e["tool"] == "deploy"] == ["2.4.1"]
+
+    dump = waiting + b"".join(
+        k + v for name in (keys.run, keys.ledger, keys.approvals) for k, v in r.hgetall(name).items()
+    )
+    for guess in ("2.4.1", "2.4.0", "2.5.0"):  # what someone holding the dump would try
+        digest = hashlib.sha256(pack({"version": guess})).hexdigest()
+        assert digest[:16].encode() not in dump, f"the plain SHA-256 of the input {guess} is in the dump"
+
+
+def test_a_ledger_intent_recorded_under_the_key_being_rotated_out_still_matches_its_call(
+    r, pool, model, key_in_this_process
+):
+    old, new = generate_key(), generate_key()
+    model.set_scripts({"slow": [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 1.5}}]}, {"text": "Done."}]})
+    key_in_this_process(old)
+    first = pool.start(1, AGENTPOOL_ENCRYPTION_KEY=old)[0]
+    run_id = enqueue_run("pool_agents:support", script_task("slow", SECRET_TASK), connection=r)
+    pool.wait_for_effect("slow_read")  # its intent is on record, its input digested under the old key
+    pool.kill(first)
+    key_in_this_process(new, old)  # the rotation: the new key first, the old one kept for reading
+    pool.start(1, AGENTPOOL_ENCRYPTION_KEY=new, AGENTPOOL_ENCRYPTION_OLD_KEYS=old)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    assert [e["tool"] for e in pool.effects()] == ["slow_read", "slow_read"], "the intent matched: a read re-runs"
 
 
 def test_tls_and_an_acl_user_work_and_no_secret_reaches_logs_or_events(tmp_path, model):

@@ -21,7 +21,7 @@ from agentpool.client import (
     resume,
     wait_for_run,
 )
-from agentpool.context import ToolCall, current_call
+from agentpool.context import CallNotOwned, ToolCall, current_call
 from agentpool.pricing import set_price
 from agentpool.runtime.approvals import ApprovalError
 from agentpool.store.crypto import EncryptionKeyMissing
@@ -32,6 +32,7 @@ __all__ = [
     "Agent",
     "AgentPoolError",
     "ApprovalError",
+    "CallNotOwned",
     "EncryptionKeyMissing",
     "InvalidLimit",
     "ResumeRefused",

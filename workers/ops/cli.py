@@ -102,10 +102,11 @@ def worker(
     # it), after riding out a restart (the client's ~15 s of retries) for a long-lived one.
     (quick_client(target) if burst else r).ping()
     if metrics_port:
-        from agentpool.ops.metrics import start_metrics_server
+        from agentpool.ops.metrics import scrape_client, start_metrics_server
 
         try:
-            start_metrics_server(metrics_port, r, host=metrics_host)
+            # Its own client: a scrape must answer quickly while Redis hangs, not retry as a turn does.
+            start_metrics_server(metrics_port, scrape_client(url), host=metrics_host)
         except OSError as exc:
             raise click.ClickException(f"cannot listen on {metrics_host}:{metrics_port}: {exc}") from None
     if concurrency > 1:

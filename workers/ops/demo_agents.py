@@ -68,6 +68,9 @@ secretary = Agent(
         "item, email a two-line summary to the team, then answer with one sentence."
     ),
     tools=[read_notes, create_ticket, send_email],
+    # The tools answer in under a second. A whole worker killed mid-call leaves a worker taking over to
+    # wait out the call's timeout (plus a margin) before repeating it: keep that short, as for real tools.
+    tool_timeout=5.0,
     max_turns=10,
     max_tokens=1024,
 )

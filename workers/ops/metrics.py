@@ -212,6 +212,15 @@ def _histogram(metric: str, help_text: str, buckets: Mapping[str, float], total:
     return HistogramMetricFamily(f"agentpool_{metric}", help_text, buckets=rows, sum_value=total)
 
 
+def scrape_client(url: str | None = None) -> Redis:
+    """The client a metrics endpoint reads Redis with: short timeouts and no retries (redis-py retries
+    three times by default), so with Redis hung or gone a scrape answers ``agentpool_redis_up 0`` within
+    Prometheus's scrape timeout instead of hanging, each hung scrape holding a thread and a connection.
+    Never a worker's own client: that one retries for ~15 s and has no socket timeout, to ride out a
+    Redis restart without failing a turn."""
+    return quick_client(url, socket_timeout=5, retries=0)
+
+
 def registry_for(r: Redis, *, max_runs: int = DEFAULT_MAX_RUNS) -> CollectorRegistry:
     """A registry holding only the pool collector (no process metrics: they would describe the
     exporter, not the pool)."""
@@ -221,7 +230,8 @@ def registry_for(r: Redis, *, max_runs: int = DEFAULT_MAX_RUNS) -> CollectorRegi
 
 
 def start_metrics_server(port: int, r: Redis, *, host: str = "127.0.0.1", max_runs: int = DEFAULT_MAX_RUNS) -> None:
-    """Serve ``/metrics`` on ``host:port`` from a daemon thread (it dies with the worker)."""
+    """Serve ``/metrics`` on ``host:port`` from a daemon thread (it dies with the worker), reading
+    Redis through ``r``: give it a ``scrape_client``."""
     start_http_server(port, addr=host, registry=registry_for(r, max_runs=max_runs))
     log.info("serving Prometheus metrics on http://%s:%d/metrics", host, port)
 
@@ -244,9 +254,7 @@ def start_metrics_server(port: int, r: Redis, *, host: str = "127.0.0.1", max_ru
 )
 def metrics(url: str | None, port: int, host: str, max_runs: int) -> None:
     """Serve pool-wide Prometheus metrics read from Redis (any number of these may run)."""
-    # Short timeouts and no retry loop: a scrape should report agentpool_redis_up 0 within
-    # Prometheus's scrape timeout, not hang while Redis is away.
-    r = quick_client(url, socket_timeout=5)
+    r = scrape_client(url)
     try:
         start_metrics_server(port, r, host=host, max_runs=max_runs)
     except OSError as exc:

@@ -43,13 +43,15 @@ def target_url(url: str | None, *, param: str = "url") -> str:
     return check_redis_url(url, subject=subject)
 
 
-def quick_client(url: str | None, *, socket_timeout: float = 10.0, param: str = "url", **options: Any) -> Redis:
+def quick_client(
+    url: str | None, *, socket_timeout: float = 10.0, retries: int = 1, param: str = "url", **options: Any
+) -> Redis:
     """A client for a command a person waits on: 2 s to connect, one quick retry, no 15 s ride-out."""
     return Redis.from_url(
         target_url(url, param=param),
         socket_connect_timeout=2,
         socket_timeout=socket_timeout,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=1),
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=retries),
         retry_on_error=[ConnectionError, TimeoutError],
         **options,
     )

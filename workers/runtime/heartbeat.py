@@ -4,6 +4,12 @@ One thread per process renews every lease the process holds, those due together 
 round trip, each at a third of its TTL: two renewals can fail (a Redis blip) before a lease lapses.
 A turn holds its lease in ``keep_alive`` for as long as it runs: a dict entry, not a thread of its
 own (starting and joining one cost half a millisecond per turn, and a threaded worker runs hundreds).
+
+A renewal races the commit that ends a turn (save point B deletes the lease): a renewal sent just
+before the commit lands after it and finds no lease, while the turn is on its way out of
+``keep_alive``. So one refused renewal is not news; the lease is reported lost only if the turn still
+holds it a period later and the renewal is refused again. A turn that really lost its lease learns
+it at its next write anyway (``LeaseLost``), which is logged where it is caught.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ class _Held:
     token: str
     ttl_ms: int
     due: float  # time.monotonic() of the next renewal
+    refused: bool = False  # the last renewal found the lease gone or someone else's
 
     @property
     def period(self) -> float:
@@ -89,10 +96,17 @@ class LeaseKeeper:
                 log.warning("could not renew %d lease(s) (%s); retrying", len(mine), exc)
                 continue
             for held, ok in zip(mine, kept):
-                if not ok:
-                    log.warning("run %s: lease lost; this turn will commit nothing further", held.keys.run_id)
-                    with self._lock:
-                        self._held.discard(held)
+                if ok:
+                    held.refused = False
+                    continue
+                with self._lock:
+                    if held not in self._held:
+                        continue  # the turn ended (its commit deleted the lease) while we renewed
+                    if not held.refused:
+                        held.refused = True  # maybe that commit, its turn about to leave: ask again
+                        continue
+                    self._held.discard(held)
+                log.warning("run %s: lease lost; this turn will commit nothing further", held.keys.run_id)
 
 
 keeper = LeaseKeeper()

@@ -35,6 +35,12 @@ class Settings:
     reaper_interval: float
     model_retries: int  # consecutive transient model errors before a run is stopped
     retention: int  # seconds a finished run is kept; 0 keeps it forever
+    # Seconds added to a tool's timeout before a takeover repeats or verifies a call that another worker
+    # started and may still be running (clock skew between machines, scheduling delays).
+    takeover_margin: float = 5.0
+    # Tool threads abandoned after their timeout and still running that make a threaded worker process
+    # recycle itself (warm: its turns finish, then a fresh process takes its place).
+    max_abandoned_tools: int = 4
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -45,6 +51,8 @@ class Settings:
             reaper_interval=_env_float("AGENTPOOL_REAPER_INTERVAL", 1.0, zero_ok=True),  # 0: no reaper thread
             model_retries=int(_env_float("AGENTPOOL_MODEL_RETRIES", 6, zero_ok=True)),
             retention=int(_env_float("AGENTPOOL_RETENTION_SECONDS", 7 * 24 * 3600, zero_ok=True)),
+            takeover_margin=_env_float("AGENTPOOL_TAKEOVER_MARGIN", 5.0, zero_ok=True),
+            max_abandoned_tools=max(1, int(_env_float("AGENTPOOL_MAX_ABANDONED_TOOLS", 4))),
         )
 
     @property

@@ -1,8 +1,11 @@
 """Settling a turn's tool_uses: one tool_result for each, reconciled against the ledger.
 
 A call whose outcome is on record replays it; a call nobody started runs (after a person's decision,
-if its tool needs one); a call started by a dead worker is decided by ``reconcile.plan``. Every step
-writes the ledger first (an intent before the tool, an outcome after), fenced by the turn's lease.
+if its tool needs one); a call started by a dead worker is decided by ``reconcile.plan``, once that
+attempt can no longer be running (``reconcile.running_until``). Every step writes the ledger first
+(an intent before the tool, an outcome after), fenced by the turn's lease, and every outcome goes
+through ``toolcall.bounded`` on its way in: nothing a tool returns or raises can make a turn
+unrecordable or oversized.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from redis import Redis
 from agentpool.agent import Agent
 from agentpool.context import ToolCall
 from agentpool.runtime.faults import fault
-from agentpool.runtime.reconcile import Action, idempotency_key, plan, unknown_outcome
-from agentpool.runtime.toolcall import run_tool
+from agentpool.runtime.reconcile import Action, idempotency_key, plan, running_until, unknown_outcome
+from agentpool.runtime.settings import Settings
+from agentpool.runtime.toolcall import Ownership, bounded, result_text, run_tool, run_verify
 from agentpool.store import approvals, checkpoint, ledger
 from agentpool.store.clock import now_ms
 from agentpool.store.errors import LedgerMismatch
@@ -30,13 +34,24 @@ from agentpool.tools import Tool, ToolInputError
 log = logging.getLogger("agentpool.turn")
 
 
+class EarlierAttemptMayRun(Exception):
+    """A call's earlier attempt may still take effect until ``until`` (epoch seconds), further off
+    than a turn waits in its worker: the turn is to be deferred until then."""
+
+    def __init__(self, until: float) -> None:
+        super().__init__(f"an earlier attempt may still be running until {until:.0f}")
+        self.until = until
+
+
 class Settlement:
     """The tool calls of one turn, settled under the turn's lease ``token``."""
 
-    def __init__(self, r: Redis, keys: RunKeys, token: str, turn: int) -> None:
+    def __init__(self, r: Redis, keys: RunKeys, token: str, turn: int, settings: Settings | None = None) -> None:
         self.r, self.keys, self.token, self.turn = r, keys, token, turn
+        self.settings = settings or Settings.from_env()
         self.run_id = keys.run_id
         self.where = f"run {self.run_id} turn {turn}"
+        self.limit = 100_000  # the agent's max_result_chars, once settle() is given the agent
         self.outcomes: dict[str, Outcome] = {}  # settled this turn, compacted in the ledger at save point B
 
     def settle(
@@ -44,13 +59,18 @@ class Settlement:
     ) -> list[dict[str, Any]] | None:
         """One tool_result per pending tool_use, in order, each reconciled on its own; or None when
         the run now waits for a person's decision on some of them. ``fresh`` calls come from the reply
-        this very turn received: nothing can be recorded for them yet, so the ledger is not read."""
+        this very turn received: nothing can be recorded for them yet, so the ledger is not read.
+
+        Raises ``EarlierAttemptMayRun`` when a call started by a worker that lost the lease may still
+        take effect for longer than a turn waits in its worker (``wait_for_earlier_attempts``)."""
+        self.limit = agent.max_result_chars
         if fresh:
             entries = {call["id"]: Entry(None, None) for call in pending}
         else:
             entries = ledger.read(self.r, self.keys, [call["id"] for call in pending])
             for call in pending:
                 ledger.check_same_call(entries[call["id"]], call)
+            self.wait_for_earlier_attempts(agent, pending, entries)
         gated = any((tool := agent.tool_named(call["name"])) and tool.requires_approval for call in pending)
         decisions = approvals.read(self.r, self.keys)[1] if gated else {}
         undecided = [call for call in pending if self.needs_decision(agent, call, entries[call["id"]], decisions)]
@@ -61,6 +81,50 @@ class Settlement:
             self.settle_one(agent, call, entries[call["id"]], decisions.get(call["id"])).as_tool_result(call["id"])
             for call in pending
         ]
+
+    def wait_for_earlier_attempts(self, agent: Agent, pending: list[dict[str, Any]], entries: dict[str, Entry]) -> None:
+        """Before anything is asked or run: an attempt started by a worker that lost its lease (frozen
+        by a GC pause or SIGSTOP, cut off by a partition) may still be inside its tool, and fencing
+        cannot stop a thread already there. Wait until each such attempt can no longer be running: in
+        this worker (lease kept alive) if that comes within one lease TTL, the time a takeover takes
+        anyway; otherwise the turn is deferred (``EarlierAttemptMayRun``) and frees its worker."""
+        waits = []
+        for call in pending:
+            tool = agent.tool_named(call["name"])
+            until = running_until(
+                tool.effect if tool else None,
+                entries[call["id"]],
+                has_verify=bool(tool and tool.verify_fn),
+                timeout=(tool.timeout if tool and tool.timeout else agent.tool_timeout),
+                margin=self.settings.takeover_margin,
+            )
+            if until > time.time():
+                waits.append((until, call))
+        if not waits:
+            return
+        until, call = max(waits, key=lambda w: w[0])
+        seconds = until - time.time()
+        deferred = seconds > self.settings.lease_ttl
+        emit(
+            self.r,
+            self.run_id,
+            "waiting_for_attempt",
+            tool=call["name"],
+            tool_use_id=call["id"],
+            seconds=round(seconds, 3),
+            where="deferred" if deferred else "worker",
+        )
+        log.warning(
+            "%s: an earlier attempt of %s %s may still be running; waiting %.1f s before reconciling it%s",
+            self.where,
+            call["name"],
+            call["id"],
+            seconds,
+            " (turn deferred)" if deferred else "",
+        )
+        if deferred:
+            raise EarlierAttemptMayRun(until)
+        time.sleep(max(0.0, until - time.time()))
 
     def needs_decision(
         self, agent: Agent, call: dict[str, Any], entry: Entry, decisions: dict[str, approvals.Decision]
@@ -139,16 +203,17 @@ class Settlement:
                 return self.record(call, refusal, how="denied")
         key = idempotency_key(self.run_id, call["id"])
         if action is Action.VERIFY:
-            verdict = self.verify(tool, kwargs, key)
+            verdict = self.verify(agent, tool, call, kwargs, key, attempt=entry.attempts)
             if verdict is None:
                 return self.record(call, unknown_outcome(call["name"]), how="unknown")
             if verdict is not False:
-                return self.record(call, Outcome(str(verdict), False), how="verified")
+                return self.record(call, result_text(verdict), how="verified")
         return self.execute(agent, tool, call, kwargs, key, attempt=entry.attempts + 1)
 
     def execute(
         self, agent: Agent, tool: Tool, call: dict[str, Any], kwargs: dict[str, Any], key: str, attempt: int
     ) -> Outcome:
+        timeout = tool.timeout or agent.tool_timeout
         ledger.write_intent(
             self.r,
             self.keys,
@@ -157,20 +222,22 @@ class Settlement:
             effect=tool.effect,
             attempt=attempt,
             now=now_ms() / 1000,
+            timeout=timeout,
             event=Event.of(
                 self.run_id, "tool_started", tool=tool.name, tool_use_id=call["id"], effect=tool.effect, attempt=attempt
             ),
         )
+        ownership = Ownership(self.r, self.keys, self.token)
         outcome = run_tool(
             tool,
             kwargs,
-            call=ToolCall(self.run_id, self.turn, call["id"], key, attempt),
-            timeout=tool.timeout or agent.tool_timeout,
-            limit=agent.max_result_chars,
+            call=ToolCall(self.run_id, self.turn, call["id"], key, attempt, owner_check=ownership),
+            ownership=ownership,
+            timeout=timeout,
             where=self.where,
         )
         fault("in_tool", self.run_id, self.turn)
-        self.record(
+        outcome = self.record(
             call,
             outcome,
             how="ran",
@@ -188,23 +255,31 @@ class Settlement:
 
     def check_decision(self, call: dict[str, Any], decision: approvals.Decision | None) -> Outcome | None:
         """None if a person approved exactly this call; otherwise the is_error outcome to record."""
-        if decision is None or decision.input_digest != ledger.input_digest(call["input"]):
+        if decision is None or not ledger.same_input(decision.input_digest, call["input"]):
             raise LedgerMismatch(f"the approval on record for {call['id']} is missing or was given for other input")
         if decision.approved:
             return None
         who = "The approval request expired" if decision.by == "expiry" else "A person denied this call"
         return Outcome(f"{who}: {decision.reason or 'no reason given'}. It was not executed.", True)
 
-    def verify(self, tool: Tool, kwargs: dict[str, Any], key: str) -> str | bool | None:
-        assert tool.verify_fn is not None
-        try:
-            return tool.verify_fn(**kwargs, idempotency_key=key)
-        except Exception as exc:  # noqa: BLE001 - a hook that fails cannot tell: the outcome is unknown
-            log.warning("%s: verify hook of %s raised %s; treating the outcome as unknown", self.where, tool.name, exc)
-            return None
+    def verify(
+        self, agent: Agent, tool: Tool, call: dict[str, Any], kwargs: dict[str, Any], key: str, attempt: int
+    ) -> str | bool | None:
+        """The hook's answer, within the tool's own timeout; None (cannot tell) if it hangs or raises."""
+        ownership = Ownership(self.r, self.keys, self.token)
+        return run_verify(
+            tool,
+            kwargs,
+            call=ToolCall(self.run_id, self.turn, call["id"], key, attempt, owner_check=ownership),
+            ownership=ownership,
+            timeout=tool.timeout or agent.tool_timeout,
+            where=self.where,
+        )
 
     def record(self, call: dict[str, Any], outcome: Outcome, *, how: str, event: Event | None = None) -> Outcome:
-        """The outcome in the ledger, with ``event`` (by default: how the call was settled without running)."""
+        """The outcome in the ledger, with ``event`` (by default: how the call was settled without running).
+        Returns it as recorded: made safe to encode and cut to the agent's ``max_result_chars``."""
+        outcome = bounded(outcome, self.limit)
         event = event or Event.of(
             self.run_id,
             "reconciled" if how in ("unknown", "verified") else "tool_skipped",

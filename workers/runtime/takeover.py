@@ -18,6 +18,7 @@ from rq.job import Job
 
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.serializer import MsgpackSerializer
+from agentpool.store import ledger
 from agentpool.store.checkpoint import QUEUED_RECHECK_MS, fail_unfenced
 from agentpool.store.clock import now_ms
 from agentpool.store.events import emit
@@ -113,12 +114,15 @@ def forget_turn_job(r: Redis, job_id: str) -> None:
 
 
 def hand_over_dead_holder(r: Redis, job: Job, holder: str, *, cause: str) -> str | None:
-    """The process ``holder`` (``<worker name>.<pid>``) that ran ``job`` is known dead: drop its
-    lease on the job's run and re-enqueue the turn at once, without waiting for the lease to expire.
-    Returns the run id re-enqueued, or None (not an agentpool turn, or nothing was needed)."""
+    """The process ``holder`` (``<worker name>.<pid>``) that ran ``job`` is known dead, and every
+    process it started is gone (the caller ended its process group): record that the calls it left
+    without an outcome can no longer take effect (reconcile then need not wait out their timeout),
+    drop its lease on the job's run and re-enqueue the turn at once, without waiting for the lease to
+    expire. Returns the run id re-enqueued, or None (not an agentpool turn, or nothing was needed)."""
     try:
         run_id, _turn = job.args
     except (DeserializationError, ValueError, TypeError):
         return None  # not an agentpool turn
+    ledger.mark_ended(r, RunKeys.of(run_id), holder, now_ms() / 1000)
     release_dead_holder(r, RunKeys.of(run_id), holder)
     return run_id if requeue_turn(r, run_id, cause=cause, cause_kind="horse_death", dead_job=job.id) else None

@@ -36,7 +36,7 @@ from agentpool.runtime.limits import Limits
 from agentpool.runtime.loader import AgentNotFound, load_agent
 from agentpool.runtime.model import ModelQuotaExhausted, ModelRejected, ModelReply, ModelUnavailable, call_model
 from agentpool.runtime.settings import Settings, connect
-from agentpool.runtime.settle import Settlement
+from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
 from agentpool.store import checkpoint
 from agentpool.store.crypto import EncryptionKeyMissing
 from agentpool.store.errors import LeaseLost, LedgerMismatch, RunNotActive, SchemaTooNew, UnreadableRecord
@@ -121,7 +121,7 @@ class Turn:
         self.run_id = keys.run_id
         self.where = f"run {self.run_id} turn {turn}"
         self.started = time.monotonic()
-        self.tools = Settlement(r, keys, token, turn)
+        self.tools = Settlement(r, keys, token, turn, settings)
 
     def run(self, header: dict[bytes, bytes], blobs: list[bytes]) -> str:
         """The turn, given the run's header and messages as read with the lease."""
@@ -129,7 +129,10 @@ class Turn:
         agent = load_agent(state.agent)
         if state.phase == "tools":
             emit(self.r, self.run_id, "resumed", turn=self.turn, pending=len(state.pending))
-            results = self.tools.settle(agent, state.pending)
+            try:
+                results = self.tools.settle(agent, state.pending)
+            except EarlierAttemptMayRun as wait:
+                return self.defer_until(wait.until)
             if results is None:
                 return "waiting_approval"
             return self.after_tools(results, turns=state.turns)
@@ -248,6 +251,18 @@ class Turn:
             model_errors=errors,
             delay_ms=int(delay * 1000),
             enqueue_later=lambda pipe, attempt: stage_turn(pipe, self.r, self.run_id, self.turn, attempt, delay=delay),
+        )
+        return "deferred"
+
+    def defer_until(self, until: float) -> str:
+        """Give the turn back until ``until`` (epoch seconds): a call's earlier attempt may still take
+        effect until then. The lease is released and the reaper, which runs in every worker, re-enqueues
+        the turn when the run comes due in its watch set: no worker waits, and unlike a scheduled job
+        this needs no RQ scheduler (whose lock a dead worker can hold for minutes)."""
+        delay_ms = max(0, int((until - time.time()) * 1000))
+        release(self.r, self.keys, self.token, recheck_in_ms=delay_ms)
+        log.info(
+            "%s: given back for %.1f s, until an earlier attempt can no longer be running", self.where, delay_ms / 1000
         )
         return "deferred"
 

@@ -1,8 +1,11 @@
 """``AgentWorker``: RQ's forking worker plus what makes takeover fast.
 
 - When a work horse dies (the OOM killer's usual victim) RQ's parent notices at once (it waits on the
-  horse's pid) and calls ``work_horse_killed_handler``. We drop the dead horse's lease and re-enqueue
-  its turn right there: no waiting for a lease to expire, nor for RQ's abandoned-job cleanup (minutes).
+  horse's pid) and calls ``work_horse_killed_handler``. We end what the horse left in its process
+  group (its tools' subprocesses: ``agentpool.worker.groups``), then drop its lease and re-enqueue its
+  turn right there: no waiting for a lease to expire, nor for RQ's abandoned-job cleanup (minutes).
+- When a horse ends normally, what its tools left in its group (a timed-out tool's subprocess) is
+  ended too: a tool's subprocesses die with the process that started them.
 - A reaper thread (see ``agentpool.runtime.reaper``) covers a worker killed whole, or its machine lost.
 - Jobs are msgpack; warm shutdown on SIGTERM lets the current turn finish, as RQ does.
 """
@@ -21,6 +24,7 @@ from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
 from agentpool.store.keys import TURN_QUEUE
+from agentpool.worker.groups import end_process_group
 
 log = logging.getLogger("agentpool.worker")
 
@@ -32,11 +36,19 @@ class AgentWorker(Worker):
         kwargs.setdefault("serializer", MsgpackSerializer)
         kwargs.setdefault("work_horse_killed_handler", self._on_horse_killed)
         super().__init__(list(queues), connection=connection, **kwargs)
+        settings = Settings.from_env()
         self._handed_over: set[str] = set()  # turn jobs whose dead horse's turn was handed over
-        self.reaper_interval = reaper_interval if reaper_interval is not None else Settings.from_env().reaper_interval
+        self.reaper_interval = reaper_interval if reaper_interval is not None else settings.reaper_interval
+        # SIGTERM to SIGKILL for what a horse left: under a third of the lease TTL, so the hand-over comes
+        # before the dead horse's lease could lapse and the reaper re-enqueue its turn on its own.
+        self.group_grace = min(3.0, settings.lease_ttl / 3)
 
     def _on_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         how = f"signal {os.WTERMSIG(ret_val)}" if os.WIFSIGNALED(ret_val) else f"exit status {os.WEXITSTATUS(ret_val)}"
+        # First its tools' subprocesses: one still running could take effect after the next worker
+        # asked the tool's verify hook and was told "not happened".
+        if not end_process_group(retpid, self.group_grace):
+            log.error("work horse %d's process group did not end; handing its turn over anyway", retpid)
         hand_over_dead_holder(self.connection, job, f"{self.name}.{retpid}", cause=f"work horse {retpid} died ({how})")
         if is_turn_job(job):
             self._handed_over.add(job.id)
@@ -49,6 +61,14 @@ class AgentWorker(Worker):
         if job.id in self._handed_over:
             self._handed_over.discard(job.id)
             forget_turn_job(self.connection, job.id)
+
+    def monitor_work_horse(self, job: Any, queue: Any, execution: Any) -> None:
+        horse = self._horse_pid
+        try:
+            super().monitor_work_horse(job, queue, execution)
+        finally:
+            if horse:
+                end_process_group(horse, self.group_grace)  # no-op (one failed killpg) when nothing is left
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
         # Every work horse is forked from this process: import the turn code here, once, or each horse

@@ -1,9 +1,11 @@
 """``agentpool worker --concurrency N``: the supervisor process above the threaded worker.
 
 ``Supervisor`` forks the threaded worker (``agentpool.worker.threaded``) and waits on it, as RQ's worker waits
-on its work horse. When the child dies it releases every lease the child held and re-enqueues those
-turns at once (cause_kind ``horse_death``), marks the child's RQ executions failed as RQ does for a
-killed horse, and starts a new child, backing off if children keep dying young.
+on its work horse. When the child dies it first ends the child's process group (what its tools
+started: see ``agentpool.worker.groups``) and waits until it is empty, then releases every lease the
+child held and re-enqueues those turns at once (cause_kind ``horse_death``), marks the child's RQ
+executions failed as RQ does for a killed horse, and starts a new child, backing off if children keep
+dying young. A child that exits to recycle itself (too many abandoned tool threads) is replaced at once.
 
 Which runs the dead child held is read from RQ's own per-worker execution index
 (``rq:worker:<name>:executions``, one ``<job id>:<execution id>`` member per running job). RQ adds the
@@ -34,19 +36,23 @@ from rq.queue import Queue
 from rq.utils import as_text, now
 
 from agentpool.runtime.serializer import MsgpackSerializer
-from agentpool.runtime.takeover import hand_over_dead_holder
-from agentpool.worker.threaded import EXIT_COLD, ThreadedWorker
+from agentpool.runtime.settings import Settings
+from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
+from agentpool.worker.groups import end_process_group
+from agentpool.worker.threaded import EXIT_COLD, EXIT_RECYCLE, ThreadedWorker
 
 log = logging.getLogger("agentpool.supervisor")
 
 COLD_KILL_AFTER = 10.0  # seconds a cold-stopped child gets before the supervisor SIGKILLs it
+GROUP_GRACE = 3.0  # seconds the dead child's group gets between SIGTERM and SIGKILL (at most TTL/3)
 HEALTHY_UPTIME = 30.0  # a worker process that lived this long was not dying young
 MAX_BACKOFF = 30.0
 
 
 def hand_over_dead_worker(r: Redis, name: str, pid: int, how: str) -> list[str]:
     """After worker process ``pid`` (RQ name ``name``) died: release the leases it held, re-enqueue
-    those turns, fail its RQ executions as RQ fails a killed horse's job, and record its death.
+    those turns, record its executions' end as RQ does for a killed horse's job (then delete the
+    handed-over turn jobs, as the forking worker does), and record its death.
     Returns the run ids re-enqueued. Only for a process known to be gone: nothing it ran can write."""
     ghost = ThreadedWorker(connection=r, name=name, prepare_for_work=False)
     cause = f"threaded worker {pid} died ({how})"
@@ -72,6 +78,8 @@ def hand_over_dead_worker(r: Redis, name: str, pid: int, how: str) -> list[str]:
                 ghost.handle_job_failure(
                     job, queue, exc_string=f"{cause}; its turn was re-enqueued", execution=execution
                 )
+            if is_turn_job(job):  # handed over: `rq info` must not count a failure no run had
+                forget_turn_job(r, job.id)
         except redis.exceptions.RedisError:
             raise
         except Exception:
@@ -120,11 +128,17 @@ class Supervisor:
             useful = self._finished_a_turn()
             how = _describe_exit(status)
             clean = os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
-            if not clean:
+            recycled = os.WIFEXITED(status) and os.WEXITSTATUS(status) == EXIT_RECYCLE
+            if recycled:
+                log.info("supervisor: worker %s (pid %d) recycled itself; starting a fresh one", self.name, child)
+            elif not clean:
                 log.warning("supervisor: worker %s (pid %d) %s", self.name, child, how)
             self._bury(child, how)
             if self.stopping.is_set() or (self.burst and clean):
-                return 0 if clean else 1
+                return 0 if clean or recycled else 1
+            if recycled:
+                quick_deaths = 0  # it did work and chose to go: not dying young
+                continue
             # Dying young is dying before finishing one turn, soon after starting (a bad deploy, Redis
             # refusing us): back off. A worker that got work done restarts at once; a turn that kills
             # every worker it lands on is stopped by its attempt cap (agentpool.runtime.takeover), not by this.
@@ -178,7 +192,14 @@ class Supervisor:
         return status
 
     def _bury(self, child: int, how: str) -> None:
-        """Hand over first (other workers can start on those turns now), then tidy up."""
+        """End what the child left in its process group (a tool's subprocess, RQ's scheduler), and only
+        once the group is empty hand its turns over: a subprocess still running could otherwise take
+        effect after the next worker has asked the tool's ``verify`` hook and been told "not happened".
+        The grace before SIGKILL stays under a third of the lease TTL, so the hand-over comes before
+        the leases the child held could lapse and the reaper re-enqueue its turns on its own."""
+        grace = min(GROUP_GRACE, Settings.from_env().lease_ttl / 3)
+        if not end_process_group(child, grace, reap=True):
+            log.error("supervisor: worker %d's process group did not end; handing its turns over anyway", child)
         try:
             requeued = hand_over_dead_worker(self.r, self.name, child, how)
             if requeued:
@@ -187,7 +208,6 @@ class Supervisor:
                 )
         except redis.exceptions.RedisError as exc:
             log.error("supervisor: could not hand over worker %d's turns (%s); their leases expire instead", child, exc)
-        _end_process_group(child)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if os.getpid() != self.pid:
@@ -216,35 +236,6 @@ class Supervisor:
     def _kill_child(self, child: int) -> None:
         if child and child == self.child:
             self._signal_child(signal.SIGKILL)
-
-
-def _end_process_group(pgid: int, grace: float = 3.0) -> None:
-    """What the dead worker left in its process group (RQ's scheduler process, a tool's subprocess):
-    SIGTERM, so a scheduler releases its locks for the next worker, then SIGKILL after ``grace``."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline + 2:  # a zombie someone else must reap must not hold us for ever
-        _reap_orphans()
-        try:
-            os.killpg(pgid, 0 if time.monotonic() < deadline else signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            return
-        time.sleep(0.05)
-
-
-def _reap_orphans() -> None:
-    """In a container the supervisor may be PID 1, the parent of every orphan: reap what the dead worker
-    left, or it stays a zombie (and a member of its group). Called only while no worker is running."""
-    while True:
-        try:
-            pid, _status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
 
 
 def _describe_exit(status: int) -> str:

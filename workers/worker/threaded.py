@@ -6,6 +6,13 @@ turns at once in one RQ 3.0 process") found: the execution is prepared in the ma
 dequeued only when a slot is free, the worker stays ``busy`` while any turn runs, one thread renews
 every execution's heartbeat, and teardown joins the threads. So ``rq info`` shows it like any worker.
 It runs under the supervisor in ``agentpool.worker.supervisor``, which hands its turns over if it dies.
+
+A tool thread that outlives its timeout is abandoned (a thread cannot be killed) and runs on, spinning
+or holding its sockets, until it returns or the process ends. So the process recycles itself: once
+``AGENTPOOL_MAX_ABANDONED_TOOLS`` such threads are still running, or as soon as it has no turn in
+flight while any is, it stops taking turns, lets its turns in flight finish, and exits with
+``EXIT_RECYCLE``; the supervisor ends its process group (the tools' subprocesses) and starts a fresh
+process at once.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
+from agentpool.runtime.toolcall import abandoned_threads
 from agentpool.store.keys import TURN_QUEUE
 
 log = logging.getLogger("agentpool.threaded")
@@ -43,6 +51,7 @@ log = logging.getLogger("agentpool.threaded")
 DEQUEUE_TIMEOUT = 1
 EXIT_COLD = 1  # the child stopped without waiting for its turns; the supervisor hands them over
 EXIT_WEDGED = 70  # a turn outlived its job timeout + WEDGE_GRACE: only a new process frees its slot
+EXIT_RECYCLE = 75  # too many abandoned tool threads: a warm exit, the supervisor starts a fresh process
 WEDGE_GRACE = 60  # the margin RQ's forking worker gives a horse before killing it
 
 
@@ -141,7 +150,9 @@ class ThreadedWorker(BaseWorker):
         kwargs.setdefault("serializer", MsgpackSerializer)
         super().__init__(list(queues), connection=connection, **kwargs)
         self.concurrency = concurrency
-        self.reaper_interval = reaper_interval if reaper_interval is not None else Settings.from_env().reaper_interval
+        settings = Settings.from_env()
+        self.reaper_interval = reaper_interval if reaper_interval is not None else settings.reaper_interval
+        self.max_abandoned_tools = settings.max_abandoned_tools
         self.exit_code = 0
         self._slots = TurnSlots(concurrency, on_idle=self._now_idle)
         self._beating = threading.Event()
@@ -186,12 +197,12 @@ class ThreadedWorker(BaseWorker):
         started = 0
         connection_wait = 1.0
         idle_since = time.monotonic()
-        while not self._stop_requested and (max_jobs is None or started < max_jobs):
+        while not self._stop_requested and not self._recycle_due() and (max_jobs is None or started < max_jobs):
             try:
                 self.check_for_suspension(burst)
                 if self.should_run_maintenance_tasks:
                     self.run_maintenance_tasks()
-                if not self._slots.wait_for_free(lambda: self._stop_requested):
+                if not self._slots.wait_for_free(lambda: self._stop_requested or self._recycle_due()):
                     break
                 got = self._dequeue(burst)
                 connection_wait = 1.0
@@ -225,6 +236,24 @@ class ThreadedWorker(BaseWorker):
             log.info("worker %s: stopping; waiting for %d turn(s) in flight", self.name, len(self._slots))
             self.set_shutdown_requested_date()
         return started
+
+    def _recycle_due(self) -> bool:
+        """Whether abandoned tool threads call for a fresh process; if so, a warm stop is requested."""
+        if self.exit_code == EXIT_RECYCLE:
+            return True
+        running = abandoned_threads()
+        if not running or (running < self.max_abandoned_tools and not self._slots.idle()):
+            return False
+        log.warning(
+            "worker %s: %d tool thread(s) abandoned after their timeout still running; recycling this process "
+            "once its %d turn(s) in flight finish",
+            self.name,
+            running,
+            len(self._slots),
+        )
+        self.exit_code = EXIT_RECYCLE
+        self._stop_requested = True
+        return True
 
     def _dequeue(self, burst: bool) -> tuple[Job, Queue] | None:
         try:
