@@ -16,6 +16,7 @@ from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.settings import Settings, connect
 from agentpool.runtime.takeover import stage_restart
 from agentpool.store import approvals, checkpoint
+from agentpool.store import window as run_window
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.events import emit
@@ -29,7 +30,9 @@ class RunTimeout(AgentPoolError):
 
 @dataclass
 class Run:
-    """A run as an app sees it. ``messages`` is the conversation exactly as it would be sent."""
+    """A run as an app sees it. ``messages`` is the whole conversation (from ``get_run(id, window=True)``:
+    only what the next request sends); ``window`` is what the next request sends, from the run's latest
+    compaction point (``window_start``) on."""
 
     id: str
     agent: str
@@ -45,6 +48,13 @@ class Run:
     limits: dict[str, Any] = field(default_factory=dict)
     cost_usd: float = 0.0
     awaiting_approval: list[dict[str, Any]] = field(default_factory=list)
+    window_start: int = 0  # index in the whole conversation of the message the next request starts from
+    messages_from: int = 0  # index of ``messages[0]`` in the whole conversation (0 unless loaded with window=True)
+
+    @property
+    def window(self) -> list[dict[str, Any]]:
+        """The messages the next request sends: the whole conversation from its latest compaction point on."""
+        return self.messages[self.window_start - self.messages_from :]
 
     @classmethod
     def from_state(cls, state: RunState, awaiting: set[str] | None = None) -> Run:
@@ -118,14 +128,23 @@ def enqueue_run(
     return run_id
 
 
-def get_run(run_id: str, *, connection: Redis | None = None) -> Run:
+def get_run(run_id: str, *, connection: Redis | None = None, window: bool = False) -> Run:
+    """The run with its whole conversation, or with ``window=True`` only what its next request sends
+    (from its latest compaction point: one read that does not grow with the run's history)."""
     r = connection or connect()
-    state = checkpoint.load_run(r, run_id)
+    if window:
+        state = run_window.load(r, run_id)
+        start = messages_from = state.window_start
+    else:
+        state = checkpoint.load_run(r, run_id)
+        start, messages_from = run_window.start_of(state), 0
     awaiting = None
     if state.status == "waiting_approval":
         waits, decisions = approvals.read(r, RunKeys.of(run_id))
         awaiting = {i for i in waits if i not in decisions}
-    return Run.from_state(state, awaiting)
+    run = Run.from_state(state, awaiting)
+    run.window_start, run.messages_from = start, messages_from
+    return run
 
 
 def wait_for_run(run_id: str, *, timeout: float = 300.0, connection: Redis | None = None, poll: float = 0.2) -> Run:

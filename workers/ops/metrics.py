@@ -61,6 +61,12 @@ COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
     ),
     ("model_errors", "type", "Transient model API errors (the turn is retried later), by type.", ()),
     ("tokens", "kind", "Tokens reported by the model API, by kind.", stats.TOKEN_FIELDS),
+    (
+        "compactions",
+        "mode",
+        "Conversations compacted past the context window: by the API (server) or by a summary call (summary).",
+        ("server", "summary"),
+    ),
     ("status_changes", "status", "Runs entering a status.", ()),
 )
 HISTOGRAMS = (

@@ -33,6 +33,9 @@ class Settings:
     reaper_interval: float
     model_retries: int  # consecutive transient model errors before a run is stopped
     retention: int  # seconds a finished run is kept; 0 keeps it forever
+    model_idle_timeout: float = 120.0  # longest silence allowed between a streamed call's events
+    model_call_timeout: float = 600.0  # cap on a whole model call, streamed or not
+    model_streaming: bool = True  # False: one non-streaming create() per call (no live output)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -43,6 +46,10 @@ class Settings:
             reaper_interval=_env_float("AGENTPOOL_REAPER_INTERVAL", 1.0),
             model_retries=int(_env_float("AGENTPOOL_MODEL_RETRIES", 6)),
             retention=int(_env_float("AGENTPOOL_RETENTION_SECONDS", 7 * 24 * 3600)),
+            model_idle_timeout=_env_float("AGENTPOOL_MODEL_TIMEOUT", 120.0),
+            model_call_timeout=_env_float("AGENTPOOL_MODEL_CALL_TIMEOUT", 600.0),
+            model_streaming=os.environ.get("AGENTPOOL_MODEL_STREAMING", "1").strip().lower()
+            not in ("0", "false", "no"),
         )
 
     @property

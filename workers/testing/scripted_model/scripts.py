@@ -18,6 +18,7 @@ from agentpool.testing.scripted_model.common import (
     random_id,
     sign_thinking,
 )
+from agentpool.testing.scripted_model.sse import validate_stream_options
 
 SCRIPT_MARKER = re.compile(r"\[script:([^\]\s]+)\]")
 
@@ -36,7 +37,9 @@ STOP_REASONS = frozenset(
 )
 
 
-STEP_KEYS = frozenset({"text", "thinking", "tool_calls", "stop_reason", "delay", "error", "usage"})
+STEP_KEYS = frozenset({"text", "thinking", "tool_calls", "stop_reason", "delay", "error", "usage", "stream", "summary"})
+# "summary": what the model does when a client asks it for a summary at this step (see compaction.py).
+SUMMARY_KEYS = frozenset({"error", "stream", "text"})
 
 
 def _validate_step(where: str, step: Any) -> None:
@@ -59,6 +62,13 @@ def _validate_step(where: str, step: Any) -> None:
         raise ValueError(f"{where}.delay: must be a non-negative number of seconds")
     if "usage" in step and not isinstance(step["usage"], dict):
         raise ValueError(f"{where}.usage: must be an object")
+    if "stream" in step:
+        validate_stream_options(f"{where}.stream", step["stream"])
+    if "summary" in step:
+        summary = step["summary"]
+        if not isinstance(summary, dict) or set(summary) - SUMMARY_KEYS:
+            raise ValueError(f"{where}.summary: must be an object with keys among {sorted(SUMMARY_KEYS)}")
+        _validate_step(f"{where}.summary", {k: v for k, v in summary.items() if k != "text"})
     if "error" in step:
         err = step["error"]
         if not isinstance(err, dict) or not isinstance(err.get("status"), int):
@@ -168,6 +178,13 @@ class ScriptBook:
             time.sleep(float(step["delay"]))
         self._maybe_inject_error(first_text, name, index, step)
         return name, index, step
+
+    def peek(self, body: dict) -> tuple[str, int, dict]:
+        """(script name, step index, step) for a request, without the step's delay or error."""
+        messages = body["messages"]
+        name, steps = self._select_script(first_user_text(messages))
+        index = sum(1 for m in messages if m["role"] == "assistant")
+        return name, index, steps[index] if index < len(steps) else {}
 
     def _select_script(self, first_text: str) -> tuple[str, list[dict]]:
         match = SCRIPT_MARKER.search(first_text)
