@@ -35,7 +35,8 @@ def _event(stream_id: str, fields: dict[str, str]) -> dict[str, Any]:
     return {"type": kind, "id": stream_id, "at": _order(stream_id)[0] / 1000, **fields}
 
 
-def _live(stream_id: str, fields: dict[str, str]) -> dict[str, Any]:
+def live_item(stream_id: str, fields: dict[str, str]) -> dict[str, Any]:
+    """A live output entry as ``watch`` yields it (its text unsealed, numbers as numbers)."""
     item: dict[str, Any] = {"type": fields.pop("kind", "?"), "id": stream_id}
     if "text" in fields or "sealed" in fields:
         item["text"] = live.open_text(fields)
@@ -104,7 +105,7 @@ def _read(r: Redis, keys: RunKeys, cursors: dict[str, str], block_ms: int | None
         key = raw_key.decode()
         for stream_id, fields in live.decode_entries(rows):
             cursors[key] = stream_id
-            item = _event(stream_id, fields) if key == keys.events else _live(stream_id, fields)
+            item = _event(stream_id, fields) if key == keys.events else live_item(stream_id, fields)
             items.append((_order(stream_id), item))
     for _, item in sorted(items, key=lambda pair: pair[0]):
         yield item

@@ -308,7 +308,7 @@ class _LivePrinter:
             head = LIVE_PREFIX[kind] + (f"{item['name']} " if kind == "input_json_delta" and item.get("name") else "")
             click.echo(f"{time.strftime('%H:%M:%S')} {'model':<18} {head}", nl=False)
         text = str(item.get("text", ""))
-        click.echo(text, nl=False)
+        click.echo(text.replace("\n", "\n" + " " * 28), nl=False)  # lines under the text's first
         sys.stdout.flush()
         self.mid_line = not text.endswith("\n")
         return True

@@ -78,7 +78,9 @@ class LiveOutput:
         now = time.monotonic()
         if now >= self._next_look:
             self._next_look = now + RECHECK
-            self._look(now)
+            if self._look():  # a watcher arrived: the snapshot holds this entry already
+                self.flush()
+                return
         if not self.watched:
             return
         with self._lock:
@@ -92,18 +94,20 @@ class LiveOutput:
         else:
             _flusher.wake(self)
 
-    def _look(self, now: float) -> None:
-        """Whether somebody watches; a watcher that just arrived gets the call so far."""
+    def _look(self) -> bool:
+        """Whether somebody watches; True when a watcher just arrived (the call so far is then pending)."""
         try:
             watched = live.is_watched(self.r, self.keys)
         except RedisError as exc:
             self._disable(exc)
-            return
-        if watched and not self.watched:
+            return False
+        arrived = watched and not self.watched
+        if arrived:
             with self._lock:
                 self._pending = self._snapshot()
                 self._started = False
         self.watched = watched
+        return arrived
 
     def _snapshot(self) -> list[dict[str, Any]]:
         entries: list[dict[str, Any]] = []
