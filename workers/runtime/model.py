@@ -20,6 +20,7 @@ the 200) is transient, like a 529: ``ModelUnavailable`` carries the tokens the s
 from __future__ import annotations
 
 import copy
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -105,25 +106,74 @@ def _client() -> tuple[anthropic.Anthropic, Settings]:
 
 
 def warm_up() -> None:
-    """Do the SDK's lazy one-time work (imports, building the response model's validators) in a
-    process that forks work horses, so each horse does not pay ~200 ms for it on every turn. No
-    client or connection is kept: an HTTP pool must not cross a fork."""
-    anthropic.Anthropic(api_key="warm-up", max_retries=0).close()
-    anthropic.types.Message.model_validate(
-        {
-            "id": "msg_warm_up",
-            "type": "message",
-            "role": "assistant",
-            "model": "warm-up",
-            "content": [
-                {"type": "text", "text": ""},
-                {"type": "tool_use", "id": "toolu_warm_up", "name": "t", "input": {}},
-            ],
-            "stop_reason": "end_turn",
-            "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
-        }
+    """Do the SDK's lazy one-time work (imports, building the validators of the response and of every
+    stream event type) in a process that forks work horses, so each horse does not pay for it on every
+    turn (~200 ms for a create(), ~40 ms more for a stream). A stream and a create() run against an
+    in-process transport: no connection is made, and no client is kept (an HTTP pool must not cross a
+    fork)."""
+    message = {
+        "id": "msg_warm_up",
+        "type": "message",
+        "role": "assistant",
+        "model": "warm-up",
+        "content": [
+            {"type": "thinking", "thinking": "t", "signature": "s"},
+            {"type": "text", "text": "t"},
+            {"type": "tool_use", "id": "toolu_warm_up", "name": "t", "input": {"k": "v"}},
+        ],
+        "stop_reason": "tool_use",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 1, "output_tokens": 1},
+    }
+    sse = _warm_up_events(message)
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        if b'"stream":true' in request.content.replace(b" ", b""):
+            return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=sse)
+        return httpx2.Response(200, json=message)
+
+    anthropic.Anthropic(api_key="warm-up", max_retries=0).close()  # the HTTP stack a real client builds
+    transport = httpx2.Client(transport=httpx2.MockTransport(answer))
+    with anthropic.Anthropic(
+        api_key="warm-up", base_url="http://warm-up", max_retries=0, http_client=transport
+    ) as client:
+        request: dict[str, Any] = {"model": "warm-up", "max_tokens": 1, "messages": [{"role": "user", "content": "."}]}
+        client.messages.create(**request).to_dict(mode="json")
+        for api in (client.messages, client.beta.messages):
+            with api.stream(**request) as stream:
+                for _event in stream:
+                    pass
+                stream.get_final_message().to_dict(mode="json")
+
+
+def _warm_up_events(message: dict[str, Any]) -> bytes:
+    def event(kind: str, data: dict[str, Any]) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+    deltas = {"thinking": ("thinking_delta", "thinking"), "text": ("text_delta", "text")}
+    out = [event("message_start", {"message": {**message, "content": [], "stop_reason": None}}), event("ping", {})]
+    for i, block in enumerate(message["content"]):
+        start = {**block, "input": {}} if block["type"] == "tool_use" else {**block, block["type"]: ""}
+        out.append(event("content_block_start", {"index": i, "content_block": start}))
+        if block["type"] == "tool_use":
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        else:
+            kind, field = deltas[block["type"]]
+            delta = {"type": kind, field: block[field]}
+        out.append(event("content_block_delta", {"index": i, "delta": delta}))
+        if block["type"] == "thinking":
+            out.append(
+                event("content_block_delta", {"index": i, "delta": {"type": "signature_delta", "signature": "s"}})
+            )
+        out.append(event("content_block_stop", {"index": i}))
+    out.append(
+        event(
+            "message_delta",
+            {"delta": {"stop_reason": "tool_use", "stop_sequence": None}, "usage": {"output_tokens": 1}},
+        )
     )
+    out.append(event("message_stop", {}))
+    return "".join(out).encode()
 
 
 def build_request(
