@@ -62,3 +62,16 @@ switchable = Agent(
     if os.environ.get("LONG_RUNS_COMPACTION") == "1"
     else None,
 )
+
+# The API's tool-result clearing, passed through beside its compaction: results beyond the last one are
+# cleared once three tool uses are in the request.
+clearing = Agent(
+    model="claude-sonnet-5-5",
+    system="You read the archive page by page.",
+    tools=TOOLS,
+    max_turns=80,
+    compaction=Compaction(
+        trigger=50_000,
+        clear_tool_uses={"trigger": {"type": "tool_uses", "value": 3}, "keep": {"type": "tool_uses", "value": 1}},
+    ),
+)

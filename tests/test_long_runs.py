@@ -174,6 +174,24 @@ def test_pause_after_compaction_continues_from_the_block(r, wide_pool, wide_mode
     assert wide_model.stats()["rejected"] == 0, wide_model.stats()["rejections"]
 
 
+def test_tool_result_clearing_is_passed_through_to_the_api(r, wide_pool, wide_model):
+    wide_model.set_scripts({"pages": pages(8, size=16_000)})
+    wide_pool.start(1)
+    run = wait_for_run(
+        enqueue_run("long_agents:clearing", script_task("pages", "Read the archive"), connection=r),
+        timeout=120,
+        connection=r,
+    )
+    assert run.status == "completed", (run.error, wide_pool.logs())
+    assert wide_model.stats()["rejected"] == 0, wide_model.stats()["rejections"]
+    prompts = [
+        sum(int(e.get(k, 0)) for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+        for e in events(r, run.id, "model_responded")
+    ]
+    # 8 pages of ~4,000 tokens: with old results cleared, the model reads about two of them at most.
+    assert max(prompts) < 12_000 and len(run.messages) == 1 + 2 * 9 - 1, prompts
+
+
 def test_with_compaction_off_a_full_window_stops_the_run_and_compaction_then_resumes_it(r, long_pool, small):
     small.set_scripts({"pages": pages(14)})
     first = long_pool.start(1)[0]

@@ -10,6 +10,8 @@ import sys
 import time
 
 from agentpool import enqueue_run, wait_for_run, watch
+from agentpool.store import crypto
+from agentpool.store.crypto import Cipher, generate_key
 from agentpool.store.keys import RunKeys
 
 from conftest import ROOT, script_task
@@ -115,3 +117,21 @@ def test_the_cli_prints_the_words_as_they_arrive(r, pool, model):
     responded = [i for i, (_, text) in enumerate(lines) if " model_responded " in text]
     assert responded[-1] > answer, "the words were printed before the reply was saved"
     assert lines[-1][1].startswith(f"run {run_id} completed after 2 turns")
+
+
+def test_live_output_is_sealed_at_rest_when_encryption_is_on(r, pool, model):
+    key = generate_key()
+    model.set_scripts({"secret": [{"text": "The Bluebird offer is 41 per share.", "stream": SLOW}]})
+    pool.start(1, AGENTPOOL_ENCRYPTION_KEY=key)
+    crypto.configure(Cipher([key]))
+    try:
+        run_id = enqueue_run("pool_agents:support", script_task("secret"), connection=r)
+        raw: list[bytes] = []
+        items = []
+        for item in watch(run_id, connection=r):
+            items.append(item)
+            raw += [b"".join(k + v for k, v in f.items()) for _, f in r.xrange(RunKeys.of(run_id).live)]
+        assert text_of(items) == "The Bluebird offer is 41 per share."
+        assert raw and not any(b"Bluebird" in entry or b"41 per" in entry for entry in raw)
+    finally:
+        crypto.configure(None)

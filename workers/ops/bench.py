@@ -327,7 +327,10 @@ def bench_saves(lab: Lab, turns: int, runs: int) -> None:
         rows,
         (
             "bytes = what the call sent to Redis (INFO total_net_input_bytes; for the load: bytes read back)",
-            "the load is not a save: it reads the whole conversation, which the model call needs anyway",
+            (
+                "the load is not a save: it reads the window (the whole conversation of a run never compacted; see "
+                "the long section), which the model call sends"
+            ),
         ),
     )
 
@@ -337,7 +340,7 @@ def _store_calls_of_a_turn(r: Redis, run_id: str, turn: int) -> list[tuple[str, 
     events each write records, as in agentpool.runtime.turn (the lease is taken untimed; its round trip also
     carries the load)."""
     from agentpool.runtime.jobs import stage_turn
-    from agentpool.store import checkpoint, lease, ledger
+    from agentpool.store import checkpoint, lease, ledger, window
     from agentpool.store.events import Event
     from agentpool.store.keys import RunKeys
 
@@ -356,7 +359,7 @@ def _store_calls_of_a_turn(r: Redis, run_id: str, turn: int) -> list[tuple[str, 
         return Event.of(run_id, kind, **fields)
 
     return [
-        ("load (read with the lease, before the model call)", lambda: checkpoint.load_run(r, run_id)),
+        ("load (read with the lease, before the model call)", lambda: window.load(r, run_id)),
         (
             "save point A (spend, response, pending)",
             lambda: checkpoint.commit_response(

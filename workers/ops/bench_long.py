@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import statistics
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -68,34 +70,62 @@ def bench_streaming(lab: Lab, turns: int, threaded_turns: int, threads: int, rou
     ):
         lab.reset({"overhead": tool_steps(TURNS_PER_RUN)})
         rates: dict[str, list[float]] = {"streamed": [], "not streamed": []}
+        cpu: dict[str, list[float]] = {"streamed": [], "not streamed": []}
         for _ in range(rounds):  # alternating, so a change in the machine's load hits both alike
             for mode, flag in (("streamed", "1"), ("not streamed", "0")):
                 proc, _name = lab.start(*args, AGENTPOOL_MODEL_STREAMING=flag)
                 _agentpool_rate(lab, TURNS_PER_RUN)  # warm: the client, its connections, the imports
+                before = _cpu_seconds(proc.pid)
                 rates[mode].append(_agentpool_rate(lab, n))
+                cpu[mode].append((_cpu_seconds(proc.pid) - before) * 1000 / n)
                 proc.send_signal(signal.SIGTERM)  # idle: a warm shutdown is immediate
                 proc.wait(timeout=60)
         ms = {mode: 1000 / statistics.median(r) for mode, r in rates.items()}
+        cpu_ms = {mode: statistics.median(c) for mode, c in cpu.items()}
         rows.append(
             [
                 kind,
                 f"{ms['not streamed']:.2f}",
                 f"{ms['streamed']:.2f}",
                 f"{ms['streamed'] / ms['not streamed']:.2f}x",
+                f"{cpu_ms['not streamed']:.2f}",
+                f"{cpu_ms['streamed']:.2f}",
+                f"{cpu_ms['streamed'] / cpu_ms['not streamed']:.2f}x",
                 "<= 1.10x",
             ]
         )
     table(
         "overhead: a turn whose model call streams vs the same turn with one non-streaming create()",
-        ["worker", "not streamed ms/turn", "streamed ms/turn", "streamed / not", "target"],
+        ["worker", "not ms/turn", "streamed ms/turn", "ratio", "not CPU ms", "streamed CPU ms", "CPU ratio", "target"],
         rows,
         (
             (
                 f"{rounds} alternating rounds of each (a worker started with AGENTPOOL_MODEL_STREAMING=1, then =0); "
-                "ms/turn = 1000 / the median round's turns per second; nobody watches (no live output is written)"
+                "ms/turn = 1000 / the median round's turns per second (the whole machine: worker, Redis and the "
+                "scripted model share its CPUs); CPU ms = the worker processes' CPU time per turn (work horses "
+                "included), median round; nobody watches (no live output is written)"
             ),
         ),
     )
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU of ``pid`` and of its children, reaped (work horses) or alive (a supervisor's worker)."""
+    from agentpool.testing.localpool import children_of
+
+    total, pending, first = 0.0, [pid], True
+    while pending:
+        current = pending.pop()
+        pending += children_of(current)
+        try:
+            stat = Path(f"/proc/{current}/stat").read_text()
+        except OSError:
+            continue
+        # utime, stime, cutime, cstime: fields 14 to 17, the 12th to 15th after the command's ")".
+        ticks = [int(x) for x in stat.rsplit(")", 1)[1].split()[11:15]]
+        total += sum(ticks) if first else ticks[0] + ticks[1]
+        first = False
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 # -- long runs ------------------------------------------------------------------------------------------

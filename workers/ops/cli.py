@@ -162,6 +162,8 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
         click.echo(f"result: {run.result}")
     click.echo("")
     for n, message in enumerate(run.messages):
+        if n == run.window_start and n:
+            click.echo("--- compacted: the next request starts here; what is above is summarized ---")
         click.echo(f"[{n}] {message['role']}")
         for line in _describe(message["content"]):
             click.echo(f"    {line}")
@@ -195,6 +197,8 @@ def _describe(content: object) -> list[str]:
             lines.append(block["text"][:300])
         elif kind == "tool_use":
             lines.append(f"-> {block['name']}({json.dumps(block.get('input'))[:200]})  [{block['id']}]")
+        elif kind == "compaction":
+            lines.append(f"[compaction] {(block.get('content') or '(failed)')[:300]}")
         elif kind == "tool_result":
             body = block.get("content")
             body = body if isinstance(body, str) else json.dumps(body)

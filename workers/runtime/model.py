@@ -257,18 +257,22 @@ SHRUNK_RESULT_CHARS = 2000
 
 
 def _shrunk(message: dict[str, Any]) -> dict[str, Any]:
-    """The message with long tool results (and long texts of the model's) cut: what a summary needs."""
+    """The message with long tool results (and long texts of the model's) cut, and without thinking
+    blocks (the summary request has thinking off, so they may go, and with them any question of their
+    signatures over what was cut): what a summary needs."""
     if isinstance(message["content"], str):
         return message
     blocks = []
     for block in message["content"]:
+        if block.get("type") in ("thinking", "redacted_thinking"):
+            continue
         key = {"tool_result": "content", "text": "text"}.get(block.get("type"))
         body = block.get(key) if key else None
         if key and isinstance(body, str) and len(body) > SHRUNK_RESULT_CHARS:
             cut = len(body) - SHRUNK_RESULT_CHARS
             block = {**block, key: f"{body[:SHRUNK_RESULT_CHARS]} [... {cut} characters cut]"}
         blocks.append(block)
-    return {"role": message["role"], "content": blocks}
+    return {"role": message["role"], "content": blocks or [{"type": "text", "text": "(thinking)"}]}
 
 
 def _with_moving_breakpoint(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
