@@ -159,6 +159,24 @@ def test_the_api_compaction_carries_a_run_past_the_context_window(r, wide_pool, 
     assert_valid_conversation(run.messages)
 
 
+def test_a_summary_of_a_window_the_api_compacted_sends_its_block_back(r, wide_pool, wide_model):
+    # The API compacts at turn 12; later a reply runs into the window, so the next turn asks for a
+    # summary of a window that starts with the API's compaction block (which needs its beta).
+    steps = [*pages(13, size=16_000)[:-1], {"text": "word " * 60_000}, {"text": "Done after the summary."}]
+    wide_model.set_scripts({"pages": steps})
+    wide_pool.start(1)
+    run = wait_for_run(
+        enqueue_run("long_agents:compacting", script_task("pages", "Read the archive"), connection=r),
+        timeout=120,
+        connection=r,
+    )
+    assert run.status == "completed", (run.error, wide_pool.logs())
+    assert wide_model.stats()["compactions"] == 1 and wide_model.stats()["summaries"] == 1
+    assert [e["why"] for e in events(r, run.id, "compacted")] == ["overflow"]
+    assert run.result == "Done after the summary."
+    assert_valid_conversation(run.messages)
+
+
 def test_pause_after_compaction_continues_from_the_block(r, wide_pool, wide_model):
     wide_model.set_scripts({"pages": pages(16, size=16_000)})
     wide_pool.start(1)

@@ -78,11 +78,7 @@ def call(turn: Turn, agent: Agent, state: RunState) -> tuple[RunState, ModelRepl
 def compact(turn: Turn, agent: Agent, state: RunState, why: str) -> RunState:
     """Ask the model for a summary of the window and save it as the run's new compaction point."""
     fault("before_compaction", turn.run_id, turn.turn)
-    try:
-        reply = call_model(agent, state.messages, summary=True, live=turn.live_output("summary"))
-    except ContextTooLong:
-        # Too long to summarize whole: long tool results are cut, in the summary request only.
-        reply = call_model(agent, state.messages, summary=True, shrink=True, live=turn.live_output("summary"))
+    reply = _summarize(turn, agent, state, shrink=why in ("overflow", "too_long"))
     fault("after_summary_reply", turn.run_id, turn.turn)
     text = "".join(b.get("text", "") for b in reply.message["content"] if b.get("type") == "text").strip()
     if not text:
@@ -117,6 +113,21 @@ def compact(turn: Turn, agent: Agent, state: RunState, why: str) -> RunState:
     fault("after_compaction_save", turn.run_id, turn.turn)
     state.messages, state.window_start, state.window_hint, state.last_reply = [message], index, index, {}
     return state
+
+
+def _summarize(turn: Turn, agent: Agent, state: RunState, *, shrink: bool) -> ModelReply:
+    """The summary call. A window that is full (or found too long, or whose summary the window cut
+    short) is summarized from a copy with its long tool results and texts cut (``shrink``)."""
+    try:
+        reply = call_model(agent, state.messages, summary=True, shrink=shrink, live=turn.live_output("summary"))
+    except ContextTooLong:
+        if shrink:
+            raise
+        return _summarize(turn, agent, state, shrink=True)
+    if reply.stop_reason == OVERFLOW and not shrink:
+        turn.count_unused_call(agent, reply.usage, "summary cut short by the context window")
+        return _summarize(turn, agent, state, shrink=True)
+    return reply
 
 
 def window_hint(state: RunState, reply: ModelReply | None = None) -> int | None:

@@ -209,7 +209,16 @@ def build_request(
         request["system"] = [{"type": "text", "text": agent.system, "cache_control": CACHE}]
     if compaction and not summary:
         _add_context_edits(request, compaction, server=agent.compaction_mode == "server")
+    if "betas" not in request and any(_starts_with_compaction(m) for m in messages[:1]):
+        # The window starts from a compaction block (the API's): sent back, it needs the beta, even
+        # in a request that asks for no compaction (a summary call, an agent since switched to summaries).
+        request["betas"] = [COMPACT_BETA]
     return request
+
+
+def _starts_with_compaction(message: dict[str, Any]) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and bool(content) and content[0].get("type") == "compaction"
 
 
 def _add_context_edits(request: dict[str, Any], compaction: Compaction, *, server: bool) -> None:

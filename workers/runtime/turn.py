@@ -166,22 +166,23 @@ class Turn:
 
     def count_cut_stream(self, agent: Agent, exc: ModelUnavailable) -> None:
         """A stream cut midway was billed for the tokens it reported: count them (its output is dropped)."""
-        if not exc.spent:
-            return
+        if exc.spent:
+            self.count_unused_call(agent, exc.spent, exc.kind)
+            fault("after_partial_spend", self.run_id, self.turn)
+
+    def count_unused_call(self, agent: Agent, usage: dict[str, int], why: str) -> None:
+        """Count the tokens of a call whose output is not kept (a ``model_cut`` event says ``why``)."""
         price = price_of(agent.model)
-        cost = price.cost(exc.spent) if price else 0.0
+        cost = price.cost(usage) if price else 0.0
         spend.count_spend(
             self.r,
             self.keys,
             self.token,
             spend_id=uuid.uuid4().hex,
-            usage=exc.spent,
+            usage=usage,
             cost_usd=cost,
-            event=Event.of(
-                self.run_id, "model_cut", turn=self.turn, error_type=exc.kind, cost_usd=round(cost, 8), **exc.spent
-            ),
+            event=Event.of(self.run_id, "model_cut", turn=self.turn, error_type=why, cost_usd=round(cost, 8), **usage),
         )
-        fault("after_partial_spend", self.run_id, self.turn)
 
     def handle_reply(self, agent: Agent, state: RunState, reply: ModelReply, seconds: float) -> str:
         tool_uses = [b for b in reply.message["content"] if b.get("type") == "tool_use"]
