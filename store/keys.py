@@ -9,6 +9,9 @@ Per run (all keys of a run share the hash tag ``{run:<id>}``)::
     ap:{run:<id>}:ledger    hash    "<tool_use_id>" -> intent record, "<tool_use_id>:out" -> outcome record
     ap:{run:<id>}:events    stream  progress events, capped
     ap:{run:<id>}:approvals hash    "<tool_use_id>" -> a person's decision, "<tool_use_id>:wait" -> the request
+    ap:{run:<id>}:live      stream  the model call in flight, as it streams (text, thinking, tool-input deltas),
+                                    written only while somebody watches; capped, expires soon after the call
+    ap:{run:<id>}:watchers  string  present while somebody watches the run live (each watcher renews its TTL)
 
 Global::
 
@@ -44,6 +47,8 @@ class RunKeys:
     ledger: str
     events: str
     approvals: str
+    live: str
+    watchers: str
 
     @classmethod
     def of(cls, run_id: str) -> RunKeys:
@@ -56,10 +61,12 @@ class RunKeys:
             ledger=f"{base}:ledger",
             events=f"{base}:events",
             approvals=f"{base}:approvals",
+            live=f"{base}:live",
+            watchers=f"{base}:watchers",
         )
 
     def all(self) -> tuple[str, ...]:
-        return (self.run, self.messages, self.lease, self.ledger, self.events, self.approvals)
+        return (self.run, self.messages, self.lease, self.ledger, self.events, self.approvals, self.live, self.watchers)
 
     def kept(self) -> tuple[str, ...]:
         """The keys that hold a run's data (not its lease): what the retention expires."""

@@ -17,8 +17,10 @@ from agentpool.store.errors import SchemaTooNew, UnreadableRecord
 
 # 1: the first release. 2: the header counts cost (``cost_usd``), usage counts every call paid for
 # (recorded when the reply arrives, so a call whose turn was lost to a crash still counts), and the
-# run's limits may carry extras granted by ``resume``.
-SCHEMA_VERSION = 2
+# run's limits may carry extras granted by ``resume``. 3: a run may hold compaction points (``compaction``
+# blocks, summaries) and the header's ``window`` says where the next request starts; an older worker
+# would send the whole history, which the API refuses, so it must leave such a run alone.
+SCHEMA_VERSION = 3
 
 ACTIVE_STATUSES = frozenset({"queued", "running"})
 TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
@@ -34,7 +36,12 @@ def _v1_to_v2(fields: dict[str, Any]) -> dict[str, Any]:
     return {**fields, "cost_usd": fields.get("cost_usd", b"0"), "v": 2}
 
 
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2}
+def _v2_to_v3(fields: dict[str, Any]) -> dict[str, Any]:
+    # v2 never compacted: the window is the whole conversation.
+    return {**fields, "window": fields.get("window", b"0"), "v": 3}
+
+
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2, 2: _v2_to_v3}
 
 
 @dataclass
@@ -57,6 +64,9 @@ class RunState:
     cost_usd: float = 0.0
     version: int = SCHEMA_VERSION
     messages: list[dict[str, Any]] = field(default_factory=list)
+    window_hint: int = 0  # the header's ``window``: the latest compaction point it knows of (never ahead)
+    window_start: int = 0  # index of ``messages[0]`` in the whole conversation when only the window was loaded
+    last_reply: dict[str, Any] = field(default_factory=dict)  # meta of the newest reply in the window, if loaded
 
     @property
     def current_turn(self) -> int:
@@ -77,6 +87,7 @@ def new_header(agent: str, limits: Mapping[str, Any], now: float) -> dict[str, A
         "model_errors": 0,
         "cost_usd": 0,
         "limits": pack(dict(limits)),
+        "window": 0,
         "error": "",
         "result": "",
         "created_at": int(now * 1000),
@@ -126,6 +137,13 @@ def unpack_message(blob: bytes, index: int) -> dict[str, Any]:
     else:
         content = record["content"]
     return {"role": record["role"], "content": content}
+
+
+def message_meta(blob: bytes, index: int) -> dict[str, Any]:
+    """What was kept beside a message (an assistant reply's id, stop reason, usage; a summary's origin)."""
+    record = unpack(blob, f"message {index}")
+    meta = record.get("meta") if isinstance(record, dict) else None
+    return meta if isinstance(meta, dict) else {}
 
 
 def pack_pending(pending: list[dict[str, Any]]) -> bytes:
@@ -236,4 +254,5 @@ def load_header(run_id: str, raw: Mapping[bytes, bytes], *, open_sealed: bool = 
         model_errors=_int(raw, "model_errors"),
         cost_usd=_float(raw, "cost_usd"),
         version=version,
+        window_hint=_int(raw, "window"),
     )

@@ -25,6 +25,11 @@ def _source(name: str) -> str:
     return (_LUA_DIR / "_event.lua").read_text() + text if "record_event(" in text else text
 
 
+def source(name: str) -> str:
+    """A script's text, for an EVAL inside a pipeline whose other replies a NOSCRIPT must not spoil."""
+    return _source(name)
+
+
 class _Scripts:
     """Script objects are bound to no client: each call passes the connection (or pipeline) to use."""
 

@@ -15,6 +15,8 @@ from agentpool.store.keys import STATS
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
 TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+# Events that report a call paid for: a committed reply, a stream cut midway, a compaction's summary call.
+SPEND_EVENTS = ("model_responded", "model_cut", "compacted")
 
 
 def _histogram(name: str, seconds: float) -> dict[str, float]:
@@ -37,10 +39,14 @@ def counters_for(kind: str, fields: Mapping[str, Any]) -> dict[str, float]:
         return {f"takeovers|cause={fields.get('cause_kind', '?')}": 1}
     if kind == "model_error":
         return {f"model_errors|type={fields.get('error_type', '?')}": 1}
-    if kind == "model_responded":
+    if kind in SPEND_EVENTS:
         counts = {f"tokens|kind={name}": float(fields.get(name) or 0) for name in TOKEN_FIELDS}
         counts["cost_usd"] = float(fields.get("cost_usd") or 0)
-        if fields.get("seconds") is not None:
+        if kind == "compacted":
+            counts[f"compactions|mode={fields.get('mode', '?')}"] = 1
+        if kind == "model_responded" and fields.get("compacted"):
+            counts[f"compactions|mode={fields['compacted']}"] = 1
+        if kind == "model_responded" and fields.get("seconds") is not None:
             counts.update(_histogram("model_call_seconds", float(fields["seconds"])))
         return counts
     if kind == "turn_committed" and fields.get("seconds") is not None:

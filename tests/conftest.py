@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis import Redis
@@ -131,6 +133,34 @@ def wait_for_status(r: Redis, run_id: str, status: str, timeout: float = 30) -> 
 
 def script_task(name: str, text: str = "Summarize this week's meeting notes") -> str:
     return f"{text} [script:{name}]"
+
+
+CHROMIUM = os.environ.get("AGENTPOOL_TEST_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+# Headless Chromium for the dashboard's page tests (tests/test_dashboard*.py), one per session.
+INSTALL = "apt-get update && apt-get install -y chromium chromium-driver; pip install -e '.[test]'"
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail(f"playwright is not installed; {INSTALL}")
+    if not shutil.which(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing; {INSTALL}")
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium
+        chromium.close()
 
 
 def dump(obj: object) -> str:

@@ -38,6 +38,20 @@ SECTIONS = {
         ["work horse killed", "threaded worker process killed", "whole worker killed"],
         3,
     ),
+    "long": (
+        ["--long-turns", "50", "--long-early", "10", "--deltas", "20"],
+        "long: one run at turns 10-39 and at turns 50-79",
+        ["request bytes, max", "window ms, mean", "whole ms"],
+        6,
+    ),
+}
+# Sections that print a second table: (its title, its rows).
+MORE_TABLES = {
+    "overhead": (
+        "overhead: a turn whose model call streams",
+        ["forking (--concurrency 1)", "threaded (--concurrency 2)"],
+    ),
+    "long": ("live: a streamed delta, from the scripted model's socket", []),
 }
 
 
@@ -60,10 +74,17 @@ def run_bench(*args: str) -> str:
 def test_bench_section_prints_its_table_of_figures(section):
     args, title, rows, at_least = SECTIONS[section]
     out = run_bench("--only", section, *args)
+    check_table(out, title, rows, at_least)
+    if section in MORE_TABLES:
+        more_title, more_rows = MORE_TABLES[section]
+        check_table(out, more_title, more_rows, 1)
 
+
+def check_table(out: str, title: str, rows: list[str], at_least: int) -> None:
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(title))
-    body = [line for line in lines[start + 2 :] if line.startswith("  ") and not line.startswith("  note:")]
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("  ")), len(lines))
+    body = [line for line in lines[start + 2 : end] if not line.startswith("  note:")]
     header = lines[start + 1]
     assert "target" in header, header
     assert len(body) >= at_least, out

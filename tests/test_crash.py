@@ -35,7 +35,15 @@ CRASH_SCRIPT = [
     {"tool_calls": [{"name": "charge_card", "input": {"amount_cents": 500}}]},
     {"text": "All done."},
 ]
-POINTS = ["before_model_call", "after_model_reply", "after_save_a", "in_tool", "after_tool_outcome", "after_save_b"]
+POINTS = [
+    "before_model_call",
+    "mid_stream",
+    "after_model_reply",
+    "after_save_a",
+    "in_tool",
+    "after_tool_outcome",
+    "after_save_b",
+]
 
 
 def _rq_failed_jobs(r, timeout: float = 10) -> int:

@@ -4,8 +4,6 @@ real pool. The browser is Debian's /usr/bin/chromium driven by playwright (no br
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import struct
 import subprocess
 import sys
@@ -24,18 +22,6 @@ from agentpool.testing.localpool import free_port
 
 from conftest import ROOT, script_task
 from pool_agents import record
-
-CHROMIUM = os.environ.get("AGENTPOOL_TEST_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-INSTALL = "apt-get update && apt-get install -y chromium chromium-driver; pip install -e '.[test]'"
 
 MEETING = [
     {"text": "Let me read the notes.", "tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}]},
@@ -265,20 +251,6 @@ def test_beyond_localhost_it_needs_a_token_and_every_api_call_carries_it(r, pool
 
 
 # -- the page, in headless Chromium ------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def browser() -> Iterator[Any]:
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail(f"playwright is not installed; {INSTALL}")
-    if not shutil.which(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing; {INSTALL}")
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
 
 
 @pytest.fixture

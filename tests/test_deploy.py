@@ -32,6 +32,7 @@ from rq import Queue, Worker
 from rq.worker import WorkerStatus
 
 from agentpool import Agent, enqueue_run, get_run, wait_for_run
+from agentpool.runtime.settings import Settings
 from agentpool.store.keys import TURN_QUEUE
 from agentpool.testing.localpool import children_of, free_port
 
@@ -41,9 +42,9 @@ DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
 SYSTEMD = DEPLOY / "systemd"
 
-# A turn is one model call (AGENTPOOL_MODEL_TIMEOUT, 600 s by default in workers/model.py) plus the
+# A turn is one model call (AGENTPOOL_MODEL_CALL_TIMEOUT, 600 s by default in runtime/settings.py) plus the
 # tools it asked for (Agent.tool_timeout each); every stop grace period must outlast one.
-MODEL_TIMEOUT = 600.0
+MODEL_TIMEOUT = next(f.default for f in fields(Settings) if f.name == "model_call_timeout")
 TOOL_TIMEOUT = next(f.default for f in fields(Agent) if f.name == "tool_timeout")
 TURN_BOUND = MODEL_TIMEOUT + TOOL_TIMEOUT  # type: ignore[operator]
 

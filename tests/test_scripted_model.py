@@ -540,7 +540,19 @@ def test_missing_auth_is_401(model: ScriptedModel) -> None:
 def test_stats_scripts_and_unknown_paths(model: ScriptedModel) -> None:
     status, body = raw_get(model.base_url + "/_stats")
     assert status == 200 and body == model.stats()
-    assert set(body) == {"requests", "responses", "rejected", "errors_injected", "rejections", "by_script"}
+    assert set(body) == {
+        "requests",
+        "responses",
+        "rejected",
+        "errors_injected",
+        "rejections",
+        "by_script",
+        "streams",
+        "streams_cut",
+        "compactions",
+        "summaries",
+        "request_bytes",
+    }
 
     status, _, body = raw_post(model.base_url + "/_scripts", {"only": [{"text": "replaced"}]})
     assert status == 200 and body["scripts"] == ["only"]

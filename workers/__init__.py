@@ -2,12 +2,13 @@
 
 The public API. Below it, in layers that import only downwards (checked by the tests, see
 ``pyproject.toml``): ``agentpool.ops`` (the CLI, dashboard, metrics, demo, bench), ``agentpool.worker``
-(the processes that run turns) beside ``agentpool.client`` (what apps call), ``agentpool.runtime`` (one
+(the processes that run turns) beside ``agentpool.client`` (what apps call) and ``agentpool.watching``
+(following a run live), ``agentpool.runtime`` (one
 turn), the definitions apps write (``agent``, ``tools``, ``context``, ``pricing``) and ``agentpool.store``
 (Redis). ``agentpool.testing`` is a kit for tests.
 """
 
-from agentpool.agent import Agent
+from agentpool.agent import Agent, Compaction
 from agentpool.checks import InvalidLimit
 from agentpool.client import (
     ResumeRefused,
@@ -27,12 +28,14 @@ from agentpool.runtime.approvals import ApprovalError
 from agentpool.store.crypto import EncryptionKeyMissing
 from agentpool.store.errors import AgentPoolError, RunNotFound, SchemaTooNew, StoreError, UnreadableRecord
 from agentpool.tools import Tool, ToolInputError, tool
+from agentpool.watching import watch
 
 __all__ = [
     "Agent",
     "AgentPoolError",
     "ApprovalError",
     "CallNotOwned",
+    "Compaction",
     "EncryptionKeyMissing",
     "InvalidLimit",
     "ResumeRefused",
@@ -55,4 +58,5 @@ __all__ = [
     "set_price",
     "tool",
     "wait_for_run",
+    "watch",
 ]

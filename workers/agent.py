@@ -9,6 +9,74 @@ from typing import Any
 from agentpool.checks import limit_value, optional_limit
 from agentpool.tools import Tool
 
+# The models that take the API's server-side compaction (the `compact_20260112` edit): the docs name
+# Opus 4.6 and 4.7, Sonnet 4.6 and later models. Others get agentpool's summary call instead.
+SERVER_COMPACTION_MODELS = (
+    "claude-opus-4-6",
+    "claude-opus-4-7",
+    "claude-opus-4-8",
+    "claude-sonnet-4-6",
+    "claude-opus-5",
+    "claude-sonnet-5",
+    "claude-haiku-5",
+    "claude-fable-5",
+    "claude-mythos-5",
+)
+SERVER_MIN_TRIGGER = 50_000  # the API refuses a lower trigger for its compaction edit
+
+# The summary call of agentpool's own compaction (models without the API's) ends its request with this.
+SUMMARY_PROMPT = (
+    "Context compaction: this conversation is about to outgrow the context window, so it will continue from "
+    "a summary of it instead of the messages so far. Write that summary now. Include: the original task and "
+    "every instruction, constraint or preference given; what has been done, naming each tool call that "
+    "changed something outside this conversation and its result, so that it is not repeated; what was "
+    "learned (facts, figures, names, identifiers) that the rest of the task needs; the decisions made and "
+    "why; and what remains to do, in order. Write only the summary, and call no tool."
+)
+# What the saved summary starts with: the message the next request starts from.
+SUMMARY_PREAMBLE = (
+    "This conversation continues from an earlier part that was compacted to fit the context window. "
+    "A summary of that part follows.\n\n"
+)
+
+
+@dataclass(frozen=True)
+class Compaction:
+    """How a run continues past the model's context window: ``Agent(compaction=Compaction(...))``
+    (``compaction=True`` takes these defaults).
+
+    With a model that supports it (``server_side=None`` decides by model), the API compacts: requests
+    carry the ``compact_20260112`` edit, and a request whose input passes ``trigger`` tokens is answered
+    after a summary of the conversation, which later requests start from. Otherwise agentpool does it:
+    once a request would pass ``trigger``, the model is asked for a summary in a call of its own
+    (counted in usage and budgets), which becomes the message the next request starts from.
+    """
+
+    trigger: int = 150_000  # input tokens of a request that start a compaction
+    instructions: str | None = None  # extra guidance for the summary
+    pause_after_compaction: bool = False  # API compaction: a turn ends at the summary; the next one goes on
+    server_side: bool | None = None  # None: the API's compaction where the model supports it
+    # The API's tool-result clearing edit, passed through as given (True: the API's defaults), e.g.
+    # {"trigger": {"type": "input_tokens", "value": 100_000}, "keep": {"type": "tool_uses", "value": 3}}.
+    clear_tool_uses: dict[str, Any] | bool | None = None
+    summary_max_tokens: int = 4096  # agentpool's summary call: max_tokens
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.trigger, int) or isinstance(self.trigger, bool) or self.trigger < 1:
+            raise ValueError(f"Compaction.trigger must be a positive number of input tokens, got {self.trigger!r}")
+        if self.summary_max_tokens < 1 or self.summary_max_tokens >= self.trigger:
+            raise ValueError(
+                "Compaction.summary_max_tokens must be positive and below the trigger "
+                f"({self.summary_max_tokens} >= {self.trigger}): a summary must fit well within it"
+            )
+        if not isinstance(self.clear_tool_uses, (dict, bool, type(None))):
+            raise TypeError(
+                "Compaction.clear_tool_uses is the clear_tool_uses_20250919 edit's settings (a dict) or True"
+            )
+
+    def uses_server(self, model: str) -> bool:
+        return self.server_side if self.server_side is not None else model.startswith(SERVER_COMPACTION_MODELS)
+
 
 @dataclass
 class Agent:
@@ -23,6 +91,8 @@ class Agent:
     tool_timeout: float = 120.0  # seconds; a tool's own ``timeout`` wins
     max_result_chars: int = 100_000  # a longer tool result is cut, with a note to the model
     model_options: dict[str, Any] = field(default_factory=dict)  # extra messages.create arguments
+    # Past the context window: None/False (off: a run that outgrows it stops), True, or Compaction(...).
+    compaction: Compaction | bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.tools, Tool) or not isinstance(self.tools, (list, tuple)):
@@ -46,10 +116,28 @@ class Agent:
         self.approval_timeout = optional_limit("approval_timeout", self.approval_timeout)
         self.tool_timeout = limit_value("tool_timeout", self.tool_timeout)
         self.max_result_chars = limit_value("max_result_chars", self.max_result_chars, whole=True)
+        if self.compaction is True:
+            self.compaction = Compaction()
+        elif self.compaction is False:
+            self.compaction = None
+        elif self.compaction is not None and not isinstance(self.compaction, Compaction):
+            raise TypeError(f"compaction is True, False, None or a Compaction, got {self.compaction!r}")
+        if self.compaction and self.compaction.uses_server(self.model) and self.compaction.trigger < SERVER_MIN_TRIGGER:
+            raise ValueError(
+                f"the API's compaction needs a trigger of at least {SERVER_MIN_TRIGGER:,} input tokens "
+                f"(got {self.compaction.trigger:,}); raise it, or use agentpool's own with Compaction(server_side=False)"
+            )
         self._by_name = {t.name: t for t in self.tools}
 
     def tool_named(self, name: str) -> Tool | None:
         return self._by_name.get(name)
+
+    @property
+    def compaction_mode(self) -> str | None:
+        """``"server"`` (the API compacts), ``"summary"`` (agentpool asks for a summary) or None (off)."""
+        if not isinstance(self.compaction, Compaction):
+            return None
+        return "server" if self.compaction.uses_server(self.model) else "summary"
 
 
 def check_agent_path(path: str) -> None:

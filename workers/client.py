@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 import secrets
 import time
-import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from redis import ConnectionPool, Redis
+from redis import Redis
 from redis.exceptions import WatchError
 
 from agentpool.agent import check_agent_path
@@ -17,9 +16,10 @@ from agentpool.checks import limit_value
 from agentpool.runtime.approvals import decide
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.limits import Limits
-from agentpool.runtime.settings import Settings, connect
+from agentpool.runtime.settings import Settings, client_for
 from agentpool.runtime.takeover import stage_restart
 from agentpool.store import approvals, checkpoint, events
+from agentpool.store import window as run_window
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.events import emit
@@ -38,7 +38,9 @@ class ResumeRefused(AgentPoolError):
 
 @dataclass
 class Run:
-    """A run as an app sees it. ``messages`` is the conversation exactly as it would be sent."""
+    """A run as an app sees it. ``messages`` is the whole conversation (from ``get_run(id, window=True)``:
+    only what the next request sends); ``window`` is what the next request sends, from the run's latest
+    compaction point (``window_start``) on."""
 
     id: str
     agent: str
@@ -54,6 +56,13 @@ class Run:
     limits: dict[str, Any] = field(default_factory=dict)
     cost_usd: float = 0.0
     awaiting_approval: list[dict[str, Any]] = field(default_factory=list)
+    window_start: int = 0  # index in the whole conversation of the message the next request starts from
+    messages_from: int = 0  # index of ``messages[0]`` in the whole conversation (0 unless loaded with window=True)
+
+    @property
+    def window(self) -> list[dict[str, Any]]:
+        """The messages the next request sends: the whole conversation from its latest compaction point on."""
+        return self.messages[self.window_start - self.messages_from :]
 
     @classmethod
     def from_state(cls, state: RunState, awaiting: set[str] | None = None) -> Run:
@@ -85,38 +94,6 @@ class Run:
         return asdict(self)
 
 
-# A bytes client per connection pool of the decode_responses=True clients apps hand us.
-_bytes_clients: weakref.WeakKeyDictionary[ConnectionPool, Redis] = weakref.WeakKeyDictionary()
-
-
-def _binary(connection: Redis | None) -> Redis:
-    """The client to use: agentpool reads Redis as bytes (msgpack records, and RQ requires it). A client
-    made with ``decode_responses=True`` is accepted: a bytes client with the same connection settings
-    is built from its pool once and reused."""
-    if connection is None:
-        return connect()
-    pool = connection.connection_pool
-    if not pool.connection_kwargs.get("decode_responses"):
-        return connection
-    client = _bytes_clients.get(pool)
-    if client is None:
-        try:
-            client = Redis(
-                connection_pool=type(pool)(
-                    connection_class=pool.connection_class,
-                    max_connections=pool.max_connections,
-                    **{**pool.connection_kwargs, "decode_responses": False},
-                )
-            )
-        except TypeError:
-            raise AgentPoolError(
-                f"agentpool reads Redis as bytes, as RQ does, and cannot derive a bytes client from this "
-                f"decode_responses=True client ({type(pool).__name__}); pass one made without decode_responses=True"
-            ) from None
-        _bytes_clients[pool] = client
-    return client
-
-
 def new_run_id() -> str:
     """Sortable by creation, safe in URLs and RQ job ids (letters, digits, ``_`` and ``-``)."""
     return f"r_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
@@ -146,7 +123,7 @@ def enqueue_run(
         )
         if value is not None
     }
-    r = _binary(connection)
+    r = client_for(connection)
     run_id = run_id or new_run_id()
     with r.pipeline(transaction=True) as pipe:
         pipe.multi()  # RQ's enqueue joins this transaction; our commands go first
@@ -157,19 +134,28 @@ def enqueue_run(
     return run_id
 
 
-def get_run(run_id: str, *, connection: Redis | None = None) -> Run:
-    r = _binary(connection)
-    state = checkpoint.load_run(r, run_id)
+def get_run(run_id: str, *, connection: Redis | None = None, window: bool = False) -> Run:
+    """The run with its whole conversation, or with ``window=True`` only what its next request sends
+    (from its latest compaction point: one read that does not grow with the run's history)."""
+    r = client_for(connection)
+    if window:
+        state = run_window.load(r, run_id)
+        start = messages_from = state.window_start
+    else:
+        state = checkpoint.load_run(r, run_id)
+        start, messages_from = run_window.start_of(state), 0
     awaiting = None
     if state.status == "waiting_approval":
         waits, decisions = approvals.read(r, RunKeys.of(run_id))
         awaiting = {i for i in waits if i not in decisions}
-    return Run.from_state(state, awaiting)
+    run = Run.from_state(state, awaiting)
+    run.window_start, run.messages_from = start, messages_from
+    return run
 
 
 def wait_for_run(run_id: str, *, timeout: float = 300.0, connection: Redis | None = None, poll: float = 0.2) -> Run:
     """Block until the run is no longer queued or running; raise RunTimeout after ``timeout`` s."""
-    r = _binary(connection)
+    r = client_for(connection)
     deadline = time.monotonic() + timeout
     while True:
         state = checkpoint.load_run(r, run_id, with_messages=False)
@@ -183,7 +169,7 @@ def wait_for_run(run_id: str, *, timeout: float = 300.0, connection: Redis | Non
 def cancel_run(run_id: str, *, connection: Redis | None = None, reason: str = "cancelled by request") -> str:
     """End a run for good. A turn in flight notices at its next write and commits nothing further.
     Returns the status the run had before."""
-    r = _binary(connection)
+    r = client_for(connection)
     before = checkpoint.set_status_unfenced(
         r, run_id, "cancelled", error=reason, retention_s=Settings.from_env().retention
     )
@@ -209,7 +195,7 @@ def resume(
     add_turns = limit_value("add_turns", add_turns, whole=True, zero_ok=True)
     add_tokens = limit_value("add_tokens", add_tokens, whole=True, zero_ok=True)
     add_usd = limit_value("add_usd", add_usd, zero_ok=True)
-    r = _binary(connection)
+    r = client_for(connection)
     keys = RunKeys.of(run_id)
     with r.pipeline(transaction=True) as pipe:
         while True:
@@ -287,7 +273,7 @@ def list_runs(
     says; an unknown ``status`` is a ValueError listing the valid ones."""
     if status is not None and status not in STATUSES:
         raise ValueError(f"unknown status {status!r}; valid: {', '.join(sorted(STATUSES))}")
-    r = _binary(connection)
+    r = client_for(connection)
     runs = []
     for run_id in checkpoint.list_run_ids(r, limit=limit if not (status or agent) else limit * 20):
         try:
@@ -313,7 +299,7 @@ def approve(
     """Decide on a call the run waits on (or, without ``tool_use_id``, on every one). A denied call
     gets an ``is_error`` tool_result carrying ``reason``. Returns the tool_use ids decided."""
     return decide(
-        _binary(connection),
+        client_for(connection),
         run_id,
         None if tool_use_id is None else [tool_use_id],
         approved=approved,

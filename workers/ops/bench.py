@@ -3,7 +3,8 @@
 Every figure is measured in one invocation against its own redis-server (or an empty database given
 with ``--url``), its own scripted model server and real ``agentpool worker`` processes, with the
 baseline run beside it on the same worker class. It prints figures with their targets and judges
-nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery`` (``--only``; default all).
+nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``long`` (``--only``; default all;
+the long-run figures and streaming's share of the overhead are in ``bench_long.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from agentpool.agent import Agent
 from agentpool.context import current_call
 from agentpool.tools import tool
 
-SECTIONS = ("overhead", "saves", "memory", "recovery")
+SECTIONS = ("overhead", "saves", "memory", "recovery", "long")
 AGENT = "agentpool.ops.bench:bench_agent"
 MODEL = "claude-sonnet-5-5"
 GB = 1e9  # figures per GB use 10^9 bytes
@@ -326,7 +327,10 @@ def bench_saves(lab: Lab, turns: int, runs: int) -> None:
         rows,
         (
             "bytes = what the call sent to Redis (INFO total_net_input_bytes; for the load: bytes read back)",
-            "the load is not a save: it reads the whole conversation, which the model call needs anyway",
+            (
+                "the load is not a save: it reads the window (the whole conversation of a run never compacted; see "
+                "the long section), which the model call sends"
+            ),
         ),
     )
 
@@ -336,7 +340,7 @@ def _store_calls_of_a_turn(r: Redis, run_id: str, turn: int) -> list[tuple[str, 
     events each write records, as in agentpool.runtime.turn (the lease is taken untimed; its round trip also
     carries the load)."""
     from agentpool.runtime.jobs import stage_turn
-    from agentpool.store import checkpoint, lease, ledger
+    from agentpool.store import checkpoint, lease, ledger, window
     from agentpool.store.events import Event
     from agentpool.store.keys import RunKeys
 
@@ -355,7 +359,7 @@ def _store_calls_of_a_turn(r: Redis, run_id: str, turn: int) -> list[tuple[str, 
         return Event.of(run_id, kind, **fields)
 
     return [
-        ("load (read with the lease, before the model call)", lambda: checkpoint.load_run(r, run_id)),
+        ("load (read with the lease, before the model call)", lambda: window.load(r, run_id)),
         (
             "save point A (spend, response, pending)",
             lambda: checkpoint.commit_response(
@@ -709,6 +713,17 @@ def _lab(url: str | None) -> Iterator[Lab]:
     show_default=True,
     help="recovery: also kill whole workers under this shorter TTL (0: skip).",
 )
+@click.option(
+    "--long-turns",
+    type=click.IntRange(min=20),
+    default=500,
+    show_default=True,
+    help="long: the late point of the long run (compared with --long-early; at least it + 30).",
+)
+@click.option("--long-early", type=click.IntRange(min=10), default=100, show_default=True, help="long: the early run.")
+@click.option(
+    "--deltas", type=click.IntRange(min=10), default=200, show_default=True, help="long: deltas watched live."
+)
 def bench(
     url: str | None,
     only: tuple[str, ...],
@@ -723,6 +738,9 @@ def bench(
     trials: int,
     lease_ttl: float | None,
     short_ttl: float,
+    long_turns: int,
+    long_early: int,
+    deltas: int,
 ) -> None:
     """Measure agentpool on this machine: per-turn overhead, save cost, memory, crash recovery."""
     from agentpool.runtime.settings import Settings
@@ -735,10 +753,17 @@ def bench(
             f"redis {lab.r.info('server')['redis_version']} at {lab.url}; scripted model at {lab.model.base_url}"
         )
         if "overhead" in sections:
+            from agentpool.ops.bench_long import bench_streaming
+
             bench_overhead(lab, turns, threaded_turns, threads, rounds)
+            bench_streaming(lab, turns, threaded_turns, threads, rounds)
         if "saves" in sections:
             bench_saves(lab, save_turns, save_runs)
         if "memory" in sections:
             bench_memory(lab, high_concurrency, hold)
         if "recovery" in sections:
             bench_recovery(lab, trials, ttl, short_ttl, threads)
+        if "long" in sections:
+            from agentpool.ops.bench_long import bench_long
+
+            bench_long(lab, long_turns, min(long_early, long_turns), deltas)

@@ -226,6 +226,8 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
         click.echo(f"result: {run.result}")
     click.echo("")
     for n, message in enumerate(run.messages):
+        if n == run.window_start and n:
+            click.echo("--- compacted: the next request starts here; what is above is summarized ---")
         click.echo(f"[{n}] {message['role']}")
         for line in _describe(message["content"]):
             click.echo(f"    {line}")
@@ -272,6 +274,8 @@ def _describe(content: object) -> list[str]:
             lines.append(block["text"][:300])
         elif kind == "tool_use":
             lines.append(f"-> {block['name']}({json.dumps(block.get('input'))[:200]})  [{block['id']}]")
+        elif kind == "compaction":
+            lines.append(f"[compaction] {(block.get('content') or '(failed)')[:300]}")
         elif kind == "tool_result":
             body = block.get("content")
             body = body if isinstance(body, str) else json.dumps(body)
@@ -339,10 +343,11 @@ def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_us
 @main.command()
 @url_option
 @click.argument("run_id")
-def watch(url: str | None, run_id: str) -> None:
-    """Follow a run live: turns, tokens, the tool in flight, status. Exits when the run ends."""
+@click.option("--events-only", is_flag=True, help="Events only, not the model's words as they stream.")
+def watch(url: str | None, run_id: str, events_only: bool) -> None:
+    """Follow a run live: its events, and the model's words as they arrive. Exits when the run ends."""
     from agentpool.store import checkpoint
-    from agentpool.store.events import read as read_events
+    from agentpool.watching import watch as follow
 
     r = quick_client(url)
     try:
@@ -350,27 +355,60 @@ def watch(url: str | None, run_id: str) -> None:
     except AgentPoolError as exc:
         _fail(str(exc))
     click.echo(f"run {run_id} ({state.agent}): {state.status}, turn {state.turns}, {sum(state.usage.values())} tokens")
-    last = "0-0"
-    while True:
-        for event_id, event in read_events(r, run_id, after=last, block_ms=1000):
-            last = event_id
-            click.echo(_event_line(event_id, event))
-        state = checkpoint.load_run(r, run_id, with_messages=False)
-        if state.status in ("completed", "failed", "cancelled", "stopped"):
-            for event_id, event in read_events(r, run_id, after=last):
-                click.echo(_event_line(event_id, event))
-            click.echo(
-                f"run {run_id} {state.status} after {state.turns} turns, {sum(state.usage.values())} tokens"
-                + (f": {state.error}" if state.error else "")
-            )
-            return
+    printer = _LivePrinter()
+    for item in follow(run_id, connection=r, live_output=not events_only):
+        if not printer.take(item):
+            printer.break_line()
+            fields = {k: str(v) for k, v in item.items() if k not in ("id", "at")}
+            click.echo(_event_line(fields, at=float(item["at"])))  # type: ignore[arg-type]
+    printer.break_line()
+    state = checkpoint.load_run(r, run_id, with_messages=False)
+    click.echo(
+        f"run {run_id} {state.status} after {state.turns} turns, {sum(state.usage.values())} tokens"
+        + (f": {state.error}" if state.error else "")
+    )
 
 
-def _event_line(event_id: str, event: dict[str, str]) -> str:
-    """One event, stamped with its own time: the milliseconds of its stream id (when Redis recorded it)."""
-    kind = event.pop("kind", "?")
+LIVE_PREFIX = {"text_delta": "", "thinking_delta": "(thinking) ", "input_json_delta": "-> "}
+
+
+class _LivePrinter:
+    """Prints a streaming call's text as it arrives, one line per content block, between event lines."""
+
+    def __init__(self) -> None:
+        self.block: tuple[str, int] | None = None
+        self.mid_line = False
+
+    def take(self, item: dict[str, object]) -> bool:
+        """Print a live item; False for an event (the caller prints it)."""
+        kind = str(item["type"])
+        if kind in ("block_start", "call_start", "call_end"):
+            return True
+        if kind not in LIVE_PREFIX:
+            return False
+        block = (str(item.get("call")), int(item.get("index") or 0))  # type: ignore[call-overload]
+        if block != self.block:
+            self.break_line()
+            self.block = block
+            head = LIVE_PREFIX[kind] + (f"{item['name']} " if kind == "input_json_delta" and item.get("name") else "")
+            click.echo(f"{time.strftime('%H:%M:%S')} {'model':<18} {head}", nl=False)
+        text = str(item.get("text", ""))
+        click.echo(text.replace("\n", "\n" + " " * 28), nl=False)  # lines under the text's first
+        sys.stdout.flush()
+        self.mid_line = not text.endswith("\n")
+        return True
+
+    def break_line(self) -> None:
+        if self.mid_line:
+            click.echo("")
+        self.mid_line = False
+        self.block = None
+
+
+def _event_line(event: dict[str, str], at: float) -> str:
+    """One event, stamped with its own time (when Redis recorded it), to the millisecond."""
+    kind = event.pop("kind", None) or event.pop("type", "?")
     detail = " ".join(f"{k}={v}" for k, v in event.items())
-    at = int(event_id.split("-", 1)[0]) / 1000
     return f"{time.strftime('%H:%M:%S', time.localtime(at))}.{int(at * 1000) % 1000:03d} {kind:<18} {detail}"
 
 

@@ -7,6 +7,10 @@ below, which read Redis through ``agentpool.client`` and ``store``::
     GET  /api/runs?status=&agent=&limit=  run headers, newest first
     GET  /api/runs/<id>?from=N            header (with resume_needs when stopped), messages[N:], ledger
     GET  /api/runs/<id>/events?after=ID   events after stream id ID
+    GET  /api/runs/<id>/live?after=ID     the model call in flight, as it streams: entries after ID, waiting
+                                          up to 2 s for one (a long poll); asking is what makes workers publish
+    GET  /api/runs/<id>/timeline          the run's turns (model, tools, waits, takeovers, compactions, tokens,
+                                          cost) from its recorded events
     POST /api/runs/<id>/cancel            {}
     POST /api/runs/<id>/approve           {"tool_use_id": str|null, "approved": bool, "reason": str|null}
     POST /api/runs/<id>/resume            {"add_turns": int, "add_tokens": int, "add_usd": float}
@@ -44,11 +48,13 @@ from redis.exceptions import RedisError
 from agentpool import client
 from agentpool.checks import InvalidLimit, limit_value
 from agentpool.ops.redisconn import quick_client, target_url, warn_if_unreachable
+from agentpool.ops.timeline import timeline
 from agentpool.runtime.settings import redact_url
-from agentpool.store import checkpoint, events, ledger
+from agentpool.store import checkpoint, events, ledger, live
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import STATUSES, load_header, unpack_message
+from agentpool.watching import live_item
 
 log = logging.getLogger("agentpool.dashboard")
 
@@ -63,7 +69,8 @@ MAX_BODY = 64 * 1024
 SCAN_WHEN_FILTERED = 2000  # newest runs looked at to fill a filtered page
 LEDGER_TEXT_CHARS = 2000  # the whole result is in the conversation; the ledger shows its head
 RUN_PAGE = re.compile(r"/runs/[A-Za-z0-9_-]{1,100}")
-RUN_PATH = re.compile(r"^/api/runs/([A-Za-z0-9_-]{1,100})(/events|/cancel|/approve|/resume)?$")
+RUN_PATH = re.compile(r"^/api/runs/([A-Za-z0-9_-]{1,100})(/events|/live|/timeline|/cancel|/approve|/resume)?$")
+LIVE_WAIT_MS = 2000  # a live request waits this long for output before answering empty
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
@@ -180,11 +187,14 @@ def run_detail(r: Redis, run_id: str, start: int) -> dict[str, Any]:
         raw, blobs = pipe.execute()
     if not raw:
         raise RunNotFound(run_id)
-    run = client.Run.from_state(load_header(run_id, raw))
+    state = load_header(run_id, raw)
+    run = client.Run.from_state(state)
     if run.status == "waiting_approval":
         # Which calls still await a decision is the API's to say (it reads the approval records).
         run.pending = client.get_run(run_id, connection=r).pending
     messages = [_slim(unpack_message(blob, start + i)) for i, blob in enumerate(blobs)]
+    # The header's window hint (exact for a summary); the page moves it on to a later compaction block.
+    run.window_start = state.window_hint
     header = run.to_dict()
     header.pop("messages")
     now = time.time()
@@ -199,6 +209,17 @@ def run_detail(r: Redis, run_id: str, start: int) -> dict[str, Any]:
         "message_count": start + len(messages),
         "ledger": ledger_rows(r, keys),
     }
+
+
+def live_output(r: Redis, run_id: str, after: str) -> dict[str, Any]:
+    """The run's live output after stream id ``after``, waiting a little for some; marks the run watched."""
+    keys = RunKeys.of(run_id)
+    if not r.exists(keys.run):
+        raise RunNotFound(run_id)
+    live.mark_watching(r, keys)
+    replies = r.xread({keys.live: after}, count=500, block=LIVE_WAIT_MS) or []
+    entries = [live_item(i, f) for _key, rows in replies for i, f in live.decode_entries(rows)]  # type: ignore[union-attr]
+    return {"entries": entries, "last": entries[-1]["id"] if entries else after}
 
 
 # -- actions -----------------------------------------------------------------------------------
@@ -365,6 +386,13 @@ class Handler(BaseHTTPRequestHandler):
                 raise HttpError(HTTPStatus.BAD_REQUEST, "after must be a stream id like 1700000000000-0")
             rows = events.read(r, run_id, after=after)
             return {"events": [{"id": i, **fields} for i, fields in rows]}
+        if self.command == "GET" and sub in ("live", "timeline"):
+            if sub == "timeline":
+                return timeline(events.read(r, run_id))
+            after = arg("after") or "0-0"
+            if not re.fullmatch(r"\d+-\d+", after):
+                raise HttpError(HTTPStatus.BAD_REQUEST, "after must be a stream id like 1700000000000-0")
+            return live_output(r, run_id, after)
         if self.command == "POST" and sub in ("cancel", "approve", "resume"):
             return act(r, run_id, sub, self._body())
         raise HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.command} is not allowed here")

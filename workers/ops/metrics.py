@@ -75,6 +75,12 @@ COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
     ),
     ("model_errors", "type", "Transient model API errors whose turn was retried later, by type.", ()),
     ("tokens", "kind", "Tokens of every model call paid for, by kind.", stats.TOKEN_FIELDS),
+    (
+        "compactions",
+        "mode",
+        "Conversations compacted past the context window: by the API (server) or by a summary call (summary).",
+        ("server", "summary"),
+    ),
     ("status_changes", "status", "Runs entering a status (a resumed run enters running again).", ()),
 )
 HISTOGRAMS = (

@@ -19,6 +19,11 @@ POINTS = (
     "in_tool",  # inside a tool, after its effect, before it returns
     "after_tool_outcome",  # a tool's outcome is in the ledger; save point B not written
     "after_save_b",  # tool results committed with the next job; this job not yet finished
+    "mid_stream",  # the model's reply is streaming (its first delta arrived); nothing of it saved
+    "after_partial_spend",  # a cut stream's tokens are counted; the turn is not yet deferred
+    "before_compaction",  # the window must be compacted; the summary call not yet made
+    "after_summary_reply",  # the summary call answered (and billed us); the summary not saved
+    "after_compaction_save",  # the summary is the new compaction point; the turn's model call not yet made
 )
 
 _ARMED = frozenset(p for p in os.environ.get("AGENTPOOL_FAULTS", "").split(",") if p)

@@ -4,23 +4,43 @@ The client is configured from the environment as the SDK does (ANTHROPIC_API_KEY
 The SDK's own retries are off: it honours ``retry-after`` without a cap, which would park a worker for
 as long as the API asks. Transient errors instead come back as ``ModelUnavailable`` and the turn is
 retried later through RQ's scheduler, so no worker sleeps.
+
+Every call streams, through the SDK's own helper (``client.messages.stream``, or
+``client.beta.messages.stream`` when the request needs a beta: the API's compaction, tool-result
+clearing), as the API asks of calls that may run long. Block starts and deltas go to the turn's
+``LiveOutput`` as they arrive; ``get_final_message()`` gives the message exactly as the API produced
+it (thinking blocks with their signatures, compaction blocks), stored with ``to_dict(mode="json")``.
+``AGENTPOOL_MODEL_TIMEOUT`` is the longest silence allowed between two events (the HTTP read timeout;
+the API's pings keep a slow call alive), ``AGENTPOOL_MODEL_CALL_TIMEOUT`` caps a whole call. A stream
+cut midway (the connection lost, that silence, an ``error`` event such as ``overloaded_error`` after
+the 200) is transient, like a 529: ``ModelUnavailable`` carries the tokens the stream had reported
+(``message_start``'s usage, then each ``message_delta``'s cumulative usage), which the turn counts.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import os
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anthropic
+import httpx2
 
-from agentpool.agent import Agent
+from agentpool.agent import SUMMARY_PROMPT, Agent, Compaction
+from agentpool.runtime.settings import Settings
 from agentpool.store.errors import AgentPoolError
+from agentpool.store.records import USAGE_FIELDS
 
 CACHE = {"type": "ephemeral"}
 # 429 bodies that will not clear by waiting (a spend or credit limit), by the words the API uses.
 _NON_TRANSIENT_429 = ("usage limit", "spend limit", "credit balance", "billing")
+COMPACT_BETA = "compact-2026-01-12"  # the compact_20260112 edit (anthropic/types/anthropic_beta_param.py)
+CONTEXT_BETA = "context-management-2025-06-27"  # the clear_tool_uses_20250919 edit
+# An `error` event after the 200 is transient unless it names one of these.
+_FINAL_ERROR_TYPES = ("invalid_request_error", "authentication_error", "permission_error", "not_found_error")
 
 
 class ModelUnavailable(AgentPoolError):
@@ -28,14 +48,25 @@ class ModelUnavailable(AgentPoolError):
 
     retryable = True
 
-    def __init__(self, message: str, retry_after: float | None = None, kind: str = "connection") -> None:
+    def __init__(
+        self,
+        message: str,
+        retry_after: float | None = None,
+        kind: str = "connection",
+        spent: dict[str, int] | None = None,
+    ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
-        self.kind = kind  # the API's error type (rate_limit_error, overloaded_error, ...) or "connection"
+        self.kind = kind  # the API's error type (rate_limit_error, overloaded_error, ...), "connection", "timeout"
+        self.spent = {k: v for k, v in (spent or {}).items() if v}  # tokens a cut stream had reported: billed
 
 
 class ModelRejected(AgentPoolError):
     """The API refused the request and retrying cannot help (400-class): the run fails."""
+
+
+class ContextTooLong(ModelRejected):
+    """The API refused the request as longer than the model's context window ("prompt is too long")."""
 
 
 class ModelQuotaExhausted(AgentPoolError):
@@ -46,64 +77,211 @@ class ModelQuotaExhausted(AgentPoolError):
 class ModelReply:
     message: dict[str, Any]  # {"role": "assistant", "content": [...]} as the API returned it
     stop_reason: str
-    usage: dict[str, int]
+    usage: dict[str, int]  # every token billed, a server-side compaction's included
     meta: dict[str, Any]  # response id, model, stop_reason, usage: kept beside the message
+    seconds: float = 0.0  # the call, from request to last event
+    compacted: bool = False  # the API compacted the conversation: the reply starts with a compaction block
 
 
-_clients: dict[int, anthropic.Anthropic] = {}
+class DeltaSink(Protocol):
+    """Where a streamed call's output goes as it arrives (``agentpool.runtime.stream.LiveOutput``)."""
+
+    def block_start(self, index: int, block: str, name: str | None = None) -> None: ...
+    def delta(self, index: int, kind: str, text: str) -> None: ...
+    def close(self, outcome: str) -> None: ...
 
 
-def _client() -> anthropic.Anthropic:
-    # One client per process: an httpx pool must not cross a fork into a work horse.
+_clients: dict[int, tuple[anthropic.Anthropic, Settings]] = {}
+
+
+def _client() -> tuple[anthropic.Anthropic, Settings]:
+    # One client per process: an httpx pool must not cross a fork into a work horse. Its read timeout
+    # is the longest silence allowed between a stream's events.
     pid = os.getpid()
     if pid not in _clients:
-        timeout = float(os.environ.get("AGENTPOOL_MODEL_TIMEOUT", "600"))
-        _clients[pid] = anthropic.Anthropic(max_retries=0, timeout=timeout)
+        settings = Settings.from_env()
+        client = anthropic.Anthropic(max_retries=0, timeout=anthropic.Timeout(settings.model_idle_timeout))
+        _clients[pid] = (client, settings)
     return _clients[pid]
 
 
 def warm_up() -> None:
-    """Do the SDK's lazy one-time work (imports, building the response model's validators) in a
-    process that forks work horses, so each horse does not pay ~200 ms for it on every turn. No
-    client or connection is kept: an HTTP pool must not cross a fork."""
-    anthropic.Anthropic(api_key="warm-up", max_retries=0).close()
-    anthropic.types.Message.model_validate(
-        {
-            "id": "msg_warm_up",
-            "type": "message",
-            "role": "assistant",
-            "model": "warm-up",
-            "content": [
-                {"type": "text", "text": ""},
-                {"type": "tool_use", "id": "toolu_warm_up", "name": "t", "input": {}},
-            ],
-            "stop_reason": "end_turn",
-            "stop_sequence": None,
-            "usage": {"input_tokens": 0, "output_tokens": 0},
-        }
+    """Do the SDK's lazy one-time work (imports, building the validators of the response and of every
+    stream event type) in a process that forks work horses, so each horse does not pay for it on every
+    turn (~200 ms for a create(), ~40 ms more for a stream). A stream and a create() run against an
+    in-process transport: no connection is made, and no client is kept (an HTTP pool must not cross a
+    fork)."""
+    message = {
+        "id": "msg_warm_up",
+        "type": "message",
+        "role": "assistant",
+        "model": "warm-up",
+        "content": [
+            {"type": "thinking", "thinking": "t", "signature": "s"},
+            {"type": "text", "text": "t"},
+            {"type": "tool_use", "id": "toolu_warm_up", "name": "t", "input": {"k": "v"}},
+        ],
+        "stop_reason": "tool_use",
+        "stop_sequence": None,
+        "usage": {"input_tokens": 1, "output_tokens": 1},
+    }
+    sse = _warm_up_events(message)
+
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        if b'"stream":true' in request.content.replace(b" ", b""):
+            return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=sse)
+        return httpx2.Response(200, json=message)
+
+    anthropic.Anthropic(api_key="warm-up", max_retries=0).close()  # the HTTP stack a real client builds
+    transport = httpx2.Client(transport=httpx2.MockTransport(answer))
+    with anthropic.Anthropic(
+        api_key="warm-up", base_url="http://warm-up", max_retries=0, http_client=transport
+    ) as client:
+        request: dict[str, Any] = {"model": "warm-up", "max_tokens": 1, "messages": [{"role": "user", "content": "."}]}
+        client.messages.create(**request).to_dict(mode="json")
+        for api in (client.messages, client.beta.messages):
+            with api.stream(**request) as stream:
+                for _event in stream:
+                    pass
+                stream.get_final_message().to_dict(mode="json")
+
+
+def _warm_up_events(message: dict[str, Any]) -> bytes:
+    def event(kind: str, data: dict[str, Any]) -> str:
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+    deltas = {"thinking": ("thinking_delta", "thinking"), "text": ("text_delta", "text")}
+    out = [event("message_start", {"message": {**message, "content": [], "stop_reason": None}}), event("ping", {})]
+    for i, block in enumerate(message["content"]):
+        start = {**block, "input": {}} if block["type"] == "tool_use" else {**block, block["type"]: ""}
+        out.append(event("content_block_start", {"index": i, "content_block": start}))
+        if block["type"] == "tool_use":
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
+        else:
+            kind, field = deltas[block["type"]]
+            delta = {"type": kind, field: block[field]}
+        out.append(event("content_block_delta", {"index": i, "delta": delta}))
+        if block["type"] == "thinking":
+            out.append(
+                event("content_block_delta", {"index": i, "delta": {"type": "signature_delta", "signature": "s"}})
+            )
+        out.append(event("content_block_stop", {"index": i}))
+    out.append(
+        event(
+            "message_delta",
+            {"delta": {"stop_reason": "tool_use", "stop_sequence": None}, "usage": {"output_tokens": 1}},
+        )
     )
+    out.append(event("message_stop", {}))
+    return "".join(out).encode()
 
 
-def build_request(agent: Agent, messages: list[dict[str, Any]]) -> dict[str, Any]:
+def build_request(
+    agent: Agent, messages: list[dict[str, Any]], *, summary: bool = False, shrink: bool = False
+) -> dict[str, Any]:
     """The request, with cache breakpoints on the tools, the system prompt and the last message.
 
     The breakpoint on the last message moves every turn and is added to a copy here, never stored, so
     the stored history stays byte-identical and a run resumed elsewhere reads its prefix from the cache.
+    ``messages`` is the run's window (it starts at its latest compaction point). A ``summary`` request is
+    agentpool's own compaction: the same prefix (read from the cache), the summary prompt after the
+    window, no tool to call, no thinking, none of the API's context edits.
     """
     tools = [t.to_param() for t in agent.tools]
     if tools:
         tools[-1] = {**tools[-1], "cache_control": CACHE}
+    options = dict(agent.model_options)
+    compaction = agent.compaction if isinstance(agent.compaction, Compaction) else None
+    if summary:
+        options.pop("thinking", None)
+        messages = summary_messages(messages, compaction.instructions if compaction else None, shrink=shrink)
     request: dict[str, Any] = {
         "model": agent.model,
-        "max_tokens": agent.max_tokens,
+        "max_tokens": compaction.summary_max_tokens if summary and compaction else agent.max_tokens,
         "messages": _with_moving_breakpoint(messages),
-        **agent.model_options,
+        **options,
     }
     if tools:
         request["tools"] = tools
+        if summary:
+            request["tool_choice"] = {"type": "none"}
     if agent.system:
         request["system"] = [{"type": "text", "text": agent.system, "cache_control": CACHE}]
+    if compaction and not summary:
+        _add_context_edits(request, compaction, server=agent.compaction_mode == "server")
+    if "betas" not in request and any(_starts_with_compaction(m) for m in messages[:1]):
+        # The window starts from a compaction block (the API's): sent back, it needs the beta, even
+        # in a request that asks for no compaction (a summary call, an agent since switched to summaries).
+        request["betas"] = [COMPACT_BETA]
     return request
+
+
+def _starts_with_compaction(message: dict[str, Any]) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and bool(content) and content[0].get("type") == "compaction"
+
+
+def _add_context_edits(request: dict[str, Any], compaction: Compaction, *, server: bool) -> None:
+    edits: list[dict[str, Any]] = []
+    betas = set(request.get("betas") or ())
+    if compaction.clear_tool_uses:
+        settings = compaction.clear_tool_uses if isinstance(compaction.clear_tool_uses, dict) else {}
+        edits.append({**settings, "type": "clear_tool_uses_20250919"})
+        betas.add(CONTEXT_BETA)
+    if server:
+        edit: dict[str, Any] = {
+            "type": "compact_20260112",
+            "trigger": {"type": "input_tokens", "value": compaction.trigger},
+        }
+        if compaction.instructions:
+            edit["instructions"] = compaction.instructions
+        if compaction.pause_after_compaction:
+            edit["pause_after_compaction"] = True
+        edits.append(edit)
+        betas.add(COMPACT_BETA)
+    if edits:
+        request["context_management"] = {"edits": edits}
+        request["betas"] = sorted(betas)
+
+
+def summary_messages(
+    window: list[dict[str, Any]], instructions: str | None, *, shrink: bool = False
+) -> list[dict[str, Any]]:
+    """The window with the summary prompt after it: appended to its last user message (after any
+    tool results, as the API wants them first) or as a user message of its own after an assistant one.
+    ``shrink`` cuts long tool results (for a window the API refused as too long to summarize whole)."""
+    prompt = SUMMARY_PROMPT + (f"\n\nAlso: {instructions}" if instructions else "")
+    messages = [_shrunk(m) for m in window] if shrink else list(window)
+    last = messages[-1]
+    if last["role"] == "user":
+        content = last["content"]
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+        messages[-1] = {"role": "user", "content": [*blocks, {"type": "text", "text": prompt}]}
+    else:
+        messages.append({"role": "user", "content": [{"type": "text", "text": prompt}]})
+    return messages
+
+
+SHRUNK_RESULT_CHARS = 2000
+
+
+def _shrunk(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with long tool results (and long texts of the model's) cut, and without thinking
+    blocks (the summary request has thinking off, so they may go, and with them any question of their
+    signatures over what was cut): what a summary needs."""
+    if isinstance(message["content"], str):
+        return message
+    blocks = []
+    for block in message["content"]:
+        if block.get("type") in ("thinking", "redacted_thinking"):
+            continue
+        key = {"tool_result": "content", "text": "text"}.get(block.get("type"))
+        body = block.get(key) if key else None
+        if key and isinstance(body, str) and len(body) > SHRUNK_RESULT_CHARS:
+            cut = len(body) - SHRUNK_RESULT_CHARS
+            block = {**block, key: f"{body[:SHRUNK_RESULT_CHARS]} [... {cut} characters cut]"}
+        blocks.append(block)
+    return {"role": message["role"], "content": blocks or [{"type": "text", "text": "(thinking)"}]}
 
 
 def _with_moving_breakpoint(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -118,27 +296,134 @@ def _with_moving_breakpoint(messages: list[dict[str, Any]]) -> list[dict[str, An
     return [*messages[:-1], last]
 
 
-def call_model(agent: Agent, messages: list[dict[str, Any]]) -> ModelReply:
+def call_model(
+    agent: Agent,
+    messages: list[dict[str, Any]],
+    *,
+    summary: bool = False,
+    shrink: bool = False,
+    live: DeltaSink | None = None,
+) -> ModelReply:
+    """One call on the window ``messages`` (a ``summary`` call: agentpool's compaction, of a window with
+    its long tool results cut when ``shrink``), streamed to ``live`` as it arrives. Raises
+    ModelUnavailable (transient), ModelQuotaExhausted, ContextTooLong or ModelRejected."""
+    client, settings = _client()
+    request = build_request(agent, messages, summary=summary, shrink=shrink)
+    started = time.monotonic()
     try:
-        response = _client().messages.create(**build_request(agent, messages))
+        if settings.model_streaming:
+            data = _streamed(client, request, live, deadline=started + settings.model_call_timeout)
+        else:
+            data = _created(client, request, settings.model_call_timeout)
     except anthropic.APIConnectionError as exc:  # includes APITimeoutError
         raise ModelUnavailable(f"model unreachable: {type(exc).__name__}: {exc}") from exc
     except anthropic.APIStatusError as exc:
         raise _classify(exc) from exc
-    data = response.to_dict(mode="json")
-    usage = {
-        k: int(v or 0)
-        for k, v in (data.get("usage") or {}).items()
-        if k.endswith("_tokens") and isinstance(v, int | None)
-    }
+    usage = _billed(data.get("usage") or {})
     meta = {k: data.get(k) for k in ("id", "model", "stop_reason", "stop_sequence")}
     meta["usage"] = usage
+    # How big the conversation is now: what the next request starts from (agentpool's compaction trigger).
+    sampled = data.get("usage") or {}
+    meta["context_tokens"] = sum(int(sampled.get(k) or 0) for k in USAGE_FIELDS)
+    content = data["content"]
+    compacted = bool(content) and content[0].get("type") == "compaction" and content[0].get("content") is not None
+    if compacted:
+        meta["compacted"] = True
     return ModelReply(
-        message={"role": "assistant", "content": data["content"]},
+        message={"role": "assistant", "content": content},
         stop_reason=str(data.get("stop_reason") or "end_turn"),
         usage=usage,
         meta=meta,
+        seconds=time.monotonic() - started,
+        compacted=compacted,
     )
+
+
+def _created(client: anthropic.Anthropic, request: dict[str, Any], cap: float) -> dict[str, Any]:
+    betas = request.pop("betas", None)
+    if betas:
+        return client.beta.messages.create(**request, betas=betas, timeout=cap).to_dict(mode="json")
+    return client.messages.create(**request, timeout=cap).to_dict(mode="json")
+
+
+def _streamed(
+    client: anthropic.Anthropic, request: dict[str, Any], live: DeltaSink | None, *, deadline: float
+) -> dict[str, Any]:
+    betas = request.pop("betas", None)
+    api: Any = client.beta.messages if betas else client.messages
+    spent: dict[str, int] = {}
+    outcome = "cut"
+    try:
+        with api.stream(**request, **({"betas": betas} if betas else {})) as stream:
+            finished = False
+            for event in stream:
+                kind = event.type
+                if kind == "message_start":
+                    _tally(spent, event.message.usage)
+                elif kind == "message_delta":
+                    _tally(spent, event.usage)
+                elif kind == "message_stop":
+                    finished = True
+                elif live is not None and kind in ("content_block_start", "content_block_delta"):
+                    _forward(live, event)
+                if time.monotonic() > deadline:
+                    raise ModelUnavailable(
+                        "the call ran past AGENTPOOL_MODEL_CALL_TIMEOUT", kind="timeout", spent=spent
+                    )
+            if not finished:
+                raise ModelUnavailable("the stream ended before message_stop", spent=spent)
+            data = stream.get_final_message().to_dict(mode="json")
+        outcome = "complete"
+        return data
+    except httpx2.TimeoutException as exc:
+        raise ModelUnavailable(
+            f"the stream went silent past AGENTPOOL_MODEL_TIMEOUT ({type(exc).__name__})", kind="timeout", spent=spent
+        ) from exc
+    except (httpx2.TransportError, httpx2.DecodingError) as exc:
+        raise ModelUnavailable(f"the stream was cut: {type(exc).__name__}: {exc}", spent=spent) from exc
+    except anthropic.APIStatusError as exc:
+        if exc.status_code < 400:  # an `error` event after the 200
+            kind, message = _error_parts(exc)
+            if kind in _FINAL_ERROR_TYPES:
+                raise ModelRejected(f"{kind} during the stream: {message}") from exc
+            raise ModelUnavailable(f"{kind} during the stream: {message}", kind=kind, spent=spent) from exc
+        raise
+    finally:
+        if live is not None:
+            live.close(outcome)
+
+
+def _forward(live: DeltaSink, event: Any) -> None:
+    if event.type == "content_block_start":
+        block = event.content_block
+        live.block_start(event.index, block.type, getattr(block, "name", None))
+        return
+    delta = event.delta
+    if delta.type == "text_delta":
+        live.delta(event.index, "text_delta", delta.text)
+    elif delta.type == "thinking_delta":
+        live.delta(event.index, "thinking_delta", delta.thinking)
+    elif delta.type == "input_json_delta":
+        live.delta(event.index, "input_json_delta", delta.partial_json)
+
+
+def _tally(spent: dict[str, int], usage: Any) -> None:
+    """A stream's usage so far: message_start's, overwritten by each message_delta's cumulative counts."""
+    for name in USAGE_FIELDS:
+        value = getattr(usage, name, None)
+        if value is not None:
+            spent[name] = int(value)
+
+
+def _billed(usage: dict[str, Any]) -> dict[str, int]:
+    """Every token of the call: the top-level usage and a server-side compaction's, which the API reports
+    in ``usage.iterations`` only (anthropic/types/beta/beta_iterations_usage.py)."""
+    billed = {name: int(usage.get(name) or 0) for name in USAGE_FIELDS}
+    for step in usage.get("iterations") or []:
+        if isinstance(step, dict) and step.get("type") == "compaction":
+            for name in USAGE_FIELDS:
+                billed[name] += int(step.get(name) or 0)
+    return billed
 
 
 def _error_parts(exc: anthropic.APIStatusError) -> tuple[str, str]:
@@ -166,6 +451,8 @@ def _classify(exc: anthropic.APIStatusError) -> AgentPoolError:
     kind, message = _error_parts(exc)
     status = exc.status_code
     text = f"{status} {kind}: {message}"
+    if status == 400 and "prompt is too long" in message.lower():
+        return ContextTooLong(text)
     if status == 429 and any(words in text.lower() for words in _NON_TRANSIENT_429):
         return ModelQuotaExhausted(f"the API refused for a limit that waiting will not clear: {text}")
     if status in (408, 409, 429) or status >= 500:

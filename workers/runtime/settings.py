@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 
-from redis import BlockingConnectionPool, Redis
+from redis import BlockingConnectionPool, ConnectionPool, Redis
 from redis.backoff import ExponentialBackoff
 from redis.connection import parse_url
 from redis.exceptions import ConnectionError, TimeoutError
@@ -13,6 +14,7 @@ from redis.retry import Retry
 
 from agentpool.checks import limit_value
 from agentpool.store import crypto
+from agentpool.store.errors import AgentPoolError
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
@@ -41,6 +43,9 @@ class Settings:
     # Tool threads abandoned after their timeout and still running that make a threaded worker process
     # recycle itself (warm: its turns finish, then a fresh process takes its place).
     max_abandoned_tools: int = 4
+    model_idle_timeout: float = 120.0  # longest silence allowed between a streamed call's events
+    model_call_timeout: float = 600.0  # cap on a whole model call, streamed or not
+    model_streaming: bool = True  # False: one non-streaming create() per call (no live output)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -53,6 +58,10 @@ class Settings:
             retention=int(_env_float("AGENTPOOL_RETENTION_SECONDS", 7 * 24 * 3600, zero_ok=True)),
             takeover_margin=_env_float("AGENTPOOL_TAKEOVER_MARGIN", 5.0, zero_ok=True),
             max_abandoned_tools=max(1, int(_env_float("AGENTPOOL_MAX_ABANDONED_TOOLS", 4))),
+            model_idle_timeout=_env_float("AGENTPOOL_MODEL_TIMEOUT", 120.0),
+            model_call_timeout=_env_float("AGENTPOOL_MODEL_CALL_TIMEOUT", 600.0),
+            model_streaming=os.environ.get("AGENTPOOL_MODEL_STREAMING", "1").strip().lower()
+            not in ("0", "false", "no"),
         )
 
     @property
@@ -125,3 +134,35 @@ def redact_url(url: str) -> str:
     user, colon, _password = creds.partition(":")
     shown = f"{user}:***@" if colon and user else "***@"
     return f"{scheme}{sep}{shown}{host}"
+
+
+# A bytes client per connection pool of the decode_responses=True clients apps hand us.
+_bytes_clients: weakref.WeakKeyDictionary[ConnectionPool, Redis] = weakref.WeakKeyDictionary()
+
+
+def client_for(connection: Redis | None) -> Redis:
+    """The client to use: agentpool reads Redis as bytes (msgpack records, and RQ requires it). A client
+    made with ``decode_responses=True`` is accepted: a bytes client with the same connection settings
+    is built from its pool once and reused."""
+    if connection is None:
+        return connect()
+    pool = connection.connection_pool
+    if not pool.connection_kwargs.get("decode_responses"):
+        return connection
+    client = _bytes_clients.get(pool)
+    if client is None:
+        try:
+            client = Redis(
+                connection_pool=type(pool)(
+                    connection_class=pool.connection_class,
+                    max_connections=pool.max_connections,
+                    **{**pool.connection_kwargs, "decode_responses": False},
+                )
+            )
+        except TypeError:
+            raise AgentPoolError(
+                f"agentpool reads Redis as bytes, as RQ does, and cannot derive a bytes client from this "
+                f"decode_responses=True client ({type(pool).__name__}); pass one made without decode_responses=True"
+            ) from None
+        _bytes_clients[pool] = client
+    return client

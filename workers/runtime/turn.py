@@ -22,6 +22,7 @@ import os
 import random
 import socket
 import time
+import uuid
 from typing import Any
 
 from redis import Redis
@@ -29,15 +30,17 @@ from rq import get_current_job
 
 from agentpool.agent import Agent
 from agentpool.pricing import price_of
+from agentpool.runtime import compaction
 from agentpool.runtime.faults import fault
 from agentpool.runtime.heartbeat import keep_alive
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.loader import AgentNotFound, load_agent
-from agentpool.runtime.model import ModelQuotaExhausted, ModelRejected, ModelReply, ModelUnavailable, call_model
+from agentpool.runtime.model import ContextTooLong, ModelQuotaExhausted, ModelRejected, ModelReply, ModelUnavailable
 from agentpool.runtime.settings import Settings, connect
 from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
-from agentpool.store import checkpoint
+from agentpool.runtime.stream import LiveOutput
+from agentpool.store import checkpoint, live, spend, window
 from agentpool.store.crypto import EncryptionKeyMissing
 from agentpool.store.errors import LeaseLost, LedgerMismatch, RunNotActive, SchemaTooNew, UnreadableRecord
 from agentpool.store.events import Event, emit
@@ -48,11 +51,15 @@ from agentpool.store.records import RunState
 log = logging.getLogger("agentpool.turn")
 
 FINISHED_STOPS = ("end_turn", "stop_sequence")
-CONTINUE_STOPS = ("pause_turn", "max_tokens")  # continue with no new user message
+# Continue with no new user message (after "compaction", the API's pause_after_compaction, the model
+# goes on from the compaction block).
+CONTINUE_STOPS = ("pause_turn", "max_tokens", "compaction")
 FAILED_STOPS = {
     "refusal": "the model declined to continue (stop_reason: refusal)",
-    "model_context_window_exceeded": "the conversation no longer fits the model's context window",
 }
+# The reply ran into the context window: kept like max_tokens; the next request compacts first, and with
+# compaction off the run stops (resumable) instead.
+OVERFLOW = "model_context_window_exceeded"
 # After an unexpected error, the turn is re-enqueued by the reaper after this pause.
 CRASH_RECHECK_MS = 5_000
 
@@ -76,7 +83,7 @@ def run_turn(run_id: str, turn: int) -> str:
         worker_id=worker_identity(),
         ttl_ms=settings.lease_ttl_ms,
         event=Event.of(run_id, "turn_started", turn=turn),
-        then=lambda pipe: checkpoint.stage_load(pipe, run_id),
+        then=lambda pipe: (window.stage_load(pipe, keys), live.stage_watched(pipe, keys)),
     )
     if got.code is Acquire.TOO_NEW:
         raise SchemaTooNew(f"run {run_id} has schema version {got.detail}, newer than this worker; left untouched")
@@ -122,10 +129,12 @@ class Turn:
         self.where = f"run {self.run_id} turn {turn}"
         self.started = time.monotonic()
         self.tools = Settlement(r, keys, token, turn, settings)
+        self.watched = False  # somebody watches the run live (looked up with the lease)
 
-    def run(self, header: dict[bytes, bytes], blobs: list[bytes]) -> str:
-        """The turn, given the run's header and messages as read with the lease."""
-        state = checkpoint.decode_run(self.run_id, header, blobs)
+    def run(self, header: dict[bytes, bytes], loaded: list[Any], watched: int = 0) -> str:
+        """The turn, given the run's header and window (``store.window``) as read with the lease."""
+        state = window.decode(self.run_id, header, loaded)
+        self.watched = bool(watched)
         agent = load_agent(state.agent)
         if state.phase == "tools":
             emit(self.r, self.run_id, "resumed", turn=self.turn, pending=len(state.pending))
@@ -135,34 +144,63 @@ class Turn:
                 return self.defer_until(wait.until)
             if results is None:
                 return "waiting_approval"
-            return self.after_tools(results, turns=state.turns)
+            return self.after_tools(results, turns=state.turns, window_at=compaction.window_hint(state))
         limits = Limits.of(agent, state.limits)
         reason = limits.reached(agent, state)
         if reason:
             return self.stop(reason, limits)
         fault("before_model_call", self.run_id, self.turn)
-        asked = time.monotonic()
         try:
-            reply = call_model(agent, state.messages)
+            state, reply = compaction.call(self, agent, state)
         except ModelUnavailable as exc:
+            self.count_cut_stream(agent, exc)
             return self.defer(state, exc)
         except ModelQuotaExhausted as exc:
             return self.stop(str(exc))
+        except ContextTooLong as exc:
+            return self.stop(_context_full(agent, str(exc)))
         except ModelRejected as exc:
             return self.end("failed", f"the model API rejected the request: {exc}")
         fault("after_model_reply", self.run_id, self.turn)
-        return self.handle_reply(agent, state, reply, seconds=time.monotonic() - asked)
+        return self.handle_reply(agent, state, reply, seconds=reply.seconds)
+
+    def live_output(self, purpose: str) -> LiveOutput:
+        """Where a model call of this turn streams for watchers (``purpose``: ``reply`` or ``summary``)."""
+        return LiveOutput(self.r, self.keys, turn=self.turn, watched=self.watched, purpose=purpose)
+
+    def count_cut_stream(self, agent: Agent, exc: ModelUnavailable) -> None:
+        """A stream cut midway was billed for the tokens it reported: count them (its output is dropped)."""
+        if exc.spent:
+            self.count_unused_call(agent, exc.spent, exc.kind)
+            fault("after_partial_spend", self.run_id, self.turn)
+
+    def count_unused_call(self, agent: Agent, usage: dict[str, int], why: str) -> None:
+        """Count the tokens of a call whose output is not kept (a ``model_cut`` event says ``why``)."""
+        price = price_of(agent.model)
+        cost = price.cost(usage) if price else 0.0
+        spend.count_spend(
+            self.r,
+            self.keys,
+            self.token,
+            spend_id=uuid.uuid4().hex,
+            usage=usage,
+            cost_usd=cost,
+            event=Event.of(self.run_id, "model_cut", turn=self.turn, error_type=why, cost_usd=round(cost, 8), **usage),
+        )
 
     def handle_reply(self, agent: Agent, state: RunState, reply: ModelReply, seconds: float) -> str:
         tool_uses = [b for b in reply.message["content"] if b.get("type") == "tool_use"]
         pending = [{"id": b["id"], "name": b["name"], "input": b.get("input")} for b in tool_uses]
         stop = reply.stop_reason
         failure = FAILED_STOPS.get(stop) or (
-            None if stop in FINISHED_STOPS + CONTINUE_STOPS + ("tool_use",) else f"unknown stop_reason {stop!r}"
+            None
+            if stop in FINISHED_STOPS + CONTINUE_STOPS + ("tool_use", OVERFLOW)
+            else f"unknown stop_reason {stop!r}"
         )
-        if pending and stop == "max_tokens" and reply.message["content"][-1].get("type") == "tool_use":
+        if pending and stop in ("max_tokens", OVERFLOW) and reply.message["content"][-1].get("type") == "tool_use":
+            limit = f"max_tokens={agent.max_tokens}" if stop == "max_tokens" else "the model's context window"
             pending[-1]["not_run"] = (
-                f"This call was cut off by max_tokens={agent.max_tokens} and was not executed; its input may be "
+                f"This call was cut off by {limit} and was not executed; its input may be "
                 "incomplete. Call it again with a shorter input if it is still needed."
             )
         if failure:
@@ -196,6 +234,7 @@ class Turn:
                 stop_reason=reply.stop_reason,
                 seconds=round(seconds, 4),
                 cost_usd=round(cost, 8),
+                compacted="server" if reply.compacted else None,
                 **reply.usage,
             ),
             event=Event.of(self.run_id, "status", status=final, error=failure)
@@ -205,23 +244,32 @@ class Turn:
         fault("after_save_a", self.run_id, self.turn)
         if final:
             return final
+        if stop == OVERFLOW and agent.compaction_mode is None:
+            return self.stop(_context_full(agent, "stop_reason: model_context_window_exceeded"))
         results = self.tools.settle(agent, pending, fresh=True) if pending else []
         if results is None:
             return "waiting_approval"
         if failure:
             return self.end("failed", failure, message=_results_message(results))
-        return self.after_tools(results, turns=state.turns + 1)
+        return self.after_tools(results, turns=state.turns + 1, window_at=compaction.window_hint(state, reply))
 
     # -- ends of a turn ----------------------------------------------------------------------
 
-    def after_tools(self, results: list[dict[str, Any]], *, turns: int) -> str:
-        """Save point B, then the next turn (numbered by the turns counted so far) is queued."""
+    def after_tools(self, results: list[dict[str, Any]], *, turns: int, window_at: int | None = None) -> str:
+        """Save point B, then the next turn (numbered by the turns counted so far) is queued; ``window_at``
+        moves the run's window to a compaction block this turn's reply brought."""
+
+        def enqueue_next(pipe: Any) -> None:
+            stage_turn(pipe, self.r, self.run_id, turns)
+            if window_at is not None:
+                window.stage_hint(pipe, self.keys, window_at)
+
         checkpoint.commit_tool_results(
             self.r,
             self.keys,
             self.token,
             message=_results_message(results),
-            enqueue_next=lambda pipe: stage_turn(pipe, self.r, self.run_id, turns),
+            enqueue_next=enqueue_next,
             outcomes=self.tools.outcomes,
             event=Event.of(
                 self.run_id,
@@ -286,6 +334,18 @@ class Turn:
         )
         log.info("%s: %s: %s", self.where, status, reason)
         return status
+
+
+def _context_full(agent: Agent, detail: str) -> str:
+    if agent.compaction_mode is None:
+        return (
+            f"the conversation no longer fits the model's context window ({detail}); turn compaction on "
+            "(Agent(compaction=True)) and resume the run: it goes on from a summary of what came before"
+        )
+    return (
+        f"the request is longer than the model's context window even after compaction ({detail}); lower "
+        "the agent's Compaction(trigger=...) or shorten its tool results, and resume the run"
+    )
 
 
 def _results_message(results: list[dict[str, Any]]) -> dict[str, Any] | None:

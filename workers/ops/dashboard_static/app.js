@@ -7,6 +7,9 @@ const TERMINAL = new Set(["completed", "failed", "cancelled"]);
 const LIST_POLL_MS = 2000;
 const RUN_POLL_MS = 1000;
 const MAX_EVENTS_SHOWN = 500;
+const TIMELINE_EVERY_MS = 2000;
+const MAX_TIMELINE_TURNS = 200;
+const SVG_NS = "http://www.w3.org/2000/svg";
 
 // ---------------------------------------------------------------------------------------------
 // helpers
@@ -26,6 +29,20 @@ function h(tag, props, ...children) {
     el.append(child instanceof Node ? child : String(child));
   }
   return el;
+}
+
+// An SVG element; its text goes in as a text node, like everything else.
+function svg(tag, attrs, ...children) {
+  const el = document.createElementNS(SVG_NS, tag);
+  for (const [key, value] of Object.entries(attrs || {})) {
+    if (value !== undefined && value !== null) el.setAttribute(key, String(value));
+  }
+  for (const child of children) el.append(child instanceof Node ? child : String(child));
+  return el;
+}
+
+function sleep(ms) {
+  return new Promise((resolve) => setTimeout(resolve, ms));
 }
 
 function runHref(id) {
@@ -280,6 +297,10 @@ function renderBlock(block, toolNames) {
       return h("details", { class: "thinking" }, h("summary", {}, "Thinking"), h("div", { class: "text" }, block.thinking));
     case "redacted_thinking":
       return h("div", { class: "muted small" }, "(redacted thinking)");
+    case "compaction":
+      return h("details", { class: "compaction" },
+        h("summary", {}, "Compaction: the conversation so far, summarized by the API"),
+        h("div", { class: "text" }, block.content === null || block.content === undefined ? "(compaction failed)" : block.content));
     case "tool_use":
       toolNames[block.id] = block.name;
       return h("div", { class: "tool-use", dataset: { toolUseId: block.id } },
@@ -310,7 +331,7 @@ function renderMessage(message, index, toolNames) {
   const onlyResults = message.role === "user" && blocks.length > 0 &&
     blocks.every((b) => b && b.type === "tool_result");
   const label = message.role === "assistant" ? "Assistant" : onlyResults ? "Tool results" : index === 0 ? "Task" : "User";
-  return h("article", { class: "msg " + (onlyResults ? "results" : message.role) },
+  return h("article", { class: "msg " + (onlyResults ? "results" : message.role), dataset: { index: String(index) } },
     h("div", { class: "msg-head" }, h("span", { class: "role" }, label), h("span", { class: "muted small" }, "#" + index)),
     blocks.map((b) => renderBlock(b, toolNames)));
 }
@@ -421,8 +442,107 @@ function eventItem(ev) {
     h("span", { class: "ev-fields" }, fields));
 }
 
+// The model call in flight, as it streams (from /api/runs/<id>/live): one span per content block.
+function liveView() {
+  const title = h("span", { class: "muted small", id: "live-title" }, "waiting for the model…");
+  const output = h("div", { class: "live-output", id: "live-output" });
+  const card = h("section", { class: "card", id: "live-card", hidden: true },
+    h("div", { class: "live-head" }, h("h2", {}, "Live"), title), output);
+  let blocks = {};
+  let turn = null;
+  function block(entry) {
+    if (!blocks[entry.index]) {
+      const kind = entry.block || (entry.type === "thinking_delta" ? "thinking" : entry.type === "input_json_delta" ? "tool_use" : "text");
+      const span = h("span", { class: "live-block live-" + (kind === "tool_use" ? "tool" : kind), dataset: { index: String(entry.index) } });
+      if (kind === "tool_use") span.append("→ " + (entry.name || "tool") + " ");
+      if (kind === "compaction") span.append("(the API is compacting the conversation)");
+      blocks[entry.index] = span;
+      output.append(span);
+    }
+    return blocks[entry.index];
+  }
+  function apply(entry) {
+    card.hidden = false;
+    if (entry.type === "call_start") {
+      blocks = {};
+      turn = entry.turn;
+      output.replaceChildren();
+      output.classList.add("live-cursor");
+      title.textContent = "turn " + entry.turn + (entry.purpose === "summary" ? " · writing a summary to compact the conversation" : " · the model is writing…");
+    } else if (entry.type === "block_start") {
+      block(entry);
+    } else if (entry.type === "text_delta" || entry.type === "thinking_delta" || entry.type === "input_json_delta") {
+      block(entry).append(entry.text);
+      output.scrollTop = output.scrollHeight;
+    } else if (entry.type === "call_end") {
+      output.classList.remove("live-cursor");
+      title.textContent = "turn " + turn + (entry.outcome === "complete" ? " · done" : " · cut off (" + entry.outcome + "); it will be retried");
+    }
+  }
+  return { card, apply };
+}
+
+// The run's turns as rows of bars on one time axis (from /api/runs/<id>/timeline), drawn in SVG.
+function drawTimeline(box, doc) {
+  const turns = doc.turns.filter((t) => t.start !== null).slice(-MAX_TIMELINE_TURNS);
+  if (turns.length === 0) {
+    box.replaceChildren(h("p", { class: "muted small" }, "No turn yet."));
+    return;
+  }
+  const t0 = Math.min(...turns.map((t) => t.start));
+  const t1 = Math.max(...turns.map((t) => t.end || t.start), t0 + 0.001);
+  const width = 1000, left = 64, right = 170, rowH = 16, top = 4;
+  const plot = width - left - right;
+  const x = (t) => left + ((t - t0) / (t1 - t0)) * plot;
+  const w = (a, b) => Math.max(1, x(b === null || b === undefined ? t1 : b) - x(a));
+  const seconds = (a, b) => ((b === null || b === undefined ? t1 : b) - a).toFixed(2) + " s";
+  const rows = turns.map((t, i) => {
+    const y = top + i * rowH;
+    const g = svg("g", { class: "tl-row", "data-turn": t.turn });
+    g.append(svg("text", { x: 0, y: y + 11 }, "turn " + t.turn));
+    g.append(svg("line", { class: "tl-track", x1: left, x2: left + plot, y1: y + 8, y2: y + 8 }));
+    for (const wait of t.waits) {
+      g.append(svg("rect", { class: "tl-wait-" + wait.kind, x: x(wait.start), y: y + 2, width: w(wait.start, wait.end), height: rowH - 4 },
+        svg("title", {}, (wait.kind === "approval" ? "waiting for approval " : "backoff after " + (wait.error || "an error") + " ") + seconds(wait.start, wait.end))));
+    }
+    for (const call of t.model) {
+      g.append(svg("rect", { class: "tl-model", x: x(call.start), y: y + 3, width: w(call.start, call.end), height: rowH - 6 },
+        svg("title", {}, "model " + seconds(call.start, call.end) + (t.stop_reason ? " · " + t.stop_reason : ""))));
+    }
+    for (const tool of t.tools) {
+      g.append(svg("rect", { class: "tl-tool" + (tool.is_error ? " tl-error" : ""), x: x(tool.start), y: y + 4, width: w(tool.start, tool.end), height: rowH - 8 },
+        svg("title", {}, (tool.name || "tool") + " " + seconds(tool.start, tool.end) + (tool.is_error ? " · error" : ""))));
+    }
+    for (const c of t.compactions) {
+      g.append(svg("rect", { class: "tl-compaction", x: x(c.at), y: y + 1, width: w(c.at, c.end || c.at), height: rowH - 2 },
+        svg("title", {}, "compaction (" + (c.mode === "server" ? "by the API" : "summary call") + (c.why ? ", " + c.why : "") + ")")));
+    }
+    for (const k of t.takeovers) {
+      g.append(svg("line", { class: "tl-takeover", x1: x(k.at), x2: x(k.at), y1: y, y2: y + rowH },
+        svg("title", {}, "takeover: " + (k.cause || "?"))));
+    }
+    const note = fmtNum(t.tokens) + " tok · " + fmtUsd(t.cost_usd) + (t.cuts ? " · " + t.cuts + " cut" : "");
+    g.append(svg("text", { x: left + plot + 8, y: y + 11 }, note));
+    return g;
+  });
+  const height = top + turns.length * rowH + 16;
+  const axis = svg("text", { x: left, y: height - 3 }, "0 s");
+  const end = svg("text", { x: left + plot, y: height - 3, "text-anchor": "end" }, (t1 - t0).toFixed(1) + " s");
+  const chart = svg("svg", { viewBox: "0 0 " + width + " " + height, role: "img", "aria-label": "timeline of the run's turns" }, ...rows, axis, end);
+  const legend = h("div", { class: "legend" },
+    ...[["model", "model call"], ["tool", "tool"], ["approval", "waiting for approval"], ["backoff", "backoff"],
+      ["compaction", "compaction"], ["takeover", "takeover"]].map(([k, label]) => h("span", {}, h("span", { class: "swatch sw-" + k }), label)),
+    doc.turns.length > turns.length ? h("span", {}, "last " + turns.length + " turns") : null,
+    h("span", {}, "from the " + doc.events + " most recent events"));
+  box.replaceChildren(h("div", { class: "timeline-wrap" }, chart), legend);
+}
+
 function runPage(app, runId) {
-  const state = { from: 0, toolNames: {}, lastEvent: "0-0", actionsKey: null, run: null, events: 0 };
+  const state = { from: 0, toolNames: {}, lastEvent: "0-0", actionsKey: null, run: null, events: 0, liveAfter: "0-0", timelineAt: 0 };
+  const live = liveView();
+  const timelineBox = h("div", { id: "timeline", class: "timeline" });
+  const windowMarker = h("div", { class: "window-marker", id: "window-marker" },
+    "compacted: the next request starts here; what is above is summarized");
   const headerInfo = h("div", { id: "run-info" });
   const actions = h("div", { id: "run-actions", class: "actions" });
   // Outside the actions panel, which is rebuilt when the status changes: the outcome of a click stays.
@@ -435,6 +555,8 @@ function runPage(app, runId) {
   app.replaceChildren(
     h("p", { class: "crumbs" }, h("a", { href: "/" }, "← All runs")),
     header,
+    live.card,
+    h("section", { class: "card", id: "timeline-card" }, h("h2", {}, "Timeline"), timelineBox),
     h("div", { class: "layout" },
       h("section", { class: "card main" }, h("h2", {}, "Conversation"), conversation),
       h("aside", { class: "side" },
@@ -476,10 +598,18 @@ function runPage(app, runId) {
       state.actionsKey = key;
     }
     if (doc.messages_from === state.from) {
-      doc.messages.forEach((m, i) => conversation.append(renderMessage(m, state.from + i, state.toolNames)));
+      doc.messages.forEach((m, i) => {
+        conversation.append(renderMessage(m, state.from + i, state.toolNames));
+        const first = Array.isArray(m.content) && m.content[0];
+        if (m.role === "assistant" && first && first.type === "compaction" && first.content) state.compactedAt = state.from + i;
+      });
       state.from = doc.message_count;
     }
     if (conversation.childElementCount === 0) conversation.append(h("p", { class: "muted" }, "No messages."));
+    // Where the next request starts: the header's window, or a later compaction block the API returned.
+    const windowStart = Math.max(run.window_start || 0, state.compactedAt || 0);
+    const start = conversation.querySelector('article[data-index="' + windowStart + '"]');
+    if (windowStart > 0 && start) conversation.insertBefore(windowMarker, start);
     ledgerBox.replaceChildren(ledgerTable(doc.ledger));
 
     const evs = await api("/api/runs/" + encodeURIComponent(runId) + "/events?after=" + state.lastEvent);
@@ -489,10 +619,29 @@ function runPage(app, runId) {
     }
     while (eventList.childElementCount > MAX_EVENTS_SHOWN) eventList.lastElementChild.remove();
     document.title = run.status + " · " + run.id + " · agentpool";
+    if ((evs.events.length && Date.now() - state.timelineAt > TIMELINE_EVERY_MS) || !state.timelineAt || TERMINAL.has(run.status)) {
+      state.timelineAt = Date.now();
+      drawTimeline(timelineBox, await api("/api/runs/" + encodeURIComponent(runId) + "/timeline"));
+    }
     return TERMINAL.has(run.status) ? null : RUN_POLL_MS;
   }
 
+  // A long poll: each request waits up to 2 s for output, and asking is what makes the workers publish it.
+  async function follow() {
+    while (!(state.run && TERMINAL.has(state.run.status))) {
+      try {
+        const doc = await api("/api/runs/" + encodeURIComponent(runId) + "/live?after=" + state.liveAfter);
+        for (const entry of doc.entries) live.apply(entry);
+        state.liveAfter = doc.last;
+      } catch (err) {
+        if (err.status === 404 || err.status === 401) return;
+        await sleep(2000);
+      }
+    }
+  }
+
   const poll = poller(refresh);
+  follow();
 }
 
 // ---------------------------------------------------------------------------------------------

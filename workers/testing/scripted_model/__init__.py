@@ -1,4 +1,4 @@
-"""A scripted, strict stand-in for the Anthropic Messages API (``POST /v1/messages``, non-streaming).
+"""A scripted, strict stand-in for the Anthropic Messages API (``POST /v1/messages``, streamed or not).
 
 Tests and the offline demo point ``ANTHROPIC_BASE_URL`` at a :class:`ScriptedModel`; the real
 ``anthropic`` SDK then talks to it over HTTP exactly as it would to the API (the SDK uses its own HTTP
@@ -36,16 +36,32 @@ A step may instead hold ``branches``, chosen by ``when`` conditions on the last 
 in-process a script or a step may be a function of a :class:`ScriptRequest` returning a step: see
 ``selection``. ``ScriptedModel([...])`` or ``ScriptedModel(function)`` sets the ``default`` script.
 
+Two more keys script long runs: ``"stream"`` (how the step streams: delta size, pace, pings, and a
+cut midway: an ``error`` event after the 200, a dropped connection, a silence; see ``sse.py``) and
+``"summary"`` (``{"error": ..., "stream": ..., "text": ...}``: what happens when a client asks for a
+summary before this step; see ``compaction.py``).
+
 ``stop_reason`` defaults to ``tool_use`` when there are ``tool_calls``, else ``end_turn``; with
 ``stop_sequence`` the response's ``stop_sequence`` is ``"###"``. A step with none of ``text``,
 ``thinking`` and ``tool_calls`` answers with the text "Done.". Keys starting with ``_`` are comments.
 Injected errors are counted per (first user message text, script, step index).
 
+Long runs, as the API does them (``compaction.py``): input tokens grow with the request (4 characters a
+token, cache reads and writes as the API counts them); a request past ``context_window`` tokens
+(200,000 by default) is refused ("prompt is too long") and a reply that would run past it is cut with
+``model_context_window_exceeded``; with the ``compact-2026-01-12`` beta and a ``compact_20260112`` edit
+a request past its trigger is compacted (the reply starts with a signed ``compaction`` block, its tokens
+in ``usage.iterations``) and later requests must send that block back verbatim, first; the
+``clear_tool_uses_20250919`` edit clears old tool results. A request ending with agentpool's summary
+prompt gets a summary. Step selection survives compaction (the number of turns compacted away travels in
+the block, or in the summary's text).
+
 Other endpoints: ``GET /_stats``, ``POST /_scripts`` (JSON body replaces the scripts), ``POST /_reset``
 (zero the counters, forget injected-error counters and the prompt cache).
+``ScriptedModel.delta_times()`` tells when each text delta left the server (for latency figures).
 
-Run standalone: ``python -m agentpool.testing.scripted_model --port 8765 [--host 127.0.0.1] [--scripts f.json]``.
-Streaming (``stream: true``) is not supported and is rejected with a 400.
+Run standalone: ``python -m agentpool.testing.scripted_model --port 8765 [--host 127.0.0.1] [--scripts f.json]
+[--context-window N]``.
 """
 
 from agentpool.testing.scripted_model.common import ApiError, sign_thinking

@@ -20,10 +20,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--scripts", help="JSON file mapping script names to lists of steps")
     parser.add_argument("--cache-min-tokens", type=int, default=1024)
+    parser.add_argument("--context-window", type=int, default=200_000, help="tokens a request may hold")
     args = parser.parse_args(argv)
 
     scripts = load_scripts(args.scripts) if args.scripts else None
-    model = ScriptedModel(scripts, host=args.host, port=args.port, cache_min_tokens=args.cache_min_tokens).start()
+    model = ScriptedModel(
+        scripts,
+        host=args.host,
+        port=args.port,
+        cache_min_tokens=args.cache_min_tokens,
+        context_window=args.context_window,
+    ).start()
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())

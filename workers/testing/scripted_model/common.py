@@ -38,12 +38,15 @@ ERROR_TYPE_BY_STATUS = {
 class ApiError(Exception):
     """An error answered in the API's error shape."""
 
-    def __init__(self, status: int, err_type: str, message: str, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status: int, err_type: str, message: str, headers: dict[str, str] | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.err_type = err_type
         self.message = message
         self.headers = headers or {}
+        self.code = code  # the API's `error.details.error_code`, for the errors that name their cause
 
 
 def invalid(message: str) -> ApiError:
@@ -78,4 +81,17 @@ def parse_json(raw: bytes) -> Any:
 
 
 def error_body(err: ApiError, request_id: str) -> dict:
-    return {"type": "error", "error": {"type": err.err_type, "message": err.message}, "request_id": request_id}
+    error: dict[str, Any] = {"type": err.err_type, "message": err.message}
+    if err.code:
+        error["details"] = {"error_code": err.code}
+    return {"type": "error", "error": error, "request_id": request_id}
+
+
+def sign_opaque(purpose: str, data: str) -> str:
+    """A signature over ``data`` for ``purpose`` (compaction blocks): only this process can make one."""
+    digest = hmac.new(_SIGNING_SECRET, f"{purpose}\0{data}".encode(), hashlib.sha256).digest()
+    return base64.b64encode(digest).decode("ascii")
+
+
+def digest(value: Any) -> str:
+    return hashlib.sha256(canonical(value).encode("utf-8")).hexdigest()

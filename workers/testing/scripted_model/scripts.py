@@ -19,6 +19,7 @@ from agentpool.testing.scripted_model.common import (
     sign_thinking,
 )
 from agentpool.testing.scripted_model.selection import request_of, resolve, validate_branches
+from agentpool.testing.scripted_model.sse import validate_stream_options
 
 SCRIPT_MARKER = re.compile(r"\[script:([^\]\s]+)\]")
 
@@ -37,7 +38,9 @@ STOP_REASONS = frozenset(
 )
 
 
-STEP_KEYS = frozenset({"text", "thinking", "tool_calls", "stop_reason", "delay", "error", "usage"})
+STEP_KEYS = frozenset({"text", "thinking", "tool_calls", "stop_reason", "delay", "error", "usage", "stream", "summary"})
+# "summary": what the model does when a client asks it for a summary at this step (see compaction.py).
+SUMMARY_KEYS = frozenset({"error", "stream", "text"})
 
 
 def _validate_step(where: str, step: Any) -> None:
@@ -63,6 +66,13 @@ def _validate_step(where: str, step: Any) -> None:
         raise ValueError(f"{where}.delay: must be a non-negative number of seconds")
     if "usage" in step and not isinstance(step["usage"], dict):
         raise ValueError(f"{where}.usage: must be an object")
+    if "stream" in step:
+        validate_stream_options(f"{where}.stream", step["stream"])
+    if "summary" in step:
+        summary = step["summary"]
+        if not isinstance(summary, dict) or set(summary) - SUMMARY_KEYS:
+            raise ValueError(f"{where}.summary: must be an object with keys among {sorted(SUMMARY_KEYS)}")
+        _validate_step(f"{where}.summary", {k: v for k, v in summary.items() if k != "text"})
     if "error" in step:
         err = step["error"]
         if not isinstance(err, dict) or not isinstance(err.get("status"), int):
@@ -173,16 +183,20 @@ class ScriptBook:
 
     def step_for(self, body: dict) -> tuple[str, int, dict]:
         """(script name, step index, step) for a validated request; injects the step's error, if due."""
+        name, index, step = self.peek(body)
+        check_tool_calls_defined(name, index, step, body)
+        if step.get("delay"):
+            time.sleep(float(step["delay"]))
+        self._maybe_inject_error(first_user_text(body["messages"]), name, index, step)
+        return name, index, step
+
+    def peek(self, body: dict) -> tuple[str, int, dict]:
+        """(script name, step index, step) for a request, without the step's delay or error."""
         messages = body["messages"]
         first_text = first_user_text(messages)
         name, script = self._select_script(first_text)
         index = sum(1 for m in messages if m["role"] == "assistant")
-        step = resolve(name, script, request_of(body, index, first_text), _validate_step)
-        check_tool_calls_defined(name, index, step, body)
-        if step.get("delay"):
-            time.sleep(float(step["delay"]))
-        self._maybe_inject_error(first_text, name, index, step)
-        return name, index, step
+        return name, index, resolve(name, script, request_of(body, index, first_text), _validate_step)
 
     def _select_script(self, first_text: str) -> tuple[str, Any]:
         match = SCRIPT_MARKER.search(first_text)

@@ -11,20 +11,15 @@ import urllib.parse
 from collections.abc import Callable
 from typing import Any, Self
 
+from agentpool.testing.scripted_model.answer import Answer, Answerer
 from agentpool.testing.scripted_model.cache import PromptCache
-from agentpool.testing.scripted_model.common import (
-    ApiError,
-    canonical,
-    error_body,
-    estimate_tokens,
-    invalid,
-    parse_json,
-    random_id,
-)
-from agentpool.testing.scripted_model.scripts import STOP_SEQUENCE, InjectedError, ScriptBook, build_content
-from agentpool.testing.scripted_model.validation import validate_request
+from agentpool.testing.scripted_model.common import ApiError, error_body, invalid, parse_json, random_id
+from agentpool.testing.scripted_model.compaction import DEFAULT_CONTEXT_WINDOW, betas_of
+from agentpool.testing.scripted_model.scripts import InjectedError, ScriptBook
+from agentpool.testing.scripted_model.sse import DeltaLog, StreamWriter
 
 MAX_REJECTIONS_KEPT = 50
+MAX_REQUEST_SIZES_KEPT = 10_000
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -93,12 +88,15 @@ class ScriptedModel:
         host: str = "127.0.0.1",
         port: int = 0,
         cache_min_tokens: int = 1024,
+        context_window: int = DEFAULT_CONTEXT_WINDOW,
     ) -> None:
         self._book = ScriptBook(scripts)
         self._host = host
         self._port = port
         self._lock = threading.Lock()
         self._cache = PromptCache(cache_min_tokens)
+        self._answerer = Answerer(self._book, self._cache, self._lock, context_window)
+        self._deltas = DeltaLog()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._routes: dict[str, dict[str, Callable[[Any], tuple[int, dict]]]] = {
@@ -149,18 +147,39 @@ class ScriptedModel:
 
     def _reset_counters(self) -> None:
         with self._lock:
-            self._counts = {"requests": 0, "responses": 0, "rejected": 0, "errors_injected": 0}
+            self._counts = {
+                "requests": 0,
+                "responses": 0,
+                "rejected": 0,
+                "errors_injected": 0,
+                "streams": 0,
+                "streams_cut": 0,
+                "compactions": 0,
+                "summaries": 0,
+            }
             self._rejections: list[str] = []
             self._by_script: dict[str, int] = {}
+            self._request_bytes: list[int] = []
             self._book.forget_errors()
             self._cache.clear()
+        self._answerer.faults.clear()
+        self._deltas.clear()
 
     def reset(self) -> None:
         self._reset_counters()
 
     def stats(self) -> dict:
         with self._lock:
-            return {**self._counts, "rejections": list(self._rejections), "by_script": dict(self._by_script)}
+            return {
+                **self._counts,
+                "rejections": list(self._rejections),
+                "by_script": dict(self._by_script),
+                "request_bytes": list(self._request_bytes),
+            }
+
+    def delta_times(self) -> list[tuple[float, str]]:
+        """(``time.monotonic()``, text) of every text delta streamed since the last reset, oldest first."""
+        return self._deltas.items()
 
     def set_scripts(self, scripts: dict[str, list[dict]]) -> list[str]:
         return self._book.replace(scripts)
@@ -187,7 +206,11 @@ class ScriptedModel:
             if path == "/v1/messages":
                 with self._lock:
                     self._counts["requests"] += 1
+                    self._request_bytes.append(len(raw))
+                    del self._request_bytes[:-MAX_REQUEST_SIZES_KEPT]
                 self._check_auth(handler)
+                self._answer(handler, parse_json(raw), betas_of(handler.headers.get("anthropic-beta")), request_id)
+                return
             status, payload = methods[method](parse_json(raw))
             self._send(handler, status, payload, request_id, {})
         except InjectedError as injected:
@@ -258,24 +281,20 @@ class ScriptedModel:
         self.reset()
         return 200, {"ok": True}
 
-    def _handle_messages(self, body: Any) -> tuple[int, dict]:
-        validate_request(body)
-        name, _index, step = self._book.step_for(body)
-        content = build_content(step)
-        stop_reason = step.get("stop_reason") or ("tool_use" if step.get("tool_calls") else "end_turn")
+    def _answer(self, handler: _Handler, body: Any, betas: frozenset[str], request_id: str) -> None:
+        streaming = isinstance(body, dict) and body.get("stream") is True
+        answer: Answer = self._answerer.answer(body, betas, streaming)
         with self._lock:
-            usage = self._cache.usage(body)
             self._counts["responses"] += 1
-            self._by_script[name] = self._by_script.get(name, 0) + 1
-        usage["output_tokens"] = estimate_tokens(canonical(content))
-        usage.update(step.get("usage") or {})
-        return 200, {
-            "id": random_id("msg_"),
-            "type": "message",
-            "role": "assistant",
-            "model": body["model"],
-            "content": content,
-            "stop_reason": stop_reason,
-            "stop_sequence": STOP_SEQUENCE if stop_reason == "stop_sequence" else None,
-            "usage": usage,
-        }
+            self._counts["summaries"] += answer.kind == "summary"
+            self._counts["compactions"] += answer.compacted or answer.kind == "compaction"
+            self._counts["streams"] += streaming
+            self._counts["streams_cut"] += streaming and answer.cut is not None
+            self._by_script[answer.script] = self._by_script.get(answer.script, 0) + 1
+        if not streaming:
+            self._send(handler, 200, answer.message, request_id, {})
+            return
+        StreamWriter(handler, request_id, self._deltas.add).send(answer.message, answer.stream, answer.cut)
+
+    def _handle_messages(self, body: Any) -> tuple[int, dict]:
+        raise AssertionError("answered by _answer, which needs the request's headers and connection")

@@ -8,6 +8,7 @@ from typing import Any
 
 from agentpool.testing.scripted_model.cache import CACHE_TTLS, cache_units
 from agentpool.testing.scripted_model.common import ApiError, invalid, sign_thinking
+from agentpool.testing.scripted_model.compaction import COMPACT_BETA, leading_state
 
 _TOOL_ID_PATTERN = re.compile(r"^[a-zA-Z0-9_-]+$")
 
@@ -30,6 +31,8 @@ _BLOCK_KEYS: dict[str, frozenset[str]] = {
     "redacted_thinking": frozenset({"type", "data"}),
     "server_tool_use": frozenset({"type", "id", "name", "input", "cache_control", "caller"}),
     "web_search_tool_result": frozenset({"type", "tool_use_id", "content", "cache_control", "caller"}),
+    # Beta (compact-2026-01-12): what a compaction returned, sent back verbatim.
+    "compaction": frozenset({"type", "content", "encrypted_content", "signature", "tool_changes", "cache_control"}),
 }
 
 
@@ -44,7 +47,12 @@ _BLOCK_REQUIRED: dict[str, dict[str, type]] = {
     "redacted_thinking": {"data": str},
     "server_tool_use": {"id": str, "name": str, "input": dict},
     "web_search_tool_result": {"tool_use_id": str, "content": object},
+    "compaction": {},
 }
+# Block types that exist only behind a beta header.
+_BETA_BLOCKS = {"compaction": COMPACT_BETA}
+# Fields the API takes as null: a compaction block's (null content is a failed compaction, a no-op).
+_NULLABLE = {"compaction": frozenset({"content", "encrypted_content", "signature", "tool_changes"})}
 
 
 _TOOL_RESULT_CONTENT_TYPES = ("text", "image", "document", "search_result")
@@ -102,12 +110,11 @@ def _validate_top_level(body: dict) -> None:
         "metadata": (dict, "a valid dictionary"),
         "stream": (bool, "a valid boolean"),
         "thinking": (dict, "a valid dictionary"),
+        "context_management": (dict, "a valid dictionary"),
     }
     for key, (expected, what) in typed.items():
         if key in body:
             _check_type(key, body[key], expected, what)
-    if body.get("stream"):
-        raise invalid("stream: the scripted model only supports non-streaming requests")
     for i, seq in enumerate(body.get("stop_sequences") or []):
         _check_type(f"stop_sequences.{i}", seq, str, "a valid string")
     _validate_thinking_config(body)
@@ -199,6 +206,8 @@ def _validate_block_keys(path: str, block: dict, kind: str) -> None:
         # The API accepts some nulls (e.g. cache_control), but a null here nearly always comes from
         # model_dump() instead of to_dict(mode="json"); we reject every null to catch that early.
         if value is None:
+            if key in _NULLABLE.get(kind, ()):
+                continue
             if kind == "document" and key == "citations":
                 raise invalid(f"{path}.{key}: Input should be a valid dictionary")
             raise invalid(f"{path}.{key}: {_NULL_MESSAGES.get(key, 'Input should be a valid string')}")
@@ -217,12 +226,13 @@ def _validate_block_keys(path: str, block: dict, kind: str) -> None:
         raise invalid("messages: text content blocks must be non-empty")
 
 
-def _block_type(path: str, block: Any) -> str:
+def _block_type(path: str, block: Any, betas: frozenset[str]) -> str:
     if not isinstance(block, dict):
         raise invalid(f"{path}: Input should be a valid dictionary")
     kind = block.get("type")
-    if kind not in _BLOCK_KEYS:
-        expected = ", ".join(f"'{k}'" for k in _BLOCK_KEYS)
+    known = [k for k in _BLOCK_KEYS if _BETA_BLOCKS.get(k, "") in betas | {""}]
+    if kind not in known:
+        expected = ", ".join(f"'{k}'" for k in known)
         raise invalid(
             f"{path}: Input tag '{kind}' found using 'type' does not match any of the expected tags: {expected}"
         )
@@ -249,8 +259,10 @@ def _validate_tool_result(path: str, block: dict) -> None:
             _validate_block_keys(sub_path, sub, sub["type"])
 
 
-def _validate_block(path: str, block: Any, role: str, tool_names: set[str], has_tools: bool, seen_ids: set[str]) -> str:
-    kind = _block_type(path, block)
+def _validate_block(
+    path: str, block: Any, role: str, tool_names: set[str], has_tools: bool, seen_ids: set[str], betas: frozenset[str]
+) -> str:
+    kind = _block_type(path, block, betas)
     _validate_block_keys(path, block, kind)
     if kind in ("tool_use", "server_tool_use", "thinking", "redacted_thinking") and role != "assistant":
         raise invalid(f"{path}: `{kind}` blocks can only be in `assistant` messages")
@@ -346,12 +358,18 @@ def _missing_results(i: int, ids: list[str]) -> ApiError:
     )
 
 
-def _validate_messages(messages: list, tool_names: set[str], has_tools: bool) -> None:
+def _starts_from_compaction(blocks: list) -> bool:
+    first = blocks[0] if blocks else None
+    return isinstance(first, dict) and first.get("type") == "compaction" and first.get("content") is not None
+
+
+def _validate_messages(messages: list, tool_names: set[str], has_tools: bool, betas: frozenset[str]) -> None:
     parsed: list[tuple[str, list]] = []
     seen_ids: set[str] = set()
     for i, msg in enumerate(messages):
         role, blocks = _message_blocks(i, msg)
-        if i == 0 and role != "user":
+        # A conversation sent from its compaction point starts with the assistant message holding it.
+        if i == 0 and role != "user" and not _starts_from_compaction(blocks):
             raise invalid('messages: first message must use the "user" role')
         if not blocks and i != len(messages) - 1:
             raise invalid(
@@ -359,7 +377,7 @@ def _validate_messages(messages: list, tool_names: set[str], has_tools: bool) ->
                 f"optional final assistant message"
             )
         for m, block in enumerate(blocks):
-            _validate_block(f"messages.{i}.content.{m}", block, role, tool_names, has_tools, seen_ids)
+            _validate_block(f"messages.{i}.content.{m}", block, role, tool_names, has_tools, seen_ids, betas)
         parsed.append((role, blocks))
     last_role, last_blocks = parsed[-1]
     if last_role == "user" and not last_blocks:
@@ -381,17 +399,20 @@ def count_cache_markers(body: dict) -> int:
     return len(cache_units(body)[1])
 
 
-def validate_request(body: Any) -> None:
-    """Raise :class:`ApiError` (400) for anything the Messages API would reject."""
+def validate_request(body: Any, betas: frozenset[str] = frozenset()) -> dict[str, Any] | None:
+    """Raise :class:`ApiError` (400) for anything the Messages API would reject, given the request's
+    ``anthropic-beta`` features. Returns the state of the compaction block the request starts from."""
     if not isinstance(body, dict):
         raise invalid("Request body must be a JSON object")
     _validate_top_level(body)
     tool_names = _validate_tools(body.get("tools"))
     _validate_tool_choice(body, tool_names)
     _validate_system(body.get("system"))
-    _validate_messages(body["messages"], tool_names, bool(body.get("tools")))
+    _validate_messages(body["messages"], tool_names, bool(body.get("tools")), betas)
+    state = leading_state(body["messages"])
     markers = count_cache_markers(body)
     if markers > MAX_CACHE_BREAKPOINTS:
         raise invalid(
             f"A maximum of {MAX_CACHE_BREAKPOINTS} blocks with cache_control may be provided. Found {markers}."
         )
+    return state

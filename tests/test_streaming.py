@@ -1,0 +1,118 @@
+"""Streamed model calls in real workers: a stream cut midway (an `error` event after the 200, a dropped
+connection, a silence past AGENTPOOL_MODEL_TIMEOUT, a call past AGENTPOOL_MODEL_CALL_TIMEOUT) is
+retried later like a 529, its partial output never committed and the tokens it reported counted once;
+workers SIGKILLed mid-stream and right after that count."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from agentpool import enqueue_run, wait_for_run
+from agentpool.store.events import read as read_events
+
+from conftest import assert_valid_conversation, script_task
+
+USAGE = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+SPEND_EVENTS = ("model_responded", "model_cut")
+
+
+def spent_by_events(r, run_id: str) -> dict[str, int]:
+    """Every call paid for, as the run's events report it (counted outside the run's header)."""
+    total: Counter = Counter()
+    for _id, event in read_events(r, run_id):
+        if event["kind"] in SPEND_EVENTS:
+            for name in USAGE:
+                total[name] += int(event.get(name, 0))
+    return {name: total[name] for name in USAGE}
+
+
+def events_of(r, run_id: str, kind: str) -> list[dict[str, str]]:
+    return [e for _, e in read_events(r, run_id) if e["kind"] == kind]
+
+
+def cut(how: str, **extra: object) -> dict:
+    return {"chunk": 3, "cut": {"after": 6, "how": how, **extra}}
+
+
+CUT_STREAMS = [
+    {
+        "text": "Reading the notes first.",
+        "tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}],
+        "stream": cut("error", type="overloaded_error"),
+    },
+    {
+        "thinking": "The notes say Friday.",
+        "text": "Now the email.",
+        "tool_calls": [{"name": "send_email", "input": {"to": "team@example.com", "subject": "Fri", "body": "Ship"}}],
+        "stream": cut("drop"),
+    },
+    {"text": "Sent. The release ships Friday.", "stream": cut("stall", seconds=3)},
+]
+
+
+def test_streams_cut_midway_are_retried_and_their_tokens_counted_once(r, pool, model):
+    model.set_scripts({"cuts": CUT_STREAMS})
+    pool.start(1, AGENTPOOL_MODEL_TIMEOUT="1")  # the stall outlasts it
+    run_id = enqueue_run("pool_agents:support", script_task("cuts"), connection=r)
+    run = wait_for_run(run_id, timeout=90, connection=r)
+
+    assert run.status == "completed", (run.error, pool.logs())
+    assert run.turns == 3 and run.result == "Sent. The release ships Friday."
+    assert model.stats()["streams_cut"] == 3 and model.stats()["rejected"] == 0
+    cuts = events_of(r, run_id, "model_cut")
+    assert [e["error_type"] for e in cuts] == ["overloaded_error", "connection", "timeout"]
+    assert [e["error_type"] for e in events_of(r, run_id, "model_error")] == [e["error_type"] for e in cuts]
+    prompt = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert all(sum(int(e.get(k, 0)) for k in prompt) > 0 for e in cuts), "message_start reported the prompt's tokens"
+    assert run.usage == spent_by_events(r, run_id), "every call paid for counted once, cut ones included"
+    for name in prompt:
+        committed = sum(int(e.get(name, 0)) for e in events_of(r, run_id, "model_responded"))
+        assert run.usage[name] == committed + sum(int(e.get(name, 0)) for e in cuts), name
+    # Nothing of a cut stream was committed: the conversation is exactly the three complete replies.
+    assert [b["type"] for b in run.messages[3]["content"]] == ["thinking", "text", "tool_use"]
+    assert Counter(e["tool"] for e in pool.effects()) == {"read_notes": 1, "send_email": 1}
+    assert_valid_conversation(run.messages)
+
+
+def test_a_call_past_the_whole_call_cap_is_cut_and_the_run_stops_after_the_retries(r, pool, model):
+    model.set_scripts({"slow": [{"text": "word " * 40, "stream": {"chunk": 5, "interval": 0.1}}]})
+    pool.start(1, AGENTPOOL_MODEL_CALL_TIMEOUT="1", AGENTPOOL_MODEL_RETRIES="1")
+    run = wait_for_run(enqueue_run("pool_agents:support", script_task("slow"), connection=r), timeout=60, connection=r)
+    assert run.status == "stopped" and "AGENTPOOL_MODEL_CALL_TIMEOUT" in run.error, run.error
+    assert run.turns == 0 and len(run.messages) == 1
+    assert len(events_of(r, run.id, "model_cut")) == 2 and run.usage == spent_by_events(r, run.id)
+
+
+def test_without_streaming_a_call_is_one_create(r, pool, model):
+    model.set_scripts({"plain": [{"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}]}, {"text": "ok"}]})
+    pool.start(1, AGENTPOOL_MODEL_STREAMING="0")
+    run = wait_for_run(enqueue_run("pool_agents:support", script_task("plain"), connection=r), timeout=60, connection=r)
+    assert run.status == "completed" and run.result == "ok"
+    assert model.stats()["streams"] == 0 and model.stats()["responses"] == 2
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("point", ["mid_stream", "after_partial_spend"])
+def test_a_worker_killed_mid_stream_or_after_counting_a_cut_stream(point, r, pool, model):
+    # Every step's first stream is cut by an error event: each turn counts a cut spend, then its
+    # retry completes. mid_stream kills the horse at the first delta of a turn's first call;
+    # after_partial_spend right after the cut stream's spend is counted.
+    steps = [{**{k: v for k, v in step.items() if k != "stream"}, "stream": cut("error")} for step in CUT_STREAMS]
+    model.set_scripts({"cuts": steps})
+    pool.start(2, AGENTPOOL_FAULTS=point)
+    run_id = enqueue_run("pool_agents:support", script_task("cuts"), connection=r)
+    run = wait_for_run(run_id, timeout=120, connection=r)
+
+    assert run.status == "completed", (run.error, pool.logs())
+    assert run.turns == 3 and run.result == "Sent. The release ships Friday."
+    kills = len(list(pool.tmp.glob(f"fault-{point}-{run_id}-*")))
+    assert kills == 3, f"the fault point fired in every turn, fired {kills}"
+    assert run.usage == spent_by_events(r, run_id)
+    cuts = events_of(r, run_id, "model_cut")
+    if point == "after_partial_spend":
+        assert len(cuts) == 3, "each cut stream counted once, though its worker died right after"
+    assert Counter(e["tool"] for e in pool.effects()) == {"read_notes": 1, "send_email": 1}
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+    assert_valid_conversation(run.messages)

@@ -1,0 +1,137 @@
+"""Watching a run live: `agentpool.watch()` and `agentpool watch` show the model's words while its call
+streams (thinking and tool input too), catch a late watcher up, end with the run, and cost nothing
+when nobody watches."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from agentpool import enqueue_run, wait_for_run, watch
+from agentpool.store import crypto
+from agentpool.store.crypto import Cipher, generate_key
+from agentpool.store.keys import RunKeys
+
+from conftest import ROOT, script_task
+
+ANSWER = "The release ships on Friday; Ana owns the changelog and the team has been told."
+SLOW = {"chunk": 4, "interval": 0.03}
+STEPS = [
+    {
+        "thinking": "First the notes.",
+        "text": "Reading the notes.",
+        "tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}],
+        "stream": SLOW,
+    },
+    {"text": ANSWER, "stream": SLOW},
+]
+
+
+def collect(run_id: str, r, **kw) -> list[dict]:
+    items = []
+    for item in watch(run_id, connection=r, **kw):
+        item["seen"] = time.monotonic()
+        items.append(item)
+    return items
+
+
+def text_of(items: list[dict], kind: str = "text_delta", turn: int | None = None) -> str:
+    return "".join(i["text"] for i in items if i["type"] == kind and (turn is None or i["turn"] == turn))
+
+
+def test_the_python_iterator_gives_events_and_the_words_as_they_stream_until_the_run_ends(r, pool, model):
+    model.set_scripts({"live": STEPS})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:support", script_task("live"), connection=r)
+    items = collect(run_id, r)  # returns once the run has ended
+
+    assert items[-1]["type"] == "status" and items[-1]["status"] == "completed"
+    assert text_of(items, turn=1) == ANSWER and text_of(items, "thinking_delta") == "First the notes."
+    tool_input = [i for i in items if i["type"] == "input_json_delta"]
+    assert tool_input and {i["name"] for i in tool_input} == {"read_notes"}
+    assert '"topic": "release"' in "".join(i["text"] for i in tool_input)
+    kinds = [i["type"] for i in items]
+    assert {"turn_started", "model_responded", "tool_started", "tool_finished", "turn_committed"} <= set(kinds)
+    # Live: the last turn's words came before its reply was saved, and many pieces of it, not one.
+    answer = [i for i in items if i["type"] == "text_delta" and i["turn"] == 1]
+    responded = next(i for i in items if i["type"] == "model_responded" and i["turn"] == "1")
+    assert len(answer) >= 5, "streamed in many pieces, not one"
+    assert answer[0]["seen"] < responded["seen"]
+    assert wait_for_run(run_id, connection=r).status == "completed"
+
+
+def test_a_late_watcher_catches_up_on_the_call_so_far(r, pool, model):
+    model.set_scripts({"live": [{"text": ANSWER, "stream": {"chunk": 2, "interval": 0.05}}]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:support", script_task("live"), connection=r)
+    deadline = time.monotonic() + 30
+    while len(model.delta_times()) < 10:  # the call is well under way, unwatched
+        assert time.monotonic() < deadline, pool.logs()
+        time.sleep(0.01)
+    assert not r.exists(RunKeys.of(run_id).live), "nothing is written while nobody watches"
+    items = collect(run_id, r)
+    assert text_of(items) == ANSWER, "the text so far, then the rest"
+    assert [i["purpose"] for i in items if i["type"] == "call_start"] == ["reply"]
+
+
+def test_nobody_watching_costs_no_write(r, pool, model):
+    model.set_scripts({"live": STEPS})
+    pool.start(1)
+    run = wait_for_run(enqueue_run("pool_agents:support", script_task("live"), connection=r), connection=r)
+    assert run.status == "completed"
+    assert not r.exists(RunKeys.of(run.id).live) and not r.exists(RunKeys.of(run.id).watchers)
+
+
+def test_events_only_and_since_now(r, pool, model):
+    model.set_scripts({"live": STEPS})
+    pool.start(1)
+    run = wait_for_run(enqueue_run("pool_agents:support", script_task("live"), connection=r), connection=r)
+    items = collect(run.id, r, live_output=False)
+    assert not any(i["type"].endswith("_delta") for i in items) and items[-1]["status"] == "completed"
+    assert collect(run.id, r, since_start=False) == [], "an ended run has nothing new"
+
+
+def test_the_cli_prints_the_words_as_they_arrive(r, pool, model):
+    model.set_scripts({"live": STEPS})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:support", script_task("live"), connection=r)
+    lines: list[tuple[float, str]] = []
+    with subprocess.Popen(
+        [sys.executable, "-m", "agentpool", "watch", run_id],
+        env={**os.environ, "REDIS_URL": pool.env["REDIS_URL"]},
+        cwd=str(ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as watcher:
+        assert watcher.stdout is not None and watcher.stderr is not None
+        for line in watcher.stdout:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+        assert watcher.wait(timeout=60) == 0, watcher.stderr.read()
+
+    out = "\n".join(text for _, text in lines)
+    assert "(thinking) First the notes." in out and "-> read_notes" in out
+    answer = next(i for i, (_, text) in enumerate(lines) if text.endswith(ANSWER))
+    responded = [i for i, (_, text) in enumerate(lines) if " model_responded " in text]
+    assert responded[-1] > answer, "the words were printed before the reply was saved"
+    assert lines[-1][1].startswith(f"run {run_id} completed after 2 turns")
+
+
+def test_live_output_is_sealed_at_rest_when_encryption_is_on(r, pool, model):
+    key = generate_key()
+    model.set_scripts({"secret": [{"text": "The Bluebird offer is 41 per share.", "stream": SLOW}]})
+    pool.start(1, AGENTPOOL_ENCRYPTION_KEY=key)
+    crypto.configure(Cipher([key]))
+    try:
+        run_id = enqueue_run("pool_agents:support", script_task("secret"), connection=r)
+        raw: list[bytes] = []
+        items = []
+        for item in watch(run_id, connection=r):
+            items.append(item)
+            raw += [b"".join(k + v for k, v in f.items()) for _, f in r.xrange(RunKeys.of(run_id).live)]
+        assert text_of(items) == "The Bluebird offer is 41 per share."
+        assert raw and not any(b"Bluebird" in entry or b"41 per" in entry for entry in raw)
+    finally:
+        crypto.configure(None)

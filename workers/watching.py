@@ -1,0 +1,111 @@
+"""Following a run live: ``agentpool.watch(run_id)``, its events and its model's words as they arrive.
+
+One blocking read covers the run's two streams: ``…:events`` (what ``agentpool watch`` prints: turns,
+tools, takeovers, compactions, status changes) and ``…:live`` (the model call in flight; see
+``agentpool.store.live``). While it reads, the watcher keeps the run's ``…:watchers`` key alive, which
+is what makes workers publish a call's deltas at all; a watcher that arrives mid-call is first given
+the call's output so far.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from redis import Redis
+
+from agentpool.runtime.settings import client_for
+from agentpool.store import live
+from agentpool.store.errors import RunNotFound
+from agentpool.store.keys import RunKeys
+
+END_STATUSES = frozenset({"completed", "failed", "cancelled", "stopped"})
+DELTAS = frozenset({"text_delta", "thinking_delta", "input_json_delta"})
+RENEW_EVERY = 3.0  # seconds between renewals of the watcher's presence (it lives live.WATCH_TTL_MS)
+
+
+def _order(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _event(stream_id: str, fields: dict[str, str]) -> dict[str, Any]:
+    kind = fields.pop("kind", "?")
+    return {"type": kind, "id": stream_id, "at": _order(stream_id)[0] / 1000, **fields}
+
+
+def live_item(stream_id: str, fields: dict[str, str]) -> dict[str, Any]:
+    """A live output entry as ``watch`` yields it (its text unsealed, numbers as numbers)."""
+    item: dict[str, Any] = {"type": fields.pop("kind", "?"), "id": stream_id}
+    if "text" in fields or "sealed" in fields:
+        item["text"] = live.open_text(fields)
+        fields.pop("text", None)
+        fields.pop("sealed", None)
+    for name in ("turn", "index"):
+        if name in fields:
+            item[name] = int(fields.pop(name))
+    item.update(fields)
+    return item
+
+
+def watch(
+    run_id: str,
+    *,
+    connection: Redis | None = None,
+    since_start: bool = True,
+    live_output: bool = True,
+    block_ms: int = 1000,
+) -> Iterator[dict[str, Any]]:
+    """Iterate over a run's events and its model's output, as they happen, until the run ends.
+
+    Each item is a dict with a ``type``:
+
+    - an event, as ``agentpool watch`` prints it: ``turn_started``, ``model_responded`` (with its tokens,
+      cost and seconds), ``model_cut``, ``model_error``, ``tool_started``, ``tool_finished``,
+      ``reconciled``, ``takeover``, ``compacted``, ``status`` ..., with its fields (strings), ``id`` (the
+      stream id) and ``at`` (epoch seconds);
+    - the model's output while a call streams: ``text_delta``, ``thinking_delta`` and
+      ``input_json_delta`` with their ``text``, the content block's ``index``, the ``turn`` and the
+      ``call`` (an id per model call); ``block_start`` (``block``: text, thinking, tool_use, compaction;
+      ``name`` for a tool), ``call_start`` (``purpose``: ``reply``, or ``summary`` when agentpool
+      compacts) and ``call_end`` (``outcome``).
+
+    It starts with the events recorded so far (``since_start=False``: only new ones) and the current
+    call's output so far, and ends once the run has ended (completed, failed, cancelled or stopped) and
+    its last events are out. Raises RunNotFound for an unknown run. ``live_output=False`` follows the
+    events only (and costs the workers nothing).
+    """
+    r = client_for(connection)
+    keys = RunKeys.of(run_id)
+    if not r.exists(keys.run):
+        raise RunNotFound(run_id)
+    if since_start:
+        events_from = "0-0"
+    else:
+        last = r.xrevrange(keys.events, count=1)
+        events_from = last[0][0].decode() if last else "0-0"
+    cursors = {keys.events: events_from, **({keys.live: "0-0"} if live_output else {})}
+    renew_at = 0.0
+    while True:
+        if live_output and time.monotonic() >= renew_at:
+            live.mark_watching(r, keys)
+            renew_at = time.monotonic() + RENEW_EVERY
+        yield from _read(r, keys, cursors, block_ms)
+        status = r.hget(keys.run, "status")
+        if status is None or status.decode() in END_STATUSES:
+            yield from _read(r, keys, {keys.events: cursors[keys.events]}, None)
+            return
+
+
+def _read(r: Redis, keys: RunKeys, cursors: dict[str, str], block_ms: int | None) -> Iterator[dict[str, Any]]:
+    replies = r.xread(cursors, count=1000, block=block_ms) or []  # type: ignore[arg-type]
+    items: list[tuple[tuple[int, int], dict[str, Any]]] = []
+    for raw_key, rows in replies:  # type: ignore[union-attr]
+        key = raw_key.decode()
+        for stream_id, fields in live.decode_entries(rows):
+            cursors[key] = stream_id
+            item = _event(stream_id, fields) if key == keys.events else live_item(stream_id, fields)
+            items.append((_order(stream_id), item))
+    for _, item in sorted(items, key=lambda pair: pair[0]):
+        yield item
