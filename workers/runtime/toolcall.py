@@ -138,14 +138,21 @@ def bounded(outcome: Outcome, limit: int) -> Outcome:
 
 
 def run_tool(
-    tool: Tool, kwargs: dict[str, Any], *, call: ToolCall, ownership: Ownership, timeout: float, where: str
+    tool: Tool,
+    kwargs: dict[str, Any],
+    *,
+    call: ToolCall,
+    timeout: float,
+    where: str,
+    ownership: Ownership | None = None,
 ) -> Outcome:
     """The tool's outcome: its result, or an ``is_error`` one if it raised or outlived ``timeout``."""
     if tool.takes_key:
         kwargs = {**kwargs, "idempotency_key": call.idempotency_key}
     kind, value = call_in_thread(tool.fn, kwargs, call=call, timeout=timeout)
     if kind == "timeout":
-        ownership.abandon()
+        if ownership is not None:  # None outside a worker (agentpool.testing.tool_result): nobody to tell
+            ownership.abandon()
         log.warning("%s: tool %s timed out after %ss", where, tool.name, timeout)
         return Outcome(
             f"{tool.name} timed out after {timeout:g} s and was abandoned; whether it took effect is unknown.", True
@@ -157,7 +164,13 @@ def run_tool(
 
 
 def run_verify(
-    tool: Tool, kwargs: dict[str, Any], *, call: ToolCall, ownership: Ownership, timeout: float, where: str
+    tool: Tool,
+    kwargs: dict[str, Any],
+    *,
+    call: ToolCall,
+    timeout: float,
+    where: str,
+    ownership: Ownership | None = None,
 ) -> VerifyResult:
     """Ask an unsafe tool's verify hook, bounded by the tool's own timeout (a hung hook must not hold the
     run's lease for ever). A hook that raises or does not answer in time cannot tell: None."""
@@ -166,7 +179,8 @@ def run_verify(
         tool.verify_fn, {**kwargs, "idempotency_key": call.idempotency_key}, call=call, timeout=timeout
     )
     if kind == "timeout":
-        ownership.abandon()
+        if ownership is not None:  # None outside a worker (agentpool.testing.tool_result): nobody to tell
+            ownership.abandon()
         log.warning(
             "%s: verify hook of %s gave no answer within %ss; the outcome is unknown", where, tool.name, timeout
         )

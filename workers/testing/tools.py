@@ -21,7 +21,7 @@ from typing import Any
 
 from agentpool.context import ToolCall, current_call, set_current_call
 from agentpool.runtime.reconcile import idempotency_key
-from agentpool.runtime.toolcall import run_tool
+from agentpool.runtime.toolcall import bounded, run_tool
 from agentpool.store.ledger import Outcome
 from agentpool.tools import Tool, ToolInputError
 
@@ -92,6 +92,5 @@ def tool_result(
     except ToolInputError as exc:
         return Outcome(str(exc), True)
     call = ToolCall(run_id, turn, tool_use_id, idempotency_key(run_id, tool_use_id), attempt)
-    return run_tool(
-        tool, kwargs, call=call, timeout=timeout or tool.timeout or 120.0, limit=max_result_chars, where="test"
-    )
+    outcome = run_tool(tool, kwargs, call=call, timeout=timeout or tool.timeout or 120.0, where="test")
+    return bounded(outcome, max_result_chars)
