@@ -9,6 +9,9 @@ The process configures this once (``agentpool.runtime.settings`` does, from the 
 
 from __future__ import annotations
 
+import base64
+import binascii
+
 from cryptography.fernet import Fernet, InvalidToken, MultiFernet
 
 from agentpool.store.errors import UnreadableRecord
@@ -17,6 +20,22 @@ from agentpool.store.errors import UnreadableRecord
 class EncryptionKeyMissing(UnreadableRecord):
     """The record is encrypted and this process has no key at all: a configuration problem here,
     not a fault of the run."""
+
+
+class KeyNotHeld(UnreadableRecord):
+    """The record is a well-formed Fernet token that none of this process's keys opens: it was sealed
+    with a key this process does not have (a key rotation reaching the workers one at a time). Not a
+    fault of the run either: a worker with that key can read it. (Fernet cannot tell a foreign key
+    from a forged or bit-flipped token; a token that is not even well formed is corrupt instead.)"""
+
+
+def _well_formed(token: bytes) -> bool:
+    """Fernet's layout: version 0x80, timestamp, IV, a whole number of AES blocks, HMAC (57 + 16n bytes)."""
+    try:
+        raw = base64.urlsafe_b64decode(token)
+    except (binascii.Error, ValueError):
+        return False
+    return len(raw) >= 73 and (len(raw) - 57) % 16 == 0 and raw[0] == 0x80
 
 
 class Cipher:
@@ -35,7 +54,9 @@ class Cipher:
         try:
             return self._fernet.decrypt(token)
         except InvalidToken:
-            raise UnreadableRecord(
+            if not _well_formed(token):
+                raise UnreadableRecord(f"{what} is not a valid encrypted record (corrupt)") from None
+            raise KeyNotHeld(
                 f"{what} is encrypted with a key this process does not have (check AGENTPOOL_ENCRYPTION_KEY "
                 "and AGENTPOOL_ENCRYPTION_OLD_KEYS)"
             ) from None

@@ -1,6 +1,7 @@
 """The Lua scripts in ``store/lua``, loaded once and called by name (EVALSHA, EVAL on a cache miss).
 
-A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended: Redis has no includes.
+A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended, one that calls
+``remember``/``replayed`` gets ``store/lua/_once.lua``: Redis has no includes.
 """
 
 from __future__ import annotations
@@ -17,10 +18,16 @@ from redis.exceptions import NoScriptError
 _LUA_DIR = Path(__file__).with_name("lua")
 
 
+# Helper files and a call that needs each: Redis has no includes, so they are prepended.
+_HELPERS = (("_event", "record_event("), ("_once", "remember("), ("_once", "replayed("))
+
+
 @cache
-def _source(name: str) -> str:
+def source(name: str) -> str:
+    """The script's text with the helpers it calls prepended."""
     text = (_LUA_DIR / f"{name}.lua").read_text()
-    return (_LUA_DIR / "_event.lua").read_text() + text if "record_event(" in text else text
+    needed = dict.fromkeys(helper for helper, call in _HELPERS if call in text)
+    return "".join((_LUA_DIR / f"{helper}.lua").read_text() for helper in needed) + text
 
 
 class _Scripts:
@@ -32,7 +39,7 @@ class _Scripts:
     def _script(self, name: str) -> Script:
         script = self._loaded.get(name)
         if script is None:
-            script = self._loaded[name] = Script(None, _source(name).encode())  # type: ignore[arg-type]
+            script = self._loaded[name] = Script(None, source(name).encode())  # type: ignore[arg-type]
         return script
 
     def __call__(self, name: str, client: Redis | Pipeline, keys: list[str], args: list[object]) -> object:

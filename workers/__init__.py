@@ -11,7 +11,7 @@ from agentpool.agent import Agent
 from agentpool.client import Run, RunTimeout, approve, cancel_run, enqueue_run, get_run, list_runs, resume, wait_for_run
 from agentpool.context import ToolCall, current_call
 from agentpool.runtime.approvals import ApprovalError
-from agentpool.store.errors import AgentPoolError, RunNotFound
+from agentpool.store.errors import AgentPoolError, RunExists, RunNotFound
 from agentpool.tools import tool
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "AgentPoolError",
     "ApprovalError",
     "Run",
+    "RunExists",
     "RunNotFound",
     "RunTimeout",
     "ToolCall",

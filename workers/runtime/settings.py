@@ -33,6 +33,7 @@ class Settings:
     reaper_interval: float
     model_retries: int  # consecutive transient model errors before a run is stopped
     retention: int  # seconds a finished run is kept; 0 keeps it forever
+    agent_load_grace: float = 300.0  # seconds no worker could load a run's agent before the run stops
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -43,6 +44,7 @@ class Settings:
             reaper_interval=_env_float("AGENTPOOL_REAPER_INTERVAL", 1.0),
             model_retries=int(_env_float("AGENTPOOL_MODEL_RETRIES", 6)),
             retention=int(_env_float("AGENTPOOL_RETENTION_SECONDS", 7 * 24 * 3600)),
+            agent_load_grace=_env_float("AGENTPOOL_AGENT_LOAD_GRACE", 300.0),
         )
 
     @property

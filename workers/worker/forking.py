@@ -4,6 +4,9 @@
   horse's pid) and calls ``work_horse_killed_handler``. We drop the dead horse's lease and re-enqueue
   its turn right there: no waiting for a lease to expire, nor for RQ's abandoned-job cleanup (minutes).
 - A reaper thread (see ``agentpool.runtime.reaper``) covers a worker killed whole, or its machine lost.
+- Agent modules are imported here, in the worker process, before it forks a horse for a turn of that
+  agent: every horse inherits them, so agent code is loaded once per worker process, as in the threaded
+  worker (``agentpool.runtime.loader``), and new code arrives when the worker restarts.
 - Jobs are msgpack; warm shutdown on SIGTERM lets the current turn finish, as RQ does.
 """
 
@@ -16,13 +19,15 @@ from typing import Any
 from redis import Redis
 from rq import Worker
 
+from agentpool.runtime.loader import load_agent
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import hand_over_dead_holder
-from agentpool.store.keys import TURN_QUEUE
+from agentpool.store.keys import TURN_QUEUE, RunKeys
 
 log = logging.getLogger("agentpool.worker")
+AGENTS_REMEMBERED = 10_000  # run id -> agent path, so a turn costs no extra read to preload its agent
 
 
 class AgentWorker(Worker):
@@ -33,10 +38,43 @@ class AgentWorker(Worker):
         kwargs.setdefault("work_horse_killed_handler", self._on_horse_killed)
         super().__init__(list(queues), connection=connection, **kwargs)
         self.reaper_interval = reaper_interval if reaper_interval is not None else Settings.from_env().reaper_interval
+        self._agents: dict[str, str] = {}
 
     def _on_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
-        how = f"signal {os.WTERMSIG(ret_val)}" if os.WIFSIGNALED(ret_val) else f"exit status {os.WEXITSTATUS(ret_val)}"
-        hand_over_dead_holder(self.connection, job, f"{self.name}.{retpid}", cause=f"work horse {retpid} died ({how})")
+        # An exception here would end RQ's work loop, and the worker with it: never let one out.
+        try:
+            how = (
+                f"signal {os.WTERMSIG(ret_val)}"
+                if os.WIFSIGNALED(ret_val)
+                else f"exit status {os.WEXITSTATUS(ret_val)}"
+            )
+            hand_over_dead_holder(
+                self.connection, job, f"{self.name}.{retpid}", cause=f"work horse {retpid} died ({how})"
+            )
+        except Exception:
+            log.exception("worker %s: could not hand over job %s; its lease expires instead", self.name, job.id)
+
+    def fork_work_horse(self, job: Any, queue: Any) -> None:
+        self._preload_agent(job)
+        super().fork_work_horse(job, queue)
+
+    def _preload_agent(self, job: Any) -> None:
+        """Import the turn's agent here, once per worker process, so the horse inherits it. A failure
+        is left for the horse to meet and report (it hands the turn back)."""
+        try:
+            run_id = job.args[0]
+            path = self._agents.get(run_id)
+            if path is None:
+                raw = self.connection.hget(RunKeys.of(run_id).run, "agent")
+                if raw is None:
+                    return
+                path = raw.decode()
+                if len(self._agents) >= AGENTS_REMEMBERED:
+                    self._agents.clear()
+                self._agents[run_id] = path
+            load_agent(path)
+        except Exception as exc:  # noqa: BLE001 - the horse reports it, with the run, where it belongs
+            log.debug("worker %s: agent for job %s not preloaded: %s", self.name, job.id, exc)
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
         # Every work horse is forked from this process: import the turn code here, once, or each horse
