@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import click
 
@@ -13,6 +14,9 @@ from agentpool.runtime.settings import Settings, connect, redact_url
 from agentpool.store import ledger
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.keys import RunKeys
+
+if TYPE_CHECKING:
+    from agentpool.client import Run
 
 url_option = click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
 
@@ -127,12 +131,30 @@ def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> 
     from agentpool.client import list_runs
 
     rows = list_runs(connection=connect(url), limit=limit, status=status, agent=agent)
-    click.echo(f"{'ID':<28} {'AGENT':<32} {'STATUS':<17} {'TURNS':>5} {'TOKENS':>9} {'AGE':>5}")
+    click.echo(f"{'ID':<28} {'AGENT':<32} {'STATUS':<17} {'TURNS':>5} {'TOKENS':>9} {'AGE':>5}  NOTE")
     now = time.time()
     for run in rows:
         click.echo(
-            f"{run.id:<28} {run.agent[:32]:<32} {run.status:<17} {run.turns:>5} {run.total_tokens:>9} {_age(now - run.created_at):>5}"
+            f"{run.id:<28} {run.agent[:32]:<32} {run.status:<17} {run.turns:>5} {run.total_tokens:>9} "
+            f"{_age(now - run.created_at):>5}  {_short_note(run, now)}".rstrip()
         )
+
+
+def _short_note(run: Run, now: float) -> str:
+    """Why a queued or running run is not moving, in a few words (``show`` gives the whole story)."""
+    waiting = run.waiting or {}
+    kind = waiting.get("kind")
+    if kind == "handed_back":
+        return f"handed back ({waiting['reason']}) since {_age(now - waiting['since'])}: {waiting['detail']}"[:120]
+    if kind == "backoff":
+        return f"backoff after {waiting['detail']}"[:80] + (
+            f", retry in {_age(max(0.0, waiting['until'] - now))}" if waiting.get("until") else ""
+        )
+    if kind == "queued":
+        return "waiting for a worker" + (f" for {_age(now - waiting['since'])}" if waiting.get("since") else "")
+    if kind == "lost":
+        return waiting["note"]
+    return (run.error or "")[:80] if run.status not in ("completed", "running", "queued") else ""
 
 
 @main.command()
@@ -156,6 +178,8 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
         return
     click.echo(f"run {run.id}  agent {run.agent}  status {run.status}  turns {run.turns}")
     click.echo("usage " + ", ".join(f"{k}={v}" for k, v in run.usage.items()))
+    if run.waiting:
+        click.echo(f"now: {run.waiting['note']}")
     if run.error:
         click.echo(f"error: {run.error}")
     if run.result:
@@ -260,6 +284,7 @@ def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_us
 @click.argument("run_id")
 def watch(url: str | None, run_id: str) -> None:
     """Follow a run live: turns, tokens, the tool in flight, status. Exits when the run ends."""
+    from agentpool.runtime.progress import why_waiting
     from agentpool.store import checkpoint
     from agentpool.store.events import read as read_events
 
@@ -270,11 +295,16 @@ def watch(url: str | None, run_id: str) -> None:
         _fail(str(exc))
     click.echo(f"run {run_id} ({state.agent}): {state.status}, turn {state.turns}, {sum(state.usage.values())} tokens")
     last = "0-0"
+    said = ""
     while True:
         for event_id, event in read_events(r, run_id, after=last, block_ms=1000):
             last = event_id
             click.echo(_event_line(event))
         state = checkpoint.load_run(r, run_id, with_messages=False)
+        waiting = why_waiting(r, run_id, state.status)
+        if waiting and waiting.kind != "in_progress" and waiting.note != said:
+            click.echo(f"{time.strftime('%H:%M:%S')} {'waiting':<18} {waiting.note}")
+        said = waiting.note if waiting else ""
         if state.status in ("completed", "failed", "cancelled", "stopped"):
             for event_id, event in read_events(r, run_id, after=last):
                 click.echo(_event_line(event))

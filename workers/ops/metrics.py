@@ -45,7 +45,15 @@ COST_FIELD = "cost_usd"
 
 # (ap:stats metric, label name, help text, label values always exported, at 0 until seen)
 COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
-    ("turns", None, "Turns a worker started to call the model (a budget can still stop one before the call).", ()),
+    (
+        "turns",
+        None,
+        (
+            "Turns a worker started to call the model (a budget can still stop one before the call; a turn handed "
+            "back is not counted)."
+        ),
+        (),
+    ),
     ("tool_calls", "effect", "Tool executions started, by the tool's effect class.", ("read", "idempotent", "unsafe")),
     (
         "reconciliations",
@@ -58,6 +66,12 @@ COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
         "cause",
         "Turns re-enqueued because their worker was gone, by cause.",
         ("horse_death", "lease_expiry", "job_lost"),
+    ),
+    (
+        "handbacks",
+        "reason",
+        "Turns a worker gave back because it could not do them (another worker may), by reason.",
+        ("key_missing", "key_not_held", "too_new", "agent_not_loadable"),
     ),
     ("model_errors", "type", "Transient model API errors (the turn is retried later), by type.", ()),
     ("tokens", "kind", "Tokens reported by the model API, by kind.", stats.TOKEN_FIELDS),
