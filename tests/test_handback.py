@@ -218,3 +218,52 @@ def test_both_worker_kinds_load_agent_code_once_per_process(concurrency, r, pool
 
 def _start(pool: Pool, concurrency: str, env: dict[str, str]) -> None:
     WorkerProcesses.start(pool, 1, "--log-level", "INFO", "--concurrency", concurrency, **env)
+
+
+def test_a_run_waiting_for_a_worker_or_a_backoff_says_so_and_since_or_until_when(r, pool, model):
+    model.set_scripts(
+        {
+            "busy": [
+                {"error": {"status": 529, "type": "overloaded_error", "message": "Overloaded", "retry_after": 30}},
+                {"text": "ok"},
+            ]
+        }
+    )
+    enqueued = time.time()
+    run_id = enqueue_run("pool_agents:support", script_task("busy"), connection=r)
+    waiting = get_run(run_id, connection=r).waiting  # no worker yet
+    assert waiting["kind"] == "queued" and "waiting for a worker" in waiting["note"]
+    assert abs(waiting["since"] - enqueued) < 5
+
+    pool.start(1)
+    deadline = time.monotonic() + 30
+    while (waiting := get_run(run_id, connection=r).waiting)["kind"] != "backoff":
+        assert time.monotonic() < deadline, waiting
+        time.sleep(0.05)
+    assert "overloaded_error" in waiting["note"] and waiting["until"] > time.time() + 20
+    listed = cli(pool, "runs")
+    assert "backoff after overloaded_error" in listed.stdout, listed.stdout
+
+
+def test_watch_says_when_a_run_is_handed_back(r, pool, model):
+    pool.start(1)
+    run_id = enqueue_run("not_deployed_here:agent", script_task("two"), connection=r)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "agentpool", "watch", run_id],
+        env=pool.env,
+        cwd=str(TESTS),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        lines = []
+        while not any("handed back" in line for line in lines):
+            assert time.monotonic() < deadline and watch.poll() is None, lines
+            lines.append(watch.stdout.readline())
+        said = next(line for line in lines if "handed back" in line)
+        assert "cannot load the run's agent" in said and "not_deployed_here" in said
+    finally:
+        watch.terminate()
+        watch.wait(timeout=10)
+        watch.stdout.close()

@@ -294,3 +294,20 @@ def test_save_point_b_keeps_a_tool_result_once(r):
     assert len(r.hget(KEYS.ledger, "toolu_big:out")) < 200, "the ledger keeps a note, the conversation the result"
     assert checkpoint.load_run(r, RUN).messages[-1] == results
     assert ledger.read_all(r, KEYS)["toolu_big"]["outcome"]["how"] == "ran"
+
+
+def test_every_save_that_appends_a_message_stamps_the_header_with_its_version(r):
+    """A message is never newer than its header: a worker too old for it learns so from the header,
+    when it takes the lease, before it touches anything (instead of failing on the message)."""
+    create(r)
+    token = take(r)
+    call = {"id": "toolu_1", "name": "read_notes", "input": {"topic": "x"}}
+    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(tool_use=call), pending=[call])
+    r.hset(KEYS.run, "v", 1)  # as if an older agentpool had written the header
+    results = {"role": "user", "content": [Outcome("ok", False).as_tool_result("toolu_1")]}
+    checkpoint.commit_tool_results(r, KEYS, token, message=results, enqueue_next=lambda pipe: None)
+    assert r.hget(KEYS.run, "v") == str(SCHEMA_VERSION).encode(), "save point B"
+    r.hset(KEYS.run, "v", 1)
+    token = take(r, turn=1)
+    checkpoint.finish(r, KEYS, token, status="stopped", message={"role": "user", "content": "x"}, phase="done")
+    assert r.hget(KEYS.run, "v") == str(SCHEMA_VERSION).encode(), "finish"
