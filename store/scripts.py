@@ -30,6 +30,14 @@ def source(name: str) -> str:
     return "".join((_LUA_DIR / f"{helper}.lua").read_text() for helper in needed) + text
 
 
+@cache
+def compact_source(name: str) -> str:
+    """``source`` without its comment lines: for a script sent whole with EVAL (inside a MULTI, where
+    EVALSHA could meet an empty script cache), so a save does not send Redis the documentation."""
+    lines = [line for line in source(name).splitlines() if line.strip() and not line.lstrip().startswith("--")]
+    return "\n".join(lines) + "\n"
+
+
 class _Scripts:
     """Script objects are bound to no client: each call passes the connection (or pipeline) to use."""
 

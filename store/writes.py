@@ -21,7 +21,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
-from agentpool.store.scripts import source
+from agentpool.store.scripts import compact_source
 
 FIELD = "writes"  # in a run's header, and in its hand-back record
 
@@ -44,4 +44,4 @@ def landed(recent: bytes | None, write_id: str) -> str | None:
 
 def stage_remember(pipe: Any, key: str, write_id: str, result: str = "1") -> None:
     """Inside MULTI: record ``write_id`` in ``key``'s ``writes`` field with the rest of the transaction."""
-    pipe.eval(source("remember_write"), 1, key, write_id, result)
+    pipe.eval(compact_source("remember_write"), 1, key, write_id, result)

@@ -201,3 +201,17 @@ def test_a_damaged_header_found_by_the_reaper_fails_the_run_once(r, pool, model)
     pool.kill(first)  # worker and horse: the lease expires, and the reaper of another worker finds it
     pool.start(1)
     _assert_failed_with_reason_and_pool_goes_on(r, pool, run_id, "attempt")
+
+
+def test_an_old_reaper_leaves_a_newer_run_with_a_status_it_does_not_know_alone(r):
+    """Not damage: a newer agentpool may have a status this one does not know. It is not failed."""
+    from agentpool.runtime.reaper import reap_once
+    from agentpool.store.keys import RUNS_WATCH
+
+    run_id = enqueue_run("pool_agents:support", "a task", connection=r)
+    keys = RunKeys.of(run_id)
+    r.hset(keys.run, mapping={"v": SCHEMA_VERSION + 1, "status": "paused_by_a_newer_agentpool"})
+    r.zadd(RUNS_WATCH, {run_id: 0})
+    before = _snapshot(r, run_id)
+    assert reap_once(r) == []
+    assert _snapshot(r, run_id) == before and r.zscore(RUNS_WATCH, run_id) > 0

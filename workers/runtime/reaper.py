@@ -28,7 +28,7 @@ from agentpool.store.checkpoint import QUEUED_RECHECK_MS
 from agentpool.store.clock import now_ms
 from agentpool.store.errors import UnreadableRecord
 from agentpool.store.keys import REAPER_LOCK, RUNS_WATCH, RunKeys
-from agentpool.store.records import ACTIVE_STATUSES
+from agentpool.store.records import ACTIVE_STATUSES, SCHEMA_VERSION
 
 log = logging.getLogger("agentpool.reaper")
 WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value}
@@ -64,6 +64,9 @@ def _reap(r: Redis, run_id: str) -> bool:
         return False
     if header is None:
         watch.forget_inactive(r, run_id)
+        return False
+    if header.version > SCHEMA_VERSION:  # a newer agentpool's run: its own reapers look after it
+        r.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS}, xx=True)  # (unless they dropped it)
         return False
     if header.status == "waiting_approval":
         expire_due(r, run_id)  # due because an approval deadline passed
