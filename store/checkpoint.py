@@ -4,6 +4,11 @@ Save point A (``commit_response``) and the fenced status changes (``finish``) ar
 point B (``commit_tool_results``) is one WATCH/MULTI transaction, because the enqueue of the next turn
 (RQ's own commands, given to us as a callback) must land in the same EXEC as the tool results: a crash
 leaves either the old turn pending or the new one committed *with its job queued*.
+
+Every write here is safe to deliver twice (``store/writes.py``): the scripts carry a write id and
+answer a re-delivery with the first delivery's result; the transactions record their write id and,
+when redis-py raises ``WatchError`` because the connection dropped after EXEC was sent, look for it
+before deciding whether to try again.
 """
 
 from __future__ import annotations
@@ -15,10 +20,10 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import WatchError
 
-from agentpool.store import ledger
+from agentpool.store import ledger, writes
 from agentpool.store.clock import now_ms
-from agentpool.store.codec import safe_text
-from agentpool.store.errors import LeaseLost, RunNotActive, RunNotFound
+from agentpool.store.codec import safe_text, unpack
+from agentpool.store.errors import LeaseLost, RunExists, RunNotActive, RunNotFound, StoreError, UnreadableRecord
 from agentpool.store.events import Event, script_args
 from agentpool.store.keys import RUNS, RUNS_WATCH, STATS, RunKeys
 from agentpool.store.ledger import Outcome
@@ -47,6 +52,71 @@ def stage_create(pipe: Pipeline, run_id: str, *, agent: str, task: str, limits: 
     pipe.rpush(keys.messages, pack_message({"role": "user", "content": task}))
     pipe.zadd(RUNS, {run_id: int(now * 1000)})
     pipe.zadd(RUNS_WATCH, {run_id: int(now * 1000) + QUEUED_RECHECK_MS})
+
+
+def create_run(
+    r: Redis,
+    run_id: str,
+    *,
+    agent: str,
+    task: str,
+    limits: Mapping[str, Any],
+    now: float,
+    stage_enqueue: Callable[[Pipeline], None],
+) -> bool:
+    """Create the run and its first turn's job (``stage_enqueue``) in one transaction, unless a run
+    with this id exists. Returns True if it was created now, False if it already existed for the very
+    same request (agent, task and limits): a client retrying its enqueue gets the run it made. An
+    existing run made for anything else raises RunExists; an existing run is never touched (its
+    header, counters and fence stay as they are).
+
+    Watched, so redis-py never re-sends it blindly: after a lost EXEC reply the next try finds the
+    run it created, the same request, and returns without creating it twice."""
+    keys = RunKeys.of(run_id)
+    write_id = writes.new_id()
+    with r.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(keys.run)
+                header = pipe.hgetall(keys.run)
+                if header:
+                    pipe.unwatch()
+                    if writes.landed(header.get(writes.FIELD.encode()), write_id):
+                        return True  # this very call created it; the reply to its EXEC was lost
+                    _check_same_request(r, run_id, header, agent=agent, task=task, limits=limits)
+                    return False
+                pipe.multi()
+                stage_create(pipe, run_id, agent=agent, task=task, limits=limits, now=now)
+                stage_enqueue(pipe)
+                writes.stage_remember(pipe, keys.run, write_id)
+                pipe.execute()
+                return True
+            except WatchError:
+                continue
+
+
+def _check_same_request(
+    r: Redis, run_id: str, header: Mapping[bytes, bytes], *, agent: str, task: str, limits: Mapping[str, Any]
+) -> None:
+    """Compares what was asked with what is stored (the task is the first message, sealed or not):
+    no digest of the task is kept beside it, which would let anyone with a dump test guesses."""
+    if header.get(b"agent", b"").decode("utf-8", errors="replace") != agent:
+        raise RunExists(run_id, f"for agent {header.get(b'agent', b'?').decode('utf-8', errors='replace')!r}")
+    raw_limits = header.get(b"limits")
+    try:
+        stored = unpack(raw_limits, "run limits") if raw_limits else {}
+    except UnreadableRecord:
+        stored = None
+    first = {name: stored.get(name) for name in ("max_turns", "max_total_tokens", "max_cost_usd")} if stored else {}
+    if stored is None or {k: v for k, v in first.items() if v is not None} != dict(limits):
+        raise RunExists(run_id, "with other limits")
+    blob = r.lindex(RunKeys.of(run_id).messages, 0)
+    try:
+        stored_task = unpack_message(blob, 0)["content"] if blob else None
+    except StoreError as exc:
+        raise RunExists(run_id, f"and its task cannot be compared here ({exc})") from None
+    if stored_task != task:
+        raise RunExists(run_id, "with another task")
 
 
 def stage_load(pipe: Pipeline, run_id: str, *, with_messages: bool = True) -> None:
@@ -79,9 +149,11 @@ def _check(code: int, keys: RunKeys, r: Redis) -> None:
     if code == -1:
         raise LeaseLost(keys.run_id)
     if code == -2:
-        raise RunNotActive(keys.run_id, (r.hget(keys.run, "status") or b"?").decode())
+        raise RunNotActive(keys.run_id, (r.hget(keys.run, "status") or b"?").decode("utf-8", errors="replace"))
     if code == -3:
         raise LeaseLost(keys.run_id)  # the checkpoint moved on without us: same remedy, stop
+    if code == -4:
+        raise RunNotFound(keys.run_id)
 
 
 def commit_response(
@@ -99,16 +171,33 @@ def commit_response(
     retention_s: int = 0,
     usage: Mapping[str, int] | None = None,
     cost_usd: float = 0.0,
+    closing: Mapping[str, Any] | None = None,
     responded: Event | None = None,
     event: Event | None = None,
 ) -> None:
     """Save point A: count the call's ``usage`` and cost with the ``responded`` event, then commit
     its response with the ``event`` that reports it. The spend counts even when the response can no
-    longer be committed (the run was cancelled meanwhile): the call was made and billed."""
+    longer be committed (the run was cancelled meanwhile, or this worker lost its lease while the
+    model answered): the call was made and billed, and usage covers every call paid for.
+
+    With a ``final_status`` the run ends in the same step; ``closing`` is then a user message
+    appended after the response (the tool_results of tool_uses that will never run), so a run
+    failed by its reply (a refusal holding a tool_use) keeps a valid conversation and no worker
+    that takes over can mistake it for a turn to continue."""
     code = run_script(
         "commit_response",
         r,
-        [keys.run, keys.lease, keys.messages, RUNS_WATCH, STATS, keys.events, keys.ledger, keys.approvals],
+        [
+            keys.run,
+            keys.lease,
+            keys.messages,
+            RUNS_WATCH,
+            STATS,
+            keys.events,
+            keys.handback,
+            keys.ledger,
+            keys.approvals,
+        ],
         [
             token,
             turns_before,
@@ -123,34 +212,55 @@ def commit_response(
             retention_s,
             *(int((usage or {}).get(name) or 0) for name in USAGE_FIELDS),
             repr(float(cost_usd)),
+            writes.new_id(),
+            pack_message(closing) if closing else "",
             *script_args(responded, event),
         ],
     )
-    if int(code) != -1 and responded:  # type: ignore[arg-type]
+    if int(code) != -4 and responded:  # type: ignore[arg-type]
         responded.log()
     _check(int(code), keys, r)  # type: ignore[arg-type]
     if event:
         event.log()
 
 
+def header_int(value: bytes | None) -> int:
+    """A counter field of the header (attempt, requeues) for a decision; a corrupt one raises."""
+    try:
+        return int(value or 0)
+    except ValueError:
+        raise UnreadableRecord(f"header field holds {value[:40]!r}, not a number") from None
+
+
 def _fenced_transaction(
-    r: Redis, keys: RunKeys, token: str, stage: Callable[[Pipeline, int], None], retries: int = 20
+    r: Redis, keys: RunKeys, token: str, stage: Callable[[Pipeline, int, int], None], retries: int = 20
 ) -> None:
     """One EXEC that lands only while ``token`` owns the lease and the run is running; it drops the
-    lease. ``stage(pipe, attempt)`` adds the caller's commands (in MULTI) given the header's attempt."""
+    lease. ``stage(pipe, attempt, requeues)`` adds the caller's commands (in MULTI) given the header's
+    attempt and requeue counters.
+
+    redis-py does not re-send a watched transaction: a connection that drops after EXEC was sent
+    raises WatchError, as a watched key that changed does (the heartbeat's PEXPIRE of the lease, say).
+    The transaction records a write id, and each try first asks whether an earlier one landed."""
+    write_id = writes.new_id()
     with r.pipeline(transaction=True) as pipe:
         for _ in range(retries):
             try:
-                # The heartbeat's PEXPIRE also touches the watched lease: that retries, it does not fail.
                 pipe.watch(keys.lease, keys.run)
-                holder, status, attempt = run_script("fence_state", pipe, [keys.lease, keys.run], [])  # type: ignore[misc]
+                holder, status, attempt, requeues, done = run_script(  # type: ignore[misc]
+                    "fence_state", pipe, [keys.lease, keys.run], [write_id]
+                )
+                if done:
+                    pipe.unwatch()
+                    return  # the EXEC of an earlier try landed; its reply was lost
                 if holder != token.encode():
                     raise LeaseLost(keys.run_id)
                 if status != b"running":
-                    raise RunNotActive(keys.run_id, (status or b"?").decode())
+                    raise RunNotActive(keys.run_id, (status or b"?").decode("utf-8", errors="replace"))
                 pipe.multi()
-                stage(pipe, int(attempt or 0))
-                pipe.delete(keys.lease)
+                stage(pipe, header_int(attempt), header_int(requeues))
+                pipe.delete(keys.lease, keys.handback)
+                writes.stage_remember(pipe, keys.run, write_id)
                 pipe.execute()
                 return
             except WatchError:
@@ -170,13 +280,15 @@ def commit_tool_results(
 ) -> None:
     """Save point B: the tool results message (if any), phase back to "model", the lease dropped,
     the next turn's job and the ``event`` that reports it, all in one EXEC. The ledger keeps only
-    notes of ``outcomes`` from now on."""
+    notes of ``outcomes`` from now on. The header is stamped with the schema version the message
+    was written in, as save point A does."""
 
-    def stage(pipe: Pipeline, attempt: int) -> None:
+    def stage(pipe: Pipeline, attempt: int, requeues: int) -> None:
         if message is not None:
             pipe.rpush(keys.messages, pack_message(message))
         ledger.stage_compaction(pipe, keys, outcomes or {}, now_ms() / 1000)
-        pipe.hset(keys.run, mapping={"phase": "model", "pending": b"", "attempt": 0, "updated_at": now_ms()})
+        fields = {"phase": "model", "pending": b"", "attempt": 0, "updated_at": now_ms(), "v": SCHEMA_VERSION}
+        pipe.hset(keys.run, mapping=fields)
         pipe.zadd(RUNS_WATCH, {keys.run_id: now_ms() + QUEUED_RECHECK_MS})
         enqueue_next(pipe)
         if event:
@@ -195,14 +307,27 @@ def defer_turn(
     model_errors: int,
     delay_ms: int,
     enqueue_later: Callable[[Pipeline, int], None],
+    reason: str = "",
 ) -> None:
     """Give the turn back after a transient model error: it runs again in ``delay_ms`` through a
-    scheduled job; no turn is counted and no worker waits."""
+    scheduled job (``enqueue_later(pipe, n)`` stages it as the run's n-th re-enqueue); no turn is
+    counted and no worker waits. ``retry_at`` and ``retry_reason`` in the header say why it waits."""
 
-    def stage(pipe: Pipeline, attempt: int) -> None:
-        pipe.hset(keys.run, mapping={"model_errors": model_errors, "attempt": attempt + 1, "updated_at": now_ms()})
-        pipe.zadd(RUNS_WATCH, {keys.run_id: now_ms() + delay_ms + QUEUED_RECHECK_MS})
-        enqueue_later(pipe, attempt + 1)
+    def stage(pipe: Pipeline, attempt: int, requeues: int) -> None:
+        retry_at = now_ms() + delay_ms
+        pipe.hset(
+            keys.run,
+            mapping={
+                "model_errors": model_errors,
+                "attempt": attempt + 1,
+                "requeues": requeues + 1,
+                "retry_at": retry_at,
+                "retry_reason": reason,
+                "updated_at": now_ms(),
+            },
+        )
+        pipe.zadd(RUNS_WATCH, {keys.run_id: retry_at + QUEUED_RECHECK_MS})
+        enqueue_later(pipe, requeues + 1)
 
     _fenced_transaction(r, keys, token, stage)
 
@@ -229,7 +354,17 @@ def finish(
     code = run_script(
         "finish",
         r,
-        [keys.run, keys.lease, keys.messages, RUNS_WATCH, STATS, keys.events, keys.ledger, keys.approvals],
+        [
+            keys.run,
+            keys.lease,
+            keys.messages,
+            RUNS_WATCH,
+            STATS,
+            keys.events,
+            keys.handback,
+            keys.ledger,
+            keys.approvals,
+        ],
         [
             token,
             status,
@@ -241,6 +376,8 @@ def finish(
             pack_result(result),
             retention_s if status in TERMINAL_STATUSES else 0,
             "" if watch_at_ms is None else watch_at_ms,
+            SCHEMA_VERSION,
+            writes.new_id(),
             *script_args(event),
         ],
     )
@@ -255,16 +392,17 @@ def _expire(pipe: Pipeline, keys: RunKeys, retention_s: int) -> None:
             pipe.expire(key, retention_s)
 
 
-def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int = 0) -> None:
+def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int = 0) -> bool:
     """Fail a run without holding its lease (its records are unreadable, or its turn keeps dying),
-    touching only its status and error fields."""
+    touching only its status and error fields. A run already finished (cancelled, say) is left as it
+    is. Returns True if the run was failed now."""
     keys = RunKeys.of(run_id)
-    with r.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.run, mapping={"status": "failed", "error": safe_text(reason), "updated_at": now_ms()})
-        pipe.delete(keys.lease)
-        pipe.zrem(RUNS_WATCH, run_id)
-        _expire(pipe, keys, retention_s)
-        pipe.execute()
+    others = [k for k in keys.kept() if k != keys.run]
+    return bool(
+        run_script(
+            "fail_unfenced", r, [keys.run, keys.lease, RUNS_WATCH, *others], [reason, now_ms(), run_id, retention_s]
+        )
+    )
 
 
 def set_status_unfenced(
@@ -278,17 +416,23 @@ def set_status_unfenced(
 ) -> str:
     """A status change by a person (cancel): not fenced by a lease, checked against the current status.
 
-    Returns the status the run had. A turn in flight notices at its next fenced write.
+    Returns the status the run had. A turn in flight notices at its next fenced write. Safe to
+    deliver twice: after a lost EXEC reply it finds its write id and returns the status it replaced.
     """
     keys = RunKeys.of(run_id)
+    write_id = writes.new_id()
     with r.pipeline(transaction=True) as pipe:
         while True:
             try:
                 pipe.watch(keys.run)
-                current = pipe.hget(keys.run, "status")
+                current, recent = pipe.hmget(keys.run, ["status", writes.FIELD])
+                done = writes.landed(recent, write_id)
+                if done is not None:
+                    pipe.unwatch()
+                    return done
                 if current is None:
                     raise RunNotFound(run_id)
-                before = current.decode()
+                before = current.decode("utf-8", errors="replace")
                 if before in TERMINAL_STATUSES or (allowed_from is not None and before not in allowed_from):
                     pipe.unwatch()
                     return before
@@ -297,6 +441,7 @@ def set_status_unfenced(
                 if status in TERMINAL_STATUSES:
                     pipe.zrem(RUNS_WATCH, run_id)
                     _expire(pipe, keys, retention_s)
+                writes.stage_remember(pipe, keys.run, write_id, before)
                 pipe.execute()
                 return before
             except WatchError:

@@ -15,6 +15,7 @@ SHA-256 of a low-entropy input (``{"version": "2.4.1"}``) would let anyone with 
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import hmac
 
@@ -36,6 +37,22 @@ DIGEST_PREFIX = "h:"  # a keyed digest; a plain one is bare hex
 def _digest_key(key: str | bytes) -> bytes:
     raw = base64.urlsafe_b64decode(key.encode() if isinstance(key, str) else key)
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=b"agentpool input digest v1").derive(raw)
+
+
+class KeyNotHeld(UnreadableRecord):
+    """The record is a well-formed Fernet token that none of this process's keys opens: it was sealed
+    with a key this process does not have (a key rotation reaching the workers one at a time). Not a
+    fault of the run either: a worker with that key can read it. (Fernet cannot tell a foreign key
+    from a forged or bit-flipped token; a token that is not even well formed is corrupt instead.)"""
+
+
+def _well_formed(token: bytes) -> bool:
+    """Fernet's layout: version 0x80, timestamp, IV, a whole number of AES blocks, HMAC (57 + 16n bytes)."""
+    try:
+        raw = base64.urlsafe_b64decode(token)
+    except (binascii.Error, ValueError):
+        return False
+    return len(raw) >= 73 and (len(raw) - 57) % 16 == 0 and raw[0] == 0x80
 
 
 class Cipher:
@@ -63,7 +80,9 @@ class Cipher:
         try:
             return self._fernet.decrypt(token)
         except InvalidToken:
-            raise UnreadableRecord(
+            if not _well_formed(token):
+                raise UnreadableRecord(f"{what} is not a valid encrypted record (corrupt)") from None
+            raise KeyNotHeld(
                 f"{what} is encrypted with a key this process does not have (check AGENTPOOL_ENCRYPTION_KEY "
                 "and AGENTPOOL_ENCRYPTION_OLD_KEYS)"
             ) from None

@@ -19,6 +19,14 @@ class RunNotFound(StoreError):
         self.run_id = run_id
 
 
+class RunExists(StoreError):
+    """``enqueue_run`` was given the id of an existing run with another agent, task or limits."""
+
+    def __init__(self, run_id: str, why: str) -> None:
+        super().__init__(f"a run with id {run_id!r} already exists {why}; pick another id (nothing was changed)")
+        self.run_id = run_id
+
+
 class UnreadableRecord(StoreError):
     """A record could not be decoded: corrupt bytes, wrong shape, or the wrong encryption key."""
 

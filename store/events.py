@@ -3,7 +3,9 @@
 An event that reports a write of the turn (a tool started, save point A, a status change...) is
 recorded by that write itself, in the same Lua script or MULTI (``script_args``, ``Event.stage``):
 it exists exactly when the write does, a fenced-out zombie leaves none, and it costs no round trip
-of its own. ``emit`` records the others, best effort: it never fails a turn.
+of its own. ``emit`` records the others, best effort: it never fails a turn. Either way an event is
+safe to deliver twice (it rides in a write that is, or carries a write id of its own): the pool-wide
+counters never count a re-sent event again.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import RedisError
 
-from agentpool.store import stats
+from agentpool.store import stats, writes
 from agentpool.store.codec import safe_text
-from agentpool.store.keys import RunKeys
+from agentpool.store.keys import STATS, RunKeys
+from agentpool.store.scripts import run_script
 
 MAX_EVENTS = 1000
 log = logging.getLogger("agentpool.events")
@@ -69,13 +72,13 @@ def script_args(*events: Event | None) -> list[str | int | float]:
 
 
 def emit(r: Redis, run_id: str, kind: str, **fields: Any) -> None:
-    """Record an event that reports no write of its own (best effort)."""
+    """Record an event that reports no write of its own (best effort). Dropped for a run that no
+    longer exists."""
     event = Event.of(run_id, kind, **fields)
     event.log()  # the log line does not depend on Redis being there
+    keys = RunKeys.of(run_id)
     try:
-        with r.pipeline(transaction=False) as pipe:
-            event.stage(pipe)
-            pipe.execute()
+        run_script("emit_event", r, [keys.run, keys.events, STATS], [writes.new_id(), *script_args(event)])
     except RedisError as exc:
         log.warning("could not record event %s for run %s: %s", kind, run_id, exc)
 

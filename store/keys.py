@@ -12,12 +12,18 @@ Per run (all keys of a run share the hash tag ``{run:<id>}``)::
     ap:{run:<id>}:live      stream  the model call in flight, as it streams (text, thinking, tool-input deltas),
                                     written only while somebody watches; capped, expires soon after the call
     ap:{run:<id>}:watchers  string  present while somebody watches the run live (each watcher renews its TTL)
+    ap:{run:<id>}:handback  hash    why the run's turn was handed back on purpose (a worker without the
+                                    key, an agent it cannot import...): reason, detail, worker, since,
+                                    count, until, job; kept apart from the header so that a worker
+                                    handing back a record too new for it leaves that record untouched
 
 Global::
 
     ap:runs                 zset    run id -> created-at (ms); the listing behind `agentpool runs`
     ap:runs:watch           zset    run id -> when the reaper should next look at it (ms); holds
-                                    every run that is queued or running
+                                    every run that is queued or running (and one waiting for an
+                                    approval with a deadline); changed only by scripts or
+                                    transactions that check the status it was decided from
     ap:reaper:lock          string  held by the one worker that scans this second
     ap:stats                hash    pool-wide counters behind /metrics (see store/stats.py)
 
@@ -49,6 +55,7 @@ class RunKeys:
     approvals: str
     live: str
     watchers: str
+    handback: str
 
     @classmethod
     def of(cls, run_id: str) -> RunKeys:
@@ -63,11 +70,22 @@ class RunKeys:
             approvals=f"{base}:approvals",
             live=f"{base}:live",
             watchers=f"{base}:watchers",
+            handback=f"{base}:handback",
         )
 
     def all(self) -> tuple[str, ...]:
-        return (self.run, self.messages, self.lease, self.ledger, self.events, self.approvals, self.live, self.watchers)
+        return (
+            self.run,
+            self.messages,
+            self.lease,
+            self.ledger,
+            self.events,
+            self.approvals,
+            self.live,
+            self.watchers,
+            self.handback,
+        )
 
     def kept(self) -> tuple[str, ...]:
         """The keys that hold a run's data (not its lease): what the retention expires."""
-        return (self.run, self.messages, self.ledger, self.events, self.approvals)
+        return (self.run, self.messages, self.ledger, self.events, self.approvals, self.handback)

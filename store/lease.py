@@ -2,7 +2,11 @@
 
 A token is ``"<fence>:<worker id>"``. The fence is bumped on every acquisition, so a worker that was
 frozen past its lease holds a token nobody will ever accept again: every write of a turn is a script
-that compares the lease with the writer's token first (see ``store/lua``).
+that compares the lease with the writer's token first (see ``store/lua``). The fence of a run only
+grows: nothing resets a run's header (``enqueue_run`` refuses or returns an existing run).
+
+Every operation here is safe to deliver twice (see ``store/writes.py``): renew and release are
+idempotent, and an acquire carries a request id so that its re-delivery is recognised.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from agentpool.store.events import Event, script_args
 from agentpool.store.keys import RUNS_WATCH, STATS, RunKeys
 from agentpool.store.records import SCHEMA_VERSION
 from agentpool.store.scripts import run_script
+from agentpool.store.writes import new_id
 
 
 class Acquire(enum.IntEnum):
@@ -37,6 +42,7 @@ class AcquireResult:
     code: Acquire
     detail: str  # the token when acquired; otherwise what the code refers to
     then: list[Any] = field(default_factory=list)  # the replies of the reads staged after the script
+    recorded: bool = False  # the event (turn_started) was recorded with this acquisition
 
     @property
     def token(self) -> str:
@@ -58,12 +64,15 @@ def acquire(
     the reads ``then`` stages go out in the same round trip, after the script (their replies are
     wasted when the lease is not taken: a rare stale or duplicate job)."""
     script_keys = [keys.run, keys.lease, RUNS_WATCH, keys.events, STATS]
-    args = [worker_id, ttl_ms, now_ms(), keys.run_id, turn, SCHEMA_VERSION, *script_args(event)]
+    args = [worker_id, ttl_ms, now_ms(), keys.run_id, turn, SCHEMA_VERSION, new_id(), *script_args(event)]
     reply, *after = run_script.pipelined(r, "lease_acquire", [(script_keys, args)], then)
-    code, detail, *recorded = reply  # type: ignore[misc]
-    if event and recorded and recorded[0]:
+    code, detail, *flag = reply  # type: ignore[misc]
+    recorded = bool(flag and flag[0])
+    if event and recorded:
         event.log()
-    return AcquireResult(Acquire(int(code)), detail.decode() if isinstance(detail, bytes) else str(detail), after)
+    # A corrupt header can hold any bytes (the status of a NOT_ACTIVE answer): never fail on decoding them.
+    text = detail.decode("utf-8", errors="replace") if isinstance(detail, bytes) else str(detail)
+    return AcquireResult(Acquire(int(code)), text, after, recorded)
 
 
 def renew(r: Redis, keys: RunKeys, token: str, ttl_ms: int) -> bool:

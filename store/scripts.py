@@ -1,6 +1,7 @@
 """The Lua scripts in ``store/lua``, loaded once and called by name (EVALSHA, EVAL on a cache miss).
 
-A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended: Redis has no includes.
+A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended, one that calls
+``remember``/``replayed`` gets ``store/lua/_once.lua``: Redis has no includes.
 """
 
 from __future__ import annotations
@@ -19,15 +20,24 @@ from agentpool.store.codec import safe_text
 _LUA_DIR = Path(__file__).with_name("lua")
 
 
+# Helper files and a call that needs each: Redis has no includes, so they are prepended.
+_HELPERS = (("_event", "record_event("), ("_once", "remember("), ("_once", "replayed("))
+
+
 @cache
-def _source(name: str) -> str:
-    text = (_LUA_DIR / f"{name}.lua").read_text()
-    return (_LUA_DIR / "_event.lua").read_text() + text if "record_event(" in text else text
-
-
 def source(name: str) -> str:
-    """A script's text, for an EVAL inside a pipeline whose other replies a NOSCRIPT must not spoil."""
-    return _source(name)
+    """The script's text with the helpers it calls prepended."""
+    text = (_LUA_DIR / f"{name}.lua").read_text()
+    needed = dict.fromkeys(helper for helper, call in _HELPERS if call in text)
+    return "".join((_LUA_DIR / f"{helper}.lua").read_text() for helper in needed) + text
+
+
+@cache
+def compact_source(name: str) -> str:
+    """``source`` without its comment lines: for a script sent whole with EVAL (inside a MULTI, where
+    EVALSHA could meet an empty script cache), so a save does not send Redis the documentation."""
+    lines = [line for line in source(name).splitlines() if line.strip() and not line.lstrip().startswith("--")]
+    return "\n".join(lines) + "\n"
 
 
 class _Scripts:
@@ -39,7 +49,7 @@ class _Scripts:
     def _script(self, name: str) -> Script:
         script = self._loaded.get(name)
         if script is None:
-            script = self._loaded[name] = Script(None, _source(name).encode())  # type: ignore[arg-type]
+            script = self._loaded[name] = Script(None, source(name).encode())  # type: ignore[arg-type]
         return script
 
     def __call__(self, name: str, client: Redis | Pipeline, keys: list[str], args: list[object]) -> object:

@@ -34,7 +34,7 @@ from agentpool.store.records import (
     pack_message,
     unpack_message,
 )
-from agentpool.store.scripts import run_script, source
+from agentpool.store.scripts import compact_source, run_script
 
 
 def is_compaction_point(message: Mapping[str, Any]) -> bool:
@@ -58,7 +58,7 @@ def latest_point(messages: list[dict[str, Any]]) -> int:
 def stage_load(pipe: Pipeline, keys: RunKeys) -> None:
     """Add the reads of a run's header and window to ``pipe``; ``decode`` turns their replies into its state."""
     pipe.hgetall(keys.run)
-    pipe.eval(source("load_window"), 2, keys.run, keys.messages)
+    pipe.eval(compact_source("load_window"), 2, keys.run, keys.messages)
 
 
 def decode(run_id: str, header: Mapping[bytes, bytes], reply: list[Any]) -> RunState:

@@ -123,7 +123,7 @@ def wait_for_status(r: Redis, run_id: str, status: str, timeout: float = 30) -> 
 
     deadline = time.monotonic() + timeout
     while True:
-        current = (r.hget(RunKeys.of(run_id).run, "status") or b"").decode()
+        current = (r.hget(RunKeys.of(run_id).run, "status") or b"").decode("utf-8", errors="replace")
         if current == status:
             return
         if time.monotonic() > deadline:

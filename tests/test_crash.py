@@ -167,3 +167,35 @@ def test_a_frozen_worker_woken_after_its_lease_expired_writes_nothing(r, pool, m
     zombie_lines = [line for line in pool.logs().splitlines() if "lost the lease" in line or "lease lost" in line]
     assert zombie_lines, "the woken horse noticed it lost the lease"
     assert_valid_conversation(after.messages)
+
+
+@pytest.mark.parametrize("stop_reason", ["refusal", "model_context_window_exceeded"])
+def test_a_reply_that_ends_the_run_is_failed_in_save_point_a_itself(stop_reason, r, pool, model):
+    """Killed right after save point A: the takeover must find the run failed, never settle the
+    reply's tool_use and call the model again (a refusal completed with a second call, before)."""
+    model.set_scripts(
+        {
+            "ends": [
+                {
+                    "text": "I will not do that.",
+                    "tool_calls": [
+                        {"name": "send_email", "input": {"to": "a@example.com", "subject": "s", "body": "b"}}
+                    ],
+                    "stop_reason": stop_reason,
+                },
+                {"text": "Sent anyway."},
+            ]
+        }
+    )
+    pool.start(2, AGENTPOOL_FAULTS="after_save_a")
+    run_id = enqueue_run("pool_agents:support", script_task("ends"), connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+
+    assert list(pool.tmp.glob(f"fault-after_save_a-{run_id}-*")), "the horse was killed after save point A"
+    assert run.status == "failed" and stop_reason in run.error, (run.status, run.error, pool.logs())
+    assert model.stats()["by_script"]["ends"] == 1, "the model was not called again"
+    assert run.turns == 1 and not run.pending
+    assert_valid_conversation(run.messages)
+    closing = run.messages[-1]["content"][0]
+    assert closing["type"] == "tool_result" and closing.get("is_error") and "Not executed" in closing["content"]
+    assert not [e for e in pool.effects() if e.get("run") == run_id], "no tool of the failed reply ran"

@@ -404,3 +404,29 @@ def test_resume_in_the_page_continues_a_stopped_run(r, pool, model, board, page)
 
     expect(page.locator("#run-status")).to_have_text("completed", timeout=60_000)
     assert get_run(run_id, connection=r).turns == 3
+
+
+def test_a_run_that_is_not_moving_says_why_and_since_when(r, pool, model, board, page):
+    from agentpool.store import handback
+    from agentpool.store.keys import RunKeys
+
+    pool.start(1)
+    run_id = enqueue_run("not_deployed_here:agent", script_task("meeting"), connection=r)  # no worker has it
+    deadline = time.monotonic() + 30
+    while handback.read(r, RunKeys.of(run_id)) is None:
+        assert time.monotonic() < deadline, "the turn was never handed back"
+        time.sleep(0.05)
+
+    waiting = board.get(f"/api/runs/{run_id}")["run"]["waiting"]
+    assert waiting["kind"] == "handed_back" and waiting["reason"] == "agent_not_loadable" and waiting["since"]
+    row = next(row for row in board.get("/api/runs")["runs"] if row["id"] == run_id)
+    assert "handed back" in row["note"] and "cannot load" in row["note"]
+
+    page.goto(board.base + "/")
+    expect(page.locator(f'#runs-table tr[data-run-id="{run_id}"] td.note-cell')).to_contain_text("handed back")
+    page.goto(f"{board.base}/runs/{run_id}")
+    callout = page.locator("#run-waiting")
+    expect(callout).to_contain_text("Handed back")
+    expect(callout).to_contain_text("cannot import module 'not_deployed_here'")
+    expect(callout).to_contain_text("since")
+    assert page.errors == []

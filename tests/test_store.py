@@ -94,13 +94,16 @@ def test_save_point_a_appends_counts_and_records_pending(r):
         checkpoint.commit_response(
             r, KEYS, "9:zombie", turns_before=1, message=reply(), pending=[], usage=usage, cost_usd=1.0
         )
-    assert checkpoint.load_run(r, RUN).usage == usage, "a fenced-out zombie's call is not counted"
+    doubled = {name: 2 * n for name, n in usage.items()}
+    state = checkpoint.load_run(r, RUN)
+    assert (state.usage, state.cost_usd) == (doubled, 1.25), "a fenced-out zombie's call was paid for: it counts"
+    assert (state.turns, len(state.messages)) == (1, 2), "but nothing of its response is committed"
     with pytest.raises(LeaseLost):  # the same response twice: the checkpoint moved on
         checkpoint.commit_response(
             r, KEYS, token, turns_before=0, message=reply(), pending=[], usage=usage, cost_usd=0.25
         )
     assert r.llen(KEYS.messages) == 2
-    assert checkpoint.load_run(r, RUN).cost_usd == 0.5, "a response refused still counts the call it cost"
+    assert checkpoint.load_run(r, RUN).cost_usd == 1.5, "a response refused still counts the call it cost"
 
 
 def test_save_point_b_lands_with_its_enqueue_or_not_at_all(r):
@@ -164,8 +167,13 @@ def test_an_event_is_recorded_with_its_write_and_never_without_it(r):
             now=1.0,
             event=Event.of(RUN, "tool_started", tool="read_notes", effect="read"),
         )
-    assert [e["kind"] for _, e in events.read(r, RUN)] == ["turn_started"], "a fenced-out write leaves no event"
-    assert stats.read_all(r) == {"turns": 1.0}
+    assert [e["kind"] for _, e in events.read(r, RUN)] == ["turn_started", "model_responded"], (
+        "a fenced-out write leaves no event; the zombie's call, paid for, is counted with its event"
+    )
+    assert stats.read_all(r)["turns"] == 1.0 and stats.read_all(r)["cost_usd"] == 0.5
+    for event_id, _ in events.read(r, RUN)[1:]:
+        r.xdel(KEYS.events, event_id)
+    r.delete("ap:stats")
 
     checkpoint.commit_response(
         r,
@@ -286,3 +294,20 @@ def test_save_point_b_keeps_a_tool_result_once(r):
     assert len(r.hget(KEYS.ledger, "toolu_big:out")) < 200, "the ledger keeps a note, the conversation the result"
     assert checkpoint.load_run(r, RUN).messages[-1] == results
     assert ledger.read_all(r, KEYS)["toolu_big"]["outcome"]["how"] == "ran"
+
+
+def test_every_save_that_appends_a_message_stamps_the_header_with_its_version(r):
+    """A message is never newer than its header: a worker too old for it learns so from the header,
+    when it takes the lease, before it touches anything (instead of failing on the message)."""
+    create(r)
+    token = take(r)
+    call = {"id": "toolu_1", "name": "read_notes", "input": {"topic": "x"}}
+    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(tool_use=call), pending=[call])
+    r.hset(KEYS.run, "v", 1)  # as if an older agentpool had written the header
+    results = {"role": "user", "content": [Outcome("ok", False).as_tool_result("toolu_1")]}
+    checkpoint.commit_tool_results(r, KEYS, token, message=results, enqueue_next=lambda pipe: None)
+    assert r.hget(KEYS.run, "v") == str(SCHEMA_VERSION).encode(), "save point B"
+    r.hset(KEYS.run, "v", 1)
+    token = take(r, turn=1)
+    checkpoint.finish(r, KEYS, token, status="stopped", message={"role": "user", "content": "x"}, phase="done")
+    assert r.hget(KEYS.run, "v") == str(SCHEMA_VERSION).encode(), "finish"

@@ -26,7 +26,14 @@ from agentpool.context import CallNotOwned, ToolCall, current_call
 from agentpool.pricing import set_price
 from agentpool.runtime.approvals import ApprovalError
 from agentpool.store.crypto import EncryptionKeyMissing
-from agentpool.store.errors import AgentPoolError, RunNotFound, SchemaTooNew, StoreError, UnreadableRecord
+from agentpool.store.errors import (
+    AgentPoolError,
+    RunExists,
+    RunNotFound,
+    SchemaTooNew,
+    StoreError,
+    UnreadableRecord,
+)
 from agentpool.tools import Tool, ToolInputError, tool
 from agentpool.watching import watch
 
@@ -40,6 +47,7 @@ __all__ = [
     "InvalidLimit",
     "ResumeRefused",
     "Run",
+    "RunExists",
     "RunNotFound",
     "RunTimeout",
     "SchemaTooNew",

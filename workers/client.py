@@ -16,12 +16,13 @@ from agentpool.checks import limit_value
 from agentpool.runtime.approvals import decide
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.limits import Limits
+from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import Settings, client_for
-from agentpool.runtime.takeover import stage_restart
-from agentpool.store import approvals, checkpoint, events
+from agentpool.runtime.takeover import read_header, stage_restart
+from agentpool.store import approvals, checkpoint, events, writes
 from agentpool.store import window as run_window
 from agentpool.store.codec import pack
-from agentpool.store.errors import AgentPoolError
+from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.events import emit
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import ACTIVE_STATUSES, STATUSES, RunState
@@ -56,6 +57,9 @@ class Run:
     limits: dict[str, Any] = field(default_factory=dict)
     cost_usd: float = 0.0
     awaiting_approval: list[dict[str, Any]] = field(default_factory=list)
+    # For a queued or running run: what it waits for and since when (agentpool.runtime.progress):
+    # kind (handed_back, backoff, queued, in_progress, lost), note, since, until, reason, detail, worker.
+    waiting: dict[str, Any] | None = None
     window_start: int = 0  # index in the whole conversation of the message the next request starts from
     messages_from: int = 0  # index of ``messages[0]`` in the whole conversation (0 unless loaded with window=True)
 
@@ -110,7 +114,12 @@ def enqueue_run(
     run_id: str | None = None,
 ) -> str:
     """Create a run of ``agent`` (an import path ``module:attribute``) on ``task`` and queue its
-    first turn, atomically. Returns the run id. The limits, when given, override the agent's."""
+    first turn, atomically. Returns the run id. The limits, when given, override the agent's.
+
+    Idempotent with your own ``run_id``: if that run exists for the same agent, task and limits, its
+    id is returned and the run is left as it is (a retried enqueue gets the run it made, never a
+    second one); if it exists for anything else, ``RunExists`` is raised and nothing changes. An
+    existing run is never reset."""
     check_agent_path(agent)
     if not isinstance(task, str) or not task.strip():
         raise ValueError("a run needs a non-empty task text")
@@ -125,12 +134,17 @@ def enqueue_run(
     }
     r = client_for(connection)
     run_id = run_id or new_run_id()
-    with r.pipeline(transaction=True) as pipe:
-        pipe.multi()  # RQ's enqueue joins this transaction; our commands go first
-        checkpoint.stage_create(pipe, run_id, agent=agent, task=task, limits=limits, now=time.time())
-        stage_turn(pipe, r, run_id, 0)
-        pipe.execute()
-    emit(r, run_id, "status", status="queued", agent=agent)
+    created = checkpoint.create_run(
+        r,
+        run_id,
+        agent=agent,
+        task=task,
+        limits=limits,
+        now=time.time(),
+        stage_enqueue=lambda pipe: stage_turn(pipe, r, run_id, 0),  # RQ's enqueue joins the transaction
+    )
+    if created:
+        emit(r, run_id, "status", status="queued", agent=agent)
     return run_id
 
 
@@ -151,6 +165,11 @@ def get_run(run_id: str, *, connection: Redis | None = None, window: bool = Fals
     run = Run.from_state(state, awaiting)
     run.window_start, run.messages_from = start, messages_from
     return run
+
+
+def _waiting(r: Redis, run: Run) -> dict[str, Any] | None:
+    found = why_waiting(r, run.id, run.status)
+    return found.to_dict() if found else None
 
 
 def wait_for_run(run_id: str, *, timeout: float = 300.0, connection: Redis | None = None, poll: float = 0.2) -> Run:
@@ -197,10 +216,17 @@ def resume(
     add_usd = limit_value("add_usd", add_usd, zero_ok=True)
     r = client_for(connection)
     keys = RunKeys.of(run_id)
+    write_id = writes.new_id()
     with r.pipeline(transaction=True) as pipe:
         while True:
             try:
                 pipe.watch(keys.run)
+                header = read_header(pipe, run_id)
+                if header is None:
+                    raise RunNotFound(run_id)
+                if writes.landed(header.writes, write_id):
+                    pipe.unwatch()
+                    break
                 state = checkpoint.load_run(pipe, run_id, with_messages=False)  # type: ignore[arg-type]
                 if state.status != "stopped":
                     raise AgentPoolError(f"run {run_id} is {state.status}; only a stopped run can be resumed")
@@ -223,8 +249,11 @@ def resume(
                     run_id,
                     turn=state.current_turn,
                     attempt=0,
+                    requeues=header.requeues,
                     fields={"status": "running", "error": "", "model_errors": 0, "limits": pack(limits)},
                 )
+                pipe.delete(keys.handback)
+                writes.stage_remember(pipe, keys.run, write_id)
                 pipe.execute()
                 break
             except WatchError:
@@ -282,7 +311,9 @@ def list_runs(
             continue
         if (status and state.status != status) or (agent and not agent_matches(agent, state.agent)):
             continue
-        runs.append(Run.from_state(state))
+        run = Run.from_state(state)
+        run.waiting = _waiting(r, run)
+        runs.append(run)
         if len(runs) >= limit:
             break
     return runs

@@ -15,6 +15,7 @@ from typing import Any
 
 from redis import Redis
 
+from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import client_for
 from agentpool.store import live
 from agentpool.store.errors import RunNotFound
@@ -69,7 +70,10 @@ def watch(
       ``input_json_delta`` with their ``text``, the content block's ``index``, the ``turn`` and the
       ``call`` (an id per model call); ``block_start`` (``block``: text, thinking, tool_use, compaction;
       ``name`` for a tool), ``call_start`` (``purpose``: ``reply``, or ``summary`` when agentpool
-      compacts) and ``call_end`` (``outcome``).
+      compacts) and ``call_end`` (``outcome``);
+    - ``waiting``, when what a queued or running run waits for changes (a hand-back, a backoff, a
+      free worker: ``agentpool.runtime.progress``), with ``kind``, ``note``, ``since``, ``until``,
+      ``reason`` and ``at`` (when it was seen).
 
     It starts with the events recorded so far (``since_start=False``: only new ones) and the current
     call's output so far, and ends once the run has ended (completed, failed, cancelled or stopped) and
@@ -87,6 +91,7 @@ def watch(
         events_from = last[0][0].decode() if last else "0-0"
     cursors = {keys.events: events_from, **({keys.live: "0-0"} if live_output else {})}
     renew_at = 0.0
+    said = ""  # the last waiting note yielded
     while True:
         if live_output and time.monotonic() >= renew_at:
             live.mark_watching(r, keys)
@@ -96,6 +101,11 @@ def watch(
         if status is None or status.decode() in END_STATUSES:
             yield from _read(r, keys, {keys.events: cursors[keys.events]}, None)
             return
+        waiting = why_waiting(r, run_id, status.decode())
+        note = waiting.note if waiting and waiting.kind != "in_progress" else ""
+        if note and note != said:
+            yield {"type": "waiting", "at": time.time(), **waiting.to_dict()}  # type: ignore[union-attr]
+        said = note
 
 
 def _read(r: Redis, keys: RunKeys, cursors: dict[str, str], block_ms: int | None) -> Iterator[dict[str, Any]]:

@@ -1,34 +1,52 @@
 -- Save point A: the model's response is committed before any tool runs. First counts what the call
 -- cost (tokens, USD) with its model_responded event: the call was made and billed, so that counts
--- even if the response can no longer be committed (the run was cancelled meanwhile). Then counts the
--- turn, appends the assistant message, records its tool_use blocks as pending, and stamps the header
--- with the current schema version (an older header was migrated in memory when it was loaded). With
--- a final status (the model asked for no tool), ends the run in the same step and drops the lease.
+-- even if the response can no longer be committed (the run was cancelled meanwhile, or this worker
+-- was fenced out: a zombie's call is paid for too). Then counts the turn, appends the assistant
+-- message, records its tool_use blocks as pending, clears a hand-back record (this worker could do
+-- the turn), and stamps the header with the current schema version (an older header was migrated in
+-- memory when it was loaded). With a final status (the model asked for no tool, or the reply ends
+-- the run: a refusal, or a full context window that stops it...), ends the run in the same step and
+-- drops the lease; a closing message then answers the reply's tool_uses (not run), so the
+-- conversation stays valid.
+-- Safe to deliver twice: a re-delivery of the same write id returns the first result, counting nothing.
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch   KEYS[5] ap:stats
--- KEYS[6] events   KEYS[7..] the run's other keys (ledger, approvals), for the retention
+-- KEYS[6] events   KEYS[7] hand-back record   KEYS[8..] the run's other keys (ledger, approvals), for the retention
 -- ARGV[1] token  ARGV[2] turns before this call  ARGV[3] assistant message blob  ARGV[4] pending blob
 -- ARGV[5] now ms  ARGV[6] run id  ARGV[7] final status or ''  ARGV[8] result text  ARGV[9] error text
 -- ARGV[10] schema version  ARGV[11] retention seconds for a finished run (0 keeps it)
--- ARGV[12..15] input, output, cache-read, cache-write tokens  ARGV[16] cost in USD
--- ARGV[17..] two events (see _event.lua): the model_responded one, then the one reporting the commit
--- Returns 1 ok, -1 lease lost (nothing counted), -2 run not running (status changed under us),
--- -3 stale turn.
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+-- ARGV[12..15] input, output, cache-read, cache-write tokens  ARGV[16] cost in USD  ARGV[17] write id
+-- ARGV[18] closing message blob or ''  ARGV[19..] two events (see _event.lua): the model_responded
+-- one, then the one reporting the commit
+-- Returns 1 ok, -1 lease lost, -2 run not running (status changed under us), -3 stale turn (each of
+-- these three with the spend counted), -4 no such run (nothing counted).
+local seen = replayed(KEYS[1], ARGV[17])
+if seen then return tonumber(seen) end
+if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
 redis.call('HINCRBY', KEYS[1], 'input_tokens', ARGV[12])
 redis.call('HINCRBY', KEYS[1], 'output_tokens', ARGV[13])
 redis.call('HINCRBY', KEYS[1], 'cache_read_input_tokens', ARGV[14])
 redis.call('HINCRBY', KEYS[1], 'cache_creation_input_tokens', ARGV[15])
 redis.call('HINCRBYFLOAT', KEYS[1], 'cost_usd', ARGV[16])
-local committed_event = record_event(KEYS[6], KEYS[5], 17)
+local committed_event = record_event(KEYS[6], KEYS[5], 19)
+local function refused(code)
+  remember(KEYS[1], ARGV[17], code)
+  return code
+end
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return refused(-1) end
 local h = redis.call('HMGET', KEYS[1], 'status', 'turns', 'phase')
-if h[1] ~= 'running' then return -2 end
-if h[2] ~= ARGV[2] or h[3] ~= 'model' then return -3 end
+if h[1] ~= 'running' then return refused(-2) end
+if h[2] ~= ARGV[2] or h[3] ~= 'model' then return refused(-3) end
 redis.call('RPUSH', KEYS[3], ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'turns', 1)
 redis.call('HSET', KEYS[1], 'phase', 'tools', 'pending', ARGV[4], 'model_errors', 0, 'updated_at', ARGV[5], 'v', ARGV[10])
+redis.call('DEL', KEYS[7])
+remember(KEYS[1], ARGV[17], 1)
 record_event(KEYS[6], KEYS[5], committed_event)  -- before the retention's EXPIRE, which it must not outlive
 if ARGV[7] ~= '' then
-  redis.call('HSET', KEYS[1], 'status', ARGV[7], 'phase', 'done', 'pending', '', 'result', ARGV[8], 'error', ARGV[9])
+  if ARGV[18] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[18]) end
+  -- A stopped run (the context window is full) resumes with a model call; a finished one is done.
+  local phase = ARGV[7] == 'stopped' and 'model' or 'done'
+  redis.call('HSET', KEYS[1], 'status', ARGV[7], 'phase', phase, 'pending', '', 'result', ARGV[8], 'error', ARGV[9])
   redis.call('DEL', KEYS[2])
   redis.call('ZREM', KEYS[4], ARGV[6])
   local ttl = tonumber(ARGV[11])

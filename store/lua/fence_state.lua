@@ -1,6 +1,8 @@
--- What save point B's transaction checks after its WATCH, in one round trip: the lease's holder,
--- and the run's status and attempt.
+-- What a fenced transaction (save point B, a deferral) checks after its WATCH, in one round trip:
+-- the lease's holder, the run's status, attempt and requeue count, and whether the transaction's
+-- write id already landed (its EXEC was applied but the reply lost: redis-py raised WatchError).
 -- KEYS[1] lease   KEYS[2] run header
--- Returns {holder or nil, status or nil, attempt or nil}.
-local h = redis.call('HMGET', KEYS[2], 'status', 'attempt')
-return {redis.call('GET', KEYS[1]), h[1], h[2]}
+-- ARGV[1] write id
+-- Returns {holder or nil, status or nil, attempt or nil, requeues or nil, the landed result or nil}.
+local h = redis.call('HMGET', KEYS[2], 'status', 'attempt', 'requeues')
+return {redis.call('GET', KEYS[1]), h[1], h[2], h[3], replayed(KEYS[2], ARGV[1]) or false}

@@ -1,27 +1,36 @@
 -- Fenced status change that ends the turn without a next one: stopped (a limit), waiting_approval,
--- failed, or completed after the last tool results. Optionally appends one last message. Drops the
--- lease. A run that is finished for good (completed, failed) expires after the retention.
--- Records the status event with it.
+-- failed, or completed after the last tool results. Optionally appends one last message, stamping the
+-- header with the schema version it was written in (so a worker too old to read that message finds
+-- out from the header, before it touches anything). Drops the lease and any hand-back record. A run
+-- that is finished for good (completed, failed) expires after the retention. Records the status
+-- event with it. Safe to deliver twice: a re-delivery of the same write id returns the first result.
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch   KEYS[5] ap:stats
--- KEYS[6] events   KEYS[7..] the run's other keys (ledger, approvals), for the retention
+-- KEYS[6] events   KEYS[7] hand-back record   KEYS[8..] the run's other keys (ledger, approvals), for the retention
 -- ARGV[1] token  ARGV[2] status  ARGV[3] error text  ARGV[4] now ms  ARGV[5] run id
 -- ARGV[6] message blob or ''  ARGV[7] phase after ('' keeps it)  ARGV[8] result text or ''
 -- ARGV[9] retention seconds (0 keeps it)  ARGV[10] watch score ('' removes the run from the watch set)
--- ARGV[11..] the event (see _event.lua)
+-- ARGV[11] schema version of the message  ARGV[12] write id  ARGV[13..] the event (see _event.lua)
 -- Returns 1 ok, -1 lease lost, -2 run not running.
+local seen = replayed(KEYS[1], ARGV[12])
+if seen then return tonumber(seen) end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return -2 end
-if ARGV[6] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[6]) end
+if ARGV[6] ~= '' then
+  redis.call('RPUSH', KEYS[3], ARGV[6])
+  redis.call('HSET', KEYS[1], 'v', ARGV[11])
+end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'error', ARGV[3], 'updated_at', ARGV[4])
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'phase', ARGV[7], 'pending', '') end
 if ARGV[8] ~= '' then redis.call('HSET', KEYS[1], 'result', ARGV[8]) end
 redis.call('DEL', KEYS[2])
+redis.call('DEL', KEYS[7])
 if ARGV[10] == '' then
   redis.call('ZREM', KEYS[4], ARGV[5])
 else
   redis.call('ZADD', KEYS[4], ARGV[10], ARGV[5])
 end
-record_event(KEYS[6], KEYS[5], 11)  -- before the retention's EXPIRE, which it must not outlive
+remember(KEYS[1], ARGV[12], 1)
+record_event(KEYS[6], KEYS[5], 13)  -- before the retention's EXPIRE, which it must not outlive
 local ttl = tonumber(ARGV[9])
 if ttl > 0 then
   for i = 1, 3, 2 do redis.call('EXPIRE', KEYS[i], ttl) end

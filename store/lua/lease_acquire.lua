@@ -2,15 +2,24 @@
 -- and nobody holds the lease. Bumps the fence, so every earlier owner's token is dead.
 -- Records the turn_started event when the turn is to call the model (not when it settles the tools
 -- a dead worker left pending).
+-- Safe to deliver twice: the request id is kept in the header (`acq`); a re-delivery of the request
+-- that took the lease finds it there and answers as the first delivery did (the same token, no new
+-- fence, no second event) instead of "held by someone" (itself).
 -- KEYS[1] run header (hash)   KEYS[2] lease (string)   KEYS[3] ap:runs:watch (zset)
 -- KEYS[4] events (stream)   KEYS[5] ap:stats (hash)
 -- ARGV[1] worker id  ARGV[2] ttl ms  ARGV[3] now ms  ARGV[4] run id  ARGV[5] turn of the job
--- ARGV[6] highest schema version this code understands  ARGV[7..] the event (see _event.lua)
+-- ARGV[6] highest schema version this code understands  ARGV[7] request id  ARGV[8..] the event (see _event.lua)
 -- Returns {code, detail[, event recorded]}:
 --   1 acquired (token, 1 if it recorded the event)   0 held by another (holder token)   -1 no such run   -2 stale (current turn)
 --   -3 not active (status)   -4 schema too new (version)   -5 header unreadable (field name)
-local h = redis.call('HMGET', KEYS[1], 'v', 'status', 'turns', 'phase')
+local h = redis.call('HMGET', KEYS[1], 'v', 'status', 'turns', 'phase', 'acq', 'fence')
 if not h[1] then return {-1, ''} end
+if h[5] == ARGV[7] then
+  local mine = tostring(h[6]) .. ':' .. ARGV[1]
+  local holder = redis.call('GET', KEYS[2])
+  if holder == mine then return {1, mine, 0} end
+  return {0, holder or ''}  -- ours, but lost since (expired, released): as good as held by another
+end
 local version = tonumber(h[1])
 if not version then return {-5, 'v'} end
 if version > tonumber(ARGV[6]) then return {-4, h[1]} end
@@ -24,8 +33,8 @@ if holder then return {0, holder} end
 local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
 local token = fence .. ':' .. ARGV[1]
 redis.call('SET', KEYS[2], token, 'PX', ARGV[2])
-redis.call('HSET', KEYS[1], 'status', 'running', 'updated_at', ARGV[3])
+redis.call('HSET', KEYS[1], 'status', 'running', 'updated_at', ARGV[3], 'acq', ARGV[7])
 redis.call('ZADD', KEYS[3], tonumber(ARGV[3]) + tonumber(ARGV[2]), ARGV[4])
-if h[4] == 'tools' or ARGV[7] == '0' then return {1, token, 0} end
-record_event(KEYS[4], KEYS[5], 7)
+if h[4] == 'tools' or ARGV[8] == '0' then return {1, token, 0} end
+record_event(KEYS[4], KEYS[5], 8)
 return {1, token, 1}

@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -17,6 +17,9 @@ from agentpool.store import ledger
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import STATUSES
+
+if TYPE_CHECKING:
+    from agentpool.client import Run
 
 url_option = click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
 
@@ -187,13 +190,30 @@ def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> 
     from agentpool.client import list_runs
 
     rows = list_runs(connection=quick_client(url), limit=limit, status=status, agent=agent)
-    click.echo(f"{'ID':<28} {'AGENT':<32} {'STATUS':<17} {'TURNS':>5} {'TOKENS':>9} {'COST':>9} {'AGE':>5}")
+    click.echo(f"{'ID':<28} {'AGENT':<32} {'STATUS':<17} {'TURNS':>5} {'TOKENS':>9} {'COST':>9} {'AGE':>5}  NOTE")
     now = time.time()
     for run in rows:
         click.echo(
             f"{run.id:<28} {run.agent[:32]:<32} {run.status:<17} {run.turns:>5} {run.total_tokens:>9} "
-            f"{'$' + format(run.cost_usd, '.4f'):>9} {_age(now - run.created_at):>5}"
+            f"{'$' + format(run.cost_usd, '.4f'):>9} {_age(now - run.created_at):>5}  {_short_note(run, now)}".rstrip()
         )
+
+
+def _short_note(run: Run, now: float) -> str:
+    """Why a queued or running run is not moving, in a few words (``show`` gives the whole story)."""
+    waiting = run.waiting or {}
+    kind = waiting.get("kind")
+    if kind == "handed_back":
+        return f"handed back ({waiting['reason']}) since {_age(now - waiting['since'])}: {waiting['detail']}"[:120]
+    if kind == "backoff":
+        return f"backoff after {waiting['detail']}"[:80] + (
+            f", retry in {_age(max(0.0, waiting['until'] - now))}" if waiting.get("until") else ""
+        )
+    if kind == "queued":
+        return "waiting for a worker" + (f" for {_age(now - waiting['since'])}" if waiting.get("since") else "")
+    if kind == "lost":
+        return waiting["note"]
+    return (run.error or "")[:80] if run.status not in ("completed", "running", "queued") else ""
 
 
 @main.command()
@@ -220,6 +240,8 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
         f"tokens {run.total_tokens}  cost ${run.cost_usd:.4f}"
     )
     click.echo("usage " + ", ".join(f"{k}={v}" for k, v in run.usage.items()))
+    if run.waiting:
+        click.echo(f"now: {run.waiting['note']}")
     if run.error:
         click.echo(f"error: {run.error}")
     if run.result:
@@ -359,6 +381,9 @@ def watch(url: str | None, run_id: str, events_only: bool) -> None:
     for item in follow(run_id, connection=r, live_output=not events_only):
         if not printer.take(item):
             printer.break_line()
+            if item["type"] == "waiting":  # what a run that is not moving waits for, when that changes
+                click.echo(_event_line({"kind": "waiting", "note": str(item["note"])}, at=float(item["at"])))
+                continue
             fields = {k: str(v) for k, v in item.items() if k not in ("id", "at")}
             click.echo(_event_line(fields, at=float(item["at"])))  # type: ignore[arg-type]
     printer.break_line()

@@ -4,8 +4,9 @@ The page is plain HTML, CSS and JavaScript from ``dashboard_static/``; it polls 
 below, which read Redis through ``agentpool.client`` and ``store``::
 
     GET  /api/config                      {"token_required": bool}
-    GET  /api/runs?status=&agent=&limit=  run headers, newest first
-    GET  /api/runs/<id>?from=N            header (with resume_needs when stopped), messages[N:], ledger
+    GET  /api/runs?status=&agent=&limit=  run headers, newest first (``note``: why an active run waits)
+    GET  /api/runs/<id>?from=N            header (with resume_needs when stopped; ``waiting``: why it is not
+                                          moving, since when), messages[N:], ledger
     GET  /api/runs/<id>/events?after=ID   events after stream id ID
     GET  /api/runs/<id>/live?after=ID     the model call in flight, as it streams: entries after ID, waiting
                                           up to 2 s for one (a long poll); asking is what makes workers publish
@@ -49,8 +50,9 @@ from agentpool import client
 from agentpool.checks import InvalidLimit, limit_value
 from agentpool.ops.redisconn import quick_client, target_url, warn_if_unreachable
 from agentpool.ops.timeline import timeline
+from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import redact_url
-from agentpool.store import checkpoint, events, ledger, live
+from agentpool.store import checkpoint, events, handback, ledger, live
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import STATUSES, load_header, unpack_message
@@ -95,8 +97,10 @@ def is_loopback(host: str) -> bool:
 # -- reading runs ------------------------------------------------------------------------------
 
 
-def _row(run: client.Run, now: float) -> dict[str, Any]:
+def _row(run: client.Run, now: float, waiting: handback.HandBack | None = None) -> dict[str, Any]:
     return {
+        # Why an active run is not moving, when a worker handed its turn back (the run page says more).
+        "note": f"handed back: {waiting.describe()}" if waiting and run.status in ("queued", "running") else "",
         "id": run.id,
         "agent": run.agent,
         "status": run.status,
@@ -117,11 +121,13 @@ def list_rows(r: Redis, *, status: str | None, agent: str | None, limit: int) ->
     with r.pipeline(transaction=False) as pipe:
         for run_id in ids:
             pipe.hgetall(RunKeys.of(run_id).run)
-        headers = pipe.execute()
+            pipe.hgetall(RunKeys.of(run_id).handback)
+        replies = pipe.execute()
+    headers, handbacks = replies[0::2], replies[1::2]
     now = time.time()
     rows: list[dict[str, Any]] = []
     agents: set[str] = set()
-    for run_id, raw in zip(ids, headers):
+    for run_id, raw, raw_handback in zip(ids, headers, handbacks):
         if not raw:
             continue  # expired after its retention; the index entry outlives it a little
         try:
@@ -134,7 +140,7 @@ def list_rows(r: Redis, *, status: str | None, agent: str | None, limit: int) ->
             continue
         if len(rows) >= limit:
             continue
-        rows.append(_row(run, now))
+        rows.append(_row(run, now, handback.decode(raw_handback)))
     return {"now": now, "runs": rows, "agents": sorted(agents), "statuses": sorted(STATUSES)}
 
 
@@ -195,6 +201,8 @@ def run_detail(r: Redis, run_id: str, start: int) -> dict[str, Any]:
     messages = [_slim(unpack_message(blob, start + i)) for i, blob in enumerate(blobs)]
     # The header's window hint (exact for a summary); the page moves it on to a later compaction block.
     run.window_start = state.window_hint
+    found = why_waiting(r, run_id, run.status)
+    run.waiting = found.to_dict() if found else None
     header = run.to_dict()
     header.pop("messages")
     now = time.time()

@@ -51,7 +51,8 @@ COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
         None,
         (
             "Turn starts: each time a worker took a turn's lease, retries after a crash or a model error, "
-            "tool-only turns after an approval and turns a limit stops before the call included."
+            "tool-only turns after an approval and turns a limit stops before the call included; "
+            "a turn a worker handed back is not counted."
         ),
         (),
     ),
@@ -72,6 +73,12 @@ COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
         "cause",
         "Turns re-enqueued because their worker was gone, by cause.",
         ("horse_death", "lease_expiry", "job_lost"),
+    ),
+    (
+        "handbacks",
+        "reason",
+        "Turns a worker gave back because it could not do them (another worker may), by reason.",
+        ("key_missing", "key_not_held", "too_new", "agent_not_loadable"),
     ),
     ("model_errors", "type", "Transient model API errors whose turn was retried later, by type.", ()),
     ("tokens", "kind", "Tokens of every model call paid for, by kind.", stats.TOKEN_FIELDS),

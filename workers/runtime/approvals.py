@@ -12,11 +12,11 @@ import time
 from redis import Redis
 from redis.exceptions import WatchError
 
-from agentpool.runtime.takeover import current_turn, stage_restart
-from agentpool.store import approvals
+from agentpool.runtime.takeover import read_header, stage_restart
+from agentpool.store import approvals, watch, writes
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.events import emit
-from agentpool.store.keys import RUNS_WATCH, RunKeys
+from agentpool.store.keys import RunKeys
 
 
 class ApprovalError(AgentPoolError):
@@ -24,16 +24,24 @@ class ApprovalError(AgentPoolError):
 
 
 def decide(r: Redis, run_id: str, tool_use_ids: list[str] | None, *, approved: bool, reason: str, by: str) -> list[str]:
+    """Record the decision on ``tool_use_ids`` (every call awaiting one if None) and, once no call
+    awaits one any more, queue the run's turn. Safe to deliver twice: after a lost EXEC reply it finds
+    its write id and returns what it decided, instead of "the run is not waiting"."""
     keys = RunKeys.of(run_id)
+    write_id = writes.new_id()
     with r.pipeline(transaction=True) as pipe:
         while True:
             try:
                 pipe.watch(keys.run, keys.approvals)
-                status, turns, phase, attempt = pipe.hmget(keys.run, ["status", "turns", "phase", "attempt"])
-                if status is None:
+                header = read_header(pipe, run_id)
+                if header is None:
                     raise RunNotFound(run_id)
-                if status != b"waiting_approval":
-                    raise ApprovalError(f"run {run_id} is {status.decode()}, not waiting for approval")
+                done = writes.landed(header.writes, write_id)
+                if done is not None:
+                    pipe.unwatch()
+                    return done.split(",")
+                if header.status != "waiting_approval":
+                    raise ApprovalError(f"run {run_id} is {header.status}, not waiting for approval")
                 waits, decisions = approvals.read(pipe, keys)  # type: ignore[arg-type]
                 awaiting = [i for i in waits if i not in decisions]
                 targets = awaiting if tool_use_ids is None else tool_use_ids
@@ -56,10 +64,12 @@ def decide(r: Redis, run_id: str, tool_use_ids: list[str] | None, *, approved: b
                         pipe,
                         r,
                         run_id,
-                        turn=current_turn(turns, phase),
-                        attempt=int(attempt or 0) + 1,
+                        turn=header.turn,
+                        attempt=header.attempt,  # a person's decision is not a crash
+                        requeues=header.requeues,
                         fields={"status": "running", "error": ""},
                     )
+                writes.stage_remember(pipe, keys.run, write_id, ",".join(targets))
                 pipe.execute()
             except WatchError:
                 continue
@@ -80,9 +90,16 @@ def decide(r: Redis, run_id: str, tool_use_ids: list[str] | None, *, approved: b
 
 def expire_due(r: Redis, run_id: str) -> list[str]:
     """Deny the calls whose approval deadline passed (the reaper calls this for waiting runs), or
-    reschedule the run for its next deadline. Returns the tool_use ids denied."""
+    reschedule the run for its next deadline. Returns the tool_use ids denied.
+
+    The denial is a watched transaction (``decide``); rescheduling or dropping the run from the watch
+    set happens only if the run still waits with the approval records read here (a person deciding
+    meanwhile queues its turn and keeps it watched: see ``agentpool.store.watch``)."""
     keys = RunKeys.of(run_id)
+    records_seen = r.hlen(keys.approvals)
     waits, decisions = approvals.read(r, keys)
+    if len(waits) + len(decisions) != records_seen:
+        return []  # changed between the two reads: look again at the next scan
     open_waits = [w for w in waits.values() if w.tool_use_id not in decisions]
     due = [w for w in open_waits if w.deadline is not None and w.deadline <= time.time()]
     if due:
@@ -98,9 +115,15 @@ def expire_due(r: Redis, run_id: str) -> list[str]:
             )
         except ApprovalError:
             return []  # decided or cancelled meanwhile
+    settle_watch(r, run_id, open_waits, records_seen=records_seen)
+    return []
+
+
+def settle_watch(r: Redis, run_id: str, open_waits: list[approvals.Wait], *, records_seen: int) -> bool:
+    """The reaper's watch-set change for a waiting run, decided from ``open_waits`` as read with
+    ``records_seen`` approval records: look again at the next deadline, or stop watching a run that
+    waits for nobody's deadline. Applied only if the run is still in that state."""
     deadlines = [w.deadline for w in open_waits if w.deadline is not None]
     if deadlines:
-        r.zadd(RUNS_WATCH, {run_id: int(min(deadlines) * 1000)})
-    else:
-        r.zrem(RUNS_WATCH, run_id)
-    return []
+        return watch.reschedule_approval(r, run_id, int(min(deadlines) * 1000), records_seen=records_seen)
+    return watch.forget_approval(r, run_id, records_seen=records_seen)

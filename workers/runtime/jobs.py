@@ -1,8 +1,9 @@
 """Turn jobs on the RQ queue: their ids, and the one place they are enqueued.
 
 A job carries only ``(run_id, turn)``; the checkpoint in Redis is the truth. Ids are deterministic:
-``<run>-t0007`` for the job save point B enqueues, ``<run>-t0007-r2`` for the second re-enqueue of
-turn 7 (a takeover or a deferred model retry).
+``<run>-t0007`` for the job save point B enqueues, ``<run>-t0007-r12`` for the run's 12th re-enqueue
+(a takeover, a deferred model retry, a resume, a person's decision, a hand-back's retry), numbered by
+the header's ``requeues`` counter under WATCH: every re-enqueue gets an id of its own.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ def turn_queue(r: Redis) -> Queue:
 
 
 def job_id(run_id: str, turn: int, attempt: int = 0) -> str:
+    """``attempt`` is the run's re-enqueue number (its header's ``requeues``), 0 for save point B's job."""
     base = f"{run_id}-t{turn:04d}"
     return f"{base}-r{attempt}" if attempt else base
 
 
 def stage_turn(pipe: Pipeline, r: Redis, run_id: str, turn: int, attempt: int = 0, *, delay: float = 0.0) -> str:
-    """Add the turn's job to ``pipe``, a transaction (already in MULTI) the caller executes with its own writes."""
+    """Add the turn's job to ``pipe``, a transaction (already in MULTI) the caller executes with its own
+    writes. ``attempt`` names the job as the run's n-th re-enqueue (see ``job_id``)."""
     queue = turn_queue(r)
     jid = job_id(run_id, turn, attempt)
     options = {

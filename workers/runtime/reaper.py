@@ -3,8 +3,10 @@
 It reads agentpool's own state, not RQ's registries: the watch set (run id -> when to look next,
 pushed forward by every lease renewal and commit), the lease, and the job id the run's header says
 carries its current turn. It repairs two things: a lease that expired (the worker died or froze), and
-a committed turn whose job vanished (a flushed queue, a failover that lost the push). It also denies
-approvals whose deadline passed, which continues the waiting run.
+a committed turn whose job vanished (a flushed queue, a failover that lost the push). It re-enqueues
+a turn that was handed back on purpose once its backoff ends (not a takeover: no attempt is counted).
+It also denies approvals whose deadline passed, which continues the waiting run. A run whose header
+is damaged is failed with the reason, once, and the scan goes on.
 
 Every worker runs it in a thread; a one-second lock lets one of them scan at a time.
 """
@@ -21,11 +23,13 @@ from rq.job import Job, JobStatus
 
 from agentpool.runtime.approvals import expire_due
 from agentpool.runtime.jobs import turn_queue
-from agentpool.runtime.takeover import requeue_turn
+from agentpool.runtime.takeover import fail_corrupt, read_header, requeue_turn
+from agentpool.store import handback, watch
 from agentpool.store.checkpoint import QUEUED_RECHECK_MS
 from agentpool.store.clock import now_ms
+from agentpool.store.errors import UnreadableRecord
 from agentpool.store.keys import REAPER_LOCK, RUNS_WATCH, RunKeys
-from agentpool.store.records import ACTIVE_STATUSES
+from agentpool.store.records import ACTIVE_STATUSES, SCHEMA_VERSION
 
 log = logging.getLogger("agentpool.reaper")
 WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value}
@@ -33,53 +37,82 @@ WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED
 
 def reap_once(r: Redis, *, batch: int = 500, report: Callable[[str, str], None] | None = None) -> list[str]:
     """Look at every run that is due. Returns the ids of runs whose turn was re-enqueued; ``report``
-    (``agentpool reap``) is told each thing done, as (run id, what)."""
+    (``agentpool reap``) is told each thing done, as (run id, what).
+
+    Every change to the watch set is conditional on the status it was decided from (``store/watch.py``):
+    a person resuming or approving a run while the reaper looks at it never drops it from the set."""
     requeued = []
     for raw in r.zrangebyscore(RUNS_WATCH, "-inf", now_ms(), start=0, num=batch):
-        run_id = raw.decode()
+        run_id = raw.decode("utf-8", errors="replace")
         try:
-            found = _why_orphaned(r, run_id, report)
-            if not found:
-                continue
-            if jid := requeue_turn(r, run_id, cause=found[1], cause_kind=found[2], dead_job=found[0]):
+            if _reap(r, run_id, report):
                 requeued.append(run_id)
-                if report:
-                    report(run_id, f"re-enqueued as {jid} ({found[1]})")
-            else:  # left alone on purpose (a newer schema, say): look again later, not every second
-                r.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS}, xx=True)
         except RedisError:
             raise
         except Exception:
+            # A bug, not a damaged record (those fail their run): say it once a recheck, not every scan.
             log.exception("reaper: could not check run %s", run_id)
+            watch.reschedule_active(r, run_id, now_ms() + QUEUED_RECHECK_MS)
     return requeued
 
 
-def _why_orphaned(
-    r: Redis, run_id: str, report: Callable[[str, str], None] | None = None
-) -> tuple[str, str, str] | None:
-    """None if the run is fine (when to look again is then recorded); else (its dead job, why, kind)."""
+def _reap(r: Redis, run_id: str, report: Callable[[str, str], None] | None = None) -> bool:
+    """True if the run's turn was re-enqueued; otherwise when to look again is recorded."""
     keys = RunKeys.of(run_id)
-    status, job_id = r.hmget(keys.run, ["status", "job"])
-    if status == b"waiting_approval":
+    try:
+        header = read_header(r, run_id)
+    except UnreadableRecord as exc:
+        fail_corrupt(r, run_id, exc, "found by the reaper")
+        return False
+    if header is None:
+        watch.forget_inactive(r, run_id)
+        return False
+    if header.version > SCHEMA_VERSION:  # a newer agentpool's run: its own reapers look after it
+        r.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS}, xx=True)  # (unless they dropped it)
+        return False
+    if header.status == "waiting_approval":
         denied = expire_due(r, run_id)  # due because an approval deadline passed
         if denied and report:
             report(run_id, f"denied {', '.join(denied)}: the approval expired")
-        return None
-    if status is None or status.decode() not in ACTIVE_STATUSES:
-        r.zrem(RUNS_WATCH, run_id)
-        return None
+        return False
+    if header.status not in ACTIVE_STATUSES:
+        watch.forget_inactive(r, run_id)
+        return False
     ttl = r.pttl(keys.lease)
     if ttl > 0:
-        r.zadd(RUNS_WATCH, {run_id: now_ms() + ttl})
-        return None
-    jid = (job_id or b"").decode()
-    job_state = _job_state(r, jid) if jid else "missing"
+        watch.reschedule_active(r, run_id, now_ms() + ttl)
+        return False
+    found = _why_orphaned(r, run_id, header.job)
+    if found is None:
+        return False
+    cause, cause_kind, count_attempt = found
+    jid = requeue_turn(r, run_id, cause=cause, cause_kind=cause_kind, dead_job=header.job, count_attempt=count_attempt)
+    if jid:
+        if report:
+            report(run_id, f"re-enqueued as {jid} ({cause})")
+        return True
+    # Left alone on purpose (a newer schema, say): look again later, not every second.
+    watch.reschedule_active(r, run_id, now_ms() + QUEUED_RECHECK_MS)
+    return False
+
+
+def _why_orphaned(r: Redis, run_id: str, job_id: str) -> tuple[str, str, bool] | None:
+    """None if the run's turn is fine (when to look again is then recorded); else (why, kind, whether
+    re-enqueueing it counts as an attempt)."""
+    record = handback.read(r, RunKeys.of(run_id))
+    if record is not None and record.job == job_id:
+        # The turn was given back on purpose: not a crash, no attempt; re-enqueued when its backoff ends.
+        if record.until * 1000 > now_ms():
+            watch.reschedule_active(r, run_id, int(record.until * 1000))
+            return None
+        return f"handed back ({record.reason}), backoff over", "handed_back", False
+    job_state = _job_state(r, job_id) if job_id else "missing"
     if job_state == "waiting":
-        r.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS})
+        watch.reschedule_active(r, run_id, now_ms() + QUEUED_RECHECK_MS)
         return None
     if job_state == "started":
-        return jid, "lease expired", "lease_expiry"
-    return jid, f"its job is {job_state}", "job_lost"
+        return "lease expired", "lease_expiry", True
+    return f"its job is {job_state}", "job_lost", True
 
 
 def _job_state(r: Redis, job_id: str) -> str:
@@ -87,7 +120,7 @@ def _job_state(r: Redis, job_id: str) -> str:
     raw = r.hget(Job.key_for(job_id), "status")
     if raw is None:
         return "missing"
-    status = raw.decode()
+    status = raw.decode("utf-8", errors="replace")
     if status == JobStatus.QUEUED.value and turn_queue(r).get_job_position(job_id) is None:
         return "lost from the queue"
     return "waiting" if status in WAITING else status

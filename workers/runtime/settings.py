@@ -46,6 +46,7 @@ class Settings:
     model_idle_timeout: float = 120.0  # longest silence allowed between a streamed call's events
     model_call_timeout: float = 600.0  # cap on a whole model call, streamed or not
     model_streaming: bool = True  # False: one non-streaming create() per call (no live output)
+    agent_load_grace: float = 300.0  # seconds no worker could load a run's agent before the run stops
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -62,6 +63,7 @@ class Settings:
             model_call_timeout=_env_float("AGENTPOOL_MODEL_CALL_TIMEOUT", 600.0),
             model_streaming=os.environ.get("AGENTPOOL_MODEL_STREAMING", "1").strip().lower()
             not in ("0", "false", "no"),
+            agent_load_grace=_env_float("AGENTPOOL_AGENT_LOAD_GRACE", 300.0),
         )
 
     @property

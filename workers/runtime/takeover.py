@@ -1,14 +1,21 @@
-"""Putting a run's current turn back on the queue when the worker that held it is gone.
+"""Putting a run's current turn back on the queue when the worker that held it is gone, or gave it back.
 
-Used by the worker when its work horse dies (at once) and by the reaper when a lease expired or a
-committed turn's job vanished. It re-checks everything inside one WATCH/MULTI: a run whose lease is
-held, that is not active, or whose turn moved on is left alone. A duplicate job is harmless anyway
-(it finds the lease held or its turn stale and exits), but we avoid making one.
+Used by the worker when its work horse dies (at once), by the reaper when a lease expired, a
+committed turn's job vanished, or a hand-back's backoff ended. It re-checks everything inside one
+WATCH/MULTI: a run whose lease is held, that is not active, or whose turn moved on is left alone. A
+duplicate job is harmless anyway (it finds the lease held or its turn stale and exits), but we avoid
+making one.
+
+Every takeover path reads header fields a crash, a bug or a person may have damaged. A field that does
+not parse fails that run with the reason (its data left as found) and never raises into the worker
+that called: a forking worker's horse-death handler, the supervisor of a threaded worker and the reaper
+must all go on serving other runs.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from redis import Redis
 from redis.client import Pipeline
@@ -18,79 +25,171 @@ from rq.job import Job
 
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.serializer import MsgpackSerializer
-from agentpool.store import ledger
+from agentpool.store import ledger, writes
 from agentpool.store.checkpoint import QUEUED_RECHECK_MS, fail_unfenced
 from agentpool.store.clock import now_ms
+from agentpool.store.errors import UnreadableRecord
 from agentpool.store.events import emit
 from agentpool.store.keys import RUNS_WATCH, RunKeys
 from agentpool.store.lease import release_dead_holder
-from agentpool.store.records import ACTIVE_STATUSES, SCHEMA_VERSION
+from agentpool.store.records import ACTIVE_STATUSES, SCHEMA_VERSION, STATUSES
 
 log = logging.getLogger("agentpool.takeover")
 
 # A turn started this many times without finishing is failing for a reason retrying will not fix
 # (a tool that OOM-kills every worker, say): the run fails instead of taking the pool down in a loop.
+# Hand-backs (a worker that cannot do the turn, on purpose) are not attempts and do not count.
 MAX_TURN_ATTEMPTS = 25
+HEADER_FIELDS = ("v", "status", "turns", "phase", "attempt", "job", "requeues", writes.FIELD)
 
 
-def stage_restart(pipe: Pipeline, r: Redis, run_id: str, *, turn: int, attempt: int, fields: dict | None = None) -> str:
+@dataclass(frozen=True)
+class Header:
+    """The header fields a re-enqueue decides from, parsed; ``parse`` raises UnreadableRecord."""
+
+    version: int
+    status: str
+    turn: int  # the current turn (see RunState.current_turn)
+    attempt: int
+    requeues: int
+    job: str
+    writes: bytes | None
+
+    @classmethod
+    def parse(cls, raw: list[bytes | None]) -> Header | None:
+        """None for a run that does not exist."""
+        fields = dict(zip(HEADER_FIELDS, raw))
+        if fields["status"] is None:
+            return None
+
+        def number(name: str) -> int:
+            try:
+                return int(fields[name] or 0)
+            except ValueError:
+                raise UnreadableRecord(f"header field {name!r} is unreadable: {fields[name][:40]!r}") from None
+
+        def text(name: str) -> str:
+            try:
+                return (fields[name] or b"").decode()
+            except UnicodeDecodeError:
+                raise UnreadableRecord(f"header field {name!r} is not UTF-8: {fields[name][:40]!r}") from None
+
+        version = number("v")
+        if version > SCHEMA_VERSION:
+            # A newer agentpool wrote it: fields this code does not know (a new status, say) are not
+            # damage. Nothing here decides for it: callers leave such a run alone.
+            lenient = {name: (fields[name] or b"").decode("utf-8", errors="replace") for name in ("status", "job")}
+            return cls(version, lenient["status"], 0, 0, 0, lenient["job"], fields[writes.FIELD])
+        status = text("status")
+        if status not in STATUSES:
+            raise UnreadableRecord(f"header field 'status' holds an unknown status {status[:40]!r}")
+        return cls(
+            version=version,
+            status=status,
+            turn=number("turns") - (1 if fields["phase"] == b"tools" else 0),
+            attempt=number("attempt"),
+            requeues=number("requeues"),
+            job=text("job"),
+            writes=fields[writes.FIELD],
+        )
+
+
+def read_header(pipe: Redis | Pipeline, run_id: str) -> Header | None:
+    return Header.parse(pipe.hmget(RunKeys.of(run_id).run, list(HEADER_FIELDS)))
+
+
+def fail_corrupt(r: Redis, run_id: str, exc: UnreadableRecord, where: str) -> None:
+    """The run cannot be taken over because its header is damaged: fail it with the reason, once."""
+    reason = f"{exc}; the run cannot be taken over ({where}); its data is left as found"
+    if fail_unfenced(r, run_id, reason):
+        log.error("run %s failed: %s", run_id, reason)
+        emit(r, run_id, "status", status="failed", error=reason)
+
+
+def stage_restart(
+    pipe: Pipeline, r: Redis, run_id: str, *, turn: int, attempt: int, requeues: int, fields: dict | None = None
+) -> str:
     """In a transaction (in MULTI): give the run's current turn a new job, with ``fields`` (a new
-    status, say) written to the header in the same step."""
-    pipe.hset(RunKeys.of(run_id).run, mapping={"attempt": attempt, "updated_at": now_ms(), **(fields or {})})
+    status, say) written to the header in the same step. ``requeues`` is the header's count of
+    re-enqueues so far: the job is named by the next one, so every re-enqueue (a takeover, a resume, a
+    decision, a hand-back's retry) has an id of its own and never inherits an older job's expiry."""
+    pipe.hset(
+        RunKeys.of(run_id).run,
+        mapping={"attempt": attempt, "requeues": requeues + 1, "updated_at": now_ms(), **(fields or {})},
+    )
     pipe.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS})
-    return stage_turn(pipe, r, run_id, turn, attempt)
+    return stage_turn(pipe, r, run_id, turn, requeues + 1)
 
 
-def current_turn(turns: bytes | None, phase: bytes | None) -> int:
-    return int(turns or 0) - (1 if phase == b"tools" else 0)
-
-
-def requeue_turn(r: Redis, run_id: str, *, cause: str, cause_kind: str, dead_job: str | None = None) -> str | None:
+def requeue_turn(
+    r: Redis,
+    run_id: str,
+    *,
+    cause: str,
+    cause_kind: str,
+    dead_job: str | None = None,
+    count_attempt: bool = True,
+) -> str | None:
     """Enqueue the current turn again. Returns the new job id, or None when nothing was needed.
 
-    ``cause_kind`` labels the takeover for metrics: horse_death, lease_expiry or job_lost.
+    ``cause_kind`` labels the takeover for metrics: horse_death, lease_expiry or job_lost; or
+    ``handed_back`` (with ``count_attempt=False``), which is no takeover and counts no attempt.
 
     With ``dead_job``, only if that job is still the run's current one (a horse that died after
-    save point B had already queued the next turn, which needs nothing).
+    save point B had already queued the next turn, which needs nothing). A run whose header is
+    damaged is failed with the reason; this never raises for it.
     """
     keys = RunKeys.of(run_id)
+    write_id = writes.new_id()
     with r.pipeline(transaction=True) as pipe:
         while True:
             try:
                 pipe.watch(keys.run, keys.lease)
-                v, status, turns, phase, attempt, job = pipe.hmget(
-                    keys.run, ["v", "status", "turns", "phase", "attempt", "job"]
-                )
-                moved_on = dead_job is not None and (job or b"").decode() != dead_job
-                if status is None or status.decode() not in ACTIVE_STATUSES or moved_on or pipe.exists(keys.lease):
+                try:
+                    header = read_header(pipe, run_id)
+                except UnreadableRecord as exc:
+                    pipe.unwatch()
+                    fail_corrupt(r, run_id, exc, f"after: {cause}")
+                    return None
+                if header is not None and writes.landed(header.writes, write_id):
+                    pipe.unwatch()
+                    jid = header.job  # an earlier try's EXEC landed; its reply was lost
+                    break
+                moved_on = header is not None and dead_job is not None and header.job != dead_job
+                if header is None or header.status not in ACTIVE_STATUSES or moved_on or pipe.exists(keys.lease):
                     pipe.unwatch()
                     return None
-                if int(v or 0) > SCHEMA_VERSION:
+                if header.version > SCHEMA_VERSION:
                     pipe.unwatch()
                     return None  # a newer agentpool owns this run; an old reaper must not spin on it
-                turn = current_turn(turns, phase)
-                next_attempt = int(attempt or 0) + 1
+                next_attempt = header.attempt + 1 if count_attempt else header.attempt
                 if next_attempt > MAX_TURN_ATTEMPTS:
                     pipe.unwatch()
-                    fail_unfenced(
-                        r,
-                        run_id,
-                        f"turn {turn} was started {MAX_TURN_ATTEMPTS} times without finishing (last: {cause}); "
-                        "check the worker logs for what kills it",
+                    reason = (
+                        f"turn {header.turn} was started {MAX_TURN_ATTEMPTS} times without finishing (last: {cause}); "
+                        "check the worker logs for what kills it"
                     )
+                    if fail_unfenced(r, run_id, reason):
+                        emit(r, run_id, "status", status="failed", error=reason)
                     return None
                 pipe.multi()
-                jid = stage_restart(pipe, r, run_id, turn=turn, attempt=next_attempt)
+                jid = stage_restart(pipe, r, run_id, turn=header.turn, attempt=next_attempt, requeues=header.requeues)
+                writes.stage_remember(pipe, keys.run, write_id)
                 pipe.execute()
+                break
             except WatchError:
                 continue
-            log.warning("run %s: turn %s re-enqueued as %s (%s)", run_id, turn, jid, cause)
-            emit(r, run_id, "takeover", turn=turn, cause=cause, cause_kind=cause_kind, job=jid)
-            if dead_job and cause_kind == "lease_expiry":
-                # Its worker is gone (or frozen past the lease: fenced out either way). A job that failed
-                # for a reason of its own (job_lost) is kept: its traceback is worth reading.
-                forget_turn_job(r, dead_job)
-            return jid
+    if count_attempt:
+        log.warning("run %s: turn %s re-enqueued as %s (%s)", run_id, header.turn, jid, cause)
+        emit(r, run_id, "takeover", turn=header.turn, cause=cause, cause_kind=cause_kind, job=jid)
+    else:
+        log.info("run %s: turn %s re-enqueued as %s (%s)", run_id, header.turn, jid, cause)
+        emit(r, run_id, "requeued", turn=header.turn, cause=cause, job=jid)
+    if dead_job and cause_kind == "lease_expiry":
+        # Its worker is gone (or frozen past the lease: fenced out either way). A job that failed for a
+        # reason of its own (job_lost) is kept: its traceback is worth reading.
+        forget_turn_job(r, dead_job)
+    return jid
 
 
 def is_turn_job(job: Job) -> bool:
@@ -123,6 +222,8 @@ def hand_over_dead_holder(r: Redis, job: Job, holder: str, *, cause: str) -> str
         run_id, _turn = job.args
     except (DeserializationError, ValueError, TypeError):
         return None  # not an agentpool turn
+    if not isinstance(run_id, str):
+        return None
     ledger.mark_ended(r, RunKeys.of(run_id), holder, now_ms() / 1000)
     release_dead_holder(r, RunKeys.of(run_id), holder)
     return run_id if requeue_turn(r, run_id, cause=cause, cause_kind="horse_death", dead_job=job.id) else None

@@ -13,6 +13,10 @@ The order of writes is the whole point (see DESIGN.md, "Save points inside a tur
 
 Every write is fenced by the lease token, so a worker that lost its lease (frozen, partitioned)
 commits nothing, writes no ledger entry and starts no tool.
+
+A turn this worker cannot do (no encryption key, a key it does not have, a record newer than its
+code, an agent it cannot import) is handed back for another worker (``agentpool.store.handback``):
+not a crash, not a failure of the run.
 """
 
 from __future__ import annotations
@@ -40,13 +44,14 @@ from agentpool.runtime.model import ContextTooLong, ModelQuotaExhausted, ModelRe
 from agentpool.runtime.settings import Settings, connect
 from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
 from agentpool.runtime.stream import LiveOutput
-from agentpool.store import checkpoint, live, spend, window
-from agentpool.store.crypto import EncryptionKeyMissing
+from agentpool.store import checkpoint, handback, live, spend, window
+from agentpool.store.crypto import EncryptionKeyMissing, KeyNotHeld
 from agentpool.store.errors import LeaseLost, LedgerMismatch, RunNotActive, SchemaTooNew, UnreadableRecord
 from agentpool.store.events import Event, emit
 from agentpool.store.keys import RunKeys
-from agentpool.store.lease import Acquire, acquire, release
-from agentpool.store.records import RunState
+from agentpool.store.lease import Acquire, AcquireResult, acquire, release
+from agentpool.store.ledger import Outcome
+from agentpool.store.records import TERMINAL_STATUSES, RunState
 
 log = logging.getLogger("agentpool.turn")
 
@@ -62,6 +67,13 @@ FAILED_STOPS = {
 OVERFLOW = "model_context_window_exceeded"
 # After an unexpected error, the turn is re-enqueued by the reaper after this pause.
 CRASH_RECHECK_MS = 5_000
+# What this worker cannot do but another may: the turn is handed back, never failed.
+HANDED_BACK: tuple[tuple[type[Exception], str], ...] = (
+    (EncryptionKeyMissing, "key_missing"),
+    (KeyNotHeld, "key_not_held"),
+    (SchemaTooNew, "too_new"),
+    (AgentNotFound, "agent_not_loadable"),
+)
 
 
 def worker_identity() -> str:
@@ -85,8 +97,11 @@ def run_turn(run_id: str, turn: int) -> str:
         event=Event.of(run_id, "turn_started", turn=turn),
         then=lambda pipe: (window.stage_load(pipe, keys), live.stage_watched(pipe, keys)),
     )
+    job_id = job.id if job is not None else ""
     if got.code is Acquire.TOO_NEW:
-        raise SchemaTooNew(f"run {run_id} has schema version {got.detail}, newer than this worker; left untouched")
+        # The record is left untouched: the hand-back is recorded beside it, the lease was never taken.
+        detail = f"run {run_id} has schema version {got.detail}, newer than this worker understands"
+        return _hand_back(r, keys, got, "", SchemaTooNew(detail), job_id)
     if got.code is Acquire.UNREADABLE:
         checkpoint.fail_unfenced(r, run_id, f"run header field {got.detail!r} is unreadable; data left as found")
         return "unreadable"
@@ -100,11 +115,12 @@ def run_turn(run_id: str, turn: int) -> str:
         except (LeaseLost, RunNotActive) as exc:
             log.warning("run %s turn %s: %s", run_id, turn, exc)
             return "abandoned"
-        except EncryptionKeyMissing:
-            # This worker is misconfigured, the run is fine: give it back for a worker with the key.
-            release(r, keys, token, recheck_in_ms=CRASH_RECHECK_MS)
-            raise
-        except (UnreadableRecord, LedgerMismatch, AgentNotFound) as exc:
+        except (EncryptionKeyMissing, KeyNotHeld, SchemaTooNew, AgentNotFound) as exc:
+            # This worker cannot do the turn, the run is fine: give it back for a worker that can.
+            if isinstance(exc, AgentNotFound) and _agent_unloadable_too_long(r, keys, settings):
+                return _stop_unloadable(r, keys, token, settings, exc)
+            return _hand_back(r, keys, got, token, exc, job_id)
+        except (UnreadableRecord, LedgerMismatch) as exc:
             log.error("run %s turn %s failed: %s", run_id, turn, exc)
             checkpoint.finish(
                 r,
@@ -120,6 +136,56 @@ def run_turn(run_id: str, turn: int) -> str:
             # A bug, a lost Redis, a shutdown: give the turn back; the reaper re-enqueues it shortly.
             release(r, keys, token, recheck_in_ms=CRASH_RECHECK_MS)
             raise
+
+
+def _hand_back(r: Redis, keys: RunKeys, got: AcquireResult, token: str, exc: Exception, job_id: str) -> str:
+    """Give the turn back (see ``agentpool.store.handback``), with one clear log line and no traceback:
+    RQ sees a job that ended normally, so its failed count does not grow with every hand-back."""
+    reason = next(name for kind, name in HANDED_BACK if isinstance(exc, kind))
+    # The turn_started the acquire counted is taken back: no turn happened (the event stays in the stream).
+    counters = {f"handbacks|reason={reason}": 1.0, **({"turns": -1.0} if got.recorded else {})}
+    event = Event(
+        keys.run_id, "handed_back", {"reason": reason, "worker": worker_identity(), "error": str(exc)}, counters
+    )
+    record = handback.hand_back(
+        r, keys, token=token, reason=reason, detail=str(exc), worker=worker_identity(), job=job_id, event=event
+    )
+    if record is None:
+        log.warning("run %s: could not hand back (%s): the lease moved on meanwhile", keys.run_id, exc)
+        return "abandoned"
+    log.warning(
+        "run %s: handed back (%s): %s; it waits %.0f s for a worker that can take it",
+        keys.run_id,
+        reason,
+        exc,
+        max(0.0, record.until - time.time()),
+    )
+    return "handed_back"
+
+
+def _agent_unloadable_too_long(r: Redis, keys: RunKeys, settings: Settings) -> bool:
+    """True once no worker could load the run's agent for ``agent_load_grace`` seconds in a row."""
+    record = handback.read(r, keys)
+    return bool(
+        record and record.reason == "agent_not_loadable" and time.time() - record.since >= settings.agent_load_grace
+    )
+
+
+def _stop_unloadable(r: Redis, keys: RunKeys, token: str, settings: Settings, exc: AgentNotFound) -> str:
+    reason = (
+        f"no worker could load the agent for {settings.agent_load_grace:g} s (AGENTPOOL_AGENT_LOAD_GRACE): {exc}. "
+        "Deploy code that has it (workers import agent code when they start) and resume the run"
+    )
+    checkpoint.finish(
+        r,
+        keys,
+        token,
+        status="stopped",
+        error=reason,
+        event=Event.of(keys.run_id, "status", status="stopped", error=reason),
+    )
+    log.error("run %s: stopped: %s", keys.run_id, reason)
+    return "stopped"
 
 
 class Turn:
@@ -203,13 +269,23 @@ class Turn:
                 f"This call was cut off by {limit} and was not executed; its input may be "
                 "incomplete. Call it again with a shorter input if it is still needed."
             )
-        if failure:
-            for call in pending:
-                call.setdefault("not_run", f"Not executed: {failure}.")
         final = ""
         result = ""
-        if not pending and (stop in FINISHED_STOPS or failure):
-            final = "failed" if failure else "completed"
+        closing = None
+        if stop == OVERFLOW and agent.compaction_mode is None:
+            # Nothing can continue this conversation until compaction is on: the run stops (resumable),
+            # decided in save point A for the same reason as a failure below.
+            failure = _context_full(agent, "stop_reason: model_context_window_exceeded")
+        if failure:
+            # The run ends here, decided in save point A itself: a takeover after A must find it ended,
+            # never a turn whose tool_uses it should settle and then call the model again. Its tool_uses
+            # are answered as not run, so the conversation stays valid.
+            final = "stopped" if stop == OVERFLOW else "failed"
+            results = [Outcome(f"Not executed: {failure}.", True).as_tool_result(call["id"]) for call in pending]
+            closing = _results_message(results)
+            pending = []
+        elif not pending and stop in FINISHED_STOPS:
+            final = "completed"
             result = _trailing_text(state.messages + [reply.message])
         price = price_of(agent.model)
         cost = price.cost(reply.usage) if price else 0.0
@@ -224,9 +300,10 @@ class Turn:
             final_status=final,
             result=result,
             error=failure or "",
-            retention_s=self.settings.retention,
+            retention_s=self.settings.retention if final in TERMINAL_STATUSES else 0,
             usage=reply.usage,
             cost_usd=cost,
+            closing=closing,
             responded=Event.of(
                 self.run_id,
                 "model_responded",
@@ -244,13 +321,9 @@ class Turn:
         fault("after_save_a", self.run_id, self.turn)
         if final:
             return final
-        if stop == OVERFLOW and agent.compaction_mode is None:
-            return self.stop(_context_full(agent, "stop_reason: model_context_window_exceeded"))
         results = self.tools.settle(agent, pending, fresh=True) if pending else []
         if results is None:
             return "waiting_approval"
-        if failure:
-            return self.end("failed", failure, message=_results_message(results))
         return self.after_tools(results, turns=state.turns + 1, window_at=compaction.window_hint(state, reply))
 
     # -- ends of a turn ----------------------------------------------------------------------
@@ -298,7 +371,8 @@ class Turn:
             self.token,
             model_errors=errors,
             delay_ms=int(delay * 1000),
-            enqueue_later=lambda pipe, attempt: stage_turn(pipe, self.r, self.run_id, self.turn, attempt, delay=delay),
+            enqueue_later=lambda pipe, n: stage_turn(pipe, self.r, self.run_id, self.turn, n, delay=delay),
+            reason=f"{exc.kind}: {exc}"[:500],
         )
         return "deferred"
 

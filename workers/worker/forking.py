@@ -7,6 +7,9 @@
 - When a horse ends normally, what its tools left in its group (a timed-out tool's subprocess) is
   ended too: a tool's subprocesses die with the process that started them.
 - A reaper thread (see ``agentpool.runtime.reaper``) covers a worker killed whole, or its machine lost.
+- Agent modules are imported here, in the worker process, before it forks a horse for a turn of that
+  agent: every horse inherits them, so agent code is loaded once per worker process, as in the threaded
+  worker (``agentpool.runtime.loader``), and new code arrives when the worker restarts.
 - Jobs are msgpack; warm shutdown on SIGTERM lets the current turn finish, as RQ does.
 """
 
@@ -19,14 +22,16 @@ from typing import Any
 from redis import Redis
 from rq import Worker
 
+from agentpool.runtime.loader import load_agent
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
-from agentpool.store.keys import TURN_QUEUE
+from agentpool.store.keys import TURN_QUEUE, RunKeys
 from agentpool.worker.groups import end_process_group
 
 log = logging.getLogger("agentpool.worker")
+AGENTS_REMEMBERED = 10_000  # run id -> agent path, so a turn costs no extra read to preload its agent
 
 
 class AgentWorker(Worker):
@@ -42,16 +47,27 @@ class AgentWorker(Worker):
         # SIGTERM to SIGKILL for what a horse left: under a third of the lease TTL, so the hand-over comes
         # before the dead horse's lease could lapse and the reaper re-enqueue its turn on its own.
         self.group_grace = min(3.0, settings.lease_ttl / 3)
+        self._agents: dict[str, str] = {}
 
     def _on_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
-        how = f"signal {os.WTERMSIG(ret_val)}" if os.WIFSIGNALED(ret_val) else f"exit status {os.WEXITSTATUS(ret_val)}"
-        # First its tools' subprocesses: one still running could take effect after the next worker
-        # asked the tool's verify hook and was told "not happened".
-        if not end_process_group(retpid, self.group_grace):
-            log.error("work horse %d's process group did not end; handing its turn over anyway", retpid)
-        hand_over_dead_holder(self.connection, job, f"{self.name}.{retpid}", cause=f"work horse {retpid} died ({how})")
-        if is_turn_job(job):
-            self._handed_over.add(job.id)
+        # An exception here would end RQ's work loop, and the worker with it: never let one out.
+        try:
+            how = (
+                f"signal {os.WTERMSIG(ret_val)}"
+                if os.WIFSIGNALED(ret_val)
+                else f"exit status {os.WEXITSTATUS(ret_val)}"
+            )
+            # First its tools' subprocesses: one still running could take effect after the next worker
+            # asked the tool's verify hook and was told "not happened".
+            if not end_process_group(retpid, self.group_grace):
+                log.error("work horse %d's process group did not end; handing its turn over anyway", retpid)
+            hand_over_dead_holder(
+                self.connection, job, f"{self.name}.{retpid}", cause=f"work horse {retpid} died ({how})"
+            )
+            if is_turn_job(job):
+                self._handed_over.add(job.id)
+        except Exception:
+            log.exception("worker %s: could not hand over job %s; its lease expires instead", self.name, job.id)
 
     def handle_job_failure(self, job: Any, queue: Any, *args: Any, **kwargs: Any) -> None:
         """RQ's bookkeeping for a killed horse (the worker's failed count, the execution), then the turn
@@ -69,6 +85,28 @@ class AgentWorker(Worker):
         finally:
             if horse:
                 end_process_group(horse, self.group_grace)  # no-op (one failed killpg) when nothing is left
+
+    def fork_work_horse(self, job: Any, queue: Any) -> None:
+        self._preload_agent(job)
+        super().fork_work_horse(job, queue)
+
+    def _preload_agent(self, job: Any) -> None:
+        """Import the turn's agent here, once per worker process, so the horse inherits it. A failure
+        is left for the horse to meet and report (it hands the turn back)."""
+        try:
+            run_id = job.args[0]
+            path = self._agents.get(run_id)
+            if path is None:
+                raw = self.connection.hget(RunKeys.of(run_id).run, "agent")
+                if raw is None:
+                    return
+                path = raw.decode()
+                if len(self._agents) >= AGENTS_REMEMBERED:
+                    self._agents.clear()
+                self._agents[run_id] = path
+            load_agent(path)
+        except Exception as exc:  # noqa: BLE001 - the horse reports it, with the run, where it belongs
+            log.debug("worker %s: agent for job %s not preloaded: %s", self.name, job.id, exc)
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
         # Every work horse is forked from this process: import the turn code here, once, or each horse

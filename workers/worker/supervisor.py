@@ -65,8 +65,19 @@ def hand_over_dead_worker(r: Redis, name: str, pid: int, how: str) -> list[str]:
             job = Job.fetch(execution.job_id, connection=r, serializer=MsgpackSerializer)
         except NoSuchJobError:
             continue
+        except redis.exceptions.RedisError:
+            raise
+        except Exception:  # a job hash that does not decode: its run's lease expires, the reaper takes over
+            log.exception("supervisor: could not read job %s", execution.job_id)
+            continue
         jobs.append((job, execution))
-        run_id = hand_over_dead_holder(r, job, f"{name}.{pid}", cause=cause)
+        try:
+            run_id = hand_over_dead_holder(r, job, f"{name}.{pid}", cause=cause)
+        except redis.exceptions.RedisError:
+            raise
+        except Exception:  # one turn that cannot be handed over must not cost the others theirs
+            log.exception("supervisor: could not hand over job %s; its lease expires instead", job.id)
+            continue
         if run_id is not None:
             requeued.append(run_id)
     # RQ's bookkeeping after the runs are safe again: the same as its forking worker on a killed horse.
@@ -208,6 +219,8 @@ class Supervisor:
                 )
         except redis.exceptions.RedisError as exc:
             log.error("supervisor: could not hand over worker %d's turns (%s); their leases expire instead", child, exc)
+        except Exception:  # the supervisor must outlive anything a dead worker left behind
+            log.exception("supervisor: could not hand over worker %d's turns; their leases expire instead", child)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if os.getpid() != self.pid:

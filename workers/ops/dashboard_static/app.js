@@ -248,7 +248,8 @@ function listPage(app) {
   function row(run) {
     const note = run.status === "waiting_approval"
       ? h("span", { class: "note-warn" }, "awaiting approval")
-      : run.error ? h("span", { class: "note", title: run.error }, run.error) : "";
+      : run.note ? h("span", { class: "note-warn", title: run.note }, run.note)
+        : run.error ? h("span", { class: "note", title: run.error }, run.error) : "";
     return h("tr", { dataset: { runId: run.id }, class: "clickable", onclick: (ev) => {
       if (ev.target.closest("a") === null) location.href = runHref(run.id);
     } },
@@ -356,10 +357,23 @@ function runHeader(run, now) {
       run.cost_usd !== undefined && run.cost_usd !== null ? fact("Cost", fmtUsd(run.cost_usd)) : null,
       fact("Age", h("span", { title: fmtTime(run.created_at) }, fmtAge(run.age))),
       fact("Updated", h("span", { title: fmtTime(run.updated_at) }, fmtAge(Math.max(0, now - run.updated_at)) + " ago"))),
+    waitingCallout(run.waiting, now),
     run.error ? h("div", { class: "callout " + (run.status === "stopped" ? "warn" : "bad"), id: "run-error" },
       h("strong", {}, run.status === "stopped" ? "Stopped: " : "Error: "), run.error) : null,
     run.result ? h("div", { class: "callout good", id: "run-result" }, h("strong", {}, "Result: "), run.result) : null,
   ];
+}
+
+// Why a queued or running run is not moving, and since when (agentpool.runtime.progress).
+function waitingCallout(waiting, now) {
+  if (!waiting || waiting.kind === "in_progress") return null;
+  const title = { handed_back: "Handed back: ", backoff: "Backing off: ", queued: "Queued: ", lost: "Lost job: " };
+  const when = [];
+  if (waiting.since) when.push("since " + fmtTime(waiting.since) + " (" + fmtAge(Math.max(0, now - waiting.since)) + ")");
+  if (waiting.until) when.push("next try " + fmtTime(waiting.until));
+  return h("div", { class: "callout warn", id: "run-waiting", dataset: { kind: waiting.kind } },
+    h("strong", {}, title[waiting.kind] || "Waiting: "), waiting.note,
+    when.length ? h("div", { class: "muted small" }, when.join(" · ")) : null);
 }
 
 function actionsPanel(run, post) {

@@ -1,0 +1,27 @@
+-- Prepended to the scripts that must be safe to deliver twice (see store/writes.py and store/scripts.py).
+-- redis-py re-sends a script whose reply was lost (retry_on_error), so a script that is not idempotent
+-- by nature takes a write id (12 hex characters, one per logical write, ARGV) and:
+--   replayed(hash, id)          -> the result the first delivery recorded, or nil if it never landed
+--   remember(hash, id, result)  -> records it, in the field `writes` of `hash` (a run's header, or a
+--                                  run's hand-back record): "<id>=<result>;" newest first, the last 16
+-- A re-delivery arrives within the client's retry window (seconds), long before 16 other writes to
+-- the same run; an empty id skips both (a caller that does not need it).
+local WRITES_KEPT = 16
+local function replayed(hash, id)
+  if id == '' then return nil end
+  local recent = redis.call('HGET', hash, 'writes')
+  if not recent then return nil end
+  local at = string.find(';' .. recent, ';' .. id .. '=', 1, true)
+  if not at then return nil end
+  return string.match(recent, '^([^;]*)', at + string.len(id) + 1)
+end
+local function remember(hash, id, result)
+  if id == '' then return end
+  local recent = id .. '=' .. tostring(result) .. ';' .. (redis.call('HGET', hash, 'writes') or '')
+  local n = 0
+  for pos in string.gmatch(recent, '();') do
+    n = n + 1
+    if n == WRITES_KEPT then recent = string.sub(recent, 1, pos); break end
+  end
+  redis.call('HSET', hash, 'writes', recent)
+end

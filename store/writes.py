@@ -1,0 +1,47 @@
+"""Writes safe to deliver twice.
+
+The client retries a command whose connection dropped (``agentpool.runtime.settings.connect``:
+``retry_on_error=[ConnectionError, TimeoutError]``), and redis-py re-sends a command, an EVALSHA or an
+unwatched MULTI/EXEC whose *reply* was lost although Redis had applied it. Every write agentpool makes
+is therefore one of:
+
+- idempotent by nature: applying it twice leaves what applying it once does (a compare-and-delete
+  release, a lease renewal, an HSET of a ledger record that is already there, byte for byte);
+- a script carrying a **write id** (``new_id()``): the script records the id with its result in the
+  run's ``writes`` field (``store/lua/_once.lua``) and a re-delivery returns the first result without
+  doing anything again (save point A with its spend, ``finish``, events, the hand-back, a lease
+  acquire recognises its own request);
+- a WATCH/MULTI transaction: redis-py never re-sends those (a dropped connection while watching
+  raises ``WatchError``), so the transaction records its write id (``stage_remember``) and the
+  caller's retry loop first asks whether it landed (``landed``) before deciding again.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from agentpool.store.scripts import compact_source
+
+FIELD = "writes"  # in a run's header, and in its hand-back record
+
+
+def new_id() -> str:
+    """One per logical write, made before the first delivery and re-sent unchanged."""
+    return secrets.token_hex(6)
+
+
+def landed(recent: bytes | None, write_id: str) -> str | None:
+    """The result a write with ``write_id`` recorded, if it landed; ``recent`` is the ``writes`` field."""
+    if not recent:
+        return None
+    for entry in recent.decode("ascii", errors="replace").split(";"):
+        name, _, result = entry.partition("=")
+        if name == write_id:
+            return result
+    return None
+
+
+def stage_remember(pipe: Any, key: str, write_id: str, result: str = "1") -> None:
+    """Inside MULTI: record ``write_id`` in ``key``'s ``writes`` field with the rest of the transaction."""
+    pipe.eval(compact_source("remember_write"), 1, key, write_id, result)

@@ -1,0 +1,104 @@
+"""Why a run is not moving, and since when: what ``show``, ``runs``, ``watch`` and the dashboard say.
+
+A queued or running run is, at any moment, in one of these states (``Waiting.kind``):
+
+- ``handed_back``: the last worker that took its turn could not do it (no encryption key, a key it
+  does not have, code older than the record, an agent it cannot import) and gave it back; the turn is
+  re-enqueued when the backoff ends (``until``), for any worker. The reason stays until a worker
+  makes progress, so a pool where *no* worker can do it says so.
+- ``backoff``: the model API failed (429, 529, 5xx...) and the turn waits for its retry (``until``);
+  RQ's scheduler (a worker started without ``--no-scheduler``) moves it to the queue then.
+- ``queued``: the turn's job waits in the queue for a free worker (``since``).
+- ``in_progress``: a worker holds the run's lease and is working on the turn (or is taking it).
+- ``lost``: the turn's job is gone (a flushed queue, a dead worker): the reaper re-enqueues it soon.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from redis import Redis
+from rq.job import Job
+
+from agentpool.store import handback
+from agentpool.store.keys import RunKeys
+from agentpool.store.records import ACTIVE_STATUSES
+
+
+@dataclass(frozen=True)
+class Waiting:
+    kind: str  # handed_back, backoff, queued, in_progress, lost
+    note: str  # one line for a person
+    since: float | None = None  # epoch seconds
+    until: float | None = None
+    reason: str = ""  # handed_back: key_missing, key_not_held, too_new, agent_not_loadable
+    detail: str = ""
+    worker: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _clock(epoch: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(epoch))
+
+
+def _rq_time(raw: bytes | None) -> float | None:
+    if not raw:
+        return None
+    try:
+        return datetime.fromisoformat(raw.decode()).replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
+
+
+def why_waiting(r: Redis, run_id: str, status: str) -> Waiting | None:
+    """What the run waits for, or None for a run that is not queued or running (its status says it)."""
+    if status not in ACTIVE_STATUSES:
+        return None
+    keys = RunKeys.of(run_id)
+    with r.pipeline(transaction=False) as pipe:
+        pipe.hgetall(keys.handback)
+        pipe.get(keys.lease)
+        pipe.hmget(keys.run, ["job", "retry_at", "retry_reason", "updated_at"])
+        raw_handback, holder, (job_id, retry_at, retry_reason, updated_at) = pipe.execute()
+    now = time.time()
+    record = handback.decode(raw_handback)
+    if record is not None and not holder:
+        when = f"next try at {_clock(record.until)}" if record.until > now else "being re-enqueued"
+        return Waiting(
+            "handed_back",
+            f"handed back {record.count} time(s) since {_clock(record.since)}, last by {record.worker}: "
+            f"{record.describe()} ({record.detail}); {when}",
+            since=record.since,
+            until=record.until,
+            reason=record.reason,
+            detail=record.detail,
+            worker=record.worker,
+        )
+    if holder:
+        worker = holder.decode("utf-8", errors="replace").partition(":")[2]
+        since = int(updated_at or 0) / 1000 or None
+        return Waiting("in_progress", f"a turn is in progress on worker {worker}", since=since, worker=worker)
+    jid = (job_id or b"").decode("utf-8", errors="replace")
+    job_status, enqueued_at, created_at = (
+        r.hmget(Job.key_for(jid), ["status", "enqueued_at", "created_at"]) if jid else (None,) * 3
+    )
+    state = (job_status or b"").decode("utf-8", errors="replace")
+    if state == "scheduled":
+        until = int(retry_at or 0) / 1000 or None
+        why = (retry_reason or b"").decode("utf-8", errors="replace") or "a transient model error"
+        late = until is not None and until < now - 5
+        note = f"waiting on a backoff after {why}" + (f", until {_clock(until)}" if until else "")
+        if late:
+            note += " (overdue: is a worker running RQ's scheduler?)"
+        return Waiting("backoff", note, until=until, detail=why)
+    if state == "started":
+        return Waiting("in_progress", "a worker is starting the turn")
+    if state == "queued":
+        since = _rq_time(enqueued_at) or _rq_time(created_at)
+        return Waiting("queued", "waiting for a worker" + (f" since {_clock(since)}" if since else ""), since=since)
+    return Waiting("lost", f"its turn's job is {state or 'missing'}; the reaper re-enqueues it shortly")
