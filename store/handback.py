@@ -28,6 +28,9 @@ REASONS = {
     "key_not_held": "the run is encrypted with a key this worker does not have (a key rotation?)",
     "too_new": "the run was written by a newer agentpool than this worker runs",
     "agent_not_loadable": "this worker cannot load the run's agent",
+    # Not a worker that cannot do the turn: a call a dead or frozen worker started may still take effect
+    # until its timeout (plus AGENTPOOL_TAKEOVER_MARGIN) has passed; nothing may repeat or verify it before.
+    "earlier_attempt": "a call another worker started may still be running; the turn waits until it cannot",
 }
 FIRST_DELAY_MS = 1_000
 LONGEST_DELAY_MS = 60_000
@@ -56,10 +59,11 @@ def hand_back(
     detail: str,
     worker: str,
     job: str,
+    until: float | None = None,
     event: Event | None = None,
 ) -> HandBack | None:
     """Record the hand-back, drop the lease ``token`` (if the turn took it: '' otherwise) and make
-    the run due when its backoff ends. Returns the record, or None if the lease was not the turn's
+    the run due when its backoff ends (or at ``until``, epoch seconds, when given). Returns the record, or None if the lease was not the turn's
     any more (then another worker owns the run and nothing was written)."""
     now = now_ms()
     reply = run_script(
@@ -77,6 +81,7 @@ def hand_back(
             FIRST_DELAY_MS,
             LONGEST_DELAY_MS,
             writes.new_id(),
+            "" if until is None else int(until * 1000),
             *script_args(event),
         ],
     )

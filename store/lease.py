@@ -106,7 +106,7 @@ def holder(r: Redis, keys: RunKeys) -> str | None:
 def why_not_owner(r: Redis, keys: RunKeys, token: str) -> str | None:
     """None while ``token`` holds the lease of a running run; otherwise why not. A fenced read for a
     tool about to take effect (``ToolCall.ensure_owned``): the same check every fenced write makes."""
-    held, status, _attempt = run_script("fence_state", r, [keys.lease, keys.run], [])  # type: ignore[misc]
+    held, status, *_ = run_script("fence_state", r, [keys.lease, keys.run], [""])  # type: ignore[misc]
     if held != token.encode():
         return "another worker has taken the run over" if held else "this worker no longer holds the run's lease"
     if status != b"running":

@@ -169,10 +169,13 @@ def test_a_frozen_worker_woken_after_its_lease_expired_writes_nothing(r, pool, m
     assert_valid_conversation(after.messages)
 
 
-@pytest.mark.parametrize("stop_reason", ["refusal", "model_context_window_exceeded"])
-def test_a_reply_that_ends_the_run_is_failed_in_save_point_a_itself(stop_reason, r, pool, model):
-    """Killed right after save point A: the takeover must find the run failed, never settle the
-    reply's tool_use and call the model again (a refusal completed with a second call, before)."""
+@pytest.mark.parametrize(
+    ("stop_reason", "ends_as"), [("refusal", "failed"), ("model_context_window_exceeded", "stopped")]
+)
+def test_a_reply_that_ends_the_run_is_decided_in_save_point_a_itself(stop_reason, ends_as, r, pool, model):
+    """Killed right after save point A: the takeover must find the run ended (a refusal fails it; a full
+    context window with compaction off stops it, resumably), never settle the reply's tool_use and call
+    the model again (a refusal completed with a second call, before)."""
     model.set_scripts(
         {
             "ends": [
@@ -192,7 +195,7 @@ def test_a_reply_that_ends_the_run_is_failed_in_save_point_a_itself(stop_reason,
     run = wait_for_run(run_id, timeout=60, connection=r)
 
     assert list(pool.tmp.glob(f"fault-after_save_a-{run_id}-*")), "the horse was killed after save point A"
-    assert run.status == "failed" and stop_reason in run.error, (run.status, run.error, pool.logs())
+    assert run.status == ends_as and stop_reason in run.error, (run.status, run.error, pool.logs())
     assert model.stats()["by_script"]["ends"] == 1, "the model was not called again"
     assert run.turns == 1 and not run.pending
     assert_valid_conversation(run.messages)

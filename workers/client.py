@@ -164,6 +164,7 @@ def get_run(run_id: str, *, connection: Redis | None = None, window: bool = Fals
         awaiting = {i for i in waits if i not in decisions}
     run = Run.from_state(state, awaiting)
     run.window_start, run.messages_from = start, messages_from
+    run.waiting = _waiting(r, run)
     return run
 
 

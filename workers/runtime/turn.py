@@ -115,6 +115,8 @@ def run_turn(run_id: str, turn: int) -> str:
         except (LeaseLost, RunNotActive) as exc:
             log.warning("run %s turn %s: %s", run_id, turn, exc)
             return "abandoned"
+        except EarlierAttemptMayRun as wait:
+            return _wait_for_earlier_attempt(r, keys, token, wait, job_id)
         except (EncryptionKeyMissing, KeyNotHeld, SchemaTooNew, AgentNotFound) as exc:
             # This worker cannot do the turn, the run is fine: give it back for a worker that can.
             if isinstance(exc, AgentNotFound) and _agent_unloadable_too_long(r, keys, settings):
@@ -163,6 +165,28 @@ def _hand_back(r: Redis, keys: RunKeys, got: AcquireResult, token: str, exc: Exc
     return "handed_back"
 
 
+def _wait_for_earlier_attempt(r: Redis, keys: RunKeys, token: str, wait: EarlierAttemptMayRun, job_id: str) -> str:
+    """Give the turn back until a call's earlier attempt can no longer take effect: the lease is
+    dropped and the reaper (in every worker) re-enqueues the turn then, without counting an attempt or
+    a takeover. No worker waits, and unlike a scheduled job this needs no RQ scheduler."""
+    event = Event.of(keys.run_id, "waiting_for_call", until=round(wait.until, 3))
+    record = handback.hand_back(
+        r,
+        keys,
+        token=token,
+        reason="earlier_attempt",
+        detail=str(wait),
+        worker=worker_identity(),
+        job=job_id,
+        until=wait.until,
+        event=event,
+    )
+    if record is None:
+        return "abandoned"
+    log.info("run %s: given back for %.1f s: %s", keys.run_id, max(0.0, wait.until - time.time()), wait)
+    return "deferred"
+
+
 def _agent_unloadable_too_long(r: Redis, keys: RunKeys, settings: Settings) -> bool:
     """True once no worker could load the run's agent for ``agent_load_grace`` seconds in a row."""
     record = handback.read(r, keys)
@@ -204,10 +228,7 @@ class Turn:
         agent = load_agent(state.agent)
         if state.phase == "tools":
             emit(self.r, self.run_id, "resumed", turn=self.turn, pending=len(state.pending))
-            try:
-                results = self.tools.settle(agent, state.pending)
-            except EarlierAttemptMayRun as wait:
-                return self.defer_until(wait.until)
+            results = self.tools.settle(agent, state.pending)  # may raise EarlierAttemptMayRun
             if results is None:
                 return "waiting_approval"
             return self.after_tools(results, turns=state.turns, window_at=compaction.window_hint(state))
@@ -373,18 +394,6 @@ class Turn:
             delay_ms=int(delay * 1000),
             enqueue_later=lambda pipe, n: stage_turn(pipe, self.r, self.run_id, self.turn, n, delay=delay),
             reason=f"{exc.kind}: {exc}"[:500],
-        )
-        return "deferred"
-
-    def defer_until(self, until: float) -> str:
-        """Give the turn back until ``until`` (epoch seconds): a call's earlier attempt may still take
-        effect until then. The lease is released and the reaper, which runs in every worker, re-enqueues
-        the turn when the run comes due in its watch set: no worker waits, and unlike a scheduled job
-        this needs no RQ scheduler (whose lock a dead worker can hold for minutes)."""
-        delay_ms = max(0, int((until - time.time()) * 1000))
-        release(self.r, self.keys, self.token, recheck_in_ms=delay_ms)
-        log.info(
-            "%s: given back for %.1f s, until an earlier attempt can no longer be running", self.where, delay_ms / 1000
         )
         return "deferred"
 

@@ -156,7 +156,9 @@ class StreamWriter:
             return False  # the client gave up (its idle timeout, a cancelled call)
 
     def _chunk(self, name: str, payload: dict[str, Any]) -> bytes:
-        data = f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+        # ASCII JSON (\uXXXX escapes), as any JSON encoder may send: text the API would carry as an
+        # escape (a lone surrogate among them) cannot break the encoding of the stream.
+        data = f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode()
         return b"%x\r\n%s\r\n" % (len(data), data)
 
     def _event(self, name: str, payload: dict[str, Any]) -> bool:
