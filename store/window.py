@@ -21,6 +21,7 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 
+from agentpool.store import writes
 from agentpool.store.checkpoint import _check
 from agentpool.store.clock import now_ms
 from agentpool.store.errors import RunNotFound
@@ -114,7 +115,8 @@ def commit_summary(
 ) -> None:
     """Save a summary as the run's new compaction point at ``index`` (the end of the message list),
     with the spend of the call that wrote it and the ``event`` that reports it. Fenced; a crash leaves
-    the old window or the new one."""
+    the old window or the new one. The call's spend counts even when the summary can no longer be saved
+    (the lease was lost or the run ended meanwhile): it was paid for."""
     code = run_script(
         "commit_summary",
         r,
@@ -127,9 +129,10 @@ def commit_summary(
             now_ms(),
             *(int(usage.get(name) or 0) for name in USAGE_FIELDS),
             repr(float(cost_usd)),
+            writes.new_id(),
             *script_args(event),
         ],
     )
-    if int(code) != -1:  # type: ignore[arg-type]
+    if int(code) != -4:  # type: ignore[arg-type]
         event.log()
     _check(int(code), keys, r)  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from agentpool import RunExists, approve, cancel_run, enqueue_run, resume, wait_
 from agentpool.runtime.jobs import stage_turn, turn_queue
 from agentpool.runtime.settings import connect
 from agentpool.runtime.takeover import requeue_turn
-from agentpool.store import checkpoint, events, handback, ledger, stats
+from agentpool.store import checkpoint, events, handback, ledger, stats, window
 from agentpool.store.events import Event, emit
 from agentpool.store.keys import RunKeys
 from agentpool.store.lease import Acquire, acquire, release, renew
@@ -164,6 +164,46 @@ def test_save_point_a_refused_and_delivered_twice_still_counts_its_spend_once(r,
         )
     state = checkpoint.load_run(r, RUN)
     assert (state.usage, state.cost_usd, state.turns) == (USAGE, 0.5, 0)
+
+
+def commit_summary(client: Redis, token: str) -> None:
+    window.commit_summary(
+        client,
+        KEYS,
+        token,
+        turns_before=0,
+        index=1,
+        message={"role": "user", "content": [{"type": "text", "text": "summary"}]},
+        meta={"compaction": "summary"},
+        usage=USAGE,
+        cost_usd=0.5,
+        event=Event.of(RUN, "compacted", turn=0, mode="summary", cost_usd=0.5, **USAGE),
+    )
+
+
+def test_a_summary_delivered_twice_counts_its_spend_once_and_is_saved_once(r, proxy, lossy):
+    create(r)
+    token = take(r)
+    with cut(proxy, script("commit_summary")):
+        commit_summary(lossy, token)
+    state = window.load(r, RUN)
+    assert (state.usage, state.cost_usd, state.window_start) == (USAGE, 0.5, 1)
+    assert r.llen(KEYS.messages) == 2 and kinds(r)["compacted"] == 1
+    assert stats.read_all(r)["cost_usd"] == 0.5
+
+
+def test_a_fenced_out_summary_is_not_saved_but_its_call_is_counted_once(r, proxy, lossy):
+    """A zombie's summary call was paid for: usage covers every call paid for, as at save point A."""
+    create(r)
+    token = take(r)
+    r.delete(KEYS.lease)
+    take(r, worker="w2.200")
+    with cut(proxy, script("commit_summary")), pytest.raises(checkpoint.LeaseLost):
+        commit_summary(lossy, token)
+    state = window.load(r, RUN)
+    assert (state.usage, state.cost_usd, state.window_start) == (USAGE, 0.5, 0)
+    assert r.llen(KEYS.messages) == 1, "the fenced-out summary is not in the conversation"
+    assert stats.read_all(r)["cost_usd"] == 0.5
 
 
 def test_ledger_writes_delivered_twice_record_one_event_each(r, proxy, lossy):
