@@ -1,7 +1,8 @@
 """The Lua scripts in ``store/lua``, loaded once and called by name (EVALSHA, EVAL on a cache miss).
 
 A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended, one that calls
-``remember``/``replayed`` gets ``store/lua/_once.lua``: Redis has no includes.
+``remember``/``replayed`` gets ``store/lua/_once.lua``, one that calls ``add_spend`` gets
+``store/lua/_spend.lua``: Redis has no includes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ _LUA_DIR = Path(__file__).with_name("lua")
 
 
 # Helper files and a call that needs each: Redis has no includes, so they are prepended.
-_HELPERS = (("_event", "record_event("), ("_once", "remember("), ("_once", "replayed("))
+_HELPERS = (
+    ("_event", "record_event("),
+    ("_once", "remember("),
+    ("_once", "replayed("),
+    ("_spend", "add_spend("),
+)
 
 
 @cache

@@ -30,7 +30,8 @@ def count_spend(
     event: Event,
 ) -> bool:
     """Add ``usage`` and ``cost_usd`` to the run's counters with ``event``. ``spend_id`` names the call:
-    delivered twice, it counts once. Returns False when it had been counted already."""
+    delivered twice, it counts once. Returns False when it had been counted already. A worker fenced out
+    meanwhile still counts it (the call was paid for), then gets ``LeaseLost``."""
     code = int(
         run_script(  # type: ignore[arg-type]
             "count_spend",
@@ -45,7 +46,7 @@ def count_spend(
             ],
         )
     )
-    _check(code, keys, r)
     if code == 1:
         event.log()
+    _check(code, keys, r)
     return code == 1

@@ -20,7 +20,7 @@ from agentpool import RunExists, approve, cancel_run, enqueue_run, resume, wait_
 from agentpool.runtime.jobs import stage_turn, turn_queue
 from agentpool.runtime.settings import connect
 from agentpool.runtime.takeover import requeue_turn
-from agentpool.store import checkpoint, events, handback, ledger, stats, window
+from agentpool.store import checkpoint, events, handback, ledger, spend, stats, window
 from agentpool.store.events import Event, emit
 from agentpool.store.keys import RunKeys
 from agentpool.store.lease import Acquire, acquire, release, renew
@@ -203,6 +203,21 @@ def test_a_fenced_out_summary_is_not_saved_but_its_call_is_counted_once(r, proxy
     state = window.load(r, RUN)
     assert (state.usage, state.cost_usd, state.window_start) == (USAGE, 0.5, 0)
     assert r.llen(KEYS.messages) == 1, "the fenced-out summary is not in the conversation"
+    assert stats.read_all(r)["cost_usd"] == 0.5
+
+
+def test_a_cut_streams_spend_is_counted_once_even_by_a_fenced_out_worker(r, proxy, lossy):
+    create(r)
+    token = take(r)
+    r.delete(KEYS.lease)
+    take(r, worker="w2.200")
+    cut_event = Event.of(RUN, "model_cut", turn=0, cost_usd=0.5, **USAGE)
+    with cut(proxy, script("count_spend")), pytest.raises(checkpoint.LeaseLost):
+        spend.count_spend(lossy, KEYS, token, spend_id="call1", usage=USAGE, cost_usd=0.5, event=cut_event)
+    with pytest.raises(checkpoint.LeaseLost):  # the worker's own retry of the same call
+        spend.count_spend(r, KEYS, token, spend_id="call1", usage=USAGE, cost_usd=0.5, event=cut_event)
+    state = checkpoint.load_run(r, RUN)
+    assert (state.usage, state.cost_usd) == (USAGE, 0.5) and kinds(r)["model_cut"] == 1
     assert stats.read_all(r)["cost_usd"] == 0.5
 
 

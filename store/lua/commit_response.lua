@@ -22,11 +22,7 @@
 local seen = replayed(KEYS[1], ARGV[17])
 if seen then return tonumber(seen) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
-redis.call('HINCRBY', KEYS[1], 'input_tokens', ARGV[12])
-redis.call('HINCRBY', KEYS[1], 'output_tokens', ARGV[13])
-redis.call('HINCRBY', KEYS[1], 'cache_read_input_tokens', ARGV[14])
-redis.call('HINCRBY', KEYS[1], 'cache_creation_input_tokens', ARGV[15])
-redis.call('HINCRBYFLOAT', KEYS[1], 'cost_usd', ARGV[16])
+add_spend(KEYS[1], 12)
 local committed_event = record_event(KEYS[6], KEYS[5], 19)
 local function refused(code)
   remember(KEYS[1], ARGV[17], code)

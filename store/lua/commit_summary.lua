@@ -13,11 +13,7 @@
 local seen = replayed(KEYS[1], ARGV[11])
 if seen then return tonumber(seen) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
-redis.call('HINCRBY', KEYS[1], 'input_tokens', ARGV[6])
-redis.call('HINCRBY', KEYS[1], 'output_tokens', ARGV[7])
-redis.call('HINCRBY', KEYS[1], 'cache_read_input_tokens', ARGV[8])
-redis.call('HINCRBY', KEYS[1], 'cache_creation_input_tokens', ARGV[9])
-redis.call('HINCRBYFLOAT', KEYS[1], 'cost_usd', ARGV[10])
+add_spend(KEYS[1], 6)
 record_event(KEYS[5], KEYS[4], 12)
 local function done(code)
   remember(KEYS[1], ARGV[11], code)

@@ -2,18 +2,19 @@
 -- connection lost, the idle timeout, an `error` event after the 200): what message_start and the
 -- message_delta events had reported. Its output is never committed; its spend is, with the
 -- model_cut event, exactly once: a spend id already counted (a client retry after a lost reply)
--- is a no-op. Fenced like every write of a turn.
+-- is a no-op. Counted even when this worker was fenced out meanwhile (the call was paid for, as at
+-- save point A), then the lease is checked like every write of a turn.
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] ap:stats   KEYS[4] events
 -- ARGV[1] token  ARGV[2] spend id  ARGV[3..6] input, output, cache-read, cache-write tokens
 -- ARGV[7] cost in USD  ARGV[8..] the model_cut event (see _event.lua)
--- Returns 1 counted, 0 already counted, -1 lease lost.
+-- Returns 1 counted, 0 already counted, -1 counted but the lease is lost, -4 no such run.
+if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
+local counted = 0
+if redis.call('HGET', KEYS[1], 'spent') ~= ARGV[2] then
+  add_spend(KEYS[1], 3)
+  redis.call('HSET', KEYS[1], 'spent', ARGV[2])
+  record_event(KEYS[4], KEYS[3], 8)
+  counted = 1
+end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
-if redis.call('HGET', KEYS[1], 'spent') == ARGV[2] then return 0 end
-redis.call('HINCRBY', KEYS[1], 'input_tokens', ARGV[3])
-redis.call('HINCRBY', KEYS[1], 'output_tokens', ARGV[4])
-redis.call('HINCRBY', KEYS[1], 'cache_read_input_tokens', ARGV[5])
-redis.call('HINCRBY', KEYS[1], 'cache_creation_input_tokens', ARGV[6])
-redis.call('HINCRBYFLOAT', KEYS[1], 'cost_usd', ARGV[7])
-redis.call('HSET', KEYS[1], 'spent', ARGV[2])
-record_event(KEYS[4], KEYS[3], 8)
-return 1
+return counted
