@@ -220,3 +220,35 @@ def test_a_fork_mid_turn_starts_from_the_last_committed_turn(r, pool, model):
     with pytest.raises(ValueError, match="at_turn"):
         fork_run(parent, at_turn=5, connection=r)
     assert get_run(parent, connection=r).status == "waiting_approval"
+
+
+def test_the_cli_sends_waits_for_the_answer_and_forks(r, redis_server, pool, model):
+    from test_usability import agentpool_cli
+
+    model.set_scripts({"chat": [{"text": "Hello."}, {"text": "Fine, thanks."}, {"text": "From the fork."}]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:support", script_task("chat"), connection=r)
+    wait_for_run(run_id, timeout=60, connection=r)
+
+    sent = agentpool_cli("send", run_id, "How are you?", "--message-id", "cli-1", "--wait", url=redis_server.url)
+    assert sent.returncode == 0, sent.stderr
+    assert sent.stdout.splitlines() == ["cli-1", "completed after 2 turns: Fine, thanks."]
+    again = agentpool_cli("send", run_id, "How are you?", "--message-id", "cli-1", url=redis_server.url)
+    assert again.returncode == 0 and get_run(run_id, connection=r).turns == 2  # delivered once
+
+    forked = agentpool_cli("fork", run_id, "--at-turn", "1", url=redis_server.url)
+    assert forked.returncode == 0, forked.stderr
+    fork_id = forked.stdout.strip()
+    # Turn 1 ends with the message delivered after its reply: the fork answers it again, its own way.
+    assert "at turn 1: queued" in forked.stderr
+    shown = agentpool_cli("show", fork_id, url=redis_server.url)
+    assert f"forked from {run_id} at turn 1" in shown.stdout
+    assert wait_for_run(fork_id, timeout=60, connection=r).result == "Fine, thanks."
+    answer = agentpool_cli("send", fork_id, "And you?", "--wait", url=redis_server.url)
+    assert answer.stdout.splitlines()[-1] == "completed after 3 turns: From the fork."
+    assert get_run(run_id, connection=r).turns == 2  # the parent is untouched
+
+    queued = enqueue_run("pool_agents:nowhere", "task", connection=r)
+    cancel_run(queued, connection=r)
+    refused = agentpool_cli("send", queued, "Hi", url=redis_server.url)
+    assert refused.returncode == 1 and "cancelled" in refused.stderr
