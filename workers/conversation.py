@@ -18,6 +18,7 @@ from redis import Redis
 from redis.exceptions import WatchError
 
 from agentpool.client import new_run_id, resume_needs
+from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.settings import Settings, client_for
 from agentpool.runtime.takeover import read_header, stage_restart
@@ -141,7 +142,9 @@ def send_message(
                     pipe.delete(keys.handback)
                     Event.of(run_id, "status", status="running", reason="message", message=message_id).stage(pipe)
                 writes.stage_remember(pipe, keys.run, write_id)
+                fault("before_message_commit", run_id, 0)
                 pipe.execute()
+                fault("after_message_commit", run_id, 0)
                 return message_id
             except WatchError:
                 continue
@@ -280,7 +283,9 @@ def _create_fork(
                 if finished and retention > 0:
                     for key in keys.kept():
                         pipe.expire(key, retention)  # a completed run's retention starts now
+                fault("before_fork_commit", fork_id, 0)
                 pipe.execute()
+                fault("after_fork_commit", fork_id, 0)
                 return fork_id
             except WatchError:
                 continue

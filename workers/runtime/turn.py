@@ -354,6 +354,7 @@ class Turn:
         except MessagesWaiting:
             # Messages were sent while the model answered: the run answers them before it completes
             # (this turn's save point B delivers them; save point A wrote nothing).
+            fault("after_delivery_refused", self.run_id, self.turn)
             final = ""
             commit(final)
         fault("after_save_a", self.run_id, self.turn)
