@@ -252,3 +252,18 @@ def test_the_cli_sends_waits_for_the_answer_and_forks(r, redis_server, pool, mod
     cancel_run(queued, connection=r)
     refused = agentpool_cli("send", queued, "Hi", url=redis_server.url)
     assert refused.returncode == 1 and "cancelled" in refused.stderr
+
+
+def test_a_message_to_a_completed_run_lifts_its_retention_until_it_completes_again(r, pool, model):
+    from agentpool.store.keys import RunKeys
+
+    model.set_scripts({"chat": [{"text": "One.", "delay": 0}, {"text": "Two.", "delay": 1.0}]})
+    pool.start(1, AGENTPOOL_RETENTION_SECONDS="600")
+    run_id = enqueue_run("pool_agents:support", script_task("chat"), connection=r)
+    wait_for_run(run_id, timeout=60, connection=r)
+    keys = RunKeys.of(run_id)
+    assert 0 < r.ttl(keys.run) <= 600
+    sent = send_message(run_id, "Still there?", connection=r)
+    assert r.ttl(keys.run) == -1 and r.ttl(keys.messages) == -1 and r.ttl(keys.received) == -1
+    wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+    assert all(0 < r.ttl(key) <= 600 for key in (keys.run, keys.messages, keys.received, keys.events))
