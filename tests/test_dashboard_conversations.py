@@ -51,7 +51,11 @@ def test_send_a_message_and_fork_from_the_run_page(r, pool, model, board, page):
     assert fork_id != run_id
     expect(page.locator("#run-status")).to_have_text("completed", timeout=60_000)
     fork = wait_for_run(fork_id, timeout=60, connection=r)
-    assert fork.forked_from == run_id and fork.forked_at == 2 and fork.result == "An answer in the fork."
+    # The scripted model answers by position: the fork's third reply is the script's third step again.
+    assert fork.forked_from == run_id and fork.forked_at == 2 and fork.result == "Second answer."
+    page.fill("#message-text", "Go on in the fork.")
+    page.click("#send-message")
+    expect(page.locator("#run-result")).to_contain_text("An answer in the fork.", timeout=60_000)
     assert sum(1 for e in pool.effects() if e["tool"] == "slow_read") == 1  # the fork ran no tool again
     assert get_run(run_id, connection=r).messages == run.messages
     assert page.errors == []
