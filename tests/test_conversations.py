@@ -267,3 +267,20 @@ def test_a_message_to_a_completed_run_lifts_its_retention_until_it_completes_aga
     assert r.ttl(keys.run) == -1 and r.ttl(keys.messages) == -1 and r.ttl(keys.received) == -1
     wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
     assert all(0 < r.ttl(key) <= 600 for key in (keys.run, keys.messages, keys.received, keys.events))
+
+
+def test_a_run_stopped_by_a_spend_limit_429_goes_on_with_a_message(r, pool, model):
+    limit = "This request would exceed your organization's monthly usage limit."
+    model.set_scripts(
+        {"broke": [{"error": {"status": 429, "type": "rate_limit_error", "times": 1, "message": limit}, "text": "Ok."}]}
+    )
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:budgeted", script_task("broke"), connection=r)
+    stopped = wait_for_run(run_id, timeout=60, connection=r)
+    assert stopped.status == "stopped" and "usage limit" in stopped.error
+    # No limit of the run's own stopped it: the message goes straight in and the run goes on.
+    sent = send_message(run_id, "Try again now.", connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+    assert run.status == "completed" and run.result == "Ok." and run.turns == 1
+    assert [m["role"] for m in run.messages] == ["user", "user", "assistant"]  # the API joins the two
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]

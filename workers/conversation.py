@@ -96,7 +96,7 @@ def send_message(
     with r.pipeline(transaction=True) as pipe:
         while True:
             try:
-                pipe.watch(keys.run, keys.received)
+                pipe.watch(keys.run, keys.received, keys.inbox)
                 header = read_header(pipe, run_id)
                 if header is None:
                     raise RunNotFound(run_id)
@@ -113,7 +113,11 @@ def send_message(
                 refused = _refusal(r, run_id, state.status, state.error)
                 if refused:
                     raise MessageRefused(run_id, refused)
-                at_once = state.status == "completed" or (state.status == "stopped" and state.phase != "tools")
+                # Straight into the conversation when nothing is in flight and no earlier message waits
+                # (a stopped run may hold some: this one goes behind them, keeping the order).
+                at_once = (
+                    state.status == "completed" or (state.status == "stopped" and state.phase != "tools")
+                ) and not (pipe.llen(keys.inbox))
                 length = int(pipe.llen(keys.messages))
                 pipe.multi()
                 inbox.stage_received(pipe, keys, message_id, content)
