@@ -158,3 +158,107 @@ def test_an_app_killed_while_forking_retries_and_gets_one_fork(point, r, redis_s
     assert not any(tool == "send_email" and run != parent for tool, run in effects)
     assert effects.count(("read_notes", "fork-1")) == 1 and ("read_notes", "fork-2") not in effects
     assert get_run(parent, connection=r).messages == done.messages
+
+
+TALK = [
+    {"tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}], "delay": 0.3},
+    {"tool_calls": [{"name": "deploy", "input": {"version": "3.1"}}]},
+    {"text": "Deployed; the team is told.", "delay": 0.2},
+    {"text": "Answer four.", "delay": 0.2},
+    {"text": "Answer five."},
+    {"text": "Answer six."},
+]
+CONVERSATIONS = 4
+
+
+def test_conversations_under_random_kills_deliver_each_message_once_and_forks_repeat_no_effect(r, pool, model):
+    """An app's conversations: a follow-up while the run works, one while it waits for a person, one
+    after it completed, each sent twice (a retried request); forks after turns 2 and 3, each requested
+    twice. Meanwhile a killer SIGKILLs random work horses and whole workers (replaced at once)."""
+    import random
+    import signal
+    import threading
+    from collections import Counter
+
+    from agentpool import approve
+    from agentpool.testing.localpool import horses_of
+
+    model.set_scripts({"talk": TALK})
+    pool.start(3)
+    rng = random.Random(16)
+    done = threading.Event()
+    actions: Counter = Counter()
+
+    def killer() -> None:
+        progress = 0
+        while not done.wait(rng.uniform(0.2, 0.6)):
+            turns = int(float(r.hget("ap:stats", "turn_seconds_count") or 0))
+            if turns < progress + 1:
+                continue  # only after some progress: a kill rate above the turn rate is a livelock
+            progress = turns
+            busy = [(w, kids) for w in pool.alive() if (kids := horses_of(w.pid))]
+            if not busy:
+                continue
+            worker, horses = rng.choice(busy)
+            if rng.random() < 0.75:
+                for pid in horses:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                actions["horse_kill"] += 1
+            else:
+                pool.kill(worker)
+                pool.start(1)
+                actions["worker_kill"] += 1
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    runs = [
+        enqueue_run("pool_agents:guarded", script_task("talk", f"chat {i}"), connection=r) for i in range(CONVERSATIONS)
+    ]
+    try:
+        for run_id in runs:
+            for _ in range(2):
+                send_message(run_id, "while working", message_id=f"{run_id}-1", connection=r)
+        for run_id in runs:
+            wait_until(lambda run_id=run_id: get_run(run_id, connection=r).status == "waiting_approval", timeout=180)
+            for _ in range(2):
+                send_message(run_id, "while waiting", message_id=f"{run_id}-2", connection=r)
+            approve(run_id, connection=r)
+        for run_id in runs:
+            wait_for_run(run_id, timeout=180, connection=r, after_message=f"{run_id}-2")
+            for _ in range(2):
+                send_message(run_id, "after it completed", message_id=f"{run_id}-3", connection=r)
+        finals = {
+            run_id: wait_for_run(run_id, timeout=180, connection=r, after_message=f"{run_id}-3") for run_id in runs
+        }
+        forks = {}
+        for run_id in runs:
+            for turn in (2, 3):
+                for _ in range(2):
+                    forks[(run_id, turn)] = fork_run(run_id, at_turn=turn, fork_id=f"{run_id}-f{turn}", connection=r)
+        forked = {key: wait_for_run(fork_id, timeout=180, connection=r) for key, fork_id in forks.items()}
+    except Exception:  # noqa: BLE001 - any failure to finish is reported with the pool's state
+        pytest.fail(f"actions {dict(actions)}\n{pool.logs(tail=3000)}")
+    finally:
+        done.set()
+        thread.join(timeout=10)
+
+    print(f"kills: {dict(actions)}")  # shown with -rP
+    assert actions["horse_kill"] + actions["worker_kill"] >= 3, actions
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+    effects = Counter((e["tool"], e["run"]) for e in pool.effects())
+    for run_id, run in finals.items():
+        assert run.status == "completed", run.error
+        assert texts_sent(run) == ["while working", "while waiting", "after it completed"], run.messages
+        assert run.inbox == []
+        assert_valid_conversation(run.messages)
+        assert effects[("deploy", run_id)] <= 1  # unsafe: never twice (a kill mid-deploy leaves it unknown)
+    assert len({fork_id for fork_id in forks.values()}) == 2 * CONVERSATIONS
+    assert {run.id for run in list_runs(connection=r, limit=100)} == set(runs) | set(forks.values())
+    for (parent, turn), fork in forked.items():
+        assert fork.status == "completed" and fork.forked_from == parent and fork.forked_at == turn
+        assert fork.messages[: 2 * turn + 1] == finals[parent].messages[: 2 * turn + 1]
+        assert_valid_conversation(fork.messages)
+        assert not any(run == fork.id for _tool, run in effects), "a fork ran a tool of its parent again"
