@@ -313,7 +313,8 @@ def commit_tool_results(
     again), each marked delivered at ``turns`` with a ``message_delivered`` event. A turn with neither results nor messages appends nothing."""
 
     def read(pipe: Pipeline) -> tuple[list[tuple[str, Any]], int]:
-        return inbox.read_waiting(pipe, keys), int(pipe.llen(keys.messages))
+        waiting = inbox.read_waiting(pipe, keys)  # one LRANGE in the common case: nothing waits
+        return waiting, int(pipe.llen(keys.messages)) if waiting else 0
 
     landed: list[str] = []
 
