@@ -247,6 +247,9 @@ def test_the_cli_sends_waits_for_the_answer_and_forks(r, redis_server, pool, mod
     answer = agentpool_cli("send", fork_id, "And you?", "--wait", url=redis_server.url)
     assert answer.stdout.splitlines()[-1] == "completed after 3 turns: From the fork."
     assert get_run(run_id, connection=r).turns == 2  # the parent is untouched
+    watched = agentpool_cli("watch", run_id, "--events-only", url=redis_server.url)  # a finished run replays
+    assert "message_delivered" in watched.stdout and "messages=cli-1" in watched.stdout
+    assert "forked" in agentpool_cli("watch", fork_id, "--events-only", url=redis_server.url).stdout
 
     queued = enqueue_run("pool_agents:nowhere", "task", connection=r)
     cancel_run(queued, connection=r)
