@@ -20,10 +20,18 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import WatchError
 
-from agentpool.store import ledger, writes
+from agentpool.store import inbox, ledger, writes
 from agentpool.store.clock import now_ms
 from agentpool.store.codec import safe_text, unpack
-from agentpool.store.errors import LeaseLost, RunExists, RunNotActive, RunNotFound, StoreError, UnreadableRecord
+from agentpool.store.errors import (
+    LeaseLost,
+    MessagesWaiting,
+    RunExists,
+    RunNotActive,
+    RunNotFound,
+    StoreError,
+    UnreadableRecord,
+)
 from agentpool.store.events import Event, script_args
 from agentpool.store.keys import RUNS, RUNS_WATCH, STATS, RunKeys
 from agentpool.store.ledger import Outcome
@@ -146,6 +154,8 @@ def load_run(r: Redis, run_id: str, *, with_messages: bool = True) -> RunState:
 
 
 def _check(code: int, keys: RunKeys, r: Redis) -> None:
+    if code == -5:
+        raise MessagesWaiting(f"run {keys.run_id} has messages waiting in its inbox")
     if code == -1:
         raise LeaseLost(keys.run_id)
     if code == -2:
@@ -183,7 +193,10 @@ def commit_response(
     With a ``final_status`` the run ends in the same step; ``closing`` is then a user message
     appended after the response (the tool_results of tool_uses that will never run), so a run
     failed by its reply (a refusal holding a tool_use) keeps a valid conversation and no worker
-    that takes over can mistake it for a turn to continue."""
+    that takes over can mistake it for a turn to continue.
+
+    A reply that would complete the run while messages wait in its inbox (``send_message``) raises
+    ``MessagesWaiting`` having written nothing: the run must answer them first."""
     code = run_script(
         "commit_response",
         r,
@@ -197,6 +210,8 @@ def commit_response(
             keys.handback,
             keys.ledger,
             keys.approvals,
+            keys.inbox,
+            keys.received,
         ],
         [
             token,
@@ -217,7 +232,7 @@ def commit_response(
             *script_args(responded, event),
         ],
     )
-    if int(code) != -4 and responded:  # type: ignore[arg-type]
+    if int(code) not in (-4, -5) and responded:  # type: ignore[arg-type]
         responded.log()
     _check(int(code), keys, r)  # type: ignore[arg-type]
     if event:
@@ -233,11 +248,18 @@ def header_int(value: bytes | None) -> int:
 
 
 def _fenced_transaction(
-    r: Redis, keys: RunKeys, token: str, stage: Callable[[Pipeline, int, int], None], retries: int = 20
+    r: Redis,
+    keys: RunKeys,
+    token: str,
+    stage: Callable[..., None],
+    retries: int = 20,
+    read: Callable[[Pipeline], Any] | None = None,
+    watch_also: tuple[str, ...] = (),
 ) -> None:
     """One EXEC that lands only while ``token`` owns the lease and the run is running; it drops the
     lease. ``stage(pipe, attempt, requeues)`` adds the caller's commands (in MULTI) given the header's
-    attempt and requeue counters.
+    attempt and requeue counters; with ``read``, also what ``read(pipe)`` found under WATCH (of the
+    lease, the header and ``watch_also``) as a fourth argument.
 
     redis-py does not re-send a watched transaction: a connection that drops after EXEC was sent
     raises WatchError, as a watched key that changed does (the heartbeat's PEXPIRE of the lease, say).
@@ -246,7 +268,7 @@ def _fenced_transaction(
     with r.pipeline(transaction=True) as pipe:
         for _ in range(retries):
             try:
-                pipe.watch(keys.lease, keys.run)
+                pipe.watch(keys.lease, keys.run, *watch_also)
                 holder, status, attempt, requeues, done = run_script(  # type: ignore[misc]
                     "fence_state", pipe, [keys.lease, keys.run], [write_id]
                 )
@@ -257,8 +279,10 @@ def _fenced_transaction(
                     raise LeaseLost(keys.run_id)
                 if status != b"running":
                     raise RunNotActive(keys.run_id, (status or b"?").decode("utf-8", errors="replace"))
+                found = read(pipe) if read else None
                 pipe.multi()
-                stage(pipe, header_int(attempt), header_int(requeues))
+                args = (found,) if read else ()
+                stage(pipe, header_int(attempt), header_int(requeues), *args)
                 pipe.delete(keys.lease, keys.handback)
                 writes.stage_remember(pipe, keys.run, write_id)
                 pipe.execute()
@@ -277,15 +301,32 @@ def commit_tool_results(
     enqueue_next: Callable[[Pipeline], None],
     outcomes: dict[str, Outcome] | None = None,
     event: Event | None = None,
+    turns: int = 0,
 ) -> None:
     """Save point B: the tool results message (if any), phase back to "model", the lease dropped,
     the next turn's job and the ``event`` that reports it, all in one EXEC. The ledger keeps only
     notes of ``outcomes`` from now on. The header is stamped with the schema version the message
-    was written in, as save point A does."""
+    was written in, as save point A does.
 
-    def stage(pipe: Pipeline, attempt: int, requeues: int) -> None:
-        if message is not None:
-            pipe.rpush(keys.messages, pack_message(message))
+    Messages waiting in the run's inbox join that user message after its tool_results and leave the
+    inbox in the same EXEC (the inbox is watched: one sent meanwhile makes the transaction read
+    again), each marked delivered at ``turns`` with a ``message_delivered`` event. A turn with neither results nor messages appends nothing."""
+
+    def read(pipe: Pipeline) -> tuple[list[tuple[str, Any]], int]:
+        waiting = inbox.read_waiting(pipe, keys)  # one LRANGE in the common case: nothing waits
+        return waiting, int(pipe.llen(keys.messages)) if waiting else 0
+
+    landed: list[str] = []
+
+    def stage(pipe: Pipeline, attempt: int, requeues: int, found: tuple[list[tuple[str, Any]], int]) -> None:
+        waiting, length = found
+        closing = inbox.merged(message, waiting)
+        landed[:] = [i for i, _ in waiting]
+        if closing is not None:
+            pipe.rpush(keys.messages, pack_message(closing))
+            inbox.stage_delivered(pipe, keys, landed, turns=turns, index=length)
+        if landed:
+            Event.of(keys.run_id, "message_delivered", messages=",".join(landed), turn=turns).stage(pipe)
         ledger.stage_compaction(pipe, keys, outcomes or {}, now_ms() / 1000)
         fields = {"phase": "model", "pending": b"", "attempt": 0, "updated_at": now_ms(), "v": SCHEMA_VERSION}
         pipe.hset(keys.run, mapping=fields)
@@ -294,7 +335,7 @@ def commit_tool_results(
         if event:
             event.stage(pipe)
 
-    _fenced_transaction(r, keys, token, stage)
+    _fenced_transaction(r, keys, token, stage, read=read, watch_also=(keys.inbox,))
     if event:
         event.log()
 
@@ -364,6 +405,8 @@ def finish(
             keys.handback,
             keys.ledger,
             keys.approvals,
+            keys.inbox,
+            keys.received,
         ],
         [
             token,

@@ -56,3 +56,18 @@ class RunNotActive(FenceError):
 
 class LedgerMismatch(StoreError):
     """The ledger holds a record for this tool_use id that names another tool or input."""
+
+
+class MessagesWaiting(StoreError):
+    """Save point A was asked to complete a run whose inbox holds messages: nothing was written; the
+    reply is committed as a turn that goes on instead, and its save point B delivers them."""
+
+
+class MessageRefused(AgentPoolError):
+    """``send_message`` cannot deliver to this run (it was cancelled or failed, or a budget stopped it
+    and its limits must be raised with ``resume`` first), or the ``message_id`` was already used for
+    other content. The message says which; nothing was stored."""
+
+    def __init__(self, run_id: str, why: str) -> None:
+        super().__init__(f"message to run {run_id} refused: {why}")
+        self.run_id = run_id

@@ -16,6 +16,11 @@ Per run (all keys of a run share the hash tag ``{run:<id>}``)::
                                     key, an agent it cannot import...): reason, detail, worker, since,
                                     count, until, job; kept apart from the header so that a worker
                                     handing back a record too new for it leaves that record untouched
+    ap:{run:<id>}:inbox     list    ids of the messages sent to the run (``send_message``) that wait for
+                                    delivery at its next turn boundary, oldest first
+    ap:{run:<id>}:received  hash    "<message_id>" -> the message as sent (sealed like the conversation),
+                                    "<message_id>:at" -> "<turns>:<index>" once delivered: the run's turn
+                                    count then, and the message's index in the conversation
 
 Global::
 
@@ -56,6 +61,8 @@ class RunKeys:
     live: str
     watchers: str
     handback: str
+    inbox: str
+    received: str
 
     @classmethod
     def of(cls, run_id: str) -> RunKeys:
@@ -71,6 +78,8 @@ class RunKeys:
             live=f"{base}:live",
             watchers=f"{base}:watchers",
             handback=f"{base}:handback",
+            inbox=f"{base}:inbox",
+            received=f"{base}:received",
         )
 
     def all(self) -> tuple[str, ...]:
@@ -84,8 +93,19 @@ class RunKeys:
             self.live,
             self.watchers,
             self.handback,
+            self.inbox,
+            self.received,
         )
 
     def kept(self) -> tuple[str, ...]:
         """The keys that hold a run's data (not its lease): what the retention expires."""
-        return (self.run, self.messages, self.ledger, self.events, self.approvals, self.handback)
+        return (
+            self.run,
+            self.messages,
+            self.ledger,
+            self.events,
+            self.approvals,
+            self.handback,
+            self.inbox,
+            self.received,
+        )

@@ -67,6 +67,8 @@ class RunState:
     window_hint: int = 0  # the header's ``window``: the latest compaction point it knows of (never ahead)
     window_start: int = 0  # index of ``messages[0]`` in the whole conversation when only the window was loaded
     last_reply: dict[str, Any] = field(default_factory=dict)  # meta of the newest reply in the window, if loaded
+    forked_from: str = ""  # the run this one was forked from (``fork_run``), and at which of its turns
+    forked_at: int = 0
 
     @property
     def current_turn(self) -> int:
@@ -255,4 +257,6 @@ def load_header(run_id: str, raw: Mapping[bytes, bytes], *, open_sealed: bool = 
         cost_usd=_float(raw, "cost_usd"),
         version=version,
         window_hint=_int(raw, "window"),
+        forked_from=_text(raw, "forked_from"),
+        forked_at=_int(raw, "forked_at"),
     )

@@ -314,3 +314,28 @@ def test_a_worker_killed_around_the_save_of_an_api_compaction(point, r, wide_poo
     assert run.usage == spent_by_events(r, run_id)
     assert json.dumps(run.messages)
     assert_valid_conversation(run.messages)
+
+
+def test_a_fork_of_a_summarized_run_starts_from_the_summary_its_copy_holds(r, long_pool, small):
+    from agentpool import fork_run
+
+    small.set_scripts({"pages": pages(12)})
+    long_pool.start(1)
+    parent = enqueue_run("long_agents:summarizing", script_task("pages", "Read the archive"), connection=r)
+    done = wait_for_run(parent, timeout=120, connection=r)
+    assert done.status == "completed", (done.error, long_pool.logs())
+    at = summaries(done.messages)
+    replies = [i for i, m in enumerate(done.messages) if m["role"] == "assistant"]
+    assert at and at[0] < replies[8]
+
+    fork_id = fork_run(parent, at_turn=8, connection=r)
+    fork = get_run(fork_id, connection=r)
+    end = replies[8] - (1 if replies[8] - 1 in at else 0)  # a summary opening turn 9 is not copied
+    assert fork.messages == done.messages[:end] and fork.turns == 8
+    assert fork.window_start == max(i for i in at if i < end)  # the window the copy's next request sends
+    finished = wait_for_run(fork_id, timeout=120, connection=r)
+    assert finished.status == "completed" and finished.result == "All pages read." and finished.turns == 13
+    assert small.stats()["rejected"] == 0, small.stats()["rejections"]
+    assert [e["page"] for e in long_pool.effects() if e["run"] == fork_id] == list(range(8, 12))
+    assert [e["page"] for e in long_pool.effects() if e["run"] == parent] == list(range(12))
+    assert_valid_conversation(finished.messages)

@@ -227,3 +227,30 @@ def test_tls_and_an_acl_user_work_and_no_secret_reaches_logs_or_events(tmp_path,
     finally:
         pool.stop()
         server.stop()
+
+
+def test_messages_sent_to_a_run_are_sealed_while_they_wait_and_once_delivered(r, pool, model, key_in_this_process):
+    from agentpool import send_message
+
+    key = generate_key()
+    model.set_scripts(
+        {"talk": [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 1.5}}]}, {"text": "ok"}, {"text": "ok"}]}
+    )
+    key_in_this_process(key)
+    pool.start(1, AGENTPOOL_ENCRYPTION_KEY=key)
+    run_id = enqueue_run("pool_agents:support", script_task("talk"), connection=r)
+    pool.wait_for_effect("slow_read")
+    keys = RunKeys.of(run_id)
+    sent = send_message(run_id, "Bluebird closes at 41 per share", connection=r)
+    waiting = b"".join(k + v for k, v in r.hgetall(keys.received).items()) + b"".join(r.lrange(keys.inbox, 0, -1))
+    assert r.hexists(keys.received, sent)  # what was captured above holds the message, waiting or delivered
+    run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+    later = send_message(run_id, [{"type": "text", "text": "Tell cfo@example.com"}], connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r, after_message=later)
+    assert run.status == "completed" and "Tell cfo@example.com" in str(run.messages)
+    stored = waiting + _all_bytes(r, run_id) + b"".join(k + v for k, v in r.hgetall(keys.received).items())
+    for text in PLAINTEXTS:
+        assert text not in stored, f"{text!r} is stored in clear"
+    key_in_this_process()
+    with pytest.raises(EncryptionKeyMissing):
+        get_run(run_id, connection=r)

@@ -23,11 +23,13 @@ from agentpool.client import (
     wait_for_run,
 )
 from agentpool.context import CallNotOwned, ToolCall, current_call
+from agentpool.conversation import fork_run, send_message
 from agentpool.pricing import set_price
 from agentpool.runtime.approvals import ApprovalError
 from agentpool.store.crypto import EncryptionKeyMissing
 from agentpool.store.errors import (
     AgentPoolError,
+    MessageRefused,
     RunExists,
     RunNotFound,
     SchemaTooNew,
@@ -45,6 +47,7 @@ __all__ = [
     "Compaction",
     "EncryptionKeyMissing",
     "InvalidLimit",
+    "MessageRefused",
     "ResumeRefused",
     "Run",
     "RunExists",
@@ -60,9 +63,11 @@ __all__ = [
     "cancel_run",
     "current_call",
     "enqueue_run",
+    "fork_run",
     "get_run",
     "list_runs",
     "resume",
+    "send_message",
     "set_price",
     "tool",
     "wait_for_run",

@@ -19,7 +19,7 @@ from agentpool.runtime.limits import Limits
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import Settings, client_for
 from agentpool.runtime.takeover import read_header, stage_restart
-from agentpool.store import approvals, checkpoint, events, writes
+from agentpool.store import approvals, checkpoint, events, inbox, writes
 from agentpool.store import window as run_window
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError, RunNotFound
@@ -62,6 +62,9 @@ class Run:
     waiting: dict[str, Any] | None = None
     window_start: int = 0  # index in the whole conversation of the message the next request starts from
     messages_from: int = 0  # index of ``messages[0]`` in the whole conversation (0 unless loaded with window=True)
+    forked_from: str | None = None  # the run this one was forked from (``fork_run``), at its turn ``forked_at``
+    forked_at: int | None = None
+    inbox: list[dict[str, Any]] = field(default_factory=list)  # messages sent that wait for delivery: id, content
 
     @property
     def window(self) -> list[dict[str, Any]]:
@@ -88,6 +91,8 @@ class Run:
             limits=dict(state.limits),
             cost_usd=state.cost_usd,
             awaiting_approval=waiting,
+            forked_from=state.forked_from or None,
+            forked_at=state.forked_at if state.forked_from else None,
         )
 
     @property
@@ -165,6 +170,7 @@ def get_run(run_id: str, *, connection: Redis | None = None, window: bool = Fals
     run = Run.from_state(state, awaiting)
     run.window_start, run.messages_from = start, messages_from
     run.waiting = _waiting(r, run)
+    run.inbox = inbox.waiting(r, RunKeys.of(run_id))
     return run
 
 
@@ -173,17 +179,41 @@ def _waiting(r: Redis, run: Run) -> dict[str, Any] | None:
     return found.to_dict() if found else None
 
 
-def wait_for_run(run_id: str, *, timeout: float = 300.0, connection: Redis | None = None, poll: float = 0.2) -> Run:
-    """Block until the run is no longer queued or running; raise RunTimeout after ``timeout`` s."""
+def wait_for_run(
+    run_id: str,
+    *,
+    timeout: float = 300.0,
+    connection: Redis | None = None,
+    poll: float = 0.2,
+    after_message: str | None = None,
+) -> Run:
+    """Block until the run is no longer queued or running; raise RunTimeout after ``timeout`` s.
+
+    With ``after_message`` (an id ``send_message`` returned), until the run has answered that message:
+    it was delivered and the run has taken a turn since, and is no longer queued or running (or it was
+    stopped, failed or cancelled, which the returned run says). A run that was ``completed`` when the
+    message was sent does not count as answered; ``run.result`` is then the answer to the message."""
     r = client_for(connection)
+    keys = RunKeys.of(run_id)
+    if after_message is not None and not r.hexists(keys.received, after_message):
+        checkpoint.load_run(r, run_id, with_messages=False)  # RunNotFound for a run that is not there
+        raise AgentPoolError(f"no message {after_message!r} was sent to run {run_id}")
     deadline = time.monotonic() + timeout
     while True:
         state = checkpoint.load_run(r, run_id, with_messages=False)
-        if state.status not in ACTIVE_STATUSES:
+        if state.status not in ACTIVE_STATUSES and (after_message is None or _answered(r, keys, after_message, state)):
             return get_run(run_id, connection=r)
         if time.monotonic() >= deadline:
-            raise RunTimeout(f"run {run_id} still {state.status} after {timeout:g} s (turn {state.turns})")
+            waits_for = f" for an answer to message {after_message}" if after_message else ""
+            raise RunTimeout(f"run {run_id} still {state.status}{waits_for} after {timeout:g} s (turn {state.turns})")
         time.sleep(poll)
+
+
+def _answered(r: Redis, keys: RunKeys, message_id: str, state: RunState) -> bool:
+    if state.status in ("stopped", "failed", "cancelled"):
+        return True  # no answer comes without somebody acting: the caller sees why
+    delivered = inbox.delivery(r, keys, message_id)
+    return delivered is not None and state.turns > delivered.turns
 
 
 def cancel_run(run_id: str, *, connection: Redis | None = None, reason: str = "cancelled by request") -> str:

@@ -10,7 +10,8 @@
 -- conversation stays valid.
 -- Safe to deliver twice: a re-delivery of the same write id returns the first result, counting nothing.
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch   KEYS[5] ap:stats
--- KEYS[6] events   KEYS[7] hand-back record   KEYS[8..] the run's other keys (ledger, approvals), for the retention
+-- KEYS[6] events   KEYS[7] hand-back record   KEYS[8..] the run's other keys (ledger, approvals, inbox,
+-- received messages), for the retention; KEYS[10] is the inbox
 -- ARGV[1] token  ARGV[2] turns before this call  ARGV[3] assistant message blob  ARGV[4] pending blob
 -- ARGV[5] now ms  ARGV[6] run id  ARGV[7] final status or ''  ARGV[8] result text  ARGV[9] error text
 -- ARGV[10] schema version  ARGV[11] retention seconds for a finished run (0 keeps it)
@@ -18,10 +19,13 @@
 -- ARGV[18] closing message blob or ''  ARGV[19..] two events (see _event.lua): the model_responded
 -- one, then the one reporting the commit
 -- Returns 1 ok, -1 lease lost, -2 run not running (status changed under us), -3 stale turn (each of
--- these three with the spend counted), -4 no such run (nothing counted).
+-- these three with the spend counted), -4 no such run (nothing counted), -5 the reply would complete
+-- the run but messages wait in its inbox (nothing counted, nothing changed: the caller commits the
+-- reply as a turn that goes on, and its save point B delivers them).
 local seen = replayed(KEYS[1], ARGV[17])
 if seen then return tonumber(seen) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
+if ARGV[7] == 'completed' and redis.call('LLEN', KEYS[10]) > 0 then return -5 end
 add_spend(KEYS[1], 12)
 local committed_event = record_event(KEYS[6], KEYS[5], 19)
 local function refused(code)

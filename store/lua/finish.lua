@@ -5,7 +5,8 @@
 -- that is finished for good (completed, failed) expires after the retention. Records the status
 -- event with it. Safe to deliver twice: a re-delivery of the same write id returns the first result.
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch   KEYS[5] ap:stats
--- KEYS[6] events   KEYS[7] hand-back record   KEYS[8..] the run's other keys (ledger, approvals), for the retention
+-- KEYS[6] events   KEYS[7] hand-back record   KEYS[8..] the run's other keys (ledger, approvals, inbox,
+-- received messages), for the retention
 -- ARGV[1] token  ARGV[2] status  ARGV[3] error text  ARGV[4] now ms  ARGV[5] run id
 -- ARGV[6] message blob or ''  ARGV[7] phase after ('' keeps it)  ARGV[8] result text or ''
 -- ARGV[9] retention seconds (0 keeps it)  ARGV[10] watch score ('' removes the run from the watch set)

@@ -240,6 +240,8 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
         f"tokens {run.total_tokens}  cost ${run.cost_usd:.4f}"
     )
     click.echo("usage " + ", ".join(f"{k}={v}" for k, v in run.usage.items()))
+    if run.forked_from:
+        click.echo(f"forked from {run.forked_from} at turn {run.forked_at}")
     if run.waiting:
         click.echo(f"now: {run.waiting['note']}")
     if run.error:
@@ -253,6 +255,10 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
         click.echo(f"[{n}] {message['role']}")
         for line in _describe(message["content"]):
             click.echo(f"    {line}")
+    if run.inbox:
+        click.echo("\nmessages waiting for delivery at the next turn boundary:")
+        for sent in run.inbox:
+            click.echo(f"    {sent['id']}: {' '.join(_describe(sent['content']))[:200]}")
     if run.status == "waiting_approval":
         click.echo(f"\nwaiting for a decision: agentpool approve {run.id} [TOOL_USE_ID] [--deny --reason TEXT]")
     if run.pending:
@@ -360,6 +366,53 @@ def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_us
     except AgentPoolError as exc:
         _fail(str(exc))
     click.echo(f"{run_id}: {run.status} at turn {run.turns}")
+
+
+@main.command()
+@url_option
+@click.argument("run_id")
+@click.argument("text")
+@click.option("--message-id", default=None, help="Your id for the message: sending it again delivers it once.")
+@click.option("--wait", is_flag=True, help="Wait for the run's answer to this message and print it.")
+@click.option("--timeout", type=LimitParam(whole=False), default=600.0, show_default=True, help="Seconds, with --wait.")
+def send(url: str | None, run_id: str, text: str, message_id: str | None, wait: bool, timeout: float) -> None:
+    """Send TEXT to RUN_ID as a user message; print the message's id. A running run gets it at its next
+    turn boundary; a completed one goes on with it."""
+    from agentpool.client import wait_for_run
+    from agentpool.conversation import send_message
+
+    r = quick_client(url)
+    try:
+        sent = send_message(run_id, text, message_id=message_id, connection=r)
+    except (AgentPoolError, ValueError) as exc:
+        _fail(str(exc))
+    click.echo(sent)
+    if wait:
+        run = wait_for_run(run_id, timeout=timeout, connection=r, after_message=sent)
+        click.echo(f"{run.status} after {run.turns} turns: {run.result or run.error or ''}")
+        sys.exit(0 if run.status == "completed" else 1)
+
+
+@main.command()
+@url_option
+@click.argument("run_id")
+@click.option(
+    "--at-turn", type=click.IntRange(min=0), default=None, help="Fork after this committed turn (default: the latest)."
+)
+@click.option("--fork-id", default=None, help="The new run's id: forking again with it returns the same run.")
+def fork(url: str | None, run_id: str, at_turn: int | None, fork_id: str | None) -> None:
+    """A new run with RUN_ID's conversation up to the end of a committed turn; print its id."""
+    from agentpool.client import get_run
+    from agentpool.conversation import fork_run
+
+    r = quick_client(url)
+    try:
+        new_id = fork_run(run_id, at_turn=at_turn, fork_id=fork_id, connection=r)
+        run = get_run(new_id, connection=r)
+    except (AgentPoolError, ValueError) as exc:
+        _fail(str(exc))
+    click.echo(new_id)
+    click.echo(f"forked from {run_id} at turn {run.forked_at}: {run.status}", err=True)
 
 
 @main.command()

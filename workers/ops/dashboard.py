@@ -15,6 +15,8 @@ below, which read Redis through ``agentpool.client`` and ``store``::
     POST /api/runs/<id>/cancel            {}
     POST /api/runs/<id>/approve           {"tool_use_id": str|null, "approved": bool, "reason": str|null}
     POST /api/runs/<id>/resume            {"add_turns": int, "add_tokens": int, "add_usd": float}
+    POST /api/runs/<id>/message           {"text": str, "message_id": str|null} -> {"ok", "message_id"}
+    POST /api/runs/<id>/fork              {"at_turn": int|null, "fork_id": str|null} -> {"ok", "run_id"}
 
 Errors are ``{"error": text}``: 400 bad input (NaN, an unknown status), 401, 403, 404, 409 refused by
 the run's state (a resume that cannot help), 415, 503 Redis unavailable. The README documents it all.
@@ -46,13 +48,13 @@ import click
 from redis import Redis
 from redis.exceptions import RedisError
 
-from agentpool import client
+from agentpool import client, conversation
 from agentpool.checks import InvalidLimit, limit_value
 from agentpool.ops.redisconn import quick_client, target_url, warn_if_unreachable
 from agentpool.ops.timeline import timeline
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import redact_url
-from agentpool.store import checkpoint, events, handback, ledger, live
+from agentpool.store import checkpoint, events, handback, inbox, ledger, live
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import STATUSES, load_header, unpack_message
@@ -71,7 +73,9 @@ MAX_BODY = 64 * 1024
 SCAN_WHEN_FILTERED = 2000  # newest runs looked at to fill a filtered page
 LEDGER_TEXT_CHARS = 2000  # the whole result is in the conversation; the ledger shows its head
 RUN_PAGE = re.compile(r"/runs/[A-Za-z0-9_-]{1,100}")
-RUN_PATH = re.compile(r"^/api/runs/([A-Za-z0-9_-]{1,100})(/events|/live|/timeline|/cancel|/approve|/resume)?$")
+RUN_PATH = re.compile(
+    r"^/api/runs/([A-Za-z0-9_-]{1,100})(/events|/live|/timeline|/cancel|/approve|/resume|/message|/fork)?$"
+)
 LIVE_WAIT_MS = 2000  # a live request waits this long for output before answering empty
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
@@ -203,6 +207,7 @@ def run_detail(r: Redis, run_id: str, start: int) -> dict[str, Any]:
     run.window_start = state.window_hint
     found = why_waiting(r, run_id, run.status)
     run.waiting = found.to_dict() if found else None
+    run.inbox = [{"id": m["id"], "content": _slim(m["content"])} for m in inbox.waiting(r, keys)]
     header = run.to_dict()
     header.pop("messages")
     now = time.time()
@@ -267,6 +272,26 @@ def act(r: Redis, run_id: str, action: str, body: dict[str, Any]) -> dict[str, A
             connection=r,
         )
         return {"ok": True, "result": result}
+    if action == "message":
+        text, message_id = body.get("text"), body.get("message_id")
+        if not isinstance(text, str) or not isinstance(message_id, (str, type(None))):
+            raise HttpError(HTTPStatus.BAD_REQUEST, "message takes text (string) and message_id (string or null)")
+        try:
+            sent = conversation.send_message(run_id, text, message_id=message_id, connection=r)
+        except ValueError as exc:
+            raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        return {"ok": True, "message_id": sent}
+    if action == "fork":
+        at_turn, fork_id = body.get("at_turn"), body.get("fork_id")
+        if (at_turn is not None and (not isinstance(at_turn, int) or isinstance(at_turn, bool))) or not isinstance(
+            fork_id, (str, type(None))
+        ):
+            raise HttpError(HTTPStatus.BAD_REQUEST, "fork takes at_turn (integer or null) and fork_id (string or null)")
+        try:
+            new_id = conversation.fork_run(run_id, at_turn=at_turn, fork_id=fork_id, connection=r)
+        except ValueError as exc:
+            raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
+        return {"ok": True, "run_id": new_id}
     raise HttpError(HTTPStatus.NOT_FOUND, f"no action {action!r}")
 
 
@@ -401,7 +426,7 @@ class Handler(BaseHTTPRequestHandler):
             if not re.fullmatch(r"\d+-\d+", after):
                 raise HttpError(HTTPStatus.BAD_REQUEST, "after must be a stream id like 1700000000000-0")
             return live_output(r, run_id, after)
-        if self.command == "POST" and sub in ("cancel", "approve", "resume"):
+        if self.command == "POST" and sub in ("cancel", "approve", "resume", "message", "fork"):
             return act(r, run_id, sub, self._body())
         raise HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.command} is not allowed here")
 

@@ -24,6 +24,12 @@ POINTS = (
     "before_compaction",  # the window must be compacted; the summary call not yet made
     "after_summary_reply",  # the summary call answered (and billed us); the summary not saved
     "after_compaction_save",  # the summary is the new compaction point; the turn's model call not yet made
+    "after_delivery_refused",  # save point A would have completed the run but messages wait: nothing saved
+    # In the process that calls send_message / fork_run (an app), around its one transaction:
+    "before_message_commit",
+    "after_message_commit",
+    "before_fork_commit",
+    "after_fork_commit",
 )
 
 _ARMED = frozenset(p for p in os.environ.get("AGENTPOOL_FAULTS", "").split(",") if p)

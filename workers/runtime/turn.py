@@ -46,7 +46,14 @@ from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
 from agentpool.runtime.stream import LiveOutput
 from agentpool.store import checkpoint, handback, live, spend, window
 from agentpool.store.crypto import EncryptionKeyMissing, KeyNotHeld
-from agentpool.store.errors import LeaseLost, LedgerMismatch, RunNotActive, SchemaTooNew, UnreadableRecord
+from agentpool.store.errors import (
+    LeaseLost,
+    LedgerMismatch,
+    MessagesWaiting,
+    RunNotActive,
+    SchemaTooNew,
+    UnreadableRecord,
+)
 from agentpool.store.events import Event, emit
 from agentpool.store.keys import RunKeys
 from agentpool.store.lease import Acquire, AcquireResult, acquire, release
@@ -310,35 +317,46 @@ class Turn:
             result = _trailing_text(state.messages + [reply.message])
         price = price_of(agent.model)
         cost = price.cost(reply.usage) if price else 0.0
-        checkpoint.commit_response(
-            self.r,
-            self.keys,
-            self.token,
-            turns_before=state.turns,
-            message=reply.message,
-            meta=reply.meta,
-            pending=pending,
-            final_status=final,
-            result=result,
-            error=failure or "",
-            retention_s=self.settings.retention if final in TERMINAL_STATUSES else 0,
-            usage=reply.usage,
-            cost_usd=cost,
-            closing=closing,
-            responded=Event.of(
-                self.run_id,
-                "model_responded",
-                turn=self.turn,
-                stop_reason=reply.stop_reason,
-                seconds=round(seconds, 4),
-                cost_usd=round(cost, 8),
-                compacted="server" if reply.compacted else None,
-                **reply.usage,
-            ),
-            event=Event.of(self.run_id, "status", status=final, error=failure)
-            if final
-            else Event.of(self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending)),
-        )
+
+        def commit(final: str) -> None:
+            checkpoint.commit_response(
+                self.r,
+                self.keys,
+                self.token,
+                turns_before=state.turns,
+                message=reply.message,
+                meta=reply.meta,
+                pending=pending,
+                final_status=final,
+                result=result,
+                error=failure or "",
+                retention_s=self.settings.retention if final in TERMINAL_STATUSES else 0,
+                usage=reply.usage,
+                cost_usd=cost,
+                closing=closing,
+                responded=Event.of(
+                    self.run_id,
+                    "model_responded",
+                    turn=self.turn,
+                    stop_reason=reply.stop_reason,
+                    seconds=round(seconds, 4),
+                    cost_usd=round(cost, 8),
+                    compacted="server" if reply.compacted else None,
+                    **reply.usage,
+                ),
+                event=Event.of(self.run_id, "status", status=final, error=failure)
+                if final
+                else Event.of(self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending)),
+            )
+
+        try:
+            commit(final)
+        except MessagesWaiting:
+            # Messages were sent while the model answered: the run answers them before it completes
+            # (this turn's save point B delivers them; save point A wrote nothing).
+            fault("after_delivery_refused", self.run_id, self.turn)
+            final = ""
+            commit(final)
         fault("after_save_a", self.run_id, self.turn)
         if final:
             return final
@@ -365,6 +383,7 @@ class Turn:
             message=_results_message(results),
             enqueue_next=enqueue_next,
             outcomes=self.tools.outcomes,
+            turns=turns,
             event=Event.of(
                 self.run_id,
                 "turn_committed",

@@ -350,6 +350,8 @@ function runHeader(run, now) {
       h("span", { id: "run-status", class: "status" }, badge(run.status))),
     h("dl", { class: "facts" },
       fact("Agent", h("span", { class: "mono" }, run.agent)),
+      run.forked_from ? fact("Forked from", h("a", { class: "mono", id: "forked-from", href: "/runs/" + encodeURIComponent(run.forked_from) },
+        run.forked_from), " at turn " + run.forked_at) : null,
       fact("Turns", String(run.turns) + (maxTurns ? " / " + (maxTurns + ((run.limits || {}).extra_turns || 0)) : "")),
       fact("Tokens", fmtNum(run.tokens),
         h("span", { class: "muted small" }, "in " + fmtNum(u.input_tokens) + " · out " + fmtNum(u.output_tokens) +
@@ -423,6 +425,58 @@ function actionsPanel(run, post) {
   }
   if (buttons.length) out.push(h("div", { class: "buttons" }, buttons));
   return out;
+}
+
+// Follow-up messages and forks (agentpool.conversation): built once per page, so typing survives refreshes.
+function talkPanel(runId, done) {
+  const text = h("textarea", { id: "message-text", rows: "2", placeholder: "A message for the run (delivered at its next turn boundary)", "aria-label": "message" });
+  const atTurn = h("input", { type: "number", min: "0", step: "1", id: "fork-turn", placeholder: "latest", "aria-label": "fork at turn" });
+  const feedback = h("div", { class: "feedback", id: "talk-feedback", role: "status" });
+  const waiting = h("ul", { id: "inbox", class: "inbox" });
+  const waitingBox = h("div", { id: "inbox-box", hidden: true }, h("h3", {}, "Waiting for delivery"), waiting);
+  // One id per message typed, kept across retries of the same click: the server delivers it once.
+  let pending = null;
+  async function act(action, body, ok) {
+    feedback.className = "feedback";
+    feedback.textContent = "";
+    try {
+      const reply = await api("/api/runs/" + encodeURIComponent(runId) + "/" + action, { method: "POST", body });
+      feedback.className = "feedback ok";
+      feedback.textContent = ok(reply);
+      return reply;
+    } catch (err) {
+      feedback.className = "feedback bad";
+      feedback.textContent = err.message;
+      return null;
+    } finally {
+      done();
+    }
+  }
+  const send = h("button", { type: "button", class: "primary", id: "send-message", dataset: { action: "message" }, onclick: async () => {
+    if (!text.value.trim()) return;
+    if (!pending || pending.text !== text.value) pending = { text: text.value, id: "m_web_" + Date.now().toString(16) + Math.random().toString(16).slice(2, 10) };
+    const reply = await act("message", { text: pending.text, message_id: pending.id }, (r) => "Sent (" + r.message_id + ").");
+    if (reply) { text.value = ""; pending = null; }
+  } }, "Send");
+  const fork = h("button", { type: "button", id: "fork-run", dataset: { action: "fork" }, onclick: async () => {
+    const turn = atTurn.value === "" ? null : Number(atTurn.value);
+    const reply = await act("fork", { at_turn: turn, fork_id: null }, (r) => "Forked: " + r.run_id);
+    if (reply) location.href = "/runs/" + encodeURIComponent(reply.run_id);
+  } }, "Fork");
+  const card = h("section", { class: "card", id: "talk-card" },
+    h("h2", {}, "Talk to the run"),
+    h("div", { class: "talk" }, text, h("div", { class: "buttons" }, send)),
+    waitingBox,
+    h("div", { class: "buttons fork" }, h("label", {}, "Fork at turn ", atTurn), fork),
+    feedback);
+  function update(run) {
+    const inbox = run.inbox || [];
+    waitingBox.hidden = inbox.length === 0;
+    waiting.replaceChildren(...inbox.map((m) => h("li", { dataset: { messageId: m.id } },
+      h("span", { class: "mono small muted" }, m.id + " "),
+      typeof m.content === "string" ? m.content : m.content.map((b) => b.text || "[" + b.type + "]").join(" "))));
+  }
+  return { card, update };
 }
 
 function ledgerTable(ledger) {
@@ -565,10 +619,12 @@ function runPage(app, runId) {
   const conversation = h("div", { id: "conversation", class: "conversation" });
   const ledgerBox = h("div", { id: "ledger" });
   const eventList = h("ol", { id: "events", class: "events", reversed: true });
+  const talk = talkPanel(runId, () => poll.kick());
 
   app.replaceChildren(
     h("p", { class: "crumbs" }, h("a", { href: "/" }, "← All runs")),
     header,
+    talk.card,
     live.card,
     h("section", { class: "card", id: "timeline-card" }, h("h2", {}, "Timeline"), timelineBox),
     h("div", { class: "layout" },
@@ -606,6 +662,7 @@ function runPage(app, runId) {
     const run = doc.run;
     state.run = run;
     headerInfo.replaceChildren(...runHeader(run, doc.now).filter(Boolean));
+    talk.update(run);
     const key = run.status + "|" + (run.pending || []).map((p) => p.id).join(",");
     if (key !== state.actionsKey) {
       actions.replaceChildren(...actionsPanel(run, post));

@@ -1,0 +1,91 @@
+"""Messages sent to a run (``send_message``): its inbox, and where each was delivered.
+
+A message to a run that is queued, running or waiting for a person waits in the run's ``inbox`` list
+(its id) and ``received`` hash (its content, sealed like the conversation when encryption at rest is
+on). The turn's save point B takes every waiting message into the user message that carries the turn's
+tool_results (tool_result blocks first, then the messages in the order they were sent) and marks each
+delivered, in the same EXEC: a crash delivers a message once or not yet, never twice. A reply that
+would complete the run while messages wait is committed as a turn that goes on instead (save point A
+refuses to complete), so its save point B delivers them.
+
+``received`` keeps every message after delivery too: a retried ``send_message`` with the same id finds
+it (delivered once), and ``wait_for_run(after_message=...)`` reads where it was delivered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
+from redis.client import Pipeline
+
+from agentpool.store.codec import pack, unpack
+from agentpool.store.keys import RunKeys
+from agentpool.store.records import open_value, seal_value
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where a message went: the run's turn count when it was delivered, and its index in the conversation."""
+
+    turns: int
+    index: int
+
+
+def pack_content(content: Any) -> bytes:
+    return pack(seal_value(content))
+
+
+def unpack_content(blob: bytes, what: str) -> Any:
+    return open_value(unpack(blob, what), what)
+
+
+def as_blocks(content: Any) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+
+
+def read_waiting(pipe: Pipeline | Redis, keys: RunKeys) -> list[tuple[str, Any]]:
+    """The messages waiting for delivery, oldest first, as ``(message_id, content)``. Called while the
+    caller watches ``keys.inbox`` (immediate mode), so the list cannot change before its EXEC."""
+    ids = [i.decode() for i in pipe.lrange(keys.inbox, 0, -1)]
+    if not ids:
+        return []
+    blobs = pipe.hmget(keys.received, ids)
+    return [(i, unpack_content(blob, f"message {i} to run {keys.run_id}")) for i, blob in zip(ids, blobs) if blob]
+
+
+def merged(message: Mapping[str, Any] | None, waiting: list[tuple[str, Any]]) -> dict[str, Any] | None:
+    """The user message that closes a turn: its tool_results (``message``) first, then the waiting messages."""
+    blocks = list(message["content"]) if message else []
+    for _id, content in waiting:
+        blocks.extend(as_blocks(content))
+    return {"role": "user", "content": blocks} if blocks else None
+
+
+def stage_delivered(pipe: Pipeline, keys: RunKeys, ids: list[str], *, turns: int, index: int) -> None:
+    """In MULTI: the ``ids`` (the head of the inbox, as read under WATCH) leave it, delivered in the
+    message at ``index`` while the run had counted ``turns`` turns."""
+    if not ids:
+        return
+    pipe.ltrim(keys.inbox, len(ids), -1)
+    pipe.hset(keys.received, mapping={f"{i}:at": f"{turns}:{index}" for i in ids})
+
+
+def stage_received(pipe: Pipeline, keys: RunKeys, message_id: str, content: Any) -> None:
+    """In MULTI: keep the message's content under its id (before it waits or is delivered)."""
+    pipe.hset(keys.received, message_id, pack_content(content))
+
+
+def delivery(r: Redis | Pipeline, keys: RunKeys, message_id: str) -> Delivery | None:
+    raw = r.hget(keys.received, f"{message_id}:at")
+    if not raw:
+        return None
+    turns, _, index = raw.decode().partition(":")
+    return Delivery(int(turns), int(index))
+
+
+def waiting(r: Redis, keys: RunKeys) -> list[dict[str, Any]]:
+    """The messages still waiting for delivery: ``{"id", "content"}``, oldest first."""
+    return [{"id": i, "content": content} for i, content in read_waiting(r, keys)]

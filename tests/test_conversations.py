@@ -1,0 +1,289 @@
+"""Conversations through real workers: follow-up messages (send_message, wait_for_run(after_message=))
+and forks (fork_run), against the scripted model."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentpool import (
+    MessageRefused,
+    RunExists,
+    approve,
+    cancel_run,
+    enqueue_run,
+    fork_run,
+    get_run,
+    resume,
+    send_message,
+    wait_for_run,
+)
+from agentpool.store import events
+
+from conftest import assert_valid_conversation, script_task, wait_for_status
+
+
+def kinds(r, run_id):
+    return [fields["kind"] for _id, fields in events.read(r, run_id)]
+
+
+def user_texts(message):
+    content = message["content"]
+    if isinstance(content, str):
+        return [content]
+    return [b["text"] for b in content if b["type"] == "text"]
+
+
+def test_a_follow_up_to_a_completed_run_goes_on_and_is_waited_for(r, pool, model):
+    model.set_scripts({"chat": [{"text": "First answer."}, {"text": "Second answer."}, {"text": "Third answer."}]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:support", script_task("chat"), connection=r)
+    first = wait_for_run(run_id, timeout=60, connection=r)
+    assert first.status == "completed" and first.result == "First answer."
+
+    sent = send_message(run_id, "And then?", message_id="req-1", connection=r)
+    assert sent == "req-1"
+    # The run was completed a moment ago: waiting for the answer to *this* message must not return it.
+    second = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+    assert second.status == "completed" and second.result == "Second answer."
+    assert second.turns == 2
+    assert second.usage["output_tokens"] > first.usage["output_tokens"]
+    assert [m["role"] for m in second.messages] == ["user", "assistant", "user", "assistant"]
+    assert second.messages[2]["content"] == "And then?"
+
+    # A retried request delivers nothing more; the same id for other content is refused.
+    assert send_message(run_id, "And then?", message_id="req-1", connection=r) == "req-1"
+    with pytest.raises(MessageRefused, match="already used"):
+        send_message(run_id, "Something else", message_id="req-1", connection=r)
+    assert get_run(run_id, connection=r).messages == second.messages
+
+    third_id = send_message(run_id, [{"type": "text", "text": "One more."}], connection=r)
+    third = wait_for_run(run_id, timeout=60, connection=r, after_message=third_id)
+    assert third.result == "Third answer." and third.turns == 3
+    assert_valid_conversation(third.messages)
+    assert {"message_delivered", "status"} <= set(kinds(r, run_id))
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+
+
+def test_messages_sent_while_a_tool_runs_join_its_results_in_order(r, pool, model):
+    model.set_scripts(
+        {
+            "slow": [
+                {"tool_calls": [{"name": "slow_read", "input": {"seconds": 1.5}}]},
+                {"text": "Noted both."},
+            ]
+        }
+    )
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
+    pool.wait_for_effect("slow_read")
+    a = send_message(run_id, "First follow-up.", connection=r)
+    b = send_message(run_id, "Second follow-up.", connection=r)
+    assert [m["id"] for m in get_run(run_id, connection=r).inbox] == [a, b]
+    run = wait_for_run(run_id, timeout=60, connection=r, after_message=b)
+
+    assert run.status == "completed" and run.result == "Noted both." and run.turns == 2
+    closing = run.messages[2]["content"]
+    assert [blk["type"] for blk in closing] == ["tool_result", "text", "text"]  # results first, then in order
+    assert user_texts(run.messages[2]) == ["First follow-up.", "Second follow-up."]
+    assert run.inbox == []
+    assert_valid_conversation(run.messages)
+    assert kinds(r, run_id).count("message_queued") == 2
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+
+
+def test_a_message_sent_while_the_model_writes_its_final_answer_is_answered_first(r, pool, model):
+    model.set_scripts({"late": [{"text": "Working on it.", "delay": 2.0}, {"text": "Answering the follow-up."}]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:support", script_task("late"), connection=r)
+    wait_for_status(r, run_id, "running")
+    sent = send_message(run_id, "Also check the invoices.", connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+
+    assert "message_queued" in kinds(r, run_id)  # it reached the inbox while the run was running
+    assert run.status == "completed" and run.result == "Answering the follow-up."
+    assert [m["role"] for m in run.messages] == ["user", "assistant", "user", "assistant"]
+    assert user_texts(run.messages[2]) == ["Also check the invoices."]
+    assert_valid_conversation(run.messages)
+
+
+def test_a_message_to_a_run_waiting_for_approval_waits_for_the_decision(r, pool, model):
+    model.set_scripts(
+        {"deploy": [{"tool_calls": [{"name": "deploy", "input": {"version": "1.2"}}]}, {"text": "Deployed 1.2."}]}
+    )
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:guarded", script_task("deploy"), connection=r)
+    wait_for_status(r, run_id, "waiting_approval")
+    sent = send_message(run_id, "Tell the team when done.", connection=r)
+    waiting = get_run(run_id, connection=r)
+    assert waiting.status == "waiting_approval" and [m["content"] for m in waiting.inbox] == [
+        "Tell the team when done."
+    ]
+    approve(run_id, connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+
+    assert run.status == "completed" and run.result == "Deployed 1.2."
+    assert [blk["type"] for blk in run.messages[2]["content"]] == ["tool_result", "text"]
+    assert sum(1 for e in pool.effects() if e["tool"] == "deploy") == 1
+    assert_valid_conversation(run.messages)
+
+
+def test_cancelled_failed_and_budget_stopped_runs_refuse_or_say_what_to_do(r, pool, model):
+    reads = [{"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}]}] * 3
+    model.set_scripts({"long": [*reads, {"text": "Done at last."}], "chat": [{"text": "Hi."}, {"text": "Yes."}]})
+    pool.start(1)
+    stopped = enqueue_run("pool_agents:short", script_task("long"), connection=r)
+    assert wait_for_run(stopped, timeout=60, connection=r).status == "stopped"
+    with pytest.raises(MessageRefused, match=r"resume\(.*add_turns=1"):
+        send_message(stopped, "Go on.", connection=r)
+    resume(stopped, add_turns=3, connection=r)
+    sent = send_message(stopped, "Then summarize.", connection=r)
+    run = wait_for_run(stopped, timeout=60, connection=r, after_message=sent)
+    assert run.status == "completed" and run.result == "Done at last."
+    assert "Then summarize." in user_texts(run.messages[-2])
+    assert_valid_conversation(run.messages)
+
+    cancelled = enqueue_run("pool_agents:support", script_task("chat"), connection=r)
+    wait_for_run(cancelled, timeout=60, connection=r)
+    cancel_run(cancelled, connection=r)  # a completed run stays completed, and takes messages
+    still = send_message(cancelled, "Still there?", connection=r)
+    assert wait_for_run(cancelled, timeout=60, connection=r, after_message=still).result == "Yes."
+    queued = enqueue_run("pool_agents:nowhere", script_task("chat"), connection=r, run_id="r_cancel_me")
+    cancel_run(queued, connection=r)
+    with pytest.raises(MessageRefused, match="cancelled"):
+        send_message(queued, "Hello?", connection=r)
+    assert get_run(queued, connection=r).inbox == []
+
+
+def test_message_content_is_checked(r):
+    run_id = enqueue_run("pool_agents:support", "task", connection=r)
+    for bad in ("", "  ", [], [{"type": "tool_result", "tool_use_id": "x", "content": "y"}], [{"type": "text"}], 5):
+        with pytest.raises(ValueError):
+            send_message(run_id, bad, connection=r)
+    with pytest.raises(ValueError, match="message_id"):
+        send_message(run_id, "ok", message_id="has space", connection=r)
+    assert get_run(run_id, connection=r).inbox == []
+
+
+MEETING = [
+    {"text": "Let me read the notes.", "tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}]},
+    {"tool_calls": [{"name": "create_ticket", "input": {"title": "Changelog", "body": "Ana writes it"}}]},
+    {"text": "A ticket is open."},
+    {"text": "Follow-up answered."},
+]
+
+
+def test_forks_copy_committed_turns_and_run_nothing_of_the_parent_again(r, pool, model):
+    model.set_scripts({"meeting": MEETING})
+    pool.start(1)
+    parent = enqueue_run("pool_agents:support", script_task("meeting"), connection=r)
+    done = wait_for_run(parent, timeout=60, connection=r)
+    assert done.status == "completed" and done.turns == 3
+
+    at_one = fork_run(parent, at_turn=1, fork_id="f_at_one", connection=r)
+    assert fork_run(parent, at_turn=1, fork_id="f_at_one", connection=r) == at_one  # a retry: one fork
+    with pytest.raises(RunExists):
+        fork_run(parent, at_turn=2, fork_id="f_at_one", connection=r)
+    fork = get_run(at_one, connection=r)
+    assert (fork.forked_from, fork.forked_at, fork.turns) == (parent, 1, 1)
+    assert fork.messages == done.messages[:3] and sum(fork.usage.values()) == 0
+    forked = wait_for_run(at_one, timeout=60, connection=r)
+    assert forked.status == "completed" and forked.result == "A ticket is open." and forked.turns == 3
+
+    latest = fork_run(parent, connection=r)
+    copy = get_run(latest, connection=r)
+    assert copy.status == "completed" and copy.result == done.result and copy.messages == done.messages
+    sent = send_message(latest, "One more thing.", connection=r)
+    answered = wait_for_run(latest, timeout=60, connection=r, after_message=sent)
+    assert answered.result == "Follow-up answered." and answered.turns == 4
+
+    # The parent is untouched, and each tool ran once per run that asked for it.
+    assert get_run(parent, connection=r).messages == done.messages
+    runs_of = [(e["tool"], e["run"]) for e in pool.effects()]
+    assert runs_of.count(("read_notes", parent)) == 1 and runs_of.count(("create_ticket", parent)) == 1
+    assert ("read_notes", at_one) not in runs_of and runs_of.count(("create_ticket", at_one)) == 1
+    assert not any(run == latest for _tool, run in runs_of)
+    for run_id in (at_one, latest):
+        assert_valid_conversation(get_run(run_id, connection=r).messages)
+    assert "forked" in kinds(r, at_one)
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+
+
+def test_a_fork_mid_turn_starts_from_the_last_committed_turn(r, pool, model):
+    model.set_scripts(
+        {"deploy": [{"tool_calls": [{"name": "deploy", "input": {"version": "2.0"}}]}, {"text": "Deployed."}]}
+    )
+    pool.start(1)
+    parent = enqueue_run("pool_agents:guarded", script_task("deploy"), connection=r)
+    wait_for_status(r, parent, "waiting_approval")
+    fork = get_run(fork_run(parent, at_turn=1, connection=r), connection=r)
+    assert fork.turns == 0 and fork.forked_at == 0 and len(fork.messages) == 1 and fork.pending == []
+    with pytest.raises(ValueError, match="at_turn"):
+        fork_run(parent, at_turn=5, connection=r)
+    assert get_run(parent, connection=r).status == "waiting_approval"
+
+
+def test_the_cli_sends_waits_for_the_answer_and_forks(r, redis_server, pool, model):
+    from test_usability import agentpool_cli
+
+    model.set_scripts({"chat": [{"text": "Hello."}, {"text": "Fine, thanks."}, {"text": "From the fork."}]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:support", script_task("chat"), connection=r)
+    wait_for_run(run_id, timeout=60, connection=r)
+
+    sent = agentpool_cli("send", run_id, "How are you?", "--message-id", "cli-1", "--wait", url=redis_server.url)
+    assert sent.returncode == 0, sent.stderr
+    assert sent.stdout.splitlines() == ["cli-1", "completed after 2 turns: Fine, thanks."]
+    again = agentpool_cli("send", run_id, "How are you?", "--message-id", "cli-1", url=redis_server.url)
+    assert again.returncode == 0 and get_run(run_id, connection=r).turns == 2  # delivered once
+
+    forked = agentpool_cli("fork", run_id, "--at-turn", "1", url=redis_server.url)
+    assert forked.returncode == 0, forked.stderr
+    fork_id = forked.stdout.strip()
+    # Turn 1 ends with the message delivered after its reply: the fork answers it again, its own way.
+    assert "at turn 1: queued" in forked.stderr
+    shown = agentpool_cli("show", fork_id, url=redis_server.url)
+    assert f"forked from {run_id} at turn 1" in shown.stdout
+    assert wait_for_run(fork_id, timeout=60, connection=r).result == "Fine, thanks."
+    answer = agentpool_cli("send", fork_id, "And you?", "--wait", url=redis_server.url)
+    assert answer.stdout.splitlines()[-1] == "completed after 3 turns: From the fork."
+    assert get_run(run_id, connection=r).turns == 2  # the parent is untouched
+    watched = agentpool_cli("watch", run_id, "--events-only", url=redis_server.url)  # a finished run replays
+    assert "message_delivered" in watched.stdout and "messages=cli-1" in watched.stdout
+    assert "forked" in agentpool_cli("watch", fork_id, "--events-only", url=redis_server.url).stdout
+
+    queued = enqueue_run("pool_agents:nowhere", "task", connection=r)
+    cancel_run(queued, connection=r)
+    refused = agentpool_cli("send", queued, "Hi", url=redis_server.url)
+    assert refused.returncode == 1 and "cancelled" in refused.stderr
+
+
+def test_a_message_to_a_completed_run_lifts_its_retention_until_it_completes_again(r, pool, model):
+    from agentpool.store.keys import RunKeys
+
+    model.set_scripts({"chat": [{"text": "One.", "delay": 0}, {"text": "Two.", "delay": 1.0}]})
+    pool.start(1, AGENTPOOL_RETENTION_SECONDS="600")
+    run_id = enqueue_run("pool_agents:support", script_task("chat"), connection=r)
+    wait_for_run(run_id, timeout=60, connection=r)
+    keys = RunKeys.of(run_id)
+    assert 0 < r.ttl(keys.run) <= 600
+    sent = send_message(run_id, "Still there?", connection=r)
+    assert r.ttl(keys.run) == -1 and r.ttl(keys.messages) == -1 and r.ttl(keys.received) == -1
+    wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+    assert all(0 < r.ttl(key) <= 600 for key in (keys.run, keys.messages, keys.received, keys.events))
+
+
+def test_a_run_stopped_by_a_spend_limit_429_goes_on_with_a_message(r, pool, model):
+    limit = "This request would exceed your organization's monthly usage limit."
+    model.set_scripts(
+        {"broke": [{"error": {"status": 429, "type": "rate_limit_error", "times": 1, "message": limit}, "text": "Ok."}]}
+    )
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:budgeted", script_task("broke"), connection=r)
+    stopped = wait_for_run(run_id, timeout=60, connection=r)
+    assert stopped.status == "stopped" and "usage limit" in stopped.error
+    # No limit of the run's own stopped it: the message goes straight in and the run goes on.
+    sent = send_message(run_id, "Try again now.", connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+    assert run.status == "completed" and run.result == "Ok." and run.turns == 1
+    assert [m["role"] for m in run.messages] == ["user", "user", "assistant"]  # the API joins the two
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]

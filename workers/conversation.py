@@ -1,0 +1,295 @@
+"""Conversations: follow-up messages to a run (``send_message``) and forks of a run (``fork_run``).
+
+A message to a run that is queued, running or waiting for a person waits in its inbox and is
+delivered at the run's next turn boundary (``agentpool.store.inbox``). A message to a completed run (or
+one stopped for a reason other than a limit) becomes its next user message at once and the run goes on.
+A fork is a new run holding a copy of another's conversation up to the end of one of its committed
+turns; it runs no tool again (the copy holds their results) and its usage starts from zero.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from typing import Any
+
+from redis import Redis
+from redis.exceptions import WatchError
+
+from agentpool.client import new_run_id, resume_needs
+from agentpool.runtime.faults import fault
+from agentpool.runtime.jobs import stage_turn
+from agentpool.runtime.settings import Settings, client_for
+from agentpool.runtime.takeover import read_header, stage_restart
+from agentpool.runtime.turn import FINISHED_STOPS
+from agentpool.runtime.turn import _trailing_text as trailing_text
+from agentpool.store import checkpoint, inbox, writes
+from agentpool.store.errors import MessageRefused, RunExists, RunNotFound
+from agentpool.store.events import Event
+from agentpool.store.keys import RUNS, RUNS_WATCH, RunKeys
+from agentpool.store.records import message_meta, new_header, pack_message, pack_result, unpack_message
+from agentpool.store.window import is_compaction_point
+
+# The blocks a user message may hold besides tool_results (which only a turn writes).
+USER_BLOCKS = ("text", "image", "document")
+MESSAGE_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+
+
+def new_message_id() -> str:
+    return f"m_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
+
+
+def check_content(content: Any) -> str | list[dict[str, Any]]:
+    """A message's content as the Messages API takes it in a user message: non-empty text, or a list of
+    text, image and document blocks. Anything else is a ValueError saying what is wrong."""
+    if isinstance(content, str):
+        if not content.strip():
+            raise ValueError("a message needs non-empty text")
+        return content
+    if not isinstance(content, list) or not content:
+        raise ValueError("a message is a non-empty str or a non-empty list of content blocks")
+    for i, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in USER_BLOCKS:
+            raise ValueError(
+                f"content block {i} has type {kind!r}: a message may hold {', '.join(USER_BLOCKS)} blocks "
+                "(tool_result blocks are written by the run itself)"
+            )
+        if kind == "text" and not (isinstance(block.get("text"), str) and block["text"].strip()):
+            raise ValueError(f"content block {i}: a text block needs non-empty 'text'")
+        if kind != "text" and not isinstance(block.get("source"), dict):
+            raise ValueError(f"content block {i}: an {kind} block needs a 'source' object")
+    return [dict(block) for block in content]
+
+
+def send_message(
+    run_id: str,
+    content: str | list[dict[str, Any]],
+    *,
+    message_id: str | None = None,
+    connection: Redis | None = None,
+) -> str:
+    """Send a user message to a run; returns the message's id.
+
+    - ``queued``, ``running``, ``waiting_approval``: the message waits in the run's inbox and is
+      delivered at its next turn boundary, after that turn's tool_results in the same user message,
+      never in the middle of a turn; several keep the order they were sent in. A reply that would
+      have completed the run answers them first.
+    - ``completed``: the message becomes the next user message and the run goes on (its turns,
+      usage and limits carry on).
+    - ``stopped``: the same, unless a limit stopped it and still would: then ``MessageRefused`` says
+      what ``resume`` must add; resume it, then send (the message is then answered before the run
+      completes).
+    - ``cancelled``, ``failed``: ``MessageRefused`` saying so.
+
+    Idempotent with ``message_id``: a retried call with the same id and content stores and delivers
+    the message once and returns the id; the same id with other content raises ``MessageRefused``."""
+    content = check_content(content)
+    if message_id is None:
+        message_id = new_message_id()
+    elif not isinstance(message_id, str) or not MESSAGE_ID.match(message_id):
+        raise ValueError("message_id: 1 to 100 letters, digits or _ . : -")
+    r = client_for(connection)
+    keys = RunKeys.of(run_id)
+    write_id = writes.new_id()
+    with r.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(keys.run, keys.received, keys.inbox)
+                header = read_header(pipe, run_id)
+                if header is None:
+                    raise RunNotFound(run_id)
+                if writes.landed(header.writes, write_id):
+                    pipe.unwatch()
+                    return message_id
+                stored = pipe.hget(keys.received, message_id)
+                if stored is not None:
+                    pipe.unwatch()
+                    if inbox.unpack_content(stored, f"message {message_id}") != content:
+                        raise MessageRefused(run_id, f"message id {message_id!r} was already used for another message")
+                    return message_id  # a retry: it was stored (and is or will be delivered) once
+                state = checkpoint.load_run(pipe, run_id, with_messages=False)  # type: ignore[arg-type]
+                refused = _refusal(r, run_id, state.status, state.error)
+                if refused:
+                    raise MessageRefused(run_id, refused)
+                # Straight into the conversation when nothing is in flight and no earlier message waits
+                # (a stopped run may hold some: this one goes behind them, keeping the order).
+                at_once = (
+                    state.status == "completed" or (state.status == "stopped" and state.phase != "tools")
+                ) and not (pipe.llen(keys.inbox))
+                length = int(pipe.llen(keys.messages))
+                pipe.multi()
+                inbox.stage_received(pipe, keys, message_id, content)
+                if at_once:
+                    _stage_append(pipe, keys, message_id, content, turns=state.turns, index=length)
+                else:
+                    pipe.rpush(keys.inbox, message_id)
+                    Event.of(run_id, "message_queued", message=message_id, status=state.status).stage(pipe)
+                if state.status in ("completed", "stopped"):
+                    for key in keys.kept():
+                        pipe.persist(key)  # a completed run had started its retention
+                    stage_restart(
+                        pipe,
+                        r,
+                        run_id,
+                        turn=state.current_turn,
+                        attempt=0,
+                        requeues=header.requeues,
+                        fields={
+                            "status": "running",
+                            "phase": "model" if at_once else state.phase,
+                            "error": "",
+                            "model_errors": 0,
+                        },
+                    )
+                    pipe.delete(keys.handback)
+                    Event.of(run_id, "status", status="running", reason="message", message=message_id).stage(pipe)
+                writes.stage_remember(pipe, keys.run, write_id)
+                fault("before_message_commit", run_id, 0)
+                pipe.execute()
+                fault("after_message_commit", run_id, 0)
+                return message_id
+            except WatchError:
+                continue
+
+
+def _refusal(r: Redis, run_id: str, status: str, error: str) -> str:
+    if status in ("cancelled", "failed"):
+        why = f" ({error})" if error else ""
+        return (
+            f"the run is {status}{why}; a {status} run takes no more messages (fork_run it to go on from its history)"
+        )
+    if status == "stopped":
+        needs = resume_needs(r, run_id)
+        if needs:
+            adds = ", ".join(f"{name}={value}" for name, value in needs.items())
+            return (
+                f"the run was stopped by a limit ({error}); raise its limits first with "
+                f"resume({run_id!r}, {adds}), then send the message"
+            )
+    return ""
+
+
+def _stage_append(pipe: Any, keys: RunKeys, message_id: str, content: Any, *, turns: int, index: int) -> None:
+    """In MULTI: the message becomes the run's next user message at ``index``, delivered now."""
+    pipe.rpush(keys.messages, pack_message({"role": "user", "content": content}))
+    pipe.hset(keys.received, f"{message_id}:at", f"{turns}:{index}")
+    Event.of(keys.run_id, "message_delivered", messages=message_id, turn=turns).stage(pipe)
+
+
+def fork_run(
+    run_id: str,
+    *,
+    at_turn: int | None = None,
+    fork_id: str | None = None,
+    connection: Redis | None = None,
+) -> str:
+    """A new run with ``run_id``'s conversation up to the end of its committed turn ``at_turn`` (the
+    latest by default; a turn still in flight forks from the one before it), the same agent and
+    limits, ``forked_from``/``forked_at`` saying where it came from, and usage from zero. Returns its id.
+
+    Nothing of the parent runs again: the copy holds the tool_results of every copied turn, and the
+    fork's ledger starts empty with no tool_use left pending. The parent is not changed. A fork whose
+    copy ends with the model's final answer is ``completed`` (``result`` is that answer) and goes on
+    when it is sent a message; one that ends with tool_results (or a paused reply) is queued and its
+    next turn calls the model.
+
+    Idempotent with ``fork_id``: a retried fork with the same id returns the run it made; that id
+    used for anything else raises ``RunExists``."""
+    r = client_for(connection)
+    parent = RunKeys.of(run_id)
+    with r.pipeline(transaction=True) as pipe:  # one consistent snapshot of the parent
+        pipe.hgetall(parent.run)
+        pipe.lrange(parent.messages, 0, -1)
+        raw_header, blobs = pipe.execute()
+    state = checkpoint.decode_run(run_id, raw_header, None)
+    messages = [unpack_message(blob, i) for i, blob in enumerate(blobs)]
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    committed = len(replies) - (1 if state.phase == "tools" else 0)
+    if at_turn is None:
+        turn = committed
+    elif not isinstance(at_turn, int) or isinstance(at_turn, bool) or at_turn < 0 or at_turn > len(replies):
+        raise ValueError(f"at_turn must be a turn of run {run_id}: 0 to {committed}")
+    else:
+        turn = min(at_turn, committed)
+    end = replies[turn] if turn < len(replies) else len(messages)
+    # A summary written at the start of the next turn belongs to that turn.
+    while end > 1 and message_meta(blobs[end - 1], end - 1).get("compaction") == "summary":
+        end -= 1
+    last = messages[end - 1]
+    meta = message_meta(blobs[end - 1], end - 1) if last["role"] == "assistant" else {}
+    finished = last["role"] == "assistant" and meta.get("stop_reason") in FINISHED_STOPS
+    window = max(
+        [i for i in range(end) if is_compaction_point(messages[i])]
+        + [i for i in range(end) if message_meta(blobs[i], i).get("compaction") == "summary"]
+        + [0]
+    )
+    fork_id = fork_id or new_run_id()
+    return _create_fork(
+        r,
+        fork_id,
+        parent=run_id,
+        turn=turn,
+        agent=state.agent,
+        limits=state.limits,
+        blobs=blobs[:end],
+        window=window,
+        result=trailing_text(messages[:end]) if finished else "",
+        finished=finished,
+    )
+
+
+def _create_fork(
+    r: Redis,
+    fork_id: str,
+    *,
+    parent: str,
+    turn: int,
+    agent: str,
+    limits: dict[str, Any],
+    blobs: list[bytes],
+    window: int,
+    result: str,
+    finished: bool,
+) -> str:
+    keys = RunKeys.of(fork_id)
+    now = time.time()
+    with r.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(keys.run)
+                existing = pipe.hmget(keys.run, ["forked_from", "forked_at"])
+                if pipe.exists(keys.run):
+                    pipe.unwatch()
+                    if existing[0] == parent.encode() and existing[1] == str(turn).encode():
+                        return fork_id  # a retried fork: it was created once
+                    raise RunExists(fork_id, f"and is not the fork of run {parent} at turn {turn}")
+                header = new_header(agent, limits, now)
+                header.update(
+                    turns=turn,
+                    window=window,
+                    forked_from=parent,
+                    forked_at=turn,
+                    status="completed" if finished else "queued",
+                    phase="done" if finished else "model",
+                    result=pack_result(result),
+                )
+                pipe.multi()
+                pipe.hset(keys.run, mapping=header)
+                pipe.rpush(keys.messages, *blobs)
+                pipe.zadd(RUNS, {fork_id: int(now * 1000)})
+                if not finished:
+                    pipe.zadd(RUNS_WATCH, {fork_id: int(now * 1000) + checkpoint.QUEUED_RECHECK_MS})
+                    stage_turn(pipe, r, fork_id, turn)
+                Event.of(fork_id, "forked", parent=parent, at_turn=turn, status=header["status"]).stage(pipe)
+                retention = Settings.from_env().retention
+                if finished and retention > 0:
+                    for key in keys.kept():
+                        pipe.expire(key, retention)  # a completed run's retention starts now
+                fault("before_fork_commit", fork_id, 0)
+                pipe.execute()
+                fault("after_fork_commit", fork_id, 0)
+                return fork_id
+            except WatchError:
+                continue
