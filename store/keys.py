@@ -24,6 +24,9 @@ Global::
                                     every run that is queued or running (and one waiting for an
                                     approval with a deadline); changed only by scripts or
                                     transactions that check the status it was decided from
+    ap:turns:deferred       zset    "<run id>:<turn>:<re-enqueue n>" -> when that turn is due (ms): a
+                                    turn deferred after a model error; not an RQ job until due, when
+                                    the reaper moves it onto the queue as job ``<run>-t<turn>-r<n>``
     ap:reaper:lock          string  held by the one worker that scans this second
     ap:stats                hash    pool-wide counters behind /metrics (see store/stats.py)
 
@@ -40,6 +43,7 @@ PREFIX = "ap"
 RUNS = f"{PREFIX}:runs"
 RUNS_WATCH = f"{PREFIX}:runs:watch"
 REAPER_LOCK = f"{PREFIX}:reaper:lock"
+TURNS_DEFERRED = f"{PREFIX}:turns:deferred"
 STATS = f"{PREFIX}:stats"
 TURN_QUEUE = "agentpool"
 

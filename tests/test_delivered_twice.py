@@ -22,7 +22,7 @@ from agentpool.runtime.settings import connect
 from agentpool.runtime.takeover import requeue_turn
 from agentpool.store import checkpoint, events, handback, ledger, stats
 from agentpool.store.events import Event, emit
-from agentpool.store.keys import RunKeys
+from agentpool.store.keys import TURNS_DEFERRED, RunKeys
 from agentpool.store.lease import Acquire, acquire, release, renew
 from agentpool.store.ledger import Outcome
 from agentpool.store.scripts import run_script
@@ -233,7 +233,8 @@ def test_a_deferral_whose_exec_reply_is_lost_knows_it_landed(r, proxy, lossy):
             reason="overloaded_error",
         )
     assert r.hmget(KEYS.run, ["attempt", "requeues", "model_errors"]) == [b"1", b"1", b"1"]
-    assert len(turn_queue(r).scheduled_job_registry.get_job_ids()) == 1
+    assert r.zrange(TURNS_DEFERRED, 0, -1) == [f"{RUN}:0:1".encode()]
+    assert turn_queue(r).count == 0  # not an RQ job until due
 
 
 def test_an_enqueue_delivered_twice_creates_one_run_and_one_job(r, proxy, lossy):

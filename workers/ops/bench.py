@@ -3,8 +3,9 @@
 Every figure is measured in one invocation against its own redis-server (or an empty database given
 with ``--url``), its own scripted model server and real ``agentpool worker`` processes, with the
 baseline run beside it on the same worker class. It prints figures with their targets and judges
-nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``long`` (``--only``; default all;
-the long-run figures and streaming's share of the overhead are in ``bench_long.py``).
+nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``deferred``, ``long`` (``--only``;
+default all; the long-run figures and streaming's share of the overhead are in ``bench_long.py``, the
+deferred turns' lateness under kills in ``bench_ha.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from agentpool.agent import Agent
 from agentpool.context import current_call
 from agentpool.tools import tool
 
-SECTIONS = ("overhead", "saves", "memory", "recovery", "long")
+SECTIONS = ("overhead", "saves", "memory", "recovery", "deferred", "long")
 AGENT = "agentpool.ops.bench:bench_agent"
 MODEL = "claude-sonnet-5-5"
 GB = 1e9  # figures per GB use 10^9 bytes
@@ -119,10 +120,10 @@ class Lab:
         self.model.set_scripts(scripts)
 
     def start(self, *args: str, **env: str) -> tuple[subprocess.Popen[bytes], str]:
-        """One ``agentpool worker`` (no scheduler: a bench process must not outlive a kill), once it listens."""
+        """One ``agentpool worker``, once it listens."""
         self.names += 1
         name = f"bench-{self.names}"
-        proc = self.workers.start(1, "--name", name, "--no-scheduler", "--log-level", "WARNING", *args, **env)[0]
+        proc = self.workers.start(1, "--name", name, "--log-level", "WARNING", *args, **env)[0]
         until(lambda: self.r.sismember("rq:workers", f"rq:worker:{name}"), 60, f"worker {name} to start", self)
         return proc, name
 
@@ -579,7 +580,7 @@ def _kill_one_process(lab: Lab, worker_pid: int, n: int) -> float:
 
     run_id = enqueue_run(AGENT, task("slow", n), connection=lab.r)
     last = _wait_events(lab, [run_id], ("tool_started",))[run_id][0]
-    victims = horses_of(worker_pid)  # not RQ's scheduler child, if the worker runs one
+    victims = horses_of(worker_pid)
     if len(victims) != 1:
         raise click.ClickException(f"expected one child of worker {worker_pid}, found {victims}")
     os.kill(victims[0], signal.SIGKILL)
@@ -714,6 +715,9 @@ def _lab(url: str | None) -> Iterator[Lab]:
     help="recovery: also kill whole workers under this shorter TTL (0: skip).",
 )
 @click.option(
+    "--deferred-runs", type=click.IntRange(min=1), default=12, show_default=True, help="deferred: runs backing off."
+)
+@click.option(
     "--long-turns",
     type=click.IntRange(min=20),
     default=500,
@@ -738,6 +742,7 @@ def bench(
     trials: int,
     lease_ttl: float | None,
     short_ttl: float,
+    deferred_runs: int,
     long_turns: int,
     long_early: int,
     deltas: int,
@@ -763,6 +768,10 @@ def bench(
             bench_memory(lab, high_concurrency, hold)
         if "recovery" in sections:
             bench_recovery(lab, trials, ttl, short_ttl, threads)
+        if "deferred" in sections:
+            from agentpool.ops.bench_ha import bench_deferred
+
+            bench_deferred(lab, deferred_runs, threads)
         if "long" in sections:
             from agentpool.ops.bench_long import bench_long
 

@@ -379,12 +379,22 @@ class Turn:
 
     def defer(self, state: RunState, exc: ModelUnavailable) -> str:
         errors = state.model_errors + 1
-        emit(
-            self.r, self.run_id, "model_error", turn=self.turn, error=str(exc), error_type=exc.kind, consecutive=errors
-        )
-        if errors > self.settings.model_retries:
-            return self.stop(f"the model API failed {errors} times in a row (last: {exc}); resume to try again")
         delay = max(exc.retry_after or 0.0, random.uniform(0, min(120.0, 2.0 * 2 ** (errors - 1))))
+        retrying = errors <= self.settings.model_retries
+        # retry_at: when the deferred turn is due, so its lateness can be measured (agentpool.ops.lateness).
+        retry_at = round(time.time() + delay, 3) if retrying else None
+        emit(
+            self.r,
+            self.run_id,
+            "model_error",
+            turn=self.turn,
+            error=str(exc),
+            error_type=exc.kind,
+            consecutive=errors,
+            retry_at=retry_at,
+        )
+        if not retrying:
+            return self.stop(f"the model API failed {errors} times in a row (last: {exc}); resume to try again")
         log.warning("%s: %s; retrying in %.1fs (%d/%d)", self.where, exc, delay, errors, self.settings.model_retries)
         checkpoint.defer_turn(
             self.r,
