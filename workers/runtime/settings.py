@@ -13,6 +13,7 @@ from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
 
 from agentpool.checks import limit_value
+from agentpool.runtime import sentinel
 from agentpool.store import crypto
 from agentpool.store.errors import AgentPoolError
 
@@ -87,7 +88,10 @@ def configure_encryption() -> None:
 configure_encryption()
 
 
-URL_FORM = "expected redis://[user:password@]host:port/db, rediss://… (TLS) or unix:///path/to/redis.sock"
+URL_FORM = (
+    "expected redis://[user:password@]host:port/db, rediss://… (TLS), unix:///path/to/redis.sock or "
+    "redis+sentinel://[user:password@]host:port[,host:port...]/<master name>[/<db>]"
+)
 
 
 class BadRedisUrl(ValueError):
@@ -97,7 +101,10 @@ class BadRedisUrl(ValueError):
 def check_redis_url(url: str, *, subject: str = "the Redis URL") -> str:
     """``url`` if redis-py can connect with it; otherwise a :class:`BadRedisUrl` saying what is expected."""
     try:
-        parse_url(url)
+        if sentinel.is_sentinel(url):
+            sentinel.parse(url)
+        else:
+            parse_url(url)
     except ValueError as exc:
         raise BadRedisUrl(f"{subject} is not a Redis URL: {redact_url(url)!r} ({exc}); {URL_FORM}") from None
     return url
@@ -117,6 +124,12 @@ def connect(url: str | None = None, *, max_connections: int | None = None) -> Re
         "socket_keepalive": True,
     }
     url = check_redis_url(url or Settings.from_env().redis_url, subject="REDIS_URL" if url is None else "the Redis URL")
+    if sentinel.is_sentinel(url):
+        # A pool per process that asks the sentinels where the primary is: it follows a failover. (No
+        # blocking pool for Sentinel in redis-py: ``max_connections`` is then the pool's hard cap.)
+        return sentinel.client(
+            sentinel.parse(url), **options, **({"max_connections": max_connections} if max_connections else {})
+        )
     if max_connections is None:
         return Redis.from_url(url, **options)
     return Redis(
@@ -152,6 +165,9 @@ def client_for(connection: Redis | None) -> Redis:
     if not pool.connection_kwargs.get("decode_responses"):
         return connection
     client = _bytes_clients.get(pool)
+    if client is not None:
+        return client
+    client = sentinel.clone(connection, decode_responses=False)
     if client is None:
         try:
             client = Redis(
@@ -166,5 +182,5 @@ def client_for(connection: Redis | None) -> Redis:
                 f"agentpool reads Redis as bytes, as RQ does, and cannot derive a bytes client from this "
                 f"decode_responses=True client ({type(pool).__name__}); pass one made without decode_responses=True"
             ) from None
-        _bytes_clients[pool] = client
+    _bytes_clients[pool] = client
     return client

@@ -23,6 +23,7 @@ from typing import Any
 from redis import Redis
 from rq import Worker
 
+from agentpool.runtime import sentinel
 from agentpool.runtime.loader import load_agent
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
@@ -118,7 +119,7 @@ class AgentWorker(Worker):
         warm_up()
         # The reaper gets its own connection pool: it runs beside the worker's blocking dequeue.
         pool_kwargs = self.connection.connection_pool.connection_kwargs
-        reaper_conn = Redis(
+        reaper_conn = sentinel.clone(self.connection) or Redis(
             connection_pool=type(self.connection.connection_pool)(
                 connection_class=self.connection.connection_pool.connection_class, **pool_kwargs
             )
