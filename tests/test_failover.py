@@ -11,6 +11,7 @@ import pytest
 
 from agentpool import enqueue_run, wait_for_run
 from agentpool.runtime.settings import connect
+from agentpool.store.events import read as read_events
 from agentpool.testing.replicated import ReplicatedRedis
 
 from conftest import Pool, assert_valid_conversation, script_task
@@ -96,3 +97,5 @@ def test_a_tool_whose_intent_only_the_primary_had_never_ran(replicated, ha_pool,
     time.sleep(2)  # the workers go on against the primary alone
     replicated.kill_primary()
     _run_through(ha_pool, model, r, run_ids)
+    refused = [e for run_id in run_ids for _, e in read_events(r, run_id) if e.get("reason") == "not_replicated"]
+    assert refused, "no tool waited for the cut-off replica: the guard was not exercised"

@@ -109,6 +109,10 @@ def worker(
     # Say now, in one line, if Redis cannot be reached: at once for a burst worker (a script waits on
     # it), after riding out a restart (the client's ~15 s of retries) for a long-lived one.
     (quick_client(target) if burst else r).ping()
+    from agentpool.runtime import durability
+
+    # Decided once, before any turn is forked or threaded: every turn of this worker uses the same guard.
+    click.echo(f"durability guard: {durability.guard(r).describe()}", err=True)
     if metrics_port:
         from agentpool.ops.metrics import scrape_client, start_metrics_server
 

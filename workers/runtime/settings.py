@@ -30,6 +30,20 @@ def _env_float(name: str, default: float, *, zero_ok: bool = False) -> float:
         raise SystemExit(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {raw!r}") from None
 
 
+def _replica_acks() -> str:
+    raw = os.environ.get("AGENTPOOL_REPLICA_ACKS", "").strip().lower() or "auto"
+    if raw != "auto" and not (raw.isdigit() and int(raw) < 100):
+        raise SystemExit(f"AGENTPOOL_REPLICA_ACKS must be auto or a number of replicas, got {raw!r}")
+    return raw
+
+
+def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+    raw = os.environ.get(name, "").strip().lower() or default
+    if raw not in allowed:
+        raise SystemExit(f"{name} must be one of {', '.join(allowed)}, got {raw!r}")
+    return raw
+
+
 @dataclass(frozen=True)
 class Settings:
     redis_url: str
@@ -48,6 +62,11 @@ class Settings:
     model_call_timeout: float = 600.0  # cap on a whole model call, streamed or not
     model_streaming: bool = True  # False: one non-streaming create() per call (no live output)
     agent_load_grace: float = 300.0  # seconds no worker could load a run's agent before the run stops
+    # The durability guard before a tool whose effect is not read (agentpool.runtime.durability):
+    # "auto" (1 replica behind Sentinel or on a primary that has replicas, else 0) or a number.
+    replica_acks: str = "auto"
+    replica_ack_timeout: float = 1.0  # seconds WAIT/WAITAOF may take before the turn is handed back
+    waitaof: str = "off"  # off | local | replicas
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -65,6 +84,9 @@ class Settings:
             model_streaming=os.environ.get("AGENTPOOL_MODEL_STREAMING", "1").strip().lower()
             not in ("0", "false", "no"),
             agent_load_grace=_env_float("AGENTPOOL_AGENT_LOAD_GRACE", 300.0),
+            replica_acks=_replica_acks(),
+            replica_ack_timeout=_env_float("AGENTPOOL_REPLICA_ACK_TIMEOUT", 1.0),
+            waitaof=_choice("AGENTPOOL_WAITAOF", ("off", "local", "replicas"), "off"),
         )
 
     @property

@@ -46,6 +46,7 @@ from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
 from agentpool.runtime.stream import LiveOutput
 from agentpool.store import checkpoint, handback, live, spend, window
 from agentpool.store.crypto import EncryptionKeyMissing, KeyNotHeld
+from agentpool.store.durability import NotReplicated
 from agentpool.store.errors import LeaseLost, LedgerMismatch, RunNotActive, SchemaTooNew, UnreadableRecord
 from agentpool.store.events import Event, emit
 from agentpool.store.keys import RunKeys
@@ -73,6 +74,7 @@ HANDED_BACK: tuple[tuple[type[Exception], str], ...] = (
     (KeyNotHeld, "key_not_held"),
     (SchemaTooNew, "too_new"),
     (AgentNotFound, "agent_not_loadable"),
+    (NotReplicated, "not_replicated"),
 )
 
 
@@ -117,7 +119,7 @@ def run_turn(run_id: str, turn: int) -> str:
             return "abandoned"
         except EarlierAttemptMayRun as wait:
             return _wait_for_earlier_attempt(r, keys, token, wait, job_id)
-        except (EncryptionKeyMissing, KeyNotHeld, SchemaTooNew, AgentNotFound) as exc:
+        except (EncryptionKeyMissing, KeyNotHeld, SchemaTooNew, AgentNotFound, NotReplicated) as exc:
             # This worker cannot do the turn, the run is fine: give it back for a worker that can.
             if isinstance(exc, AgentNotFound) and _agent_unloadable_too_long(r, keys, settings):
                 return _stop_unloadable(r, keys, token, settings, exc)

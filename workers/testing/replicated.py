@@ -92,15 +92,24 @@ class ReplicatedRedis:
         except RedisError:
             return False
 
-    def kill_primary(self, *, wait: bool = True) -> int:
-        """SIGKILL whichever server is primary now and (``wait``) wait until the sentinel promotes the
-        other one; returns the other one's port."""
+    def kill_primary(self, *, restart: bool = True) -> int:
+        """SIGKILL whichever server is primary now and wait until the sentinel promotes the other one;
+        then (``restart``) start the killed one again, empty, as an orchestrator would: the sentinel makes
+        it a replica of the new primary, so a guard that waits for one replica can be met again.
+        Returns the new primary's port."""
         old = self.primary_port()
         assert old is not None
         self.servers[old].stop(signal.SIGKILL)
         new = next(port for port in self.servers if port != old)
-        if wait:
-            self.wait_primary(new, timeout=60)
+        self.wait_primary(new, timeout=60)
+        if restart:
+            self.servers[old].start()
+            client = Redis(port=new)
+            deadline = time.monotonic() + 60
+            while client.info("replication").get("connected_slaves", 0) < 1:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"port {old} never became a replica of {new}")
+                time.sleep(0.05)
         return new
 
     def stop(self) -> None:
