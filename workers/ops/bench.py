@@ -3,7 +3,7 @@
 Every figure is measured in one invocation against its own redis-server (or an empty database given
 with ``--url``), its own scripted model server and real ``agentpool worker`` processes, with the
 baseline run beside it on the same worker class. It prints figures with their targets and judges
-nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``deferred``, ``long`` (``--only``;
+nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``deferred``, ``durability``, ``long`` (``--only``;
 default all; the long-run figures and streaming's share of the overhead are in ``bench_long.py``, the
 deferred turns' lateness under kills in ``bench_ha.py``).
 """
@@ -29,7 +29,7 @@ from agentpool.agent import Agent
 from agentpool.context import current_call
 from agentpool.tools import tool
 
-SECTIONS = ("overhead", "saves", "memory", "recovery", "deferred", "long")
+SECTIONS = ("overhead", "saves", "memory", "recovery", "deferred", "durability", "long")
 AGENT = "agentpool.ops.bench:bench_agent"
 MODEL = "claude-sonnet-5-5"
 GB = 1e9  # figures per GB use 10^9 bytes
@@ -51,8 +51,18 @@ def bench_wait(seconds: float) -> str:
     return "waited"
 
 
+@tool(effect="idempotent")
+def bench_store(key: str, *, idempotency_key: str) -> str:
+    """Store a key somewhere: a tool with an effect, so the durability guard runs before it."""
+    return f"{key}: stored under {idempotency_key[-6:]}"
+
+
 bench_agent = Agent(
-    model=MODEL, system="You are a benchmark.", tools=[bench_lookup, bench_wait], max_turns=40, max_tokens=256
+    model=MODEL,
+    system="You are a benchmark.",
+    tools=[bench_lookup, bench_wait, bench_store],
+    max_turns=40,
+    max_tokens=256,
 )
 
 
@@ -718,6 +728,13 @@ def _lab(url: str | None) -> Iterator[Lab]:
     "--deferred-runs", type=click.IntRange(min=1), default=12, show_default=True, help="deferred: runs backing off."
 )
 @click.option(
+    "--durability-runs",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="durability: runs of 10 turns per level and round.",
+)
+@click.option(
     "--long-turns",
     type=click.IntRange(min=20),
     default=500,
@@ -743,6 +760,7 @@ def bench(
     lease_ttl: float | None,
     short_ttl: float,
     deferred_runs: int,
+    durability_runs: int,
     long_turns: int,
     long_early: int,
     deltas: int,
@@ -772,6 +790,10 @@ def bench(
             from agentpool.ops.bench_ha import bench_deferred
 
             bench_deferred(lab, deferred_runs, threads)
+        if "durability" in sections:
+            from agentpool.ops.bench_ha import bench_durability
+
+            bench_durability(durability_runs, rounds)
         if "long" in sections:
             from agentpool.ops.bench_long import bench_long
 
