@@ -4,13 +4,17 @@ the workers' clients follow it without a restart. Effects are counted outside th
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections import Counter, defaultdict
+from pathlib import Path
 
 import pytest
 
 from agentpool import enqueue_run, wait_for_run
-from agentpool.runtime.settings import connect
+from agentpool.runtime import sentinel
+from agentpool.runtime.settings import BadRedisUrl, check_redis_url, connect, redact_url
 from agentpool.store.events import read as read_events
 from agentpool.testing.replicated import ReplicatedRedis
 
@@ -99,3 +103,37 @@ def test_a_tool_whose_intent_only_the_primary_had_never_ran(replicated, ha_pool,
     _run_through(ha_pool, model, r, run_ids)
     refused = [e for run_id in run_ids for _, e in read_events(r, run_id) if e.get("reason") == "not_replicated"]
     assert refused, "no tool waited for the cut-off replica: the guard was not exercised"
+
+
+def test_the_cli_and_rq_info_reach_redis_through_sentinel(replicated, ha_pool, model):
+    model.set_scripts({})
+    ha_pool.start(1)
+    r = connect(replicated.url)
+    run_id = enqueue_run("pool_agents:support", "hello", connection=r)
+    assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
+    env = {**ha_pool.env}
+    table = subprocess.run(
+        [sys.executable, "-m", "agentpool", "runs"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert table.returncode == 0 and run_id in table.stdout, table.stderr
+    info = subprocess.run(
+        [str(Path(sys.executable).parent / "rq"), "info", "-c", "agentpool.rqconfig"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert info.returncode == 0 and "agentpool" in info.stdout, info.stdout + info.stderr
+    assert "1 workers" in info.stdout or "1 worker" in info.stdout, info.stdout
+
+
+def test_a_sentinel_url_is_parsed_and_never_shows_its_password():
+    target = sentinel.parse("redis+sentinel://app:s3cr%40t@h1:26380,h2/pool/2")
+    assert target.instances == (("h1", 26380), ("h2", 26379))
+    assert (target.master, target.db, target.username, target.password) == ("pool", 2, "app", "s3cr@t")
+    assert redact_url("redis+sentinel://app:s3cret@h1,h2/pool") == "redis+sentinel://app:***@h1,h2/pool"
+    with pytest.raises(BadRedisUrl) as bad:
+        check_redis_url("redis+sentinel://app:s3cret@h1/")
+    assert "s3cret" not in str(bad.value) and "<master name>" in str(bad.value)
+    assert sentinel.rq_settings("redis+sentinel://h1:1/pool/3")["INSTANCES"] == [("h1", 1)]
