@@ -5,11 +5,12 @@ pushed forward by every lease renewal and commit), the lease, and the job id the
 carries its current turn. It repairs two things: a lease that expired (the worker died or froze), and
 a committed turn whose job vanished (a flushed queue, a failover that lost the push). It re-enqueues
 a turn that was handed back on purpose once its backoff ends (not a takeover: no attempt is counted).
-It moves deferred turns (a model retry's backoff) onto the queue once due
-(``agentpool.runtime.deferred``): that is agentpool's only scheduler. It also denies approvals whose deadline passed, which continues the waiting run. A run whose header
-is damaged is failed with the reason, once, and the scan goes on.
+It moves deferred turns (a model retry's backoff) onto the queue once due (``agentpool.runtime.deferred``):
+that is agentpool's only scheduler. It also denies approvals whose deadline passed, which continues
+the waiting run. A run whose header is damaged is failed with the reason, once, and the scan goes on.
 
-Every worker runs it in a thread; a one-second lock lets one of them scan at a time.
+Every worker runs it in a thread; a one-second lock lets one of them scan at a time. Due deferred
+turns are looked for every 0.1 s by every worker, without the lock: that move is atomic.
 """
 
 from __future__ import annotations
