@@ -27,6 +27,7 @@ from redis.utils import HIREDIS_AVAILABLE
 
 from agentpool.agent import Agent
 from agentpool.context import current_call
+from agentpool.runtime import sentinel
 from agentpool.tools import tool
 
 SECTIONS = ("overhead", "saves", "memory", "recovery", "deferred", "durability", "long")
@@ -107,7 +108,7 @@ class Lab:
 
         self.server = None if url else RedisServer(workdir).start()
         self.url = url or self.server.url  # type: ignore[union-attr]
-        self.r = Redis.from_url(self.url)
+        self.r = sentinel.from_url(self.url)
         if url and self.r.dbsize():
             raise click.ClickException(f"{url} is not empty: bench flushes the database it uses; give an empty one")
         self.model = scripted_model.ScriptedModel(cache_min_tokens=1024).start()
