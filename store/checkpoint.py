@@ -350,8 +350,8 @@ def defer_turn(
     enqueue_later: Callable[[Pipeline, int], None],
     reason: str = "",
 ) -> None:
-    """Give the turn back after a transient model error: it runs again in ``delay_ms`` through a
-    scheduled job (``enqueue_later(pipe, n)`` stages it as the run's n-th re-enqueue); no turn is
+    """Give the turn back after a transient model error: it runs again in ``delay_ms`` (``enqueue_later(pipe,
+    n)`` records it as deferred, the run's n-th re-enqueue, in this transaction); no turn is
     counted and no worker waits. ``retry_at`` and ``retry_reason`` in the header say why it waits."""
 
     def stage(pipe: Pipeline, attempt: int, requeues: int) -> None:

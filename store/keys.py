@@ -29,7 +29,12 @@ Global::
                                     every run that is queued or running (and one waiting for an
                                     approval with a deadline); changed only by scripts or
                                     transactions that check the status it was decided from
+    ap:turns:deferred       zset    "<run id>:<turn>:<re-enqueue n>" -> when that turn is due (ms): a
+                                    turn deferred after a model error; not an RQ job until due, when
+                                    the reaper moves it onto the queue as job ``<run>-t<turn>-r<n>``
     ap:reaper:lock          string  held by the one worker that scans this second
+    ap:durability:probe     string  a counter the durability guard increments before WAIT, so that
+                                    WAIT has a write of its own connection to wait for
     ap:stats                hash    pool-wide counters behind /metrics (see store/stats.py)
 
 RQ keeps its own keys under ``rq:``; agentpool's turn jobs go to the queue named by ``TURN_QUEUE``.
@@ -45,6 +50,8 @@ PREFIX = "ap"
 RUNS = f"{PREFIX}:runs"
 RUNS_WATCH = f"{PREFIX}:runs:watch"
 REAPER_LOCK = f"{PREFIX}:reaper:lock"
+TURNS_DEFERRED = f"{PREFIX}:turns:deferred"
+DURABILITY_PROBE = f"{PREFIX}:durability:probe"
 STATS = f"{PREFIX}:stats"
 TURN_QUEUE = "agentpool"
 

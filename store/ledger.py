@@ -78,6 +78,8 @@ def read(r: Redis, keys: RunKeys, tool_use_ids: list[str]) -> dict[str, Entry]:
     for n, tool_use_id in enumerate(tool_use_ids):
         intent_blob, outcome_blob = values[2 * n], values[2 * n + 1]
         intent = unpack(intent_blob, f"ledger intent {tool_use_id}") if intent_blob else None
+        if intent is not None and intent.get("withdrawn"):
+            intent = None  # the durability guard stopped the call before it ran: as if never started
         outcome = None
         if outcome_blob:
             record = unpack(outcome_blob, f"ledger outcome {tool_use_id}")
@@ -136,7 +138,7 @@ def write_intent(
     now: float,
     timeout: float | None = None,
     event: Event | None = None,
-) -> None:
+) -> dict[str, Any]:
     record = {
         "v": SCHEMA_VERSION,
         "name": tool_use["name"],
@@ -149,6 +151,14 @@ def write_intent(
     if timeout is not None:
         record["timeout"] = timeout
     fenced_hset(r, keys, token, keys.ledger, tool_use["id"], record, event)
+    return record
+
+
+def withdraw_intent(r: Redis, keys: RunKeys, token: str, tool_use_id: str, record: dict[str, Any]) -> None:
+    """Mark an intent as not acted on: the durability guard refused to run its call (fenced, like the
+    intent). If a failover loses this mark but keeps the intent, the call reads "started, no outcome":
+    never run twice, at worst reported unknown."""
+    fenced_hset(r, keys, token, keys.ledger, tool_use_id, {**record, "withdrawn": True})
 
 
 def write_outcome(

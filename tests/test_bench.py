@@ -38,6 +38,18 @@ SECTIONS = {
         ["work horse killed", "threaded worker process killed", "whole worker killed"],
         3,
     ),
+    "deferred": (
+        ["--deferred-runs", "3", "--threads", "2"],
+        "deferred turns: due time -> turn started",
+        ["3"],
+        1,
+    ),
+    "durability": (
+        ["--durability-runs", "2", "--rounds", "1"],
+        "durability: ms per turn",
+        ["0 acks", "WAIT 1 replica"],
+        2,
+    ),
     "long": (
         ["--long-turns", "50", "--long-early", "10", "--deltas", "20"],
         "long: one run at turns 10-39 and at turns 50-79",
@@ -69,7 +81,7 @@ def run_bench(*args: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "section", [pytest.param(s, marks=pytest.mark.crash) if s == "recovery" else s for s in SECTIONS]
+    "section", [pytest.param(s, marks=pytest.mark.crash) if s in ("recovery", "deferred") else s for s in SECTIONS]
 )
 def test_bench_section_prints_its_table_of_figures(section):
     args, title, rows, at_least = SECTIONS[section]

@@ -22,7 +22,7 @@ from agentpool.runtime.settings import connect
 from agentpool.runtime.takeover import requeue_turn
 from agentpool.store import checkpoint, events, handback, ledger, spend, stats, window
 from agentpool.store.events import Event, emit
-from agentpool.store.keys import RunKeys
+from agentpool.store.keys import TURNS_DEFERRED, RunKeys
 from agentpool.store.lease import Acquire, acquire, release, renew
 from agentpool.store.ledger import Outcome
 from agentpool.store.scripts import run_script
@@ -114,9 +114,10 @@ def test_a_lease_acquire_delivered_twice_recognises_its_own_request(r, proxy, lo
             event=Event.of(RUN, "turn_started", turn=0),
             then=lambda pipe: checkpoint.stage_load(pipe, RUN),
         )
-    assert got.code is Acquire.ACQUIRED and got.token == "1:w1.100", got
+    fence = r.hget(KEYS.run, "fence").decode()
+    assert got.code is Acquire.ACQUIRED and got.token == f"{fence}:w1.100", got
     assert checkpoint.decode_run(RUN, *got.then).status == "running"
-    assert r.get(KEYS.lease) == b"1:w1.100" and r.hget(KEYS.run, "fence") == b"1", "one fence issued"
+    assert r.get(KEYS.lease) == got.token.encode(), "one fence issued, the one the header records"
     assert kinds(r)["turn_started"] == 1 and stats.read_all(r)["turns"] == 1
 
 
@@ -288,7 +289,8 @@ def test_a_deferral_whose_exec_reply_is_lost_knows_it_landed(r, proxy, lossy):
             reason="overloaded_error",
         )
     assert r.hmget(KEYS.run, ["attempt", "requeues", "model_errors"]) == [b"1", b"1", b"1"]
-    assert len(turn_queue(r).scheduled_job_registry.get_job_ids()) == 1
+    assert r.zrange(TURNS_DEFERRED, 0, -1) == [f"{RUN}:0:1".encode()]
+    assert turn_queue(r).count == 0  # not an RQ job until due
 
 
 def test_an_enqueue_delivered_twice_creates_one_run_and_one_job(r, proxy, lossy):
@@ -314,7 +316,7 @@ def test_enqueue_with_an_existing_id_returns_the_same_run_untouched_or_refuses_a
         with pytest.raises(RunExists, match="already exists"):
             enqueue_run(other.pop("agent"), other.pop("task"), run_id=run_id, connection=r, **other)
     assert {k: r.dump(k) for k in before} == before
-    assert r.hget(KEYS.run, "fence") == b"1", "fence numbers are never issued again"
+    assert r.hget(KEYS.run, "fence") == token.partition(":")[0].encode(), "fence numbers are never issued again"
 
 
 def test_an_approval_delivered_twice_is_decided_once_and_queues_one_turn(r, proxy, lossy):

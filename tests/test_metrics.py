@@ -114,7 +114,9 @@ def test_metrics_command_exports_runs_tools_tokens_latency_and_queue_depth(r, po
     assert sample(m, "agentpool_runs_indexed") == 5
     assert sample(m, "agentpool_runs_active") == 2
     assert sample(m, "agentpool_queue_jobs", state="queued") == 2
-    assert sample(m, "agentpool_queue_jobs", state="scheduled") == 1
+    assert sample(m, "agentpool_queue_jobs", state="scheduled") == 0  # not an RQ job until due
+    assert sample(m, "agentpool_turns_deferred") == 1
+    assert sample(m, "agentpool_turns_deferred_overdue_seconds") == 0
 
     # 2 meeting runs (3 turns, one call of each effect class) + the loop: 2 turns of read_notes, and a
     # third that started and stopped at its max_turns guard before calling the model

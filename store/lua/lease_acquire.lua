@@ -1,5 +1,5 @@
 -- Take a run's lease for one turn: only if the run is active, the job's turn is the current one,
--- and nobody holds the lease. Bumps the fence, so every earlier owner's token is dead.
+-- and nobody holds the lease. Raises the fence, so every earlier owner's token is dead.
 -- Records the turn_started event when the turn is to call the model (not when it settles the tools
 -- a dead worker left pending).
 -- Safe to deliver twice: the request id is kept in the header (`acq`); a re-delivery of the request
@@ -30,7 +30,15 @@ if h[4] == 'tools' then current = current - 1 end
 if current ~= tonumber(ARGV[5]) then return {-2, tostring(current)} end
 local holder = redis.call('GET', KEYS[2])
 if holder then return {0, holder} end
-local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
+-- The fence is never lower than this server's clock in ms: a failover can lose the writes that handed
+-- out the last fences, and counting on from what the promoted replica has would hand one out again
+-- (the same "<fence>:<worker>" token to a worker that took the same run twice). The new primary's
+-- clock is past every fence handed out before the failover, as long as clocks are within the failover
+-- time of each other (seconds). Milliseconds keep the number exact in Lua's doubles and in tostring.
+local clock = redis.call('TIME')
+local now_fence = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local fence = math.max((tonumber(h[6]) or 0) + 1, now_fence)
+redis.call('HSET', KEYS[1], 'fence', fence)
 local token = fence .. ':' .. ARGV[1]
 redis.call('SET', KEYS[2], token, 'PX', ARGV[2])
 redis.call('HSET', KEYS[1], 'status', 'running', 'updated_at', ARGV[3], 'acq', ARGV[7])

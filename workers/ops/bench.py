@@ -3,8 +3,9 @@
 Every figure is measured in one invocation against its own redis-server (or an empty database given
 with ``--url``), its own scripted model server and real ``agentpool worker`` processes, with the
 baseline run beside it on the same worker class. It prints figures with their targets and judges
-nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``long`` (``--only``; default all;
-the long-run figures and streaming's share of the overhead are in ``bench_long.py``).
+nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``deferred``, ``durability``, ``long`` (``--only``;
+default all; the long-run figures and streaming's share of the overhead are in ``bench_long.py``, the
+deferred turns' lateness under kills in ``bench_ha.py``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from redis.utils import HIREDIS_AVAILABLE
 
 from agentpool.agent import Agent
 from agentpool.context import current_call
+from agentpool.runtime import sentinel
 from agentpool.tools import tool
 
-SECTIONS = ("overhead", "saves", "memory", "recovery", "long")
+SECTIONS = ("overhead", "saves", "memory", "recovery", "deferred", "durability", "long")
 AGENT = "agentpool.ops.bench:bench_agent"
 MODEL = "claude-sonnet-5-5"
 GB = 1e9  # figures per GB use 10^9 bytes
@@ -50,8 +52,18 @@ def bench_wait(seconds: float) -> str:
     return "waited"
 
 
+@tool(effect="idempotent")
+def bench_store(key: str, *, idempotency_key: str) -> str:
+    """Store a key somewhere: a tool with an effect, so the durability guard runs before it."""
+    return f"{key}: stored under {idempotency_key[-6:]}"
+
+
 bench_agent = Agent(
-    model=MODEL, system="You are a benchmark.", tools=[bench_lookup, bench_wait], max_turns=40, max_tokens=256
+    model=MODEL,
+    system="You are a benchmark.",
+    tools=[bench_lookup, bench_wait, bench_store],
+    max_turns=40,
+    max_tokens=256,
 )
 
 
@@ -96,7 +108,7 @@ class Lab:
 
         self.server = None if url else RedisServer(workdir).start()
         self.url = url or self.server.url  # type: ignore[union-attr]
-        self.r = Redis.from_url(self.url)
+        self.r = sentinel.from_url(self.url)
         if url and self.r.dbsize():
             raise click.ClickException(f"{url} is not empty: bench flushes the database it uses; give an empty one")
         self.model = scripted_model.ScriptedModel(cache_min_tokens=1024).start()
@@ -119,10 +131,10 @@ class Lab:
         self.model.set_scripts(scripts)
 
     def start(self, *args: str, **env: str) -> tuple[subprocess.Popen[bytes], str]:
-        """One ``agentpool worker`` (no scheduler: a bench process must not outlive a kill), once it listens."""
+        """One ``agentpool worker``, once it listens."""
         self.names += 1
         name = f"bench-{self.names}"
-        proc = self.workers.start(1, "--name", name, "--no-scheduler", "--log-level", "WARNING", *args, **env)[0]
+        proc = self.workers.start(1, "--name", name, "--log-level", "WARNING", *args, **env)[0]
         until(lambda: self.r.sismember("rq:workers", f"rq:worker:{name}"), 60, f"worker {name} to start", self)
         return proc, name
 
@@ -579,7 +591,7 @@ def _kill_one_process(lab: Lab, worker_pid: int, n: int) -> float:
 
     run_id = enqueue_run(AGENT, task("slow", n), connection=lab.r)
     last = _wait_events(lab, [run_id], ("tool_started",))[run_id][0]
-    victims = horses_of(worker_pid)  # not RQ's scheduler child, if the worker runs one
+    victims = horses_of(worker_pid)
     if len(victims) != 1:
         raise click.ClickException(f"expected one child of worker {worker_pid}, found {victims}")
     os.kill(victims[0], signal.SIGKILL)
@@ -714,6 +726,16 @@ def _lab(url: str | None) -> Iterator[Lab]:
     help="recovery: also kill whole workers under this shorter TTL (0: skip).",
 )
 @click.option(
+    "--deferred-runs", type=click.IntRange(min=1), default=12, show_default=True, help="deferred: runs backing off."
+)
+@click.option(
+    "--durability-runs",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="durability: runs of 10 turns per level and round.",
+)
+@click.option(
     "--long-turns",
     type=click.IntRange(min=20),
     default=500,
@@ -738,6 +760,8 @@ def bench(
     trials: int,
     lease_ttl: float | None,
     short_ttl: float,
+    deferred_runs: int,
+    durability_runs: int,
     long_turns: int,
     long_early: int,
     deltas: int,
@@ -763,6 +787,14 @@ def bench(
             bench_memory(lab, high_concurrency, hold)
         if "recovery" in sections:
             bench_recovery(lab, trials, ttl, short_ttl, threads)
+        if "deferred" in sections:
+            from agentpool.ops.bench_ha import bench_deferred
+
+            bench_deferred(lab, deferred_runs, threads)
+        if "durability" in sections:
+            from agentpool.ops.bench_ha import bench_durability
+
+            bench_durability(durability_runs, rounds)
         if "long" in sections:
             from agentpool.ops.bench_long import bench_long
 

@@ -66,7 +66,12 @@ def main() -> None:
     show_default=True,
     help="INFO adds RQ's job lines and one structured line per run event.",
 )
-@click.option("--no-scheduler", is_flag=True, help="Do not run RQ's scheduler (deferred retries need one somewhere).")
+@click.option(
+    "--no-scheduler",
+    is_flag=True,
+    hidden=False,
+    help="Accepted and ignored: no worker runs RQ's scheduler any more (the reaper enqueues deferred turns).",
+)
 @click.option(
     "--concurrency",
     "-c",
@@ -87,7 +92,7 @@ def worker(
     name: str | None,
     burst: bool,
     log_level: str,
-    no_scheduler: bool,
+    no_scheduler: bool,  # kept so that existing command lines still start
     concurrency: int,
     metrics_port: int | None,
     metrics_host: str,
@@ -104,6 +109,10 @@ def worker(
     # Say now, in one line, if Redis cannot be reached: at once for a burst worker (a script waits on
     # it), after riding out a restart (the client's ~15 s of retries) for a long-lived one.
     (quick_client(target) if burst else r).ping()
+    from agentpool.runtime import durability
+
+    # Decided once, before any turn is forked or threaded: every turn of this worker uses the same guard.
+    click.echo(f"durability guard: {durability.guard(r).describe()}", err=True)
     if metrics_port:
         from agentpool.ops.metrics import scrape_client, start_metrics_server
 
@@ -121,14 +130,13 @@ def worker(
             concurrency=concurrency,
             burst=burst,
             logging_level=log_level.upper(),
-            with_scheduler=not no_scheduler,
         )
         return
     from agentpool.worker.forking import AgentWorker
 
-    AgentWorker(connection=r, name=name).work(
-        burst=burst, logging_level=log_level.upper(), with_scheduler=not no_scheduler
-    )
+    # No RQ scheduler: deferred turns are agentpool's own (agentpool.runtime.deferred), so nothing this
+    # worker starts can outlive it holding a lock the pool waits on.
+    AgentWorker(connection=r, name=name).work(burst=burst, logging_level=log_level.upper(), with_scheduler=False)
 
 
 @main.command()
@@ -188,8 +196,10 @@ def _age(seconds: float) -> str:
 def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> None:
     """A table of runs, newest first."""
     from agentpool.client import list_runs
+    from agentpool.runtime import deferred
 
-    rows = list_runs(connection=quick_client(url), limit=limit, status=status, agent=agent)
+    r = quick_client(url)
+    rows = list_runs(connection=r, limit=limit, status=status, agent=agent)
     click.echo(f"{'ID':<28} {'AGENT':<32} {'STATUS':<17} {'TURNS':>5} {'TOKENS':>9} {'COST':>9} {'AGE':>5}  NOTE")
     now = time.time()
     for run in rows:
@@ -197,6 +207,10 @@ def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> 
             f"{run.id:<28} {run.agent[:32]:<32} {run.status:<17} {run.turns:>5} {run.total_tokens:>9} "
             f"{'$' + format(run.cost_usd, '.4f'):>9} {_age(now - run.created_at):>5}  {_short_note(run, now)}".rstrip()
         )
+    count, overdue = deferred.summary(r)
+    if count:  # not RQ jobs until due, so `rq info` does not count them
+        late = f"; the oldest due one is {overdue:.0f} s overdue: is any worker running?" if overdue > 2 else ""
+        click.echo(f"\n{count} turn(s) deferred after model errors, enqueued by the reaper when due{late}")
 
 
 def _short_note(run: Run, now: float) -> str:

@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from agentpool.ops.redisconn import quick_client, target_url, warn_if_unreachable
+from agentpool.runtime import deferred
 from agentpool.runtime.jobs import turn_queue
 from agentpool.runtime.settings import redact_url
 from agentpool.store import stats
@@ -200,15 +201,27 @@ class PoolCollector(Collector):
             queued, scheduled, started, failed, workers = pipe.execute()
         depth = GaugeMetricFamily(
             "agentpool_queue_jobs",
-            f"Turn jobs on the RQ queue {TURN_QUEUE!r}: queued (waiting for a worker), scheduled (a deferred "
-            "retry), started (in a worker now), failed (RQ's failed registry).",
+            f"Turn jobs on the RQ queue {TURN_QUEUE!r}: queued (waiting for a worker), scheduled (RQ's scheduled "
+            "registry: agentpool puts nothing there), started (in a worker now), failed (RQ's failed registry).",
             labels=["state"],
         )
         for state, n in (("queued", queued), ("scheduled", scheduled), ("started", started), ("failed", failed)):
             depth.add_metric([state], int(n))
+        count, overdue = deferred.summary(self.r)
         return [
             depth,
             GaugeMetricFamily("agentpool_workers", f"RQ workers registered on {TURN_QUEUE!r}.", value=int(workers)),
+            GaugeMetricFamily(
+                "agentpool_turns_deferred",
+                "Turns deferred to later (a model retry's backoff), not RQ jobs until due (ap:turns:deferred).",
+                value=count,
+            ),
+            GaugeMetricFamily(
+                "agentpool_turns_deferred_overdue_seconds",
+                "How long past its due time the oldest deferred turn still waits to be enqueued (0: none "
+                "overdue). Above ~2 s, no reaper is running: no worker, nor `agentpool reap`.",
+                value=overdue,
+            ),
         ]
 
 

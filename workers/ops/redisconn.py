@@ -20,6 +20,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import AuthenticationError, ConnectionError, RedisError, ResponseError, TimeoutError
 from redis.retry import Retry
 
+from agentpool.runtime import sentinel
 from agentpool.runtime.settings import BadRedisUrl, Settings, check_redis_url, redact_url
 
 # The URL the current command talks to, and where it came from, for the error line.
@@ -47,7 +48,7 @@ def quick_client(
     url: str | None, *, socket_timeout: float = 10.0, retries: int = 1, param: str = "url", **options: Any
 ) -> Redis:
     """A client for a command a person waits on: 2 s to connect, one quick retry, no 15 s ride-out."""
-    return Redis.from_url(
+    return sentinel.from_url(
         target_url(url, param=param),
         socket_connect_timeout=2,
         socket_timeout=socket_timeout,

@@ -4,11 +4,15 @@ A job carries only ``(run_id, turn)``; the checkpoint in Redis is the truth. Ids
 ``<run>-t0007`` for the job save point B enqueues, ``<run>-t0007-r12`` for the run's 12th re-enqueue
 (a takeover, a deferred model retry, a resume, a person's decision, a hand-back's retry), numbered by
 the header's ``requeues`` counter under WATCH: every re-enqueue gets an id of its own.
+
+A turn deferred to later (a model retry's backoff) is not an RQ job until it is due: it is recorded in
+``ap:turns:deferred`` (``agentpool.runtime.deferred``), and the reaper, which runs in every worker and
+scans every second, enqueues it then under the same id. RQ's scheduler is not used: its role lives in
+one worker under a 61 s lock that the others retry only every 10 minutes (see FACTS.md), so a killed
+holder would stall every deferred turn of the pool.
 """
 
 from __future__ import annotations
-
-from datetime import timedelta
 
 from redis import Redis
 from redis.client import Pipeline
@@ -16,7 +20,8 @@ from rq import Queue
 
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
-from agentpool.store.keys import TURN_QUEUE, RunKeys
+from agentpool.store.clock import now_ms
+from agentpool.store.keys import TURN_QUEUE, TURNS_DEFERRED, RunKeys
 
 TURN_FUNC = "agentpool.runtime.turn.run_turn"
 RESULT_TTL = 60  # a turn job returns nothing worth keeping
@@ -33,22 +38,44 @@ def job_id(run_id: str, turn: int, attempt: int = 0) -> str:
     return f"{base}-r{attempt}" if attempt else base
 
 
+def deferred_member(run_id: str, turn: int, attempt: int) -> str:
+    """The turn's entry in ``ap:turns:deferred``; ``:`` cannot occur in a run id (RQ's job id rule)."""
+    return f"{run_id}:{turn}:{attempt}"
+
+
+def parse_deferred_member(member: str) -> tuple[str, int, int] | None:
+    run_id, _, rest = member.partition(":")
+    turn, _, attempt = rest.partition(":")
+    if not (run_id and turn.isdigit() and attempt.isdigit()):
+        return None
+    return run_id, int(turn), int(attempt)
+
+
+def enqueue_turn(pipe: Pipeline, r: Redis, run_id: str, turn: int, attempt: int = 0) -> str:
+    """Add the turn's RQ job to ``pipe`` (RQ calls ``pipe.multi()`` if the caller has not)."""
+    jid = job_id(run_id, turn, attempt)
+    turn_queue(r).enqueue(
+        TURN_FUNC,
+        run_id,
+        turn,
+        job_id=jid,
+        pipeline=pipe,
+        job_timeout=int(Settings.from_env().turn_timeout),
+        result_ttl=RESULT_TTL,
+        failure_ttl=FAILURE_TTL,
+        description=f"agentpool turn {turn} of {run_id}",
+    )
+    return jid
+
+
 def stage_turn(pipe: Pipeline, r: Redis, run_id: str, turn: int, attempt: int = 0, *, delay: float = 0.0) -> str:
     """Add the turn's job to ``pipe``, a transaction (already in MULTI) the caller executes with its own
-    writes. ``attempt`` names the job as the run's n-th re-enqueue (see ``job_id``)."""
-    queue = turn_queue(r)
+    writes. ``attempt`` names the job as the run's n-th re-enqueue (see ``job_id``). With ``delay``, the
+    turn is recorded as due in ``delay`` seconds instead, in the same transaction; the reaper enqueues it
+    then."""
     jid = job_id(run_id, turn, attempt)
-    options = {
-        "job_id": jid,
-        "pipeline": pipe,
-        "job_timeout": int(Settings.from_env().turn_timeout),
-        "result_ttl": RESULT_TTL,
-        "failure_ttl": FAILURE_TTL,
-        "description": f"agentpool turn {turn} of {run_id}",
-    }
     pipe.hset(RunKeys.of(run_id).run, "job", jid)  # the reaper checks this job is still alive
     if delay > 0:
-        queue.enqueue_in(timedelta(seconds=delay), TURN_FUNC, run_id, turn, **options)
-    else:
-        queue.enqueue(TURN_FUNC, run_id, turn, **options)
-    return jid
+        pipe.zadd(TURNS_DEFERRED, {deferred_member(run_id, turn, attempt): now_ms() + int(delay * 1000)})
+        return jid
+    return enqueue_turn(pipe, r, run_id, turn, attempt)

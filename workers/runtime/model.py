@@ -3,7 +3,7 @@
 The client is configured from the environment as the SDK does (ANTHROPIC_API_KEY, ANTHROPIC_BASE_URL).
 The SDK's own retries are off: it honours ``retry-after`` without a cap, which would park a worker for
 as long as the API asks. Transient errors instead come back as ``ModelUnavailable`` and the turn is
-retried later through RQ's scheduler, so no worker sleeps.
+retried later as a deferred turn (agentpool.runtime.deferred), so no worker sleeps.
 
 Every call streams, through the SDK's own helper (``client.messages.stream``, or
 ``client.beta.messages.stream`` when the request needs a beta: the API's compaction, tool-result

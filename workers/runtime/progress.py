@@ -7,7 +7,8 @@ A queued or running run is, at any moment, in one of these states (``Waiting.kin
   re-enqueued when the backoff ends (``until``), for any worker. The reason stays until a worker
   makes progress, so a pool where *no* worker can do it says so.
 - ``backoff``: the model API failed (429, 529, 5xx...) and the turn waits for its retry (``until``);
-  RQ's scheduler (a worker started without ``--no-scheduler``) moves it to the queue then.
+  it is recorded in ``ap:turns:deferred``, not yet an RQ job, and the reaper (in every worker) moves
+  it onto the queue within about a second of ``until``.
 - ``queued``: the turn's job waits in the queue for a free worker (``since``).
 - ``in_progress``: a worker holds the run's lease and is working on the turn (or is taking it).
 - ``lost``: the turn's job is gone (a flushed queue, a dead worker): the reaper re-enqueues it soon.
@@ -23,6 +24,7 @@ from typing import Any
 from redis import Redis
 from rq.job import Job
 
+from agentpool.runtime.deferred import due_for_job
 from agentpool.store import handback
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import ACTIVE_STATUSES
@@ -63,8 +65,8 @@ def why_waiting(r: Redis, run_id: str, status: str) -> Waiting | None:
     with r.pipeline(transaction=False) as pipe:
         pipe.hgetall(keys.handback)
         pipe.get(keys.lease)
-        pipe.hmget(keys.run, ["job", "retry_at", "retry_reason", "updated_at"])
-        raw_handback, holder, (job_id, retry_at, retry_reason, updated_at) = pipe.execute()
+        pipe.hmget(keys.run, ["job", "retry_reason", "updated_at"])
+        raw_handback, holder, (job_id, retry_reason, updated_at) = pipe.execute()
     now = time.time()
     record = handback.decode(raw_handback)
     if record is not None and not holder:
@@ -84,18 +86,18 @@ def why_waiting(r: Redis, run_id: str, status: str) -> Waiting | None:
         since = int(updated_at or 0) / 1000 or None
         return Waiting("in_progress", f"a turn is in progress on worker {worker}", since=since, worker=worker)
     jid = (job_id or b"").decode("utf-8", errors="replace")
+    due_ms = due_for_job(r, run_id, jid) if jid else None
+    if due_ms is not None:
+        until = due_ms / 1000
+        why = (retry_reason or b"").decode("utf-8", errors="replace") or "a transient model error"
+        note = f"waiting on a backoff after {why}, until {_clock(until)}"
+        if until < now - 5:
+            note += " (overdue: is any worker or `agentpool reap` running?)"
+        return Waiting("backoff", note, until=until, detail=why)
     job_status, enqueued_at, created_at = (
         r.hmget(Job.key_for(jid), ["status", "enqueued_at", "created_at"]) if jid else (None,) * 3
     )
     state = (job_status or b"").decode("utf-8", errors="replace")
-    if state == "scheduled":
-        until = int(retry_at or 0) / 1000 or None
-        why = (retry_reason or b"").decode("utf-8", errors="replace") or "a transient model error"
-        late = until is not None and until < now - 5
-        note = f"waiting on a backoff after {why}" + (f", until {_clock(until)}" if until else "")
-        if late:
-            note += " (overdue: is a worker running RQ's scheduler?)"
-        return Waiting("backoff", note, until=until, detail=why)
     if state == "started":
         return Waiting("in_progress", "a worker is starting the turn")
     if state == "queued":

@@ -5,22 +5,26 @@ pushed forward by every lease renewal and commit), the lease, and the job id the
 carries its current turn. It repairs two things: a lease that expired (the worker died or froze), and
 a committed turn whose job vanished (a flushed queue, a failover that lost the push). It re-enqueues
 a turn that was handed back on purpose once its backoff ends (not a takeover: no attempt is counted).
-It also denies approvals whose deadline passed, which continues the waiting run. A run whose header
-is damaged is failed with the reason, once, and the scan goes on.
+It moves deferred turns (a model retry's backoff) onto the queue once due (``agentpool.runtime.deferred``):
+that is agentpool's only scheduler. It also denies approvals whose deadline passed, which continues
+the waiting run. A run whose header is damaged is failed with the reason, once, and the scan goes on.
 
-Every worker runs it in a thread; a one-second lock lets one of them scan at a time.
+Every worker runs it in a thread; a one-second lock lets one of them scan at a time. Due deferred
+turns are looked for every 0.1 s by every worker, without the lock: that move is atomic.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from redis import Redis
 from redis.exceptions import RedisError
 from rq.job import Job, JobStatus
 
+from agentpool.runtime import deferred
 from agentpool.runtime.approvals import expire_due
 from agentpool.runtime.jobs import turn_queue
 from agentpool.runtime.takeover import fail_corrupt, read_header, requeue_turn
@@ -32,7 +36,8 @@ from agentpool.store.keys import REAPER_LOCK, RUNS_WATCH, RunKeys
 from agentpool.store.records import ACTIVE_STATUSES, SCHEMA_VERSION
 
 log = logging.getLogger("agentpool.reaper")
-WAITING = {JobStatus.QUEUED.value, JobStatus.SCHEDULED.value, JobStatus.DEFERRED.value}
+PROMOTE_EVERY = 0.1  # seconds between looks for due deferred turns: one ZRANGEBYSCORE per worker
+WAITING = {JobStatus.QUEUED.value, JobStatus.DEFERRED.value}
 
 
 def reap_once(r: Redis, *, batch: int = 500, report: Callable[[str, str], None] | None = None) -> list[str]:
@@ -41,6 +46,11 @@ def reap_once(r: Redis, *, batch: int = 500, report: Callable[[str, str], None] 
 
     Every change to the watch set is conditional on the status it was decided from (``store/watch.py``):
     a person resuming or approving a run while the reaper looks at it never drops it from the set."""
+    for moved in _promote(r, batch=batch):
+        if report:
+            report(
+                moved.run_id, f"deferred turn {moved.turn} enqueued as {moved.job_id} ({moved.late_ms} ms after due)"
+            )
     requeued = []
     for raw in r.zrangebyscore(RUNS_WATCH, "-inf", now_ms(), start=0, num=batch):
         run_id = raw.decode("utf-8", errors="replace")
@@ -54,6 +64,15 @@ def reap_once(r: Redis, *, batch: int = 500, report: Callable[[str, str], None] 
             log.exception("reaper: could not check run %s", run_id)
             watch.reschedule_active(r, run_id, now_ms() + QUEUED_RECHECK_MS)
     return requeued
+
+
+def _promote(r: Redis, batch: int = 500) -> list[deferred.Promoted]:
+    moved = deferred.promote_due(r, batch=batch)
+    for one in moved:
+        log.info(
+            "run %s: deferred turn %d enqueued as %s, %d ms after due", one.run_id, one.turn, one.job_id, one.late_ms
+        )
+    return moved
 
 
 def _reap(r: Redis, run_id: str, report: Callable[[str, str], None] | None = None) -> bool:
@@ -106,6 +125,11 @@ def _why_orphaned(r: Redis, run_id: str, job_id: str) -> tuple[str, str, bool] |
             watch.reschedule_active(r, run_id, int(record.until * 1000))
             return None
         return f"handed back ({record.reason}), backoff over", "handed_back", False
+    # Deferred first, then the job: the move to the queue is atomic, so a turn is always in one of them.
+    due = deferred.due_for_job(r, run_id, job_id) if job_id else None
+    if due is not None:  # not an RQ job until due: the scan that finds it due enqueues it
+        watch.reschedule_active(r, run_id, max(due, now_ms()) + QUEUED_RECHECK_MS)
+        return None
     job_state = _job_state(r, job_id) if job_id else "missing"
     if job_state == "waiting":
         watch.reschedule_active(r, run_id, now_ms() + QUEUED_RECHECK_MS)
@@ -127,7 +151,10 @@ def _job_state(r: Redis, job_id: str) -> str:
 
 
 class ReaperThread(threading.Thread):
-    """Runs ``reap_once`` every ``interval`` seconds in whichever worker takes the lock first."""
+    """Runs ``reap_once`` every ``interval`` seconds in whichever worker takes the lock first, and moves
+    due deferred turns onto the queue every ``PROMOTE_EVERY`` seconds in every worker: that move is
+    atomic (``deferred.promote_due``), so it needs no lock, and a turn is enqueued within a fraction of
+    a second of its due time while any worker lives."""
 
     def __init__(self, r: Redis, owner: str, interval: float) -> None:
         super().__init__(name="agentpool-reaper", daemon=True)
@@ -135,10 +162,18 @@ class ReaperThread(threading.Thread):
         self.stopping = threading.Event()
 
     def run(self) -> None:
-        while not self.stopping.wait(self.interval):
+        tick = min(self.interval, PROMOTE_EVERY)
+        next_scan = time.monotonic() + self.interval
+        while not self.stopping.wait(tick):
             try:
+                if time.monotonic() < next_scan:
+                    _promote(self.r)
+                    continue
+                next_scan = time.monotonic() + self.interval
                 if self.r.set(REAPER_LOCK, self.owner, nx=True, px=max(100, int(self.interval * 1000) - 50)):
                     reap_once(self.r)
+                else:
+                    _promote(self.r)
             except RedisError as exc:
                 log.warning("reaper: Redis unavailable (%s); will retry", exc)
             except Exception:

@@ -13,6 +13,7 @@ from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
 
 from agentpool.checks import limit_value
+from agentpool.runtime import sentinel
 from agentpool.store import crypto
 from agentpool.store.errors import AgentPoolError
 
@@ -27,6 +28,20 @@ def _env_float(name: str, default: float, *, zero_ok: bool = False) -> float:
         return limit_value(name, float(raw), zero_ok=zero_ok)
     except ValueError:
         raise SystemExit(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {raw!r}") from None
+
+
+def _replica_acks() -> str:
+    raw = os.environ.get("AGENTPOOL_REPLICA_ACKS", "").strip().lower() or "auto"
+    if raw != "auto" and not (raw.isdigit() and int(raw) < 100):
+        raise SystemExit(f"AGENTPOOL_REPLICA_ACKS must be auto or a number of replicas, got {raw!r}")
+    return raw
+
+
+def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+    raw = os.environ.get(name, "").strip().lower() or default
+    if raw not in allowed:
+        raise SystemExit(f"{name} must be one of {', '.join(allowed)}, got {raw!r}")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -47,6 +62,11 @@ class Settings:
     model_call_timeout: float = 600.0  # cap on a whole model call, streamed or not
     model_streaming: bool = True  # False: one non-streaming create() per call (no live output)
     agent_load_grace: float = 300.0  # seconds no worker could load a run's agent before the run stops
+    # The durability guard before a tool whose effect is not read (agentpool.runtime.durability):
+    # "auto" (1 replica behind Sentinel or on a primary that has replicas, else 0) or a number.
+    replica_acks: str = "auto"
+    replica_ack_timeout: float = 1.0  # seconds WAIT/WAITAOF may take before the turn is handed back
+    waitaof: str = "off"  # off | local | replicas
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -64,6 +84,9 @@ class Settings:
             model_streaming=os.environ.get("AGENTPOOL_MODEL_STREAMING", "1").strip().lower()
             not in ("0", "false", "no"),
             agent_load_grace=_env_float("AGENTPOOL_AGENT_LOAD_GRACE", 300.0),
+            replica_acks=_replica_acks(),
+            replica_ack_timeout=_env_float("AGENTPOOL_REPLICA_ACK_TIMEOUT", 1.0),
+            waitaof=_choice("AGENTPOOL_WAITAOF", ("off", "local", "replicas"), "off"),
         )
 
     @property
@@ -87,7 +110,10 @@ def configure_encryption() -> None:
 configure_encryption()
 
 
-URL_FORM = "expected redis://[user:password@]host:port/db, rediss://… (TLS) or unix:///path/to/redis.sock"
+URL_FORM = (
+    "expected redis://[user:password@]host:port/db, rediss://… (TLS), unix:///path/to/redis.sock or "
+    "redis+sentinel://[user:password@]host:port[,host:port...]/<master name>[/<db>]"
+)
 
 
 class BadRedisUrl(ValueError):
@@ -97,7 +123,10 @@ class BadRedisUrl(ValueError):
 def check_redis_url(url: str, *, subject: str = "the Redis URL") -> str:
     """``url`` if redis-py can connect with it; otherwise a :class:`BadRedisUrl` saying what is expected."""
     try:
-        parse_url(url)
+        if sentinel.is_sentinel(url):
+            sentinel.parse(url)
+        else:
+            parse_url(url)
     except ValueError as exc:
         raise BadRedisUrl(f"{subject} is not a Redis URL: {redact_url(url)!r} ({exc}); {URL_FORM}") from None
     return url
@@ -117,6 +146,12 @@ def connect(url: str | None = None, *, max_connections: int | None = None) -> Re
         "socket_keepalive": True,
     }
     url = check_redis_url(url or Settings.from_env().redis_url, subject="REDIS_URL" if url is None else "the Redis URL")
+    if sentinel.is_sentinel(url):
+        # A pool per process that asks the sentinels where the primary is: it follows a failover. (No
+        # blocking pool for Sentinel in redis-py: ``max_connections`` is then the pool's hard cap.)
+        return sentinel.client(
+            sentinel.parse(url), **options, **({"max_connections": max_connections} if max_connections else {})
+        )
     if max_connections is None:
         return Redis.from_url(url, **options)
     return Redis(
@@ -152,6 +187,9 @@ def client_for(connection: Redis | None) -> Redis:
     if not pool.connection_kwargs.get("decode_responses"):
         return connection
     client = _bytes_clients.get(pool)
+    if client is not None:
+        return client
+    client = sentinel.clone(connection, decode_responses=False)
     if client is None:
         try:
             client = Redis(
@@ -166,5 +204,5 @@ def client_for(connection: Redis | None) -> Redis:
                 f"agentpool reads Redis as bytes, as RQ does, and cannot derive a bytes client from this "
                 f"decode_responses=True client ({type(pool).__name__}); pass one made without decode_responses=True"
             ) from None
-        _bytes_clients[pool] = client
+    _bytes_clients[pool] = client
     return client

@@ -19,12 +19,14 @@ from redis import Redis
 
 from agentpool.agent import Agent
 from agentpool.context import ToolCall
+from agentpool.runtime import durability
 from agentpool.runtime.faults import fault
 from agentpool.runtime.reconcile import Action, idempotency_key, plan, running_until, unknown_outcome
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.toolcall import Ownership, bounded, result_text, run_tool, run_verify
 from agentpool.store import approvals, checkpoint, ledger
 from agentpool.store.clock import now_ms
+from agentpool.store.durability import NotReplicated, wait_durable
 from agentpool.store.errors import LedgerMismatch
 from agentpool.store.events import Event, emit
 from agentpool.store.keys import RunKeys
@@ -214,7 +216,7 @@ class Settlement:
         self, agent: Agent, tool: Tool, call: dict[str, Any], kwargs: dict[str, Any], key: str, attempt: int
     ) -> Outcome:
         timeout = tool.timeout or agent.tool_timeout
-        ledger.write_intent(
+        intent = ledger.write_intent(
             self.r,
             self.keys,
             self.token,
@@ -227,6 +229,12 @@ class Settlement:
                 self.run_id, "tool_started", tool=tool.name, tool_use_id=call["id"], effect=tool.effect, attempt=attempt
             ),
         )
+        if tool.effect != "read":
+            try:  # the intent and save point A on the replicas first, or the call does not run yet
+                wait_durable(self.r, durability.guard(self.r))
+            except NotReplicated:
+                ledger.withdraw_intent(self.r, self.keys, self.token, call["id"], intent)
+                raise
         ownership = Ownership(self.r, self.keys, self.token)
         outcome = run_tool(
             tool,

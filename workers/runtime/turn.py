@@ -46,6 +46,7 @@ from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
 from agentpool.runtime.stream import LiveOutput
 from agentpool.store import checkpoint, handback, live, spend, window
 from agentpool.store.crypto import EncryptionKeyMissing, KeyNotHeld
+from agentpool.store.durability import NotReplicated
 from agentpool.store.errors import (
     LeaseLost,
     LedgerMismatch,
@@ -80,6 +81,7 @@ HANDED_BACK: tuple[tuple[type[Exception], str], ...] = (
     (KeyNotHeld, "key_not_held"),
     (SchemaTooNew, "too_new"),
     (AgentNotFound, "agent_not_loadable"),
+    (NotReplicated, "not_replicated"),
 )
 
 
@@ -124,7 +126,7 @@ def run_turn(run_id: str, turn: int) -> str:
             return "abandoned"
         except EarlierAttemptMayRun as wait:
             return _wait_for_earlier_attempt(r, keys, token, wait, job_id)
-        except (EncryptionKeyMissing, KeyNotHeld, SchemaTooNew, AgentNotFound) as exc:
+        except (EncryptionKeyMissing, KeyNotHeld, SchemaTooNew, AgentNotFound, NotReplicated) as exc:
             # This worker cannot do the turn, the run is fine: give it back for a worker that can.
             if isinstance(exc, AgentNotFound) and _agent_unloadable_too_long(r, keys, settings):
                 return _stop_unloadable(r, keys, token, settings, exc)
@@ -398,12 +400,22 @@ class Turn:
 
     def defer(self, state: RunState, exc: ModelUnavailable) -> str:
         errors = state.model_errors + 1
-        emit(
-            self.r, self.run_id, "model_error", turn=self.turn, error=str(exc), error_type=exc.kind, consecutive=errors
-        )
-        if errors > self.settings.model_retries:
-            return self.stop(f"the model API failed {errors} times in a row (last: {exc}); resume to try again")
         delay = max(exc.retry_after or 0.0, random.uniform(0, min(120.0, 2.0 * 2 ** (errors - 1))))
+        retrying = errors <= self.settings.model_retries
+        # retry_at: when the deferred turn is due, so its lateness can be measured (agentpool.ops.lateness).
+        retry_at = round(time.time() + delay, 3) if retrying else None
+        emit(
+            self.r,
+            self.run_id,
+            "model_error",
+            turn=self.turn,
+            error=str(exc),
+            error_type=exc.kind,
+            consecutive=errors,
+            retry_at=retry_at,
+        )
+        if not retrying:
+            return self.stop(f"the model API failed {errors} times in a row (last: {exc}); resume to try again")
         log.warning("%s: %s; retrying in %.1fs (%d/%d)", self.where, exc, delay, errors, self.settings.model_retries)
         checkpoint.defer_turn(
             self.r,

@@ -115,15 +115,14 @@ def _children(pid: int) -> list[tuple[int, int]]:
 
 
 def children_of(pid: int) -> list[int]:
-    """Child processes of ``pid``: its work horse, and RQ's scheduler process if it runs one. The
+    """Child processes of ``pid``: its work horse (and any other child, such as a tool's process). The
     horse calls setpgrp(), so killing a worker's process group misses it: a test or demo that means
     "this machine died" kills them all."""
     return [child for child, _group in _children(pid)]
 
 
 def horses_of(pid: int) -> list[int]:
-    """The work horse(s) of worker ``pid``: the children that lead their own process group (RQ's
-    scheduler child stays in the worker's group)."""
+    """The work horse(s) of worker ``pid``: the children that lead their own process group."""
     return [child for child, group in _children(pid) if group == child]
 
 

@@ -10,6 +10,7 @@
 - Agent modules are imported here, in the worker process, before it forks a horse for a turn of that
   agent: every horse inherits them, so agent code is loaded once per worker process, as in the threaded
   worker (``agentpool.runtime.loader``), and new code arrives when the worker restarts.
+- It never runs RQ's scheduler: a deferred turn is enqueued by the reaper (``agentpool.runtime.deferred``).
 - Jobs are msgpack; warm shutdown on SIGTERM lets the current turn finish, as RQ does.
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 from redis import Redis
 from rq import Worker
 
+from agentpool.runtime import sentinel
 from agentpool.runtime.loader import load_agent
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
@@ -117,7 +119,7 @@ class AgentWorker(Worker):
         warm_up()
         # The reaper gets its own connection pool: it runs beside the worker's blocking dequeue.
         pool_kwargs = self.connection.connection_pool.connection_kwargs
-        reaper_conn = Redis(
+        reaper_conn = sentinel.clone(self.connection) or Redis(
             connection_pool=type(self.connection.connection_pool)(
                 connection_class=self.connection.connection_pool.connection_class, **pool_kwargs
             )
@@ -125,6 +127,9 @@ class AgentWorker(Worker):
         reaper = ReaperThread(reaper_conn, owner=self.name, interval=self.reaper_interval)
         if self.reaper_interval > 0:
             reaper.start()
+        # Never RQ's scheduler (not even from `rq worker --with-scheduler -w ...`): its process can outlive
+        # this one holding its lock; the reaper enqueues deferred turns instead (agentpool.runtime.deferred).
+        kwargs["with_scheduler"] = False
         try:
             return super().work(*args, **kwargs)
         finally:

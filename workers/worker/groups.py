@@ -46,8 +46,7 @@ def live_members(pgid: int) -> list[int]:
 
 
 def end_process_group(pgid: int, grace: float, *, reap: bool = False) -> bool:
-    """SIGTERM every process of group ``pgid`` (RQ's scheduler then releases its lock for the next
-    worker; a well-behaved tool subprocess cleans up), SIGKILL what is left after ``grace`` seconds,
+    """SIGTERM every process of group ``pgid`` (a well-behaved tool subprocess cleans up), SIGKILL what is left after ``grace`` seconds,
     and return once none is left: True, or False if some member outlived even SIGKILL for
     ``KILL_TIMEOUT`` seconds (logged). With ``reap``, collects any child of this process that ended
     meanwhile (in a container the supervisor may be PID 1, every orphan's parent); only for a process

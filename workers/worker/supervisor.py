@@ -114,11 +114,9 @@ def _exit_when_parent_dies(parent: int) -> None:
 class Supervisor:
     """Forks the threaded worker, waits on it, hands its turns over when it dies, restarts it."""
 
-    def __init__(
-        self, r: Redis, *, name: str, concurrency: int, burst: bool, logging_level: str, with_scheduler: bool
-    ) -> None:
+    def __init__(self, r: Redis, *, name: str, concurrency: int, burst: bool, logging_level: str) -> None:
         self.r, self.name, self.concurrency, self.burst = r, name, concurrency, burst
-        self.logging_level, self.with_scheduler = logging_level, with_scheduler
+        self.logging_level = logging_level
         self.pid = os.getpid()
         self.child = 0
         self.stopping = threading.Event()
@@ -170,7 +168,7 @@ class Supervisor:
             # The supervisor's handlers must not run here: they would signal "the child" (pid 0).
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-            # Its own process group, so the supervisor can take down the scheduler process it forks too.
+            # Its own process group, so the supervisor can take down what it leaves (a tool's subprocess).
             os.setpgrp()
             _exit_when_parent_dies(self.pid)
             code = run_worker_process(
@@ -179,7 +177,6 @@ class Supervisor:
                 concurrency=self.concurrency,
                 burst=self.burst,
                 logging_level=self.logging_level,
-                with_scheduler=self.with_scheduler,
             )
         except BaseException:
             log.exception("worker process failed")
@@ -203,7 +200,7 @@ class Supervisor:
         return status
 
     def _bury(self, child: int, how: str) -> None:
-        """End what the child left in its process group (a tool's subprocess, RQ's scheduler), and only
+        """End what the child left in its process group (a tool's subprocess), and only
         once the group is empty hand its turns over: a subprocess still running could otherwise take
         effect after the next worker has asked the tool's ``verify`` hook and been told "not happened".
         The grace before SIGKILL stays under a third of the lease TTL, so the hand-over comes before
@@ -257,16 +254,15 @@ def _describe_exit(status: int) -> str:
     return f"exited with status {os.waitstatus_to_exitcode(status)}"
 
 
-def run_worker_process(
-    r: Redis, *, name: str, concurrency: int, burst: bool, logging_level: str, with_scheduler: bool
-) -> int:
+def run_worker_process(r: Redis, *, name: str, concurrency: int, burst: bool, logging_level: str) -> int:
     """The threaded worker itself, in the current process. Returns its exit status."""
     os.environ["RQ_WORKER_ID"] = name  # lease tokens read "<fence>:<name>.<pid>" (agentpool.runtime.turn)
     import agentpool.runtime.turn  # noqa: F401  (loaded before the first turn, not inside it)
 
     worker = ThreadedWorker(connection=r, name=name, concurrency=concurrency)
     try:
-        worker.work(burst=burst, logging_level=logging_level, with_scheduler=with_scheduler)
+        # No RQ scheduler: the reaper enqueues deferred turns (agentpool.runtime.deferred).
+        worker.work(burst=burst, logging_level=logging_level, with_scheduler=False)
     except SystemExit:
         return worker.exit_code or EXIT_COLD
     return worker.exit_code
@@ -279,7 +275,6 @@ def run_threaded_worker(
     concurrency: int,
     burst: bool = False,
     logging_level: str = "INFO",
-    with_scheduler: bool = True,
 ) -> None:
     """``agentpool worker --concurrency N``: the supervisor in this process, the worker in a child."""
     name = name or uuid4().hex
@@ -288,8 +283,6 @@ def run_threaded_worker(
     # a worker restarted after an OOM kill is dequeuing again within milliseconds.
     import agentpool.runtime.turn  # noqa: F401
 
-    code = Supervisor(
-        r, name=name, concurrency=concurrency, burst=burst, logging_level=logging_level, with_scheduler=with_scheduler
-    ).run()
+    code = Supervisor(r, name=name, concurrency=concurrency, burst=burst, logging_level=logging_level).run()
     if code:
         raise SystemExit(code)

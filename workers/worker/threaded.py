@@ -172,8 +172,8 @@ class ThreadedWorker(BaseWorker):
     ) -> bool:
         self.bootstrap(logging_level or "INFO", date_format, log_format)
         self._dequeue_strategy = dequeue_strategy
-        if with_scheduler:
-            self._start_scheduler(burst, logging_level, date_format, log_format)
+        # ``with_scheduler`` is ignored: RQ's scheduler is a process that could outlive this one holding
+        # its lock; deferred turns are enqueued by the reaper (agentpool.runtime.deferred).
         self._install_signal_handlers()
         # The connection pool is thread-safe, and a blocking dequeue holds only one of its connections.
         reaper = ReaperThread(self.connection, owner=self.name, interval=self.reaper_interval)
@@ -383,8 +383,6 @@ class ThreadedWorker(BaseWorker):
         )
 
     def teardown(self) -> None:
-        if self.scheduler:
-            self.stop_scheduler()
         if len(self._slots):
             # Abandoned turns: RQ's death record would drop the execution index the supervisor reads
             # to hand them over. It registers this worker's death itself once it has.

@@ -1,0 +1,139 @@
+"""Redis behind Sentinel: a primary, a replica and a sentinel started here, a pool of real workers on a
+``redis+sentinel://`` URL, and the primary SIGKILLed under load. The sentinel promotes the replica;
+the workers' clients follow it without a restart. Effects are counted outside the pool (a file)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from agentpool import enqueue_run, wait_for_run
+from agentpool.runtime import sentinel
+from agentpool.runtime.settings import BadRedisUrl, check_redis_url, connect, redact_url
+from agentpool.store.events import read as read_events
+from agentpool.testing.replicated import ReplicatedRedis
+
+from conftest import Pool, assert_valid_conversation, script_task
+
+pytestmark = pytest.mark.failover
+
+EFFECTS = [
+    {
+        "delay": 0.05,
+        "tool_calls": [{"name": "send_email", "input": {"to": "a@example.com", "subject": "s", "body": "b"}}],
+    },
+    {"delay": 0.05, "tool_calls": [{"name": "create_ticket", "input": {"title": "t", "body": "b"}}]},
+    {
+        "delay": 0.05,
+        "tool_calls": [{"name": "send_email", "input": {"to": "b@example.com", "subject": "s", "body": "b"}}],
+    },
+    {"text": "All done."},
+]
+
+
+@pytest.fixture
+def replicated(tmp_path):
+    servers = ReplicatedRedis(tmp_path / "redis").start()
+    yield servers
+    servers.stop()
+
+
+@pytest.fixture
+def ha_pool(replicated, model, tmp_path):
+    pool = Pool(replicated.url, model, tmp_path)
+    yield pool
+    pool.stop()
+
+
+def _assert_effects_once(pool: Pool, run_ids: list[str]) -> None:
+    effects = [e for e in pool.effects() if e.get("run") in run_ids]
+    emails = Counter((e["run"], e["to"]) for e in effects if e["tool"] == "send_email")
+    repeated = {k: n for k, n in emails.items() if n > 1}
+    assert not repeated, f"unsafe effects repeated: {repeated}"
+    keys: dict[str, set[str]] = defaultdict(set)
+    for e in effects:
+        if e["tool"] == "create_ticket":
+            keys[e["run"]].add(e["key"])
+    assert all(len(k) == 1 for k in keys.values()), f"an idempotent effect under two keys: {dict(keys)}"
+
+
+def _run_through(pool: Pool, model, r, run_ids: list[str]) -> None:
+    runs = [wait_for_run(run_id, timeout=120, connection=r) for run_id in run_ids]
+    done = [run for run in runs if run.status == "completed"]
+    assert len(done) == len(run_ids), ([(run.id, run.status, run.error) for run in runs], pool.logs())
+    for run in runs:
+        assert_valid_conversation(run.messages)
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+    _assert_effects_once(pool, run_ids)
+
+
+def test_runs_complete_without_repeated_effects_when_the_primary_is_killed(replicated, ha_pool, model):
+    model.set_scripts({"effects": EFFECTS})
+    ha_pool.start(3)
+    r = connect(replicated.url)
+    run_ids = [enqueue_run("pool_agents:support", script_task("effects", f"task {i}"), connection=r) for i in range(20)]
+    deadline = time.monotonic() + 60
+    while len(ha_pool.effects()) < 15:  # mid-load: some runs past their first effects, most not
+        assert time.monotonic() < deadline, ha_pool.logs()
+        time.sleep(0.01)
+    replicated.kill_primary()
+    _run_through(ha_pool, model, r, run_ids)
+
+
+def test_a_tool_whose_intent_only_the_primary_had_never_ran(replicated, ha_pool, model):
+    """Replication cut under load (the replica's link partitioned), the primary SIGKILLed while it is,
+    the replica promoted: it lacks every write made meanwhile. A tool may have run only if its intent
+    and save point A reached the replica first, so none of them runs twice."""
+    model.set_scripts({"effects": EFFECTS})
+    ha_pool.start(3)
+    r = connect(replicated.url)
+    run_ids = [enqueue_run("pool_agents:support", script_task("effects", f"task {i}"), connection=r) for i in range(15)]
+    deadline = time.monotonic() + 60
+    while len(ha_pool.effects()) < 5:
+        assert time.monotonic() < deadline, ha_pool.logs()
+        time.sleep(0.01)
+    replicated.replica_link.partition()
+    time.sleep(2)  # the workers go on against the primary alone
+    replicated.kill_primary()
+    _run_through(ha_pool, model, r, run_ids)
+    refused = [e for run_id in run_ids for _, e in read_events(r, run_id) if e.get("reason") == "not_replicated"]
+    assert refused, "no tool waited for the cut-off replica: the guard was not exercised"
+
+
+def test_the_cli_and_rq_info_reach_redis_through_sentinel(replicated, ha_pool, model):
+    model.set_scripts({})
+    ha_pool.start(1)
+    r = connect(replicated.url)
+    run_id = enqueue_run("pool_agents:support", "hello", connection=r)
+    assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
+    env = {**ha_pool.env}
+    table = subprocess.run(
+        [sys.executable, "-m", "agentpool", "runs"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert table.returncode == 0 and run_id in table.stdout, table.stderr
+    info = subprocess.run(
+        [str(Path(sys.executable).parent / "rq"), "info", "-c", "agentpool.rqconfig"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert info.returncode == 0 and "agentpool" in info.stdout, info.stdout + info.stderr
+    assert "1 workers" in info.stdout or "1 worker" in info.stdout, info.stdout
+
+
+def test_a_sentinel_url_is_parsed_and_never_shows_its_password():
+    target = sentinel.parse("redis+sentinel://app:s3cr%40t@h1:26380,h2/pool/2")
+    assert target.instances == (("h1", 26380), ("h2", 26379))
+    assert (target.master, target.db, target.username, target.password) == ("pool", 2, "app", "s3cr@t")
+    assert redact_url("redis+sentinel://app:s3cret@h1,h2/pool") == "redis+sentinel://app:***@h1,h2/pool"
+    with pytest.raises(BadRedisUrl) as bad:
+        check_redis_url("redis+sentinel://app:s3cret@h1/")
+    assert "s3cret" not in str(bad.value) and "<master name>" in str(bad.value)
+    assert sentinel.rq_settings("redis+sentinel://h1:1/pool/3")["INSTANCES"] == [("h1", 1)]

@@ -1,0 +1,63 @@
+"""Which durability guard applies (``agentpool.store.durability``), decided once per process.
+
+``AGENTPOOL_REPLICA_ACKS=auto`` (the default) waits for one replica in a deployment that has them: a
+client that goes through Sentinel, or a primary whose ``INFO replication`` reports connected replicas
+or whose ``min-replicas-to-write`` is set; on a lone Redis it waits for none. It is decided from the
+deployment, not from the replicas up at this instant, and not revised: a replica that falls behind or
+disconnects later makes tools wait (and their turns be handed back), never run unguarded.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from redis import Redis
+from redis.exceptions import RedisError, ResponseError
+from redis.sentinel import SentinelConnectionPool
+
+from agentpool.runtime.settings import Settings
+from agentpool.store.durability import Guard, waitaof_supported
+
+log = logging.getLogger("agentpool.durability")
+_decided: Guard | None = None
+
+
+def guard(r: Redis, settings: Settings | None = None) -> Guard:
+    global _decided
+    if _decided is None:
+        _decided = decide(r, settings or Settings.from_env())
+    return _decided
+
+
+def decide(r: Redis, settings: Settings) -> Guard:
+    timeout_ms = max(1, int(settings.replica_ack_timeout * 1000))
+    replicas = int(settings.replica_acks) if settings.replica_acks != "auto" else _auto(r)
+    waitaof = settings.waitaof
+    if waitaof != "off" and not waitaof_supported(r):
+        log.warning("AGENTPOOL_WAITAOF=%s: this Redis has no WAITAOF (Redis 7.2+); only WAIT applies", waitaof)
+        waitaof = "off"
+    return Guard(replicas=replicas, timeout_ms=timeout_ms, waitaof=waitaof)
+
+
+def _auto(r: Redis) -> int:
+    if isinstance(r.connection_pool, SentinelConnectionPool):
+        return 1
+    try:
+        info = r.info("replication")
+    except RedisError:
+        return 1  # cannot tell: the safe side
+    if int(info.get("connected_slaves", 0)) > 0:
+        return 1
+    try:
+        configured = r.config_get("min-replicas-to-write")
+    except ResponseError:  # CONFIG disabled (managed Redis): what INFO said stands
+        return 0
+    value = configured.get(b"min-replicas-to-write", configured.get("min-replicas-to-write", 0))
+    return 1 if int(value or 0) > 0 else 0
+
+
+def announce(r: Redis) -> Guard:
+    """Decide now and say which guard applies, once, at worker start."""
+    chosen = guard(r)
+    log.warning("durability guard: %s", chosen.describe())
+    return chosen

@@ -1,0 +1,126 @@
+"""A primary, a replica and a sentinel on free ports, for failover tests and the durability bench:
+the same ``redis-server`` binary (``--replicaof``, ``--sentinel``), nothing else to install."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import IO
+
+from redis import Redis
+from redis.exceptions import RedisError
+
+from agentpool.testing.localpool import RedisServer, free_port
+from agentpool.testing.netfault import NetFault
+
+MASTER = "agentpool"
+
+
+class ReplicatedRedis:
+    """``url`` is a ``redis+sentinel://`` URL; ``servers`` maps a port to its ``RedisServer``."""
+
+    def __init__(self, workdir: Path, *, down_after_ms: int = 1000, failover_timeout_ms: int = 3000) -> None:
+        self.workdir = workdir
+        self.primary = RedisServer(self._dir("primary"))
+        # The replica reaches the primary through a proxy, so a test can cut replication alone.
+        self.replica_link = NetFault(("127.0.0.1", self.primary.port)).start()
+        self.replica = RedisServer(
+            self._dir("replica"), extra_args=("--replicaof", "127.0.0.1", str(self.replica_link.port))
+        )
+        self.servers = {s.port: s for s in (self.primary, self.replica)}
+        self.sentinel_port = free_port()
+        self.down_after_ms, self.failover_timeout_ms = down_after_ms, failover_timeout_ms
+        self.sentinel: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self.url = f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{MASTER}/0"
+
+    def _dir(self, name: str) -> Path:
+        path = self.workdir / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def start(self) -> ReplicatedRedis:
+        self.primary.start()
+        self.replica.start()
+        self.wait_replicas(1)
+        conf = self._dir("sentinel") / "sentinel.conf"  # sentinel rewrites it: its own, writable
+        conf.write_text(
+            f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {conf.parent}\n"
+            f"sentinel monitor {MASTER} 127.0.0.1 {self.primary.port} 1\n"
+            f"sentinel down-after-milliseconds {MASTER} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {MASTER} {self.failover_timeout_ms}\n"
+            f"sentinel parallel-syncs {MASTER} 1\n"
+        )
+        self._log = open(conf.parent / "sentinel.log", "wb")  # noqa: SIM115 - closed by stop()
+        self.sentinel = subprocess.Popen(
+            [self.primary.binary, str(conf), "--sentinel"], stdout=self._log, stderr=subprocess.STDOUT
+        )
+        self.wait_primary(self.primary.port)
+        return self
+
+    def sentinel_client(self) -> Redis:
+        return Redis(port=self.sentinel_port, socket_timeout=2)
+
+    def primary_port(self) -> int | None:
+        """Where the sentinel says the primary is now."""
+        try:
+            found = self.sentinel_client().execute_command("SENTINEL", "get-master-addr-by-name", MASTER)
+        except RedisError:
+            return None
+        return int(found[1]) if found else None
+
+    def wait_primary(self, port: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while self.primary_port() != port:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the sentinel never named port {port} primary (it says {self.primary_port()})")
+            time.sleep(0.05)
+
+    def wait_replicas(self, n: int, timeout: float = 30) -> None:
+        client = Redis(port=self.primary.port)
+        deadline = time.monotonic() + timeout
+        while client.info("replication").get("connected_slaves", 0) < n or not self._replica_synced():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the replica never synced")
+            time.sleep(0.05)
+
+    def _replica_synced(self) -> bool:
+        try:
+            return Redis(port=self.replica.port).info("replication").get("master_link_status") == "up"
+        except RedisError:
+            return False
+
+    def kill_primary(self, *, restart: bool = True) -> int:
+        """SIGKILL whichever server is primary now and wait until the sentinel promotes the other one;
+        then (``restart``) start the killed one again, empty, as a replica of the new primary, as an
+        orchestrator would, so a guard that waits for one replica can be met again.
+        Returns the new primary's port."""
+        old = self.primary_port()
+        assert old is not None
+        self.servers[old].stop(signal.SIGKILL)
+        new = next(port for port in self.servers if port != old)
+        self.wait_primary(new, timeout=60)
+        if restart:
+            # Started as a replica of the new primary outright, as an orchestrator restarting it with
+            # the sentinel's view would: waiting for the sentinel to convert it took over 60 s under load.
+            self.servers[old].extra_args = ("--replicaof", "127.0.0.1", str(new))
+            self.servers[old].start()
+            client = Redis(port=new)
+            deadline = time.monotonic() + 60
+            while client.info("replication").get("connected_slaves", 0) < 1:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"port {old} never became a replica of {new}")
+                time.sleep(0.05)
+        return new
+
+    def stop(self) -> None:
+        if self.sentinel and self.sentinel.poll() is None:
+            self.sentinel.kill()
+            self.sentinel.wait(timeout=10)
+        for server in self.servers.values():
+            server.stop(signal.SIGKILL)
+        self.replica_link.stop()
+        if self._log:
+            self._log.close()
