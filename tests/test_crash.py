@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -144,6 +145,36 @@ def test_whole_worker_killed_mid_tool_is_taken_over_after_the_lease_expires(r, p
     assert Counter(e["tool"] for e in pool.effects())["send_email"] == 1
     assert Counter(e["tool"] for e in pool.effects())["slow_read"] == 2, "a read tool re-runs"
     assert_valid_conversation(run.messages)
+
+
+def test_a_horse_dies_with_its_sigkilled_worker_and_its_turn_is_taken_over(r, pool, model):
+    """The OOM killer's other choice: the worker, not its horse. Nothing the worker started may run on
+    unwatched; the horse is killed with it (PR_SET_PDEATHSIG) and another worker takes the run over."""
+    # A tool that outlasts the wait below: a horse left running is still inside it.
+    model.set_scripts({"slow": [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 8}}]}, *SLOW_SCRIPT[1:]]})
+    first = pool.start(1)[0]
+    run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
+    effect = pool.wait_for_effect("slow_read")
+    assert effect["pid"] in _horses(first)
+    pool.kill(first, with_horse=False)
+    deadline = time.monotonic() + 4
+    while _alive(effect["pid"]):
+        assert time.monotonic() < deadline, "the horse outlived its SIGKILLed worker"
+        time.sleep(0.05)
+    pool.start(1)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    assert Counter(e["tool"] for e in pool.effects())["send_email"] == 1
+    assert_valid_conversation(run.messages)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its reaper."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
 
 
 def test_a_frozen_worker_woken_after_its_lease_expired_writes_nothing(r, pool, model):

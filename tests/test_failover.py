@@ -137,3 +137,42 @@ def test_a_sentinel_url_is_parsed_and_never_shows_its_password():
         check_redis_url("redis+sentinel://app:s3cret@h1/")
     assert "s3cret" not in str(bad.value) and "<master name>" in str(bad.value)
     assert sentinel.rq_settings("redis+sentinel://h1:1/pool/3")["INSTANCES"] == [("h1", 1)]
+
+
+def _wait_for(predicate, what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_auto_waits_for_a_replica_once_the_deployment_has_one_and_never_stops(tmp_path, monkeypatch):
+    """`AGENTPOOL_REPLICA_ACKS=auto`: none on a lone Redis; one once a replica attached (also a replica
+    added after the workers started); still one after it disconnected: a lost replica makes tools
+    wait, it never switches the guard off."""
+    from agentpool.runtime import durability
+    from agentpool.runtime.settings import Settings
+    from agentpool.testing.localpool import RedisServer
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "q").mkdir()
+    primary = RedisServer(tmp_path / "p").start()
+    replica = RedisServer(tmp_path / "q", extra_args=("--replicaof", "127.0.0.1", str(primary.port)))
+    r = connect(primary.url)
+    settings = Settings.from_env()
+    monkeypatch.setattr(durability, "_decided", None)
+    monkeypatch.setattr(durability, "RECHECK", 0.0)
+    try:
+        assert settings.replica_acks == "auto"
+        assert durability.guard(r, settings).replicas == 0, "a lone Redis: no wait"
+        replica.start()
+        _wait_for(lambda: int(r.info("replication")["connected_slaves"]) == 1, "the replica never attached")
+        assert durability.guard(r, settings).replicas == 1, "a replica added after start is waited for"
+        replica.stop()
+        _wait_for(lambda: int(r.info("replication")["connected_slaves"]) == 0, "the replica never left")
+        assert durability.decide(r, settings).replicas == 1, "a worker started now still waits"
+        assert durability.guard(r, settings).replicas == 1
+    finally:
+        r.close()
+        replica.stop()
+        primary.stop()

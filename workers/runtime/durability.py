@@ -2,14 +2,17 @@
 
 ``AGENTPOOL_REPLICA_ACKS=auto`` (the default) waits for one replica in a deployment that has them: a
 client that goes through Sentinel, or a primary whose ``INFO replication`` reports connected replicas
-or whose ``min-replicas-to-write`` is set; on a lone Redis it waits for none. It is decided from the
-deployment, not from the replicas up at this instant, and not revised: a replica that falls behind or
-disconnects later makes tools wait (and their turns be handed back), never run unguarded.
+or has had one (its replication backlog is active), or whose ``min-replicas-to-write`` is set; on a
+lone Redis it waits for none. It is decided from the deployment, not from the replicas up at this
+instant. Once it waits for one it never stops: a replica that falls behind or disconnects later makes
+tools wait (and their turns be handed back), never run unguarded. While it waits for none it looks
+again every ``RECHECK`` seconds, so a replica added after the workers started is waited for.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from redis import Redis
 from redis.exceptions import RedisError, ResponseError
@@ -19,13 +22,20 @@ from agentpool.runtime.settings import Settings
 from agentpool.store.durability import Guard, waitaof_supported
 
 log = logging.getLogger("agentpool.durability")
+RECHECK = 10.0  # seconds between two looks at a deployment that had no replica
 _decided: Guard | None = None
+_decided_at = 0.0
 
 
 def guard(r: Redis, settings: Settings | None = None) -> Guard:
-    global _decided
-    if _decided is None:
-        _decided = decide(r, settings or Settings.from_env())
+    global _decided, _decided_at
+    settings = settings or Settings.from_env()
+    stale = _decided is not None and not _decided.replicas and settings.replica_acks == "auto"
+    if _decided is None or (stale and time.monotonic() - _decided_at > RECHECK):
+        before, _decided = _decided, decide(r, settings)
+        _decided_at = time.monotonic()
+        if before is not None and _decided != before:
+            log.warning("durability guard: the deployment has a replica now: %s", _decided.describe())
     return _decided
 
 
@@ -46,7 +56,8 @@ def _auto(r: Redis) -> int:
         info = r.info("replication")
     except RedisError:
         return 1  # cannot tell: the safe side
-    if int(info.get("connected_slaves", 0)) > 0:
+    # A backlog stays active for repl-backlog-ttl (an hour by default) after the last replica left.
+    if int(info.get("connected_slaves", 0)) > 0 or int(info.get("repl_backlog_active", 0)) > 0:
         return 1
     try:
         configured = r.config_get("min-replicas-to-write")

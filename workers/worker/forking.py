@@ -4,6 +4,8 @@
   horse's pid) and calls ``work_horse_killed_handler``. We end what the horse left in its process
   group (its tools' subprocesses: ``agentpool.worker.groups``), then drop its lease and re-enqueue its
   turn right there: no waiting for a lease to expire, nor for RQ's abandoned-job cleanup (minutes).
+- A horse dies with its worker (``PR_SET_PDEATHSIG``): a SIGKILLed worker leaves nothing running
+  unwatched; its turn is taken over once the lease expires.
 - When a horse ends normally, what its tools left in its group (a timed-out tool's subprocess) is
   ended too: a tool's subprocesses die with the process that started them.
 - A reaper thread (see ``agentpool.runtime.reaper``) covers a worker killed whole, or its machine lost.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from typing import Any
 
 from redis import Redis
@@ -30,7 +33,7 @@ from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
 from agentpool.store.keys import TURN_QUEUE, RunKeys
-from agentpool.worker.groups import end_process_group
+from agentpool.worker.groups import die_with_parent, end_process_group
 
 log = logging.getLogger("agentpool.worker")
 AGENTS_REMEMBERED = 10_000  # run id -> agent path, so a turn costs no extra read to preload its agent
@@ -90,7 +93,14 @@ class AgentWorker(Worker):
 
     def fork_work_horse(self, job: Any, queue: Any) -> None:
         self._preload_agent(job)
+        self._worker_pid = os.getpid()  # the horse, forked next, dies with this process
         super().fork_work_horse(job, queue)
+
+    def setup_work_horse_signals(self) -> None:
+        super().setup_work_horse_signals()
+        # A horse whose worker was SIGKILLed would run on unwatched (nobody ends its process group or
+        # reports its job): it is killed instead, and its turn is taken over once its lease expires.
+        die_with_parent(self._worker_pid, signal.SIGKILL)
 
     def _preload_agent(self, job: Any) -> None:
         """Import the turn's agent here, once per worker process, so the horse inherits it. A failure

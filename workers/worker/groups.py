@@ -10,9 +10,11 @@ subprocess that handles SIGTERM could still take effect after the new holder was
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -92,3 +94,16 @@ def reap_children() -> None:
             return
         if pid == 0:
             return
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
+    """Linux: ``sig`` to this process when ``parent`` dies (PR_SET_PDEATHSIG), so a SIGKILLed worker
+    or supervisor leaves nothing it started running unwatched. Elsewhere nothing: such a process still
+    works, only unwatched (its turns are fenced once the lease moves on)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # it died before the request was made
+            os.kill(os.getpid(), sig)

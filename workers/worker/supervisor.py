@@ -17,11 +17,9 @@ registries. A key of our own would duplicate it; scanning ``ap:runs:watch`` cost
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from types import FrameType
@@ -38,7 +36,7 @@ from rq.utils import as_text, now
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
-from agentpool.worker.groups import end_process_group
+from agentpool.worker.groups import die_with_parent, end_process_group
 from agentpool.worker.threaded import EXIT_COLD, EXIT_RECYCLE, ThreadedWorker
 
 log = logging.getLogger("agentpool.supervisor")
@@ -97,18 +95,6 @@ def hand_over_dead_worker(r: Redis, name: str, pid: int, how: str) -> list[str]:
             log.exception("supervisor: could not record the failure of job %s", job.id)
     ghost.register_death()
     return requeued
-
-
-def _exit_when_parent_dies(parent: int) -> None:
-    """Linux: a SIGTERM (warm shutdown) when the supervisor dies, so a SIGKILLed supervisor does not
-    leave an unwatched worker behind. Elsewhere nothing: such a worker still works, only unwatched."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent:  # it died before the request was made
-            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Supervisor:
@@ -170,7 +156,7 @@ class Supervisor:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             # Its own process group, so the supervisor can take down what it leaves (a tool's subprocess).
             os.setpgrp()
-            _exit_when_parent_dies(self.pid)
+            die_with_parent(self.pid)
             code = run_worker_process(
                 self.r,
                 name=self.name,
