@@ -66,7 +66,19 @@ def test_a_frozen_workers_charge_is_not_made_again_by_the_worker_that_takes_over
     pool.wait_for_effect("slow_charge_started")
     horse = horses_of(frozen.pid)
     pool.kill(frozen, signal.SIGSTOP)  # inside the payment API call, before the charge: a long GC pause
-    start_worker(pool)
+    # The case under test is a takeover that comes while the frozen attempt may still be running (one
+    # that comes after start + timeout + margin is ensure_owned's, below). A margin of 8 s keeps it so
+    # however slowly the new worker starts on a loaded machine; its lease TTL puts that wait in the
+    # worker (a wait up to one TTL) or defers the turn (a longer one), whichever this case is about.
+    WorkerProcesses.start(
+        pool,
+        1,
+        "--log-level",
+        "INFO",
+        "--no-scheduler",
+        AGENTPOOL_TAKEOVER_MARGIN="8",
+        AGENTPOOL_LEASE_TTL="30" if waited == "worker" else "3",
+    )
     try:
         # The frozen worker wakes once the new one has decided about the call in flight. Without the wait,
         # it has asked verify ("not happened") and started its own charge with the same key by then.
