@@ -160,13 +160,14 @@ def test_an_app_killed_while_forking_retries_and_gets_one_fork(point, r, redis_s
     assert get_run(parent, connection=r).messages == done.messages
 
 
+# Model calls of 0.4 s: long enough that the killer finds a turn in flight at most of its looks.
 TALK = [
-    {"tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}], "delay": 0.3},
-    {"tool_calls": [{"name": "deploy", "input": {"version": "3.1"}}]},
-    {"text": "Deployed; the team is told.", "delay": 0.2},
-    {"text": "Answer four.", "delay": 0.2},
-    {"text": "Answer five."},
-    {"text": "Answer six."},
+    {"tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}], "delay": 0.4},
+    {"tool_calls": [{"name": "deploy", "input": {"version": "3.1"}}], "delay": 0.4},
+    {"text": "Deployed; the team is told.", "delay": 0.4},
+    {"text": "Answer four.", "delay": 0.4},
+    {"text": "Answer five.", "delay": 0.4},
+    {"text": "Answer six.", "delay": 0.4},
 ]
 CONVERSATIONS = 4
 
@@ -190,11 +191,11 @@ def test_conversations_under_random_kills_deliver_each_message_once_and_forks_re
     actions: Counter = Counter()
 
     def killer() -> None:
-        progress = 0
-        while not done.wait(rng.uniform(0.2, 0.6)):
+        progress, last_kill = 0, time.monotonic()
+        while not done.wait(rng.uniform(0.05, 0.25)):
             turns = int(float(r.hget("ap:stats", "turn_seconds_count") or 0))
-            if turns < progress + 1:
-                continue  # only after some progress: a kill rate above the turn rate is a livelock
+            if turns < progress + 1 and time.monotonic() - last_kill < 1.5:
+                continue  # after some progress, or a pause: a kill rate above the turn rate is a livelock
             progress = turns
             busy = [(w, kids) for w in pool.alive() if (kids := horses_of(w.pid))]
             if not busy:
@@ -211,6 +212,7 @@ def test_conversations_under_random_kills_deliver_each_message_once_and_forks_re
                 pool.kill(worker)
                 pool.start(1)
                 actions["worker_kill"] += 1
+            last_kill = time.monotonic()
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()

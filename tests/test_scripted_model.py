@@ -619,3 +619,24 @@ def test_concurrent_requests_are_counted_exactly(model: ScriptedModel) -> None:
     assert all(r.content[0].text == "sorry for the wait" for r in replies)
     stats = model.stats()
     assert stats["requests"] == stats["responses"] == 16 and stats["by_script"] == {"slow": 16}
+
+
+def test_a_request_cut_off_by_its_dying_client_is_not_a_rejection(
+    client: anthropic.Anthropic, model: ScriptedModel
+) -> None:
+    """A SIGKILLed worker leaves a request whose body never arrived whole: the real API never sees it, so
+    it must not show up as a request the model rejected (tests assert ``rejected == 0``)."""
+    host, port = model.base_url.split("//")[1].rstrip("/").split(":")
+    for sent in (b"", b'{"model": "claude'):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(
+                b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nx-api-key: k\r\nanthropic-version: 2023-06-01\r\n"
+                b"content-type: application/json\r\ncontent-length: 500\r\n\r\n" + sent
+            )
+        deadline = time.monotonic() + 1  # the server's thread for that connection has seen it end by then
+        while time.monotonic() < deadline and model.stats()["requests"] == 0 and model.stats()["rejected"] == 0:
+            time.sleep(0.05)
+    client.messages.create(model="claude-opus-5-5", max_tokens=64, messages=[{"role": "user", "content": "hi"}])
+    stats = model.stats()
+    assert stats["rejected"] == 0, stats["rejections"]
+    assert stats["requests"] == 1

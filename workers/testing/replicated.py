@@ -105,14 +105,19 @@ class ReplicatedRedis:
         if restart:
             # Started as a replica of the new primary outright, as an orchestrator restarting it with
             # the sentinel's view would: waiting for the sentinel to convert it took over 60 s under load.
-            self.servers[old].extra_args = ("--replicaof", "127.0.0.1", str(new))
+            # It may not be promoted before its first sync is done (replica-priority 0 until then): a
+            # loaded machine can make the sentinel think the new primary down, and a second failover to
+            # an empty replica would lose every run, which no real orchestrator allows either.
+            self.servers[old].extra_args = ("--replicaof", "127.0.0.1", str(new), "--replica-priority", "0")
             self.servers[old].start()
-            client = Redis(port=new)
+            replica = Redis(port=old)
             deadline = time.monotonic() + 60
-            while client.info("replication").get("connected_slaves", 0) < 1:
+            while replica.info("replication").get("master_link_status") != "up":
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"port {old} never became a replica of {new}")
+                    raise RuntimeError(f"port {old} never synced as a replica of {new}")
                 time.sleep(0.05)
+            replica.config_set("replica-priority", 100)
+            replica.close()
         return new
 
     def stop(self) -> None:

@@ -192,6 +192,11 @@ class ScriptedModel:
             # Read the body even for a request we reject: with keep-alive, unread bytes would be
             # taken for the next request on this connection.
             raw = self._read_raw_body(handler)
+            if raw is None:
+                # The client died mid-request (a SIGKILLed worker): the real API never sees a request
+                # it did not receive whole, so this is neither a request nor a rejection.
+                handler.close_connection = True
+                return
             path = urllib.parse.urlsplit(handler.path).path.rstrip("/") or "/"
             methods = self._routes.get(path)
             if methods is None:
@@ -228,12 +233,19 @@ class ScriptedModel:
             self._send(handler, err.status, error_body(err, request_id), request_id, err.headers)
 
     @staticmethod
-    def _read_raw_body(handler: _Handler) -> bytes:
+    def _read_raw_body(handler: _Handler) -> bytes | None:
+        """The request's body; None when the connection ended before all of it came."""
         try:
             length = int(handler.headers.get("content-length") or 0)
         except ValueError:
             raise invalid("Content-Length header is not an integer") from None
-        return handler.rfile.read(length) if length > 0 else b""
+        if length <= 0:
+            return b""
+        try:
+            raw = handler.rfile.read(length)
+        except ConnectionError:
+            return None
+        return raw if len(raw) == length else None
 
     @staticmethod
     def _check_auth(handler: _Handler) -> None:
