@@ -81,26 +81,23 @@ def create_run(
     Watched, so redis-py never re-sends it blindly: after a lost EXEC reply the next try finds the
     run it created, the same request, and returns without creating it twice."""
     keys = RunKeys.of(run_id)
-    write_id = writes.new_id()
-    with r.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(keys.run)
-                header = pipe.hgetall(keys.run)
-                if header:
-                    pipe.unwatch()
-                    if writes.landed(header.get(writes.FIELD.encode()), write_id):
-                        return True  # this very call created it; the reply to its EXEC was lost
-                    _check_same_request(r, run_id, header, agent=agent, task=task, limits=limits)
-                    return False
-                pipe.multi()
-                stage_create(pipe, run_id, agent=agent, task=task, limits=limits, now=now)
-                stage_enqueue(pipe)
-                writes.stage_remember(pipe, keys.run, write_id)
-                pipe.execute()
-                return True
-            except WatchError:
-                continue
+
+    def attempt(pipe: Pipeline, write_id: str) -> bool:
+        header = pipe.hgetall(keys.run)
+        if header:
+            pipe.unwatch()
+            if writes.landed(header.get(writes.FIELD.encode()), write_id):
+                return True  # this very call created it; the reply to its EXEC was lost
+            _check_same_request(r, run_id, header, agent=agent, task=task, limits=limits)
+            return False
+        pipe.multi()
+        stage_create(pipe, run_id, agent=agent, task=task, limits=limits, now=now)
+        stage_enqueue(pipe)
+        writes.stage_remember(pipe, keys.run, write_id)
+        pipe.execute()
+        return True
+
+    return writes.watched(r, [keys.run], attempt)
 
 
 def _check_same_request(
@@ -463,32 +460,29 @@ def set_status_unfenced(
     deliver twice: after a lost EXEC reply it finds its write id and returns the status it replaced.
     """
     keys = RunKeys.of(run_id)
-    write_id = writes.new_id()
-    with r.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(keys.run)
-                current, recent = pipe.hmget(keys.run, ["status", writes.FIELD])
-                done = writes.landed(recent, write_id)
-                if done is not None:
-                    pipe.unwatch()
-                    return done
-                if current is None:
-                    raise RunNotFound(run_id)
-                before = current.decode("utf-8", errors="replace")
-                if before in TERMINAL_STATUSES or (allowed_from is not None and before not in allowed_from):
-                    pipe.unwatch()
-                    return before
-                pipe.multi()
-                pipe.hset(keys.run, mapping={"status": status, "error": safe_text(error), "updated_at": now_ms()})
-                if status in TERMINAL_STATUSES:
-                    pipe.zrem(RUNS_WATCH, run_id)
-                    _expire(pipe, keys, retention_s)
-                writes.stage_remember(pipe, keys.run, write_id, before)
-                pipe.execute()
-                return before
-            except WatchError:
-                continue
+
+    def attempt(pipe: Pipeline, write_id: str) -> str:
+        current, recent = pipe.hmget(keys.run, ["status", writes.FIELD])
+        done = writes.landed(recent, write_id)
+        if done is not None:
+            pipe.unwatch()
+            return done
+        if current is None:
+            raise RunNotFound(run_id)
+        before = current.decode("utf-8", errors="replace")
+        if before in TERMINAL_STATUSES or (allowed_from is not None and before not in allowed_from):
+            pipe.unwatch()
+            return before
+        pipe.multi()
+        pipe.hset(keys.run, mapping={"status": status, "error": safe_text(error), "updated_at": now_ms()})
+        if status in TERMINAL_STATUSES:
+            pipe.zrem(RUNS_WATCH, run_id)
+            _expire(pipe, keys, retention_s)
+        writes.stage_remember(pipe, keys.run, write_id, before)
+        pipe.execute()
+        return before
+
+    return writes.watched(r, [keys.run], attempt)
 
 
 def list_run_ids(r: Redis, limit: int = 100) -> list[str]:

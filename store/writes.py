@@ -13,15 +13,23 @@ is therefore one of:
   acquire recognises its own request);
 - a WATCH/MULTI transaction: redis-py never re-sends those (a dropped connection while watching
   raises ``WatchError``), so the transaction records its write id (``stage_remember``) and the
-  caller's retry loop first asks whether it landed (``landed``) before deciding again.
+  caller's retry loop first asks whether it landed (``landed``) before deciding again; ``watched``
+  is that loop.
 """
 
 from __future__ import annotations
 
 import secrets
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from redis import Redis
+from redis.client import Pipeline
+from redis.exceptions import WatchError
 
 from agentpool.store.scripts import compact_source
+
+T = TypeVar("T")
 
 FIELD = "writes"  # in a run's header, and in its hand-back record
 
@@ -45,3 +53,19 @@ def landed(recent: bytes | None, write_id: str) -> str | None:
 def stage_remember(pipe: Any, key: str, write_id: str, result: str = "1") -> None:
     """Inside MULTI: record ``write_id`` in ``key``'s ``writes`` field with the rest of the transaction."""
     pipe.eval(compact_source("remember_write"), 1, key, write_id, result)
+
+
+def watched(r: Redis, keys: Sequence[str], attempt: Callable[[Pipeline, str], T]) -> T:
+    """``attempt(pipe, write_id)`` under WATCH of ``keys``, tried again on ``WatchError`` (a watched key
+    changed, or the connection dropped after EXEC was sent) with the same write id, so a try first asks
+    ``landed`` whether an earlier one went through. ``attempt`` reads, then returns without writing
+    (``pipe.unwatch()``) or calls ``pipe.multi()``, stages its writes with ``stage_remember`` and
+    ``pipe.execute()``."""
+    write_id = new_id()
+    with r.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(*keys)
+                return attempt(pipe, write_id)
+            except WatchError:
+                continue

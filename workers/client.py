@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from redis import Redis
-from redis.exceptions import WatchError
+from redis.client import Pipeline
 
 from agentpool.agent import check_agent_path
 from agentpool.checks import limit_value
@@ -247,48 +247,44 @@ def resume(
     add_usd = limit_value("add_usd", add_usd, zero_ok=True)
     r = client_for(connection)
     keys = RunKeys.of(run_id)
-    write_id = writes.new_id()
-    with r.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(keys.run)
-                header = read_header(pipe, run_id)
-                if header is None:
-                    raise RunNotFound(run_id)
-                if writes.landed(header.writes, write_id):
-                    pipe.unwatch()
-                    break
-                state = checkpoint.load_run(pipe, run_id, with_messages=False)  # type: ignore[arg-type]
-                if state.status != "stopped":
-                    raise AgentPoolError(f"run {run_id} is {state.status}; only a stopped run can be resumed")
-                held_to = limits_when_stopped(r, run_id)
-                short = held_to and held_to.short_of(
-                    state, {"add_turns": add_turns, "add_tokens": add_tokens, "add_usd": add_usd}
-                )
-                if short:
-                    raise ResumeRefused(f"run {run_id} would stop again at once: {short}")
-                limits = dict(state.limits)
-                for name, amount in (("extra_turns", add_turns), ("extra_tokens", add_tokens), ("extra_usd", add_usd)):
-                    if amount:
-                        before = limits.get(name, 0)
-                        # A NaN an older version let in is replaced, not added to (NaN + x is NaN).
-                        limits[name] = (before if math.isfinite(before) else 0) + amount
-                pipe.multi()
-                stage_restart(
-                    pipe,
-                    r,
-                    run_id,
-                    turn=state.current_turn,
-                    attempt=0,
-                    requeues=header.requeues,
-                    fields={"status": "running", "error": "", "model_errors": 0, "limits": pack(limits)},
-                )
-                pipe.delete(keys.handback)
-                writes.stage_remember(pipe, keys.run, write_id)
-                pipe.execute()
-                break
-            except WatchError:
-                continue
+
+    def attempt(pipe: Pipeline, write_id: str) -> None:
+        header = read_header(pipe, run_id)
+        if header is None:
+            raise RunNotFound(run_id)
+        if writes.landed(header.writes, write_id):
+            pipe.unwatch()
+            return
+        state = checkpoint.load_run(pipe, run_id, with_messages=False)  # type: ignore[arg-type]
+        if state.status != "stopped":
+            raise AgentPoolError(f"run {run_id} is {state.status}; only a stopped run can be resumed")
+        held_to = limits_when_stopped(r, run_id)
+        short = held_to and held_to.short_of(
+            state, {"add_turns": add_turns, "add_tokens": add_tokens, "add_usd": add_usd}
+        )
+        if short:
+            raise ResumeRefused(f"run {run_id} would stop again at once: {short}")
+        limits = dict(state.limits)
+        for name, amount in (("extra_turns", add_turns), ("extra_tokens", add_tokens), ("extra_usd", add_usd)):
+            if amount:
+                before = limits.get(name, 0)
+                # A NaN an older version let in is replaced, not added to (NaN + x is NaN).
+                limits[name] = (before if math.isfinite(before) else 0) + amount
+        pipe.multi()
+        stage_restart(
+            pipe,
+            r,
+            run_id,
+            turn=state.current_turn,
+            attempt=0,
+            requeues=header.requeues,
+            fields={"status": "running", "error": "", "model_errors": 0, "limits": pack(limits)},
+        )
+        pipe.delete(keys.handback)
+        writes.stage_remember(pipe, keys.run, write_id)
+        pipe.execute()
+
+    writes.watched(r, [keys.run], attempt)
     emit(
         r,
         run_id,

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from redis import Redis
-from redis.exceptions import WatchError
+from redis.client import Pipeline
 
 from agentpool.client import new_run_id, resume_needs
 from agentpool.runtime.faults import fault
@@ -92,66 +92,63 @@ def send_message(
         raise ValueError("message_id: 1 to 100 letters, digits or _ . : -")
     r = client_for(connection)
     keys = RunKeys.of(run_id)
-    write_id = writes.new_id()
-    with r.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(keys.run, keys.received, keys.inbox)
-                header = read_header(pipe, run_id)
-                if header is None:
-                    raise RunNotFound(run_id)
-                if writes.landed(header.writes, write_id):
-                    pipe.unwatch()
-                    return message_id
-                stored = pipe.hget(keys.received, message_id)
-                if stored is not None:
-                    pipe.unwatch()
-                    if inbox.unpack_content(stored, f"message {message_id}") != content:
-                        raise MessageRefused(run_id, f"message id {message_id!r} was already used for another message")
-                    return message_id  # a retry: it was stored (and is or will be delivered) once
-                state = checkpoint.load_run(pipe, run_id, with_messages=False)  # type: ignore[arg-type]
-                refused = _refusal(r, run_id, state.status, state.error)
-                if refused:
-                    raise MessageRefused(run_id, refused)
-                # Straight into the conversation when nothing is in flight and no earlier message waits
-                # (a stopped run may hold some: this one goes behind them, keeping the order).
-                at_once = (
-                    state.status == "completed" or (state.status == "stopped" and state.phase != "tools")
-                ) and not (pipe.llen(keys.inbox))
-                length = int(pipe.llen(keys.messages))
-                pipe.multi()
-                inbox.stage_received(pipe, keys, message_id, content)
-                if at_once:
-                    _stage_append(pipe, keys, message_id, content, turns=state.turns, index=length)
-                else:
-                    pipe.rpush(keys.inbox, message_id)
-                    Event.of(run_id, "message_queued", message=message_id, status=state.status).stage(pipe)
-                if state.status in ("completed", "stopped"):
-                    for key in keys.kept():
-                        pipe.persist(key)  # a completed run had started its retention
-                    stage_restart(
-                        pipe,
-                        r,
-                        run_id,
-                        turn=state.current_turn,
-                        attempt=0,
-                        requeues=header.requeues,
-                        fields={
-                            "status": "running",
-                            "phase": "model" if at_once else state.phase,
-                            "error": "",
-                            "model_errors": 0,
-                        },
-                    )
-                    pipe.delete(keys.handback)
-                    Event.of(run_id, "status", status="running", reason="message", message=message_id).stage(pipe)
-                writes.stage_remember(pipe, keys.run, write_id)
-                fault("before_message_commit", run_id, 0)
-                pipe.execute()
-                fault("after_message_commit", run_id, 0)
-                return message_id
-            except WatchError:
-                continue
+
+    def attempt(pipe: Pipeline, write_id: str) -> str:
+        header = read_header(pipe, run_id)
+        if header is None:
+            raise RunNotFound(run_id)
+        if writes.landed(header.writes, write_id):
+            pipe.unwatch()
+            return message_id
+        stored = pipe.hget(keys.received, message_id)
+        if stored is not None:
+            pipe.unwatch()
+            if inbox.unpack_content(stored, f"message {message_id}") != content:
+                raise MessageRefused(run_id, f"message id {message_id!r} was already used for another message")
+            return message_id  # a retry: it was stored (and is or will be delivered) once
+        state = checkpoint.load_run(pipe, run_id, with_messages=False)  # type: ignore[arg-type]
+        refused = _refusal(r, run_id, state.status, state.error)
+        if refused:
+            raise MessageRefused(run_id, refused)
+        # Straight into the conversation when nothing is in flight and no earlier message waits
+        # (a stopped run may hold some: this one goes behind them, keeping the order).
+        at_once = (state.status == "completed" or (state.status == "stopped" and state.phase != "tools")) and not (
+            pipe.llen(keys.inbox)
+        )
+        length = int(pipe.llen(keys.messages))
+        pipe.multi()
+        inbox.stage_received(pipe, keys, message_id, content)
+        if at_once:
+            _stage_append(pipe, keys, message_id, content, turns=state.turns, index=length)
+        else:
+            pipe.rpush(keys.inbox, message_id)
+            Event.of(run_id, "message_queued", message=message_id, status=state.status).stage(pipe)
+        if state.status in ("completed", "stopped"):
+            for key in keys.kept():
+                pipe.persist(key)  # a completed run had started its retention
+            stage_restart(
+                pipe,
+                r,
+                run_id,
+                turn=state.current_turn,
+                attempt=0,
+                requeues=header.requeues,
+                fields={
+                    "status": "running",
+                    "phase": "model" if at_once else state.phase,
+                    "error": "",
+                    "model_errors": 0,
+                },
+            )
+            pipe.delete(keys.handback)
+            Event.of(run_id, "status", status="running", reason="message", message=message_id).stage(pipe)
+        writes.stage_remember(pipe, keys.run, write_id)
+        fault("before_message_commit", run_id, 0)
+        pipe.execute()
+        fault("after_message_commit", run_id, 0)
+        return message_id
+
+    return writes.watched(r, [keys.run, keys.received, keys.inbox], attempt)
 
 
 def _refusal(r: Redis, run_id: str, status: str, error: str) -> str:
@@ -255,41 +252,39 @@ def _create_fork(
 ) -> str:
     keys = RunKeys.of(fork_id)
     now = time.time()
-    with r.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(keys.run)
-                existing = pipe.hmget(keys.run, ["forked_from", "forked_at"])
-                if pipe.exists(keys.run):
-                    pipe.unwatch()
-                    if existing[0] == parent.encode() and existing[1] == str(turn).encode():
-                        return fork_id  # a retried fork: it was created once
-                    raise RunExists(fork_id, f"and is not the fork of run {parent} at turn {turn}")
-                header = new_header(agent, limits, now)
-                header.update(
-                    turns=turn,
-                    window=window,
-                    forked_from=parent,
-                    forked_at=turn,
-                    status="completed" if finished else "queued",
-                    phase="done" if finished else "model",
-                    result=pack_result(result),
-                )
-                pipe.multi()
-                pipe.hset(keys.run, mapping=header)
-                pipe.rpush(keys.messages, *blobs)
-                pipe.zadd(RUNS, {fork_id: int(now * 1000)})
-                if not finished:
-                    pipe.zadd(RUNS_WATCH, {fork_id: int(now * 1000) + checkpoint.QUEUED_RECHECK_MS})
-                    stage_turn(pipe, r, fork_id, turn)
-                Event.of(fork_id, "forked", parent=parent, at_turn=turn, status=header["status"]).stage(pipe)
-                retention = Settings.from_env().retention
-                if finished and retention > 0:
-                    for key in keys.kept():
-                        pipe.expire(key, retention)  # a completed run's retention starts now
-                fault("before_fork_commit", fork_id, 0)
-                pipe.execute()
-                fault("after_fork_commit", fork_id, 0)
-                return fork_id
-            except WatchError:
-                continue
+
+    def attempt(pipe: Pipeline, _write_id: str) -> str:  # a fork id is its own write id
+        existing = pipe.hmget(keys.run, ["forked_from", "forked_at"])
+        if pipe.exists(keys.run):
+            pipe.unwatch()
+            if existing[0] == parent.encode() and existing[1] == str(turn).encode():
+                return fork_id  # a retried fork: it was created once
+            raise RunExists(fork_id, f"and is not the fork of run {parent} at turn {turn}")
+        header = new_header(agent, limits, now)
+        header.update(
+            turns=turn,
+            window=window,
+            forked_from=parent,
+            forked_at=turn,
+            status="completed" if finished else "queued",
+            phase="done" if finished else "model",
+            result=pack_result(result),
+        )
+        pipe.multi()
+        pipe.hset(keys.run, mapping=header)
+        pipe.rpush(keys.messages, *blobs)
+        pipe.zadd(RUNS, {fork_id: int(now * 1000)})
+        if not finished:
+            pipe.zadd(RUNS_WATCH, {fork_id: int(now * 1000) + checkpoint.QUEUED_RECHECK_MS})
+            stage_turn(pipe, r, fork_id, turn)
+        Event.of(fork_id, "forked", parent=parent, at_turn=turn, status=header["status"]).stage(pipe)
+        retention = Settings.from_env().retention
+        if finished and retention > 0:
+            for key in keys.kept():
+                pipe.expire(key, retention)  # a completed run's retention starts now
+        fault("before_fork_commit", fork_id, 0)
+        pipe.execute()
+        fault("after_fork_commit", fork_id, 0)
+        return fork_id
+
+    return writes.watched(r, [keys.run], attempt)
