@@ -154,11 +154,13 @@ def write_intent(
     return record
 
 
-def withdraw_intent(r: Redis, keys: RunKeys, token: str, tool_use_id: str, record: dict[str, Any]) -> None:
+def withdraw_intent(
+    r: Redis, keys: RunKeys, token: str, tool_use_id: str, record: dict[str, Any], event: Event | None = None
+) -> None:
     """Mark an intent as not acted on: the durability guard refused to run its call (fenced, like the
-    intent). If a failover loses this mark but keeps the intent, the call reads "started, no outcome":
-    never run twice, at worst reported unknown."""
-    fenced_hset(r, keys, token, keys.ledger, tool_use_id, {**record, "withdrawn": True})
+    intent), with the ``event`` that says so. If a failover loses this mark but keeps the intent, the
+    call reads "started, no outcome": never run twice, at worst reported unknown."""
+    fenced_hset(r, keys, token, keys.ledger, tool_use_id, {**record, "withdrawn": True}, event)
 
 
 def write_outcome(

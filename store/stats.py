@@ -33,6 +33,8 @@ def counters_for(kind: str, fields: Mapping[str, Any]) -> dict[str, float]:
         return {"turns": 1}
     if kind == "tool_started":
         return {f"tool_calls|effect={fields.get('effect', '?')}": 1}
+    if kind == "tool_withdrawn":  # its tool_started was counted, but the guard kept the call from running
+        return {f"tool_calls|effect={fields.get('effect', '?')}": -1}
     if kind in ("reconciled", "tool_skipped"):
         return {f"reconciliations|outcome={fields.get('outcome', '?')}": 1} if kind == "reconciled" else {}
     if kind == "takeover":

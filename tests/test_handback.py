@@ -20,6 +20,7 @@ from agentpool.runtime.jobs import turn_queue
 from agentpool.store import crypto, handback, stats
 from agentpool.store.codec import pack, unpack
 from agentpool.store.crypto import Cipher, generate_key
+from agentpool.store.events import read as read_events
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import SCHEMA_VERSION
 from agentpool.testing.localpool import WorkerProcesses
@@ -267,3 +268,27 @@ def test_watch_says_when_a_run_is_handed_back(r, pool, model):
         watch.terminate()
         watch.wait(timeout=10)
         watch.stdout.close()
+
+
+def test_a_tool_the_guard_refuses_never_runs_and_is_not_counted_as_a_call(r, pool, model):
+    """A lone Redis told to wait for a replica (`AGENTPOOL_REPLICA_ACKS=1`): the guard refuses every
+    unsafe call, so the tool never runs, the turn is handed back (`not_replicated`) again and again,
+    each refusal says so in an event, and the pool's call counter does not count calls that never ran."""
+    model.set_scripts(
+        {"mail": [{"tool_calls": [{"name": "send_email", "input": {"to": "a@b.c", "subject": "s", "body": "b"}}]}]}
+    )
+    pool.start(1, AGENTPOOL_REPLICA_ACKS="1", AGENTPOOL_REPLICA_ACK_TIMEOUT="0.2")
+    run_id = enqueue_run("pool_agents:support", script_task("mail"), connection=r)
+    wait_for_handback(r, run_id, "not_replicated", count=2)
+    pool.stop()  # events and counters stand still while they are compared
+    started = withdrawn = 0
+    for _, event in read_events(r, run_id):
+        started += event["kind"] == "tool_started"
+        withdrawn += event["kind"] == "tool_withdrawn"
+        if event["kind"] == "tool_withdrawn":
+            assert (event["tool"], event["effect"], event["reason"]) == ("send_email", "unsafe", "not_replicated")
+    assert started >= 2 and withdrawn >= started - 1, (started, withdrawn)  # the latest may be mid-guard
+    assert [e for e in pool.effects() if e["tool"] == "send_email"] == [], "a refused call ran"
+    counted = float(r.hget("ap:stats", "tool_calls|effect=unsafe") or 0)
+    assert counted == started - withdrawn, (counted, started, withdrawn)
+    assert get_run(run_id, connection=r).status in ("queued", "running")

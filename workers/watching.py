@@ -64,6 +64,7 @@ def watch(
 
     - an event, as ``agentpool watch`` prints it: ``turn_started``, ``model_responded`` (with its tokens,
       cost and seconds), ``model_cut``, ``model_error``, ``tool_started``, ``tool_finished``,
+      ``tool_withdrawn`` (the durability guard kept a started call from running),
       ``reconciled``, ``takeover``, ``compacted``, ``status`` ..., with its fields (strings), ``id`` (the
       stream id) and ``at`` (epoch seconds);
     - the model's output while a call streams: ``text_delta``, ``thinking_delta`` and

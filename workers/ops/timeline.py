@@ -102,6 +102,12 @@ class _Builder:
             tool["end"] = at
             tool["is_error"] = event.get("is_error") == "True"
 
+    def on_tool_withdrawn(self, row: dict[str, Any], at: float, event: dict[str, str]) -> None:
+        tool = self.tools.pop(event.get("tool_use_id", ""), None)
+        if tool is not None:  # the durability guard kept it from running: it ends where it started
+            tool["end"] = at
+            tool["withdrawn"] = event.get("reason") or True
+
     def on_takeover(self, row: dict[str, Any], at: float, event: dict[str, str]) -> None:
         row["takeovers"].append({"at": at, "cause": event.get("cause_kind")})
 

@@ -233,7 +233,16 @@ class Settlement:
             try:  # the intent and save point A on the replicas first, or the call does not run yet
                 wait_durable(self.r, durability.guard(self.r))
             except NotReplicated:
-                ledger.withdraw_intent(self.r, self.keys, self.token, call["id"], intent)
+                withdrawn = Event.of(
+                    self.run_id,
+                    "tool_withdrawn",
+                    tool=tool.name,
+                    tool_use_id=call["id"],
+                    effect=tool.effect,
+                    attempt=attempt,
+                    reason="not_replicated",
+                )
+                ledger.withdraw_intent(self.r, self.keys, self.token, call["id"], intent, withdrawn)
                 raise
         ownership = Ownership(self.r, self.keys, self.token)
         outcome = run_tool(
