@@ -37,7 +37,8 @@ EFFECTS = [
 
 @pytest.fixture
 def replicated(tmp_path):
-    servers = ReplicatedRedis(tmp_path / "redis").start()
+    # The sentinel asks for a password of its own, as managed ones do: every client here gives it.
+    servers = ReplicatedRedis(tmp_path / "redis", sentinel_password="sen@tinel-s3cret").start()
     yield servers
     servers.stop()
 
@@ -139,6 +140,16 @@ def test_a_sentinel_url_is_parsed_and_never_shows_its_password():
         check_redis_url("redis+sentinel://app:s3cret@h1/")
     assert "s3cret" not in str(bad.value) and "<master name>" in str(bad.value)
     assert sentinel.rq_settings("redis+sentinel://h1:1/pool/3")["INSTANCES"] == [("h1", 1)]
+    guarded = "redis+sentinel://app:s3cret@h1/pool?sentinel_username=sen&sentinel_password=p%40ss"
+    target = sentinel.parse(guarded)
+    assert (target.sentinel_username, target.sentinel_password) == ("sen", "p@ss")
+    assert "p%40ss" not in redact_url(guarded) and "sentinel_password=***" in redact_url(guarded)
+    assert "p@ss" not in repr(target) and "s3cret" not in repr(target)
+    kwargs = sentinel.rq_settings(guarded)["SENTINEL_KWARGS"]
+    assert (kwargs["username"], kwargs["password"]) == ("sen", "p@ss")
+    with pytest.raises(BadRedisUrl) as bad:
+        check_redis_url("redis+sentinel://h1/pool?sentinel_pasword=p%40ss")
+    assert "p%40ss" not in str(bad.value) and "sentinel_pasword" in str(bad.value)
 
 
 def _wait_for(predicate, what: str, timeout: float = 20) -> None:

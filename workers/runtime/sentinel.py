@@ -1,24 +1,29 @@
 """``REDIS_URL`` through Sentinel: ``redis+sentinel://[user:password@]host:port[,host:port...]/<master>[/<db>]``
-(``rediss+sentinel://`` for TLS to the master). One variable configures every process the same way.
+(``rediss+sentinel://`` for TLS to the master), and ``?sentinel_password=...[&sentinel_username=...]``
+for sentinels that ask for their own credentials (``requirepass`` in sentinel.conf). One variable configures every process the same way.
 
 The client is redis-py's ``Sentinel(...).master_for(master)``: each new connection asks the sentinels
 where the primary is, and a connection that finds a demoted primary is dropped, so the client follows a
-failover without a restart. The credentials in the URL are the data nodes'; the sentinels are asked
-without them (a sentinel with ``requirepass`` needs a client built by the app: ``connection=``).
+failover without a restart. The credentials before ``@`` are the data nodes'; the sentinels are asked
+with the ``sentinel_*`` ones of the query, or none.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 from redis import Redis
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
 SCHEMES = {"redis+sentinel": False, "rediss+sentinel": True}  # scheme -> TLS
 DEFAULT_SENTINEL_PORT = 26379
-SENTINEL_FORM = "redis+sentinel://[user:password@]host:port[,host:port...]/<master name>[/<db>]"
+SENTINEL_FORM = (
+    "redis+sentinel://[user:password@]host:port[,host:port...]/<master name>[/<db>]"
+    "[?sentinel_password=...[&sentinel_username=...]]"
+)
+QUERY_OPTIONS = ("sentinel_username", "sentinel_password")
 
 
 @dataclass(frozen=True)
@@ -27,8 +32,14 @@ class SentinelTarget:
     master: str
     db: int = 0
     username: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     ssl: bool = False
+    sentinel_username: str | None = None  # the sentinels' own credentials, if they ask for any
+    sentinel_password: str | None = field(default=None, repr=False)
+
+    def sentinel_auth(self) -> dict[str, str]:
+        auth = {"username": self.sentinel_username, "password": self.sentinel_password}
+        return {k: v for k, v in auth.items() if v}
 
 
 def is_sentinel(url: str) -> bool:
@@ -39,6 +50,11 @@ def parse(url: str) -> SentinelTarget:
     """Raises ValueError (whose text never holds the password) for a malformed Sentinel URL."""
     scheme, _, rest = url.partition("://")
     ssl = SCHEMES[scheme.lower()]
+    rest, _, query = rest.partition("?")
+    options = parse_qs(query, keep_blank_values=True)
+    unknown = sorted(set(options) - set(QUERY_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown option {unknown[0]!r} (known: {', '.join(QUERY_OPTIONS)}); expected {SENTINEL_FORM}")
     creds, at, location = rest.rpartition("@")
     if not at:
         creds, location = "", rest
@@ -59,6 +75,8 @@ def parse(url: str) -> SentinelTarget:
         username=unquote(user) or None,
         password=unquote(password) or None,
         ssl=ssl,
+        sentinel_username=options.get("sentinel_username", [""])[-1] or None,
+        sentinel_password=options.get("sentinel_password", [""])[-1] or None,
     )
 
 
@@ -81,6 +99,7 @@ def client(target: SentinelTarget, **options: Any) -> Redis:
     sentinel_kwargs = {k: v for k, v in options.items() if k in ("socket_timeout", "socket_connect_timeout")}
     sentinel_kwargs.setdefault("socket_timeout", 2)
     sentinel_kwargs.setdefault("socket_connect_timeout", 2)
+    sentinel_kwargs.update(target.sentinel_auth())
     manager = Sentinel(list(target.instances), sentinel_kwargs=sentinel_kwargs)
     return manager.master_for(
         target.master,
@@ -129,5 +148,5 @@ def rq_settings(url: str) -> dict[str, Any]:
         "PASSWORD": target.password,
         "SSL": target.ssl,
         "SOCKET_TIMEOUT": None,
-        "SENTINEL_KWARGS": {"socket_timeout": 2, "socket_connect_timeout": 2},
+        "SENTINEL_KWARGS": {"socket_timeout": 2, "socket_connect_timeout": 2, **target.sentinel_auth()},
     }

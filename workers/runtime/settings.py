@@ -112,7 +112,11 @@ configure_encryption()
 
 URL_FORM = (
     "expected redis://[user:password@]host:port/db, rediss://… (TLS), unix:///path/to/redis.sock or "
-    "redis+sentinel://[user:password@]host:port[,host:port...]/<master name>[/<db>]"
+    + sentinel.SENTINEL_FORM
+)
+# Query options whose values a redacted URL shows; any other's (a password, a misspelt one) is hidden.
+SHOWN_QUERY_OPTIONS = frozenset(
+    {"sentinel_username", "db", "protocol", "client_name", "ssl_cert_reqs", "socket_timeout", "socket_connect_timeout"}
 )
 
 
@@ -160,17 +164,23 @@ def connect(url: str | None = None, *, max_connections: int | None = None) -> Re
 
 
 def redact_url(url: str) -> str:
-    """The URL without its password, for logs, banners and error messages. A lone credential before
-    ``@`` (``redis://secret@host``) is taken for a password too; an ACL user name is kept."""
+    """The URL without its passwords, for logs, banners and error messages. A lone credential before
+    ``@`` (``redis://secret@host``) is taken for a password too; an ACL user name is kept; a query
+    option's value is shown only for the harmless ones (``SHOWN_QUERY_OPTIONS``): a password there
+    (``?password=``, ``?sentinel_password=``), even misspelt, is not."""
+    url, mark, query = url.partition("?")
+    if mark:
+        options = [option.partition("=") for option in query.split("&")]
+        query = "&".join(f"{k}{eq}{v if k in SHOWN_QUERY_OPTIONS else '***'}" for k, eq, v in options)
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
-    if "@" not in rest:
-        return url
-    creds, _, host = rest.rpartition("@")
-    user, colon, _password = creds.partition(":")
-    shown = f"{user}:***@" if colon and user else "***@"
-    return f"{scheme}{sep}{shown}{host}"
+    if "@" in rest:
+        creds, _, host = rest.rpartition("@")
+        user, colon, _password = creds.partition(":")
+        shown = f"{user}:***@" if colon and user else "***@"
+        rest = f"{shown}{host}"
+    return f"{scheme}{sep}{rest}{mark}{query}"
 
 
 # A bytes client per connection pool of the decode_responses=True clients apps hand us.

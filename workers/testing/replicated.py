@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 from typing import IO
+from urllib.parse import quote
 
 from redis import Redis
 from redis.exceptions import RedisError
@@ -21,7 +22,14 @@ MASTER = "agentpool"
 class ReplicatedRedis:
     """``url`` is a ``redis+sentinel://`` URL; ``servers`` maps a port to its ``RedisServer``."""
 
-    def __init__(self, workdir: Path, *, down_after_ms: int = 1000, failover_timeout_ms: int = 3000) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 3000,
+        sentinel_password: str | None = None,
+    ) -> None:
         self.workdir = workdir
         self.primary = RedisServer(self._dir("primary"))
         # The replica reaches the primary through a proxy, so a test can cut replication alone.
@@ -34,7 +42,10 @@ class ReplicatedRedis:
         self.down_after_ms, self.failover_timeout_ms = down_after_ms, failover_timeout_ms
         self.sentinel: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
+        self.sentinel_password = sentinel_password  # the sentinel's own requirepass, if given
         self.url = f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{MASTER}/0"
+        if sentinel_password:
+            self.url += f"?sentinel_password={quote(sentinel_password, safe='')}"
 
     def _dir(self, name: str) -> Path:
         path = self.workdir / name
@@ -52,6 +63,7 @@ class ReplicatedRedis:
             f"sentinel down-after-milliseconds {MASTER} {self.down_after_ms}\n"
             f"sentinel failover-timeout {MASTER} {self.failover_timeout_ms}\n"
             f"sentinel parallel-syncs {MASTER} 1\n"
+            + (f"requirepass {self.sentinel_password}\n" if self.sentinel_password else "")
         )
         self._log = open(conf.parent / "sentinel.log", "wb")  # noqa: SIM115 - closed by stop()
         self.sentinel = subprocess.Popen(
@@ -61,7 +73,7 @@ class ReplicatedRedis:
         return self
 
     def sentinel_client(self) -> Redis:
-        return Redis(port=self.sentinel_port, socket_timeout=2)
+        return Redis(port=self.sentinel_port, socket_timeout=2, password=self.sentinel_password)
 
     def primary_port(self) -> int | None:
         """Where the sentinel says the primary is now."""
