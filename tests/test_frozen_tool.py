@@ -160,3 +160,39 @@ def test_a_dead_turn_holders_subprocess_is_gone_before_its_turn_is_handed_over(r
             os.kill(child, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_tool_subprocess_dies_with_its_horse_when_the_whole_worker_is_sigkilled(r, pool, model):
+    """The OOM killer takes the worker itself: its horse dies with it (PR_SET_PDEATHSIG) and takes its
+    process group along, so a tool's SIGTERM-proof subprocess stops before anyone else holds the turn."""
+    model.set_scripts(
+        {"report": [{"tool_calls": [{"name": "run_report", "input": {"name": "q3"}}]}, {"text": "Reported."}]}
+    )
+    worker = pool.start(1)[0]
+    run_id = enqueue_run("tool_agents:misbehaving", script_task("report"), connection=r)
+    child = pool.wait_for_effect("run_report")["child"]
+    beats = pool.tmp / f"beats-{child}"
+    try:
+        deadline = time.monotonic() + 10
+        while not beats.exists():
+            assert time.monotonic() < deadline, "the report subprocess never started"
+            time.sleep(0.01)
+        pool.kill(worker, with_horse=False)  # the worker alone: nobody is left to end the horse's group
+        deadline = time.monotonic() + 5
+        while alive(child):
+            assert time.monotonic() < deadline, "the tool's subprocess outlived its SIGKILLed worker and horse"
+            time.sleep(0.02)
+        pool.start(1)
+        run = wait_for_run(run_id, timeout=60, connection=r)
+
+        assert run.status == "completed", (run.error, pool.logs())
+        (takeover,) = [e for _, e in read_events(r, run_id) if e["kind"] == "takeover"]
+        assert takeover["cause_kind"] == "lease_expiry", takeover
+        enqueued = Job.fetch(takeover["job"], connection=r, serializer=MsgpackSerializer).enqueued_at
+        enqueued_at = (enqueued if enqueued.tzinfo else enqueued.replace(tzinfo=UTC)).timestamp()
+        assert float(beats.read_text()) < enqueued_at, "the subprocess ran past the hand-over"
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

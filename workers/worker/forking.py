@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 from typing import Any
 
 from redis import Redis
@@ -33,7 +32,7 @@ from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
 from agentpool.store.keys import TURN_QUEUE, RunKeys
-from agentpool.worker.groups import die_with_parent, end_process_group
+from agentpool.worker.groups import die_with_parent_and_group, end_process_group
 
 log = logging.getLogger("agentpool.worker")
 AGENTS_REMEMBERED = 10_000  # run id -> agent path, so a turn costs no extra read to preload its agent
@@ -99,8 +98,9 @@ class AgentWorker(Worker):
     def setup_work_horse_signals(self) -> None:
         super().setup_work_horse_signals()
         # A horse whose worker was SIGKILLed would run on unwatched (nobody ends its process group or
-        # reports its job): it is killed instead, and its turn is taken over once its lease expires.
-        die_with_parent(self._worker_pid, signal.SIGKILL)
+        # reports its job): it is killed instead, with its group (a tool's subprocesses), and its turn
+        # is taken over once its lease expires.
+        die_with_parent_and_group(self._worker_pid)
 
     def _preload_agent(self, job: Any) -> None:
         """Import the turn's agent here, once per worker process, so the horse inherits it. A failure

@@ -96,6 +96,26 @@ def reap_children() -> None:
             return
 
 
+# Sent by the kernel to a work horse whose worker died: its handler ends the horse's whole group.
+GROUP_DEATH_SIGNAL = signal.SIGRTMIN + 3
+
+
+def die_with_parent_and_group(parent: int) -> None:
+    """Like ``die_with_parent``, for the leader of a process group (a work horse): when ``parent`` dies,
+    this process SIGKILLs its whole group, itself included, so a tool's subprocess does not run on
+    once nobody watches it (PR_SET_PDEATHSIG reaches only this process, and SIGKILL cannot be caught).
+    The handler runs in the main thread at its next bytecode; the turn's blocking calls (a socket
+    read, a wait on a tool's thread) are interrupted for it."""
+    signal.signal(GROUP_DEATH_SIGNAL, _end_own_group)
+    die_with_parent(parent, GROUP_DEATH_SIGNAL)
+
+
+def _end_own_group(_signum: int, _frame: object) -> None:
+    if os.getpgrp() == os.getpid():
+        _signal_group(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
     """Linux: ``sig`` to this process when ``parent`` dies (PR_SET_PDEATHSIG), so a SIGKILLed worker
     or supervisor leaves nothing it started running unwatched. Elsewhere nothing: such a process still
