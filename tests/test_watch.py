@@ -95,7 +95,6 @@ def test_events_only_and_since_now(r, pool, model):
 
 def test_the_cli_prints_the_words_as_they_arrive(r, pool, model):
     model.set_scripts({"live": STEPS})
-    pool.start(1)
     run_id = enqueue_run("pool_agents:support", script_task("live"), connection=r)
     lines: list[tuple[float, str]] = []
     with subprocess.Popen(
@@ -107,6 +106,9 @@ def test_the_cli_prints_the_words_as_they_arrive(r, pool, model):
         text=True,
     ) as watcher:
         assert watcher.stdout is not None and watcher.stderr is not None
+        # The watcher is there before any worker: what it prints live is not a late catch-up.
+        lines.append((time.monotonic(), watcher.stdout.readline().rstrip("\n")))
+        pool.start(1)
         for line in watcher.stdout:
             lines.append((time.monotonic(), line.rstrip("\n")))
         assert watcher.wait(timeout=60) == 0, watcher.stderr.read()
