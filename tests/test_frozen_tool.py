@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from datetime import UTC
+from pathlib import Path
 
 import pytest
 from rq.job import Job
@@ -137,29 +138,44 @@ def test_a_dead_turn_holders_subprocess_is_gone_before_its_turn_is_handed_over(r
         worker = pool.start(1)[0]
     run_id = enqueue_run("tool_agents:misbehaving", script_task("report"), connection=r)
     child = pool.wait_for_effect("run_report")["child"]  # it ignores SIGTERM, in its parent's process group
-    beats = pool.tmp / f"beats-{child}"
+    beats = _wait_for_beats(pool, child)
     try:
-        deadline = time.monotonic() + 10
-        while not beats.exists():
-            assert time.monotonic() < deadline, "the report subprocess never started"
-            time.sleep(0.01)
         victim = victim or horses_of(worker.pid)[0]
         os.kill(victim, signal.SIGKILL)  # the OOM killer takes the process that ran the tool
-        run = wait_for_run(run_id, timeout=60, connection=r)
-
-        assert run.status == "completed", (run.error, pool.logs())
-        (takeover,) = [e for _, e in read_events(r, run_id) if e["kind"] == "takeover"]
-        assert takeover["cause_kind"] == "horse_death", takeover
-        enqueued = Job.fetch(takeover["job"], connection=r, serializer=MsgpackSerializer).enqueued_at
-        enqueued_at = (enqueued if enqueued.tzinfo else enqueued.replace(tzinfo=UTC)).timestamp()
-        last_beat = float(beats.read_text())
-        assert last_beat < enqueued_at, f"the subprocess ran {last_beat - enqueued_at:.3f} s past the hand-over"
+        _assert_stopped_before_the_hand_over(r, pool, run_id, beats, "horse_death")
         assert not alive(child)
     finally:
-        try:
-            os.kill(child, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_if_alive(child)
+
+
+def _wait_for_beats(pool: Pool, child: int) -> Path:
+    """The file the report subprocess ``child`` writes the time to every 10 ms, once it exists."""
+    beats = pool.tmp / f"beats-{child}"
+    deadline = time.monotonic() + 10
+    while not beats.exists():
+        assert time.monotonic() < deadline, "the report subprocess never started"
+        time.sleep(0.01)
+    return beats
+
+
+def _assert_stopped_before_the_hand_over(r, pool: Pool, run_id: str, beats: Path, cause: str) -> None:
+    """The run completes after one takeover for ``cause``, and the subprocess's last beat came before
+    the turn was enqueued for the next holder."""
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    (takeover,) = [e for _, e in read_events(r, run_id) if e["kind"] == "takeover"]
+    assert takeover["cause_kind"] == cause, takeover
+    enqueued = Job.fetch(takeover["job"], connection=r, serializer=MsgpackSerializer).enqueued_at
+    enqueued_at = (enqueued if enqueued.tzinfo else enqueued.replace(tzinfo=UTC)).timestamp()
+    last_beat = float(beats.read_text())
+    assert last_beat < enqueued_at, f"the subprocess ran {last_beat - enqueued_at:.3f} s past the hand-over"
+
+
+def _kill_if_alive(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def test_a_tool_subprocess_dies_with_its_horse_when_the_whole_worker_is_sigkilled(r, pool, model):
@@ -171,28 +187,14 @@ def test_a_tool_subprocess_dies_with_its_horse_when_the_whole_worker_is_sigkille
     worker = pool.start(1)[0]
     run_id = enqueue_run("tool_agents:misbehaving", script_task("report"), connection=r)
     child = pool.wait_for_effect("run_report")["child"]
-    beats = pool.tmp / f"beats-{child}"
+    beats = _wait_for_beats(pool, child)
     try:
-        deadline = time.monotonic() + 10
-        while not beats.exists():
-            assert time.monotonic() < deadline, "the report subprocess never started"
-            time.sleep(0.01)
         pool.kill(worker, with_horse=False)  # the worker alone: nobody is left to end the horse's group
         deadline = time.monotonic() + 5
         while alive(child):
             assert time.monotonic() < deadline, "the tool's subprocess outlived its SIGKILLed worker and horse"
             time.sleep(0.02)
         pool.start(1)
-        run = wait_for_run(run_id, timeout=60, connection=r)
-
-        assert run.status == "completed", (run.error, pool.logs())
-        (takeover,) = [e for _, e in read_events(r, run_id) if e["kind"] == "takeover"]
-        assert takeover["cause_kind"] == "lease_expiry", takeover
-        enqueued = Job.fetch(takeover["job"], connection=r, serializer=MsgpackSerializer).enqueued_at
-        enqueued_at = (enqueued if enqueued.tzinfo else enqueued.replace(tzinfo=UTC)).timestamp()
-        assert float(beats.read_text()) < enqueued_at, "the subprocess ran past the hand-over"
+        _assert_stopped_before_the_hand_over(r, pool, run_id, beats, "lease_expiry")
     finally:
-        try:
-            os.kill(child, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _kill_if_alive(child)
