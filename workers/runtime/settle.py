@@ -216,6 +216,10 @@ class Settlement:
         self, agent: Agent, tool: Tool, call: dict[str, Any], kwargs: dict[str, Any], key: str, attempt: int
     ) -> Outcome:
         timeout = tool.timeout or agent.tool_timeout
+
+        def tool_event(kind: str, **fields: Any) -> Event:
+            return Event.of(self.run_id, kind, tool=tool.name, tool_use_id=call["id"], effect=tool.effect, **fields)
+
         intent = ledger.write_intent(
             self.r,
             self.keys,
@@ -225,23 +229,13 @@ class Settlement:
             attempt=attempt,
             now=now_ms() / 1000,
             timeout=timeout,
-            event=Event.of(
-                self.run_id, "tool_started", tool=tool.name, tool_use_id=call["id"], effect=tool.effect, attempt=attempt
-            ),
+            event=tool_event("tool_started", attempt=attempt),
         )
         if tool.effect != "read":
             try:  # the intent and save point A on the replicas first, or the call does not run yet
                 wait_durable(self.r, durability.guard(self.r))
             except NotReplicated:
-                withdrawn = Event.of(
-                    self.run_id,
-                    "tool_withdrawn",
-                    tool=tool.name,
-                    tool_use_id=call["id"],
-                    effect=tool.effect,
-                    attempt=attempt,
-                    reason="not_replicated",
-                )
+                withdrawn = tool_event("tool_withdrawn", attempt=attempt, reason="not_replicated")
                 ledger.withdraw_intent(self.r, self.keys, self.token, call["id"], intent, withdrawn)
                 raise
         ownership = Ownership(self.r, self.keys, self.token)
@@ -258,14 +252,7 @@ class Settlement:
             call,
             outcome,
             how="ran",
-            event=Event.of(
-                self.run_id,
-                "tool_finished",
-                tool=tool.name,
-                tool_use_id=call["id"],
-                effect=tool.effect,
-                is_error=outcome.is_error,
-            ),
+            event=tool_event("tool_finished", is_error=outcome.is_error),
         )
         fault("after_tool_outcome", self.run_id, self.turn)
         return outcome
