@@ -130,6 +130,22 @@ def test_the_cli_and_rq_info_reach_redis_through_sentinel(replicated, ha_pool, m
     assert info.returncode == 0 and "agentpool" in info.stdout, info.stdout + info.stderr
     assert "1 workers" in info.stdout or "1 worker" in info.stdout, info.stdout
 
+    # Without the sentinel's password, or with a master name it does not know: one line that says so.
+    for url, said in (
+        (replicated.url.split("?")[0], "give theirs with ?sentinel_password="),
+        (replicated.url.replace("/agentpool/", "/nosuch/"), "no sentinel knows a primary named 'nosuch'"),
+    ):
+        refused = subprocess.run(
+            [sys.executable, "-m", "agentpool", "runs"],
+            env={**env, "REDIS_URL": url},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert refused.returncode == 1 and said in refused.stderr, refused.stderr
+        assert refused.stderr.count("\n") == 1 and "<redis.client" not in refused.stderr, refused.stderr
+
 
 def test_a_sentinel_url_is_parsed_and_never_shows_its_password():
     target = sentinel.parse("redis+sentinel://app:s3cr%40t@h1:26380,h2/pool/2")

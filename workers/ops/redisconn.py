@@ -19,6 +19,7 @@ from redis import Redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import AuthenticationError, ConnectionError, RedisError, ResponseError, TimeoutError
 from redis.retry import Retry
+from redis.sentinel import MasterNotFoundError
 
 from agentpool.runtime import sentinel
 from agentpool.runtime.settings import BadRedisUrl, Settings, check_redis_url, redact_url
@@ -68,6 +69,8 @@ def reason(exc: RedisError) -> str:
 
 def describe(exc: RedisError) -> str:
     where = f"{_target.get('url', '?')} ({_target.get('origin', 'from REDIS_URL')})"
+    if isinstance(exc, MasterNotFoundError):
+        return f"Redis unreachable at {where}: {_no_primary(exc)}"
     if isinstance(exc, AuthenticationError) or "WRONGPASS" in str(exc) or "NOAUTH" in str(exc):
         return f"Redis at {where} refused the credentials: {reason(exc)}"
     if isinstance(exc, ResponseError):
@@ -75,6 +78,24 @@ def describe(exc: RedisError) -> str:
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return f"Redis unreachable at {where}: {reason(exc)}"
     return f"Redis at {where}: {reason(exc)}"
+
+
+def _no_primary(exc: MasterNotFoundError) -> str:
+    """redis-py's message holds each sentinel client's whole repr; keep the master's name and the
+    errors, and say what to do about the common ones."""
+    text = str(exc)
+    name = re.match(r"No master found for ('[^']*'|\S+)", text)
+    errors = re.findall(r" - (.+?)(?=, <redis\.client|$)", text, re.DOTALL)
+    master = name.group(1) if name else "the master"
+    if not errors:
+        return f"no sentinel knows a primary named {master} (check the master name in the URL)"
+    said = "; ".join(dict.fromkeys(e.strip() for e in errors))
+    if "Authentication" in said or "NOAUTH" in said or "WRONGPASS" in said:
+        return (
+            f"the sentinels refused the credentials while asked for {master} ({said}); "
+            "give theirs with ?sentinel_password=...[&sentinel_username=...] in the URL"
+        )
+    return f"no sentinel answered where {master} is ({said})"
 
 
 def warn_if_unreachable(r: Redis, what: str) -> None:
