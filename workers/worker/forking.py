@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from typing import Any
 
 from redis import Redis
@@ -32,7 +33,7 @@ from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
 from agentpool.store.keys import TURN_QUEUE, RunKeys
-from agentpool.worker.groups import die_with_parent_and_group, end_process_group
+from agentpool.worker.groups import GroupWatcher, die_with_parent, end_process_group
 
 log = logging.getLogger("agentpool.worker")
 AGENTS_REMEMBERED = 10_000  # run id -> agent path, so a turn costs no extra read to preload its agent
@@ -52,6 +53,7 @@ class AgentWorker(Worker):
         # before the dead horse's lease could lapse and the reaper re-enqueue its turn on its own.
         self.group_grace = min(3.0, settings.lease_ttl / 3)
         self._agents: dict[str, str] = {}
+        self._group_watcher = GroupWatcher()
 
     def _on_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         # An exception here would end RQ's work loop, and the worker with it: never let one out.
@@ -89,18 +91,21 @@ class AgentWorker(Worker):
         finally:
             if horse:
                 end_process_group(horse, self.group_grace)  # no-op (one failed killpg) when nothing is left
+                self._group_watcher.watch(0)
 
     def fork_work_horse(self, job: Any, queue: Any) -> None:
         self._preload_agent(job)
         self._worker_pid = os.getpid()  # the horse, forked next, dies with this process
         super().fork_work_horse(job, queue)
+        self._group_watcher.watch(self._horse_pid)  # only the worker gets here: the horse exits in RQ's code
 
     def setup_work_horse_signals(self) -> None:
         super().setup_work_horse_signals()
         # A horse whose worker was SIGKILLed would run on unwatched (nobody ends its process group or
-        # reports its job): it is killed instead, with its group (a tool's subprocesses), and its turn
-        # is taken over once its lease expires.
-        die_with_parent_and_group(self._worker_pid)
+        # reports its job): it is killed instead, and its turn is taken over once its lease expires.
+        # What it started in its group (a tool's subprocesses) is ended by the worker's group watcher.
+        self._group_watcher.close_in_child()
+        die_with_parent(self._worker_pid, signal.SIGKILL)
 
     def _preload_agent(self, job: Any) -> None:
         """Import the turn's agent here, once per worker process, so the horse inherits it. A failure

@@ -96,24 +96,62 @@ def reap_children() -> None:
             return
 
 
-# Sent by the kernel to a work horse whose worker died: its handler ends the horse's whole group.
-GROUP_DEATH_SIGNAL = signal.SIGRTMIN + 3
+class GroupWatcher:
+    """A small process beside a forking worker that SIGKILLs the current work horse's process group when
+    the worker dies without ending it (SIGKILL, the OOM killer). The horse itself dies with its worker
+    (PR_SET_PDEATHSIG), but that signal reaches only the horse: a tool's subprocess would run on with
+    nobody left to end it. The worker tells the watcher each horse's group as it forks it, and 0 once
+    that group is ended; the watcher learns of the worker's death from the end of that pipe (its last
+    holder gone), so nothing depends on the worker or the horse running another line of Python.
+    Started lazily, in the worker's process group (not a horse: it leads no group of its own)."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+
+    @property
+    def fd(self) -> int | None:
+        """The pipe's write end, which a forked horse must close (``close_in_child``)."""
+        return self._fd
+
+    def watch(self, pgid: int) -> None:
+        """A horse leads group ``pgid`` now (0: no horse, its group ended)."""
+        if self._fd is None:
+            if pgid == 0:
+                return
+            self._fd = _start_watcher()
+        try:
+            os.write(self._fd, b"%d\n" % pgid)
+        except OSError:  # the watcher is gone (killed by hand): start another at the next horse
+            os.close(self._fd)
+            self._fd = None
+
+    def close_in_child(self) -> None:
+        """In a forked horse: drop the write end, or the watcher would see no end when the worker dies."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
-def die_with_parent_and_group(parent: int) -> None:
-    """Like ``die_with_parent``, for the leader of a process group (a work horse): when ``parent`` dies,
-    this process SIGKILLs its whole group, itself included, so a tool's subprocess does not run on
-    once nobody watches it (PR_SET_PDEATHSIG reaches only this process, and SIGKILL cannot be caught).
-    The handler runs in the main thread at its next bytecode; the turn's blocking calls (a socket
-    read, a wait on a tool's thread) are interrupted for it."""
-    signal.signal(GROUP_DEATH_SIGNAL, _end_own_group)
-    die_with_parent(parent, GROUP_DEATH_SIGNAL)
-
-
-def _end_own_group(_signum: int, _frame: object) -> None:
-    if os.getpgrp() == os.getpid():
-        _signal_group(os.getpid(), signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGKILL)
+def _start_watcher() -> int:
+    read_end, write_end = os.pipe()
+    if os.fork():
+        os.close(read_end)
+        return write_end
+    # The watcher: only os calls from here on (the worker may have had threads holding locks at the fork).
+    try:
+        os.close(write_end)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C or a SIGTERM for the worker's group:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the watcher ends when the worker does
+        current, pending = 0, b""
+        while data := os.read(read_end, 4096):
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            if lines:
+                current = int(lines[-1])
+        if current:  # the worker died while a horse was running: end what that horse left
+            _signal_group(current, signal.SIGKILL)
+    finally:
+        os._exit(0)
 
 
 def die_with_parent(parent: int, sig: int = signal.SIGTERM) -> None:
