@@ -640,3 +640,20 @@ def test_a_request_cut_off_by_its_dying_client_is_not_a_rejection(
     stats = model.stats()
     assert stats["rejected"] == 0, stats["rejections"]
     assert stats["requests"] == 1
+
+
+def test_a_client_resetting_its_keep_alive_connection_prints_no_traceback(
+    client: anthropic.Anthropic, model: ScriptedModel, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A SIGKILLed worker resets its pooled connection (RST) while the server waits for its next request."""
+    import struct
+
+    host, port = model.base_url.split("//")[1].rstrip("/").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"GET /_stats HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.recv(65536)  # answered; the server now waits on this connection for the next request
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()  # an RST, as the kernel sends for a killed process's connection with unread data
+    time.sleep(0.3)
+    client.messages.create(model="claude-opus-5-5", max_tokens=64, messages=[{"role": "user", "content": "hi"}])
+    assert "Traceback" not in capfd.readouterr().err

@@ -37,6 +37,7 @@ import json
 import logging
 import re
 import socket
+import sys
 import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -307,6 +308,11 @@ class DashboardServer(ThreadingHTTPServer):
         self.r, self.token = r, token
         self.loopback = is_loopback(address[0])
         super().__init__(address, Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A browser that closed its connection mid-request is no error worth a traceback.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class Handler(BaseHTTPRequestHandler):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import json
 import socket
+import sys
 import threading
 import urllib.parse
 from collections.abc import Callable
@@ -38,6 +39,11 @@ class _Server(http.server.ThreadingHTTPServer):
         with self._connections_lock:
             self._connections.add(request)
         super().process_request(request, client_address)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went away (a SIGKILLed worker resets its keep-alive connection) is no error.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
     def shutdown_request(self, request: Any) -> None:
         with self._connections_lock:
