@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
-from redis.exceptions import WatchError
+from redis.client import Pipeline
 
-from agentpool.store import crypto
+from agentpool.store import crypto, writes
 from agentpool.store.codec import pack, unpack
 from agentpool.store.errors import LeaseLost, LedgerMismatch, RunNotActive, UnreadableRecord
 from agentpool.store.events import Event, script_args
@@ -184,31 +184,29 @@ def mark_ended(r: Redis, keys: RunKeys, holder: str, now: float) -> int:
     every process it started: the calls it started and left without an outcome can no longer take
     effect, so reconcile need not wait out their timeout. Only for a process known to be dead and its
     process group known to be empty. Returns how many intents were marked."""
-    with r.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(keys.ledger)
-                fields: dict[bytes, bytes] = pipe.hgetall(keys.ledger)  # type: ignore[assignment]
-                marked = {}
-                for name, blob in fields.items():
-                    if b":" in name or name + b":out" in fields:
-                        continue
-                    try:
-                        intent = unpack(blob, "ledger intent")
-                    except UnreadableRecord:
-                        continue  # its turn will fail on it; nothing to mark
-                    owner = intent.get("owner") if isinstance(intent, dict) else None
-                    if isinstance(owner, str) and owner.endswith(f":{holder}") and "ended_at" not in intent:
-                        marked[name] = pack({**intent, "ended_at": now})
-                if not marked:
-                    pipe.unwatch()
-                    return 0
-                pipe.multi()
-                pipe.hset(keys.ledger, mapping=marked)  # type: ignore[arg-type]
-                pipe.execute()
-                return len(marked)
-            except WatchError:
+
+    def attempt(pipe: Pipeline, _write_id: str) -> int:  # marking twice marks nothing more: no write id
+        fields: dict[bytes, bytes] = pipe.hgetall(keys.ledger)  # type: ignore[assignment]
+        marked = {}
+        for name, blob in fields.items():
+            if b":" in name or name + b":out" in fields:
                 continue
+            try:
+                intent = unpack(blob, "ledger intent")
+            except UnreadableRecord:
+                continue  # its turn will fail on it; nothing to mark
+            owner = intent.get("owner") if isinstance(intent, dict) else None
+            if isinstance(owner, str) and owner.endswith(f":{holder}") and "ended_at" not in intent:
+                marked[name] = pack({**intent, "ended_at": now})
+        if not marked:
+            pipe.unwatch()
+            return 0
+        pipe.multi()
+        pipe.hset(keys.ledger, mapping=marked)  # type: ignore[arg-type]
+        pipe.execute()
+        return len(marked)
+
+    return writes.watched(r, [keys.ledger], attempt)
 
 
 def stage_compaction(pipe: Any, keys: RunKeys, outcomes: dict[str, Outcome], now: float) -> None:

@@ -59,8 +59,8 @@ def watched(r: Redis, keys: Sequence[str], attempt: Callable[[Pipeline, str], T]
     """``attempt(pipe, write_id)`` under WATCH of ``keys``, tried again on ``WatchError`` (a watched key
     changed, or the connection dropped after EXEC was sent) with the same write id, so a try first asks
     ``landed`` whether an earlier one went through. ``attempt`` reads, then returns without writing
-    (``pipe.unwatch()``) or calls ``pipe.multi()``, stages its writes with ``stage_remember`` and
-    ``pipe.execute()``."""
+    (``pipe.unwatch()``) or calls ``pipe.multi()``, stages its writes (with ``stage_remember``, unless
+    they are safe to apply twice by nature) and ``pipe.execute()``."""
     write_id = new_id()
     with r.pipeline(transaction=True) as pipe:
         while True:

@@ -71,7 +71,7 @@ def describe(exc: RedisError) -> str:
     where = f"{_target.get('url', '?')} ({_target.get('origin', 'from REDIS_URL')})"
     if isinstance(exc, MasterNotFoundError):
         return f"Redis unreachable at {where}: {_no_primary(exc)}"
-    if isinstance(exc, AuthenticationError) or "WRONGPASS" in str(exc) or "NOAUTH" in str(exc):
+    if isinstance(exc, AuthenticationError) or _refused_credentials(str(exc)):
         return f"Redis at {where} refused the credentials: {reason(exc)}"
     if isinstance(exc, ResponseError):
         return f"Redis at {where} answered with an error: {reason(exc)}"
@@ -90,12 +90,17 @@ def _no_primary(exc: MasterNotFoundError) -> str:
     if not errors:
         return f"no sentinel knows a primary named {master} (check the master name in the URL)"
     said = "; ".join(dict.fromkeys(e.strip() for e in errors))
-    if "Authentication" in said or "NOAUTH" in said or "WRONGPASS" in said:
+    if _refused_credentials(said):
         return (
             f"the sentinels refused the credentials while asked for {master} ({said}); "
             "give theirs with ?sentinel_password=...[&sentinel_username=...] in the URL"
         )
     return f"no sentinel answered where {master} is ({said})"
+
+
+def _refused_credentials(text: str) -> bool:
+    """Redis's (and redis-py's) words for a password or user refused."""
+    return any(word in text for word in ("WRONGPASS", "NOAUTH", "AuthenticationError"))
 
 
 def warn_if_unreachable(r: Redis, what: str) -> None:

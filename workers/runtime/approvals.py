@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from redis import Redis
-from redis.exceptions import WatchError
+from redis.client import Pipeline
 
 from agentpool.runtime.takeover import read_header, stage_restart
 from agentpool.store import approvals, watch, writes
@@ -28,64 +28,59 @@ def decide(r: Redis, run_id: str, tool_use_ids: list[str] | None, *, approved: b
     awaits one any more, queue the run's turn. Safe to deliver twice: after a lost EXEC reply it finds
     its write id and returns what it decided, instead of "the run is not waiting"."""
     keys = RunKeys.of(run_id)
-    write_id = writes.new_id()
-    with r.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(keys.run, keys.approvals)
-                header = read_header(pipe, run_id)
-                if header is None:
-                    raise RunNotFound(run_id)
-                done = writes.landed(header.writes, write_id)
-                if done is not None:
-                    pipe.unwatch()
-                    return done.split(",")
-                if header.status != "waiting_approval":
-                    raise ApprovalError(f"run {run_id} is {header.status}, not waiting for approval")
-                waits, decisions = approvals.read(pipe, keys)  # type: ignore[arg-type]
-                awaiting = [i for i in waits if i not in decisions]
-                targets = awaiting if tool_use_ids is None else tool_use_ids
-                unknown = [i for i in targets if i not in awaiting]
-                if unknown or not targets:
-                    raise ApprovalError(
-                        f"run {run_id} is not waiting for a decision on {', '.join(unknown) or 'anything'}; "
-                        f"it waits on: {', '.join(awaiting) or 'nothing'}"
-                    )
-                now = time.time()
-                pipe.multi()
-                for tool_use_id in targets:
-                    pipe.hset(
-                        keys.approvals,
-                        tool_use_id,
-                        approvals.decision_record(waits[tool_use_id], approved=approved, reason=reason, now=now, by=by),
-                    )
-                if set(targets) == set(awaiting):
-                    stage_restart(
-                        pipe,
-                        r,
-                        run_id,
-                        turn=header.turn,
-                        attempt=header.attempt,  # a person's decision is not a crash
-                        requeues=header.requeues,
-                        fields={"status": "running", "error": ""},
-                    )
-                writes.stage_remember(pipe, keys.run, write_id, ",".join(targets))
-                pipe.execute()
-            except WatchError:
-                continue
-            for tool_use_id in targets:
-                emit(
-                    r,
-                    run_id,
-                    "approval",
-                    tool_use_id=tool_use_id,
-                    tool=waits[tool_use_id].name,
-                    approved=approved,
-                    by=by,
-                )
-            if set(targets) == set(awaiting):
-                emit(r, run_id, "status", status="running", reason="decisions taken")
-            return targets
+
+    def attempt(pipe: Pipeline, write_id: str) -> tuple[list[str], dict[str, approvals.Wait] | None, bool]:
+        """The decided calls, their waits (None when an earlier try had landed: its reply was lost, and
+        with it the events), and whether the run goes on now."""
+        header = read_header(pipe, run_id)
+        if header is None:
+            raise RunNotFound(run_id)
+        done = writes.landed(header.writes, write_id)
+        if done is not None:
+            pipe.unwatch()
+            return done.split(","), None, False
+        if header.status != "waiting_approval":
+            raise ApprovalError(f"run {run_id} is {header.status}, not waiting for approval")
+        waits, decisions = approvals.read(pipe, keys)  # type: ignore[arg-type]
+        awaiting = [i for i in waits if i not in decisions]
+        targets = awaiting if tool_use_ids is None else tool_use_ids
+        unknown = [i for i in targets if i not in awaiting]
+        if unknown or not targets:
+            raise ApprovalError(
+                f"run {run_id} is not waiting for a decision on {', '.join(unknown) or 'anything'}; "
+                f"it waits on: {', '.join(awaiting) or 'nothing'}"
+            )
+        now = time.time()
+        pipe.multi()
+        for tool_use_id in targets:
+            pipe.hset(
+                keys.approvals,
+                tool_use_id,
+                approvals.decision_record(waits[tool_use_id], approved=approved, reason=reason, now=now, by=by),
+            )
+        goes_on = set(targets) == set(awaiting)
+        if goes_on:
+            stage_restart(
+                pipe,
+                r,
+                run_id,
+                turn=header.turn,
+                attempt=header.attempt,  # a person's decision is not a crash
+                requeues=header.requeues,
+                fields={"status": "running", "error": ""},
+            )
+        writes.stage_remember(pipe, keys.run, write_id, ",".join(targets))
+        pipe.execute()
+        return targets, waits, goes_on
+
+    targets, waits, goes_on = writes.watched(r, [keys.run, keys.approvals], attempt)
+    if waits is None:
+        return targets
+    for tool_use_id in targets:
+        emit(r, run_id, "approval", tool_use_id=tool_use_id, tool=waits[tool_use_id].name, approved=approved, by=by)
+    if goes_on:
+        emit(r, run_id, "status", status="running", reason="decisions taken")
+    return targets
 
 
 def expire_due(r: Redis, run_id: str) -> list[str]:

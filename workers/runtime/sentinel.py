@@ -1,6 +1,7 @@
 """``REDIS_URL`` through Sentinel: ``redis+sentinel://[user:password@]host:port[,host:port...]/<master>[/<db>]``
 (``rediss+sentinel://`` for TLS to the master), and ``?sentinel_password=...[&sentinel_username=...]``
-for sentinels that ask for their own credentials (``requirepass`` in sentinel.conf). One variable configures every process the same way.
+for sentinels that ask for their own credentials (``requirepass`` in sentinel.conf). One variable
+configures every process the same way.
 
 The client is redis-py's ``Sentinel(...).master_for(master)``: each new connection asks the sentinels
 where the primary is, and a connection that finds a demoted primary is dropped, so the client follows a

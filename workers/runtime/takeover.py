@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from redis import Redis
 from redis.client import Pipeline
-from redis.exceptions import RedisError, WatchError
+from redis.exceptions import RedisError
 from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.job import Job
 
@@ -140,45 +140,45 @@ def requeue_turn(
     damaged is failed with the reason; this never raises for it.
     """
     keys = RunKeys.of(run_id)
-    write_id = writes.new_id()
-    with r.pipeline(transaction=True) as pipe:
-        while True:
-            try:
-                pipe.watch(keys.run, keys.lease)
-                try:
-                    header = read_header(pipe, run_id)
-                except UnreadableRecord as exc:
-                    pipe.unwatch()
-                    fail_corrupt(r, run_id, exc, f"after: {cause}")
-                    return None
-                if header is not None and writes.landed(header.writes, write_id):
-                    pipe.unwatch()
-                    jid = header.job  # an earlier try's EXEC landed; its reply was lost
-                    break
-                moved_on = header is not None and dead_job is not None and header.job != dead_job
-                if header is None or header.status not in ACTIVE_STATUSES or moved_on or pipe.exists(keys.lease):
-                    pipe.unwatch()
-                    return None
-                if header.version > SCHEMA_VERSION:
-                    pipe.unwatch()
-                    return None  # a newer agentpool owns this run; an old reaper must not spin on it
-                next_attempt = header.attempt + 1 if count_attempt else header.attempt
-                if next_attempt > MAX_TURN_ATTEMPTS:
-                    pipe.unwatch()
-                    reason = (
-                        f"turn {header.turn} was started {MAX_TURN_ATTEMPTS} times without finishing (last: {cause}); "
-                        "check the worker logs for what kills it"
-                    )
-                    if fail_unfenced(r, run_id, reason):
-                        emit(r, run_id, "status", status="failed", error=reason)
-                    return None
-                pipe.multi()
-                jid = stage_restart(pipe, r, run_id, turn=header.turn, attempt=next_attempt, requeues=header.requeues)
-                writes.stage_remember(pipe, keys.run, write_id)
-                pipe.execute()
-                break
-            except WatchError:
-                continue
+
+    def attempt(pipe: Pipeline, write_id: str) -> tuple[Header, str] | None:
+        """The header read and the new job's id; None when nothing was enqueued."""
+        try:
+            header = read_header(pipe, run_id)
+        except UnreadableRecord as exc:
+            pipe.unwatch()
+            fail_corrupt(r, run_id, exc, f"after: {cause}")
+            return None
+        if header is not None and writes.landed(header.writes, write_id):
+            pipe.unwatch()
+            return header, header.job  # an earlier try's EXEC landed; its reply was lost
+        moved_on = header is not None and dead_job is not None and header.job != dead_job
+        if header is None or header.status not in ACTIVE_STATUSES or moved_on or pipe.exists(keys.lease):
+            pipe.unwatch()
+            return None
+        if header.version > SCHEMA_VERSION:
+            pipe.unwatch()
+            return None  # a newer agentpool owns this run; an old reaper must not spin on it
+        next_attempt = header.attempt + 1 if count_attempt else header.attempt
+        if next_attempt > MAX_TURN_ATTEMPTS:
+            pipe.unwatch()
+            reason = (
+                f"turn {header.turn} was started {MAX_TURN_ATTEMPTS} times without finishing (last: {cause}); "
+                "check the worker logs for what kills it"
+            )
+            if fail_unfenced(r, run_id, reason):
+                emit(r, run_id, "status", status="failed", error=reason)
+            return None
+        pipe.multi()
+        jid = stage_restart(pipe, r, run_id, turn=header.turn, attempt=next_attempt, requeues=header.requeues)
+        writes.stage_remember(pipe, keys.run, write_id)
+        pipe.execute()
+        return header, jid
+
+    requeued = writes.watched(r, [keys.run, keys.lease], attempt)
+    if requeued is None:
+        return None
+    header, jid = requeued
     if count_attempt:
         log.warning("run %s: turn %s re-enqueued as %s (%s)", run_id, header.turn, jid, cause)
         emit(r, run_id, "takeover", turn=header.turn, cause=cause, cause_kind=cause_kind, job=jid)
