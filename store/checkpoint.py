@@ -483,7 +483,3 @@ def set_status_unfenced(
         return before
 
     return writes.watched(r, [keys.run], attempt)
-
-
-def list_run_ids(r: Redis, limit: int = 100) -> list[str]:
-    return [i.decode() for i in r.zrevrange(RUNS, 0, limit - 1)]

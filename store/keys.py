@@ -24,7 +24,9 @@ Per run (all keys of a run share the hash tag ``{run:<id>}``)::
 
 Global::
 
-    ap:runs                 zset    run id -> created-at (ms); the listing behind `agentpool runs`
+    ap:runs                 zset    run id -> created-at (ms); the listing behind `agentpool runs`;
+                                    the ids of expired runs are swept out by the reaper
+    ap:runs:sweep           string  where that sweep goes on (a ZSCAN cursor)
     ap:runs:watch           zset    run id -> when the reaper should next look at it (ms); holds
                                     every run that is queued or running (and one waiting for an
                                     approval with a deadline); changed only by scripts or
@@ -49,6 +51,7 @@ from dataclasses import dataclass
 PREFIX = "ap"
 RUNS = f"{PREFIX}:runs"
 RUNS_WATCH = f"{PREFIX}:runs:watch"
+RUNS_SWEEP = f"{PREFIX}:runs:sweep"
 REAPER_LOCK = f"{PREFIX}:reaper:lock"
 TURNS_DEFERRED = f"{PREFIX}:turns:deferred"
 DURABILITY_PROBE = f"{PREFIX}:durability:probe"

@@ -8,6 +8,7 @@ import math
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from agentpool.client import resume_needs
 from agentpool.ops.dashboard import make_server
 from agentpool.runtime.jobs import turn_queue
 from agentpool.store.codec import pack
-from agentpool.store.keys import RunKeys
+from agentpool.store.keys import RUNS, RunKeys
 from agentpool.store.records import SCHEMA_VERSION
 
 from conftest import ROOT, TESTS, assert_valid_conversation, script_task, wait_for_status
@@ -296,6 +297,12 @@ def test_finished_runs_expire_after_the_retention(r, pool, model, retention, exp
     wait_for_run(run_id, timeout=60, connection=r)
     ttl = r.ttl(RunKeys.of(run_id).run)
     assert (0 < ttl <= 2) if expires else ttl == -1
+    if expires:  # and the worker's reaper drops it from the run index once it is gone
+        deadline = time.monotonic() + 30
+        while r.zscore(RUNS, run_id) is not None:
+            assert time.monotonic() < deadline, ("an expired run stays in the index", r.exists(RunKeys.of(run_id).run))
+            time.sleep(0.1)
+        assert r.exists(RunKeys.of(run_id).run) == 0
 
 
 @contextmanager

@@ -19,13 +19,13 @@ from agentpool.runtime.limits import Limits
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import Settings, client_for
 from agentpool.runtime.takeover import read_header, stage_restart
-from agentpool.store import approvals, checkpoint, events, inbox, writes
+from agentpool.store import approvals, checkpoint, events, inbox, runs_index, writes
 from agentpool.store import window as run_window
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.events import emit
 from agentpool.store.keys import RunKeys
-from agentpool.store.records import ACTIVE_STATUSES, STATUSES, RunState
+from agentpool.store.records import ACTIVE_STATUSES, STATUSES, RunState, load_header
 
 
 class RunTimeout(AgentPoolError):
@@ -326,23 +326,26 @@ def list_runs(
     *, connection: Redis | None = None, limit: int = 100, status: str | None = None, agent: str | None = None
 ) -> list[Run]:
     """Newest first, headers only (``messages`` left empty). ``agent`` matches as ``agent_matches``
-    says; an unknown ``status`` is a ValueError listing the valid ones."""
+    says; an unknown ``status`` is a ValueError listing the valid ones. With a filter, the whole
+    index is looked through (headers read in pipelined pages) until ``limit`` runs match."""
     if status is not None and status not in STATUSES:
         raise ValueError(f"unknown status {status!r}; valid: {', '.join(sorted(STATUSES))}")
     r = client_for(connection)
-    runs = []
-    for run_id in checkpoint.list_run_ids(r, limit=limit if not (status or agent) else limit * 20):
+    runs: list[Run] = []
+    for run_id, header in runs_index.iter_headers(
+        r, page=min(runs_index.PAGE, limit) if not (status or agent) else runs_index.PAGE
+    ):
+        if len(runs) >= limit:
+            break
         try:
-            state = checkpoint.load_run(r, run_id, with_messages=False)
+            state = load_header(run_id, header, open_sealed=False)
         except AgentPoolError:
-            continue
+            continue  # an unreadable record is shown by `agentpool show`, not guessed at here
         if (status and state.status != status) or (agent and not agent_matches(agent, state.agent)):
             continue
         run = Run.from_state(state)
         run.waiting = _waiting(r, run)
         runs.append(run)
-        if len(runs) >= limit:
-            break
     return runs
 
 

@@ -55,7 +55,7 @@ from agentpool.ops.redisconn import quick_client, target_url, warn_if_unreachabl
 from agentpool.ops.timeline import timeline
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import redact_url
-from agentpool.store import checkpoint, events, handback, inbox, ledger, live
+from agentpool.store import events, handback, inbox, ledger, live, runs_index
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import STATUSES, load_header, unpack_message
@@ -121,20 +121,14 @@ def _row(run: client.Run, now: float, waiting: handback.HandBack | None = None) 
 
 
 def list_rows(r: Redis, *, status: str | None, agent: str | None, limit: int) -> dict[str, Any]:
-    """Headers in pipelined batches (agentpool.client.list_runs reads them one round trip each)."""
-    ids = checkpoint.list_run_ids(r, limit=SCAN_WHEN_FILTERED if (status or agent) else limit)
-    with r.pipeline(transaction=False) as pipe:
-        for run_id in ids:
-            pipe.hgetall(RunKeys.of(run_id).run)
-            pipe.hgetall(RunKeys.of(run_id).handback)
-        replies = pipe.execute()
-    headers, handbacks = replies[0::2], replies[1::2]
+    """A page of runs, newest first. Filtered, it looks at the newest ``SCAN_WHEN_FILTERED`` runs only:
+    the page refreshes itself, and ``agentpool runs --status`` looks through them all."""
+    filtered = bool(status or agent)
     now = time.time()
-    rows: list[dict[str, Any]] = []
+    picked: list[client.Run] = []
     agents: set[str] = set()
-    for run_id, raw, raw_handback in zip(ids, headers, handbacks):
-        if not raw:
-            continue  # expired after its retention; the index entry outlives it a little
+    scan = SCAN_WHEN_FILTERED if filtered else None
+    for run_id, raw in runs_index.iter_headers(r, page=runs_index.PAGE if filtered else limit, scan=scan):
         try:
             # Not opening sealed fields: a listing needs no key when encryption at rest is on.
             run = client.Run.from_state(load_header(run_id, raw, open_sealed=False))
@@ -143,9 +137,15 @@ def list_rows(r: Redis, *, status: str | None, agent: str | None, limit: int) ->
         agents.add(run.agent)
         if (status and run.status != status) or (agent and not client.agent_matches(agent, run.agent)):
             continue
-        if len(rows) >= limit:
-            continue
-        rows.append(_row(run, now, handback.decode(raw_handback)))
+        if len(picked) < limit:
+            picked.append(run)
+        elif not filtered:
+            break
+    with r.pipeline(transaction=False) as pipe:
+        for run in picked:
+            pipe.hgetall(RunKeys.of(run.id).handback)
+        handbacks = pipe.execute()
+    rows = [_row(run, now, handback.decode(raw)) for run, raw in zip(picked, handbacks)]
     return {"now": now, "runs": rows, "agents": sorted(agents), "statuses": sorted(STATUSES)}
 
 

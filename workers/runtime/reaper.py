@@ -8,6 +8,8 @@ a turn that was handed back on purpose once its backoff ends (not a takeover: no
 It moves deferred turns (a model retry's backoff) onto the queue once due (``agentpool.runtime.deferred``):
 that is agentpool's only scheduler. It also denies approvals whose deadline passed, which continues
 the waiting run. A run whose header is damaged is failed with the reason, once, and the scan goes on.
+Each scan also takes one step of the sweep that drops expired runs from the run index
+(``agentpool.store.runs_index``).
 
 Every worker runs it in a thread; a one-second lock lets one of them scan at a time. Due deferred
 turns are looked for every 0.1 s by every worker, without the lock: that move is atomic.
@@ -28,7 +30,7 @@ from agentpool.runtime import deferred
 from agentpool.runtime.approvals import expire_due
 from agentpool.runtime.jobs import turn_queue
 from agentpool.runtime.takeover import fail_corrupt, read_header, requeue_turn
-from agentpool.store import handback, watch
+from agentpool.store import handback, runs_index, watch
 from agentpool.store.checkpoint import QUEUED_RECHECK_MS
 from agentpool.store.clock import now_ms
 from agentpool.store.errors import UnreadableRecord
@@ -63,6 +65,9 @@ def reap_once(r: Redis, *, batch: int = 500, report: Callable[[str, str], None] 
             # A bug, not a damaged record (those fail their run): say it once a recheck, not every scan.
             log.exception("reaper: could not check run %s", run_id)
             watch.reschedule_active(r, run_id, now_ms() + QUEUED_RECHECK_MS)
+    swept = runs_index.sweep_expired(r)
+    if swept and report:
+        report("-", f"{swept} expired run(s) dropped from the run index")
     return requeued
 
 

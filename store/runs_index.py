@@ -1,0 +1,62 @@
+"""The run index, ``ap:runs`` (run id -> created at, ms): read newest first in pipelined pages, and
+swept of the ids of runs that expired after their retention.
+
+A finished run's keys expire (``AGENTPOOL_RETENTION_SECONDS``), but Redis cannot expire a member of a
+sorted set: without the sweep the index would keep an entry for every run ever made. The reaper takes
+one step of the sweep per scan; the cursor lives in Redis, so whichever worker reaps next goes on
+where the last one stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from redis import Redis
+
+from agentpool.store.keys import RUNS, RUNS_SWEEP, RunKeys
+from agentpool.store.scripts import run_script
+
+PAGE = 500  # run headers read per round trip
+SWEEP_COUNT = 200  # index entries looked at per sweep step (ZSCAN's COUNT, a hint)
+
+
+def iter_headers(r: Redis, *, page: int = PAGE, scan: int | None = None) -> Iterator[tuple[str, dict[bytes, bytes]]]:
+    """Each indexed run's id and raw header, newest first, ``page`` headers per round trip; ``scan``
+    caps how many index entries are looked at (None: all). Runs whose header has expired are skipped.
+
+    Pages by score, not by rank, so runs created while the caller iterates shift nothing: it neither
+    sees a run twice nor skips one (runs created meanwhile are newer than the walk and not seen)."""
+    upper: float | str = "+inf"
+    tied = 0  # entries already seen whose score is ``upper``
+    looked = 0
+    while scan is None or looked < scan:
+        num = page if scan is None else min(page, scan - looked)
+        rows = r.zrevrangebyscore(RUNS, upper, "-inf", start=tied, num=num, withscores=True)
+        if not rows:
+            return
+        ids = [member.decode() for member, _ in rows]
+        with r.pipeline(transaction=False) as pipe:
+            for run_id in ids:
+                pipe.hgetall(RunKeys.of(run_id).run)
+            headers = pipe.execute()
+        for run_id, header in zip(ids, headers):
+            if header:
+                yield run_id, header
+        looked += len(rows)
+        last = rows[-1][1]
+        at_last = sum(1 for _, score in rows if score == last)
+        tied = tied + at_last if upper == last else at_last
+        upper = last
+        if len(rows) < num:
+            return
+
+
+def sweep_expired(r: Redis, *, count: int = SWEEP_COUNT) -> int:
+    """One step of the sweep: look at about ``count`` index entries from where the last step stopped
+    and drop those whose run is gone. Returns how many were dropped."""
+    cursor = int(r.get(RUNS_SWEEP) or 0)
+    cursor, entries = r.zscan(RUNS, cursor, count=count)
+    ids = [member.decode() for member, _ in entries]
+    dropped = run_script("index_prune", r, [RUNS, *(RunKeys.of(run_id).run for run_id in ids)], ids) if ids else 0
+    r.set(RUNS_SWEEP, cursor)
+    return int(dropped)
