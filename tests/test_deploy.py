@@ -567,7 +567,19 @@ def test_a_redis_user_without_dangerous_commands_runs_the_pool(r, redis_server, 
         with pytest.raises(ResponseError):
             limited.config_get("maxmemory-policy")  # as on ElastiCache, Memorystore, Upstash
         model.set_scripts(
-            {"acl": [{"tool_calls": [{"name": "read_notes", "input": {"topic": "acl"}}]}, {"text": "done"}]}
+            {
+                "acl": [
+                    # A tool with an effect: the durability guard must see that this lone Redis has no
+                    # replica to wait for although INFO is refused, or the run never gets past it.
+                    {
+                        "tool_calls": [
+                            {"name": "send_email", "input": {"to": "a@example.com", "subject": "s", "body": "b"}}
+                        ]
+                    },
+                    {"tool_calls": [{"name": "read_notes", "input": {"topic": "acl"}}]},
+                    {"text": "done"},
+                ]
+            }
         )
         pool.start(1)
         run = wait_for_run(
@@ -581,10 +593,41 @@ def test_a_redis_user_without_dangerous_commands_runs_the_pool(r, redis_server, 
         ):
             done = subprocess.run(argv, env=env, cwd=ROOT, check=False, capture_output=True, text=True, timeout=60)
             assert done.returncode == 0, (argv, done.stdout, done.stderr)
+        # Without INFO nothing can tell whether Redis may evict: said, and a strict check fails on it.
+        strict = subprocess.run(
+            ["agentpool", "check", "--strict"], env=env, cwd=ROOT, check=False, capture_output=True, text=True
+        )
+        assert strict.returncode == 1 and "INFO was refused" in strict.stderr, (strict.stdout, strict.stderr)
     finally:
         pool.stop(signal.SIGTERM)
         limited.close()
         r.execute_command("ACL", "DELUSER", "agentpool-acl")
+
+
+def test_workers_and_check_say_when_redis_would_evict_runs(model, agentpool_path, tmp_path):
+    from agentpool.testing.localpool import RedisServer
+
+    evicting = RedisServer(tmp_path, extra_args=("--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru")).start()
+    env = _env(agentpool_path, evicting.url, ANTHROPIC_BASE_URL=model.base_url)
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, env=env, cwd=ROOT, check=False, capture_output=True, text=True, timeout=60)
+
+    try:
+        plain, strict, worker = (
+            run("agentpool", "check"),
+            run("agentpool", "check", "--strict"),
+            run("agentpool", "worker", "--burst"),
+        )
+        warning = "maxmemory-policy allkeys-lru"
+        assert plain.returncode == 0 and plain.stdout.strip() == "ok" and warning in plain.stderr, plain
+        assert strict.returncode == 1 and warning in strict.stderr, strict
+        assert worker.returncode == 0 and warning in worker.stderr, worker
+        Redis.from_url(evicting.url).config_set("maxmemory-policy", "noeviction")
+        fixed = run("agentpool", "check", "--strict")
+        assert fixed.returncode == 0 and fixed.stderr == "", fixed
+    finally:
+        evicting.stop()
 
 
 # --- Dockerfile -------------------------------------------------------------------------------------

@@ -205,3 +205,35 @@ def test_auto_waits_for_a_replica_once_the_deployment_has_one_and_never_stops(tm
         r.close()
         replica.stop()
         primary.stop()
+
+
+def test_auto_tells_a_deployment_with_replicas_from_a_lone_redis_where_info_is_refused(tmp_path):
+    """An ACL user without @dangerous (deploy/README.md's) cannot read INFO: the guard then asks the
+    replicas themselves with a probe write, so a lone Redis does not make every tool wait forever for
+    a replica it will never have, and one with a replica is still guarded."""
+    from redis.exceptions import NoPermissionError
+
+    from agentpool.runtime import durability
+    from agentpool.runtime.settings import Settings
+    from agentpool.testing.localpool import RedisServer
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "q").mkdir()
+    primary = RedisServer(tmp_path / "p").start()
+    replica = RedisServer(tmp_path / "q", extra_args=("--replicaof", "127.0.0.1", str(primary.port)))
+    admin = connect(primary.url)
+    admin.execute_command("ACL", "SETUSER", "limited", "reset", "on", ">pw", "~*", "&*", "+@all", "-@dangerous")
+    limited = connect(primary.url.replace("redis://", "redis://limited:pw@"))
+    settings = Settings.from_env()
+    try:
+        with pytest.raises(NoPermissionError):
+            limited.info("replication")
+        assert durability.decide(limited, settings).replicas == 0, "a lone Redis: no wait"
+        replica.start()
+        _wait_for(lambda: int(admin.info("replication")["connected_slaves"]) == 1, "the replica never attached")
+        _wait_for(lambda: durability.decide(limited, settings).replicas == 1, "a replica was not seen", timeout=10)
+    finally:
+        limited.close()
+        admin.close()
+        replica.stop()
+        primary.stop()

@@ -113,6 +113,10 @@ def worker(
 
     # Decided once, before any turn is forked or threaded: every turn of this worker uses the same guard.
     click.echo(f"durability guard: {durability.guard(r).describe()}", err=True)
+    from agentpool.runtime.redis_checks import hazards
+
+    for hazard in hazards(r):
+        click.echo(f"warning: {hazard}", err=True)
     if metrics_port:
         from agentpool.ops.metrics import scrape_client, start_metrics_server
 
@@ -552,13 +556,27 @@ def genkey() -> None:
 
 @main.command()
 @url_option
-def check(url: str | None) -> None:
-    """Exit 0 if Redis answers within 2 s (for liveness/readiness probes), non-zero otherwise."""
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Also exit non-zero when a server setting puts runs at risk (an evicting maxmemory-policy, cluster mode) "
+    "or cannot be checked: for a deploy pipeline, not for probes.",
+)
+def check(url: str | None, strict: bool) -> None:
+    """Exit 0 if Redis answers within 2 s (for liveness/readiness probes), non-zero otherwise. Server
+    settings that put runs at risk are printed as warnings (and fail the check with --strict)."""
+    from agentpool.runtime.redis_checks import hazards
+
     client = quick_client(url, socket_timeout=2)
     try:
         client.ping()
+        found = hazards(client)
     finally:
         client.close()
+    for hazard in found:
+        click.echo(f"warning: {hazard}", err=True)
+    if strict and found:
+        raise click.ClickException(f"{len(found)} setting(s) put runs at risk (above)")
     click.echo("ok")
 
 

@@ -4,7 +4,8 @@
 client that goes through Sentinel, or a primary whose ``INFO replication`` reports connected replicas
 or has had one (its replication backlog is active), or whose ``min-replicas-to-write`` is set; on a
 lone Redis it waits for none. It is decided from the deployment, not from the replicas up at this
-instant. Once it waits for one it never stops: a replica that falls behind or disconnects later makes
+instant, except where ``INFO`` is refused (an ACL user without ``@dangerous``): then a replica that
+acknowledges a probe write within ``REPLICA_PROBE_MS`` is what tells a deployment with replicas. Once it waits for one it never stops: a replica that falls behind or disconnects later makes
 tools wait (and their turns be handed back), never run unguarded. While it waits for none it looks
 again every ``RECHECK`` seconds, so a replica added after the workers started is waited for.
 """
@@ -19,10 +20,11 @@ from redis.exceptions import RedisError, ResponseError
 from redis.sentinel import SentinelConnectionPool
 
 from agentpool.runtime.settings import Settings
-from agentpool.store.durability import Guard, waitaof_supported
+from agentpool.store.durability import Guard, NotReplicated, wait_durable, waitaof_supported
 
 log = logging.getLogger("agentpool.durability")
 RECHECK = 10.0  # seconds between two looks at a deployment that had no replica
+REPLICA_PROBE_MS = 200  # an online replica acknowledges a write in milliseconds (WAIT asks it at once)
 _decided: Guard | None = None
 _decided_at = 0.0
 
@@ -54,6 +56,11 @@ def _auto(r: Redis) -> int:
         return 1
     try:
         info = r.info("replication")
+    except ResponseError:
+        # INFO is in @dangerous, which the ACL user deploy/README.md suggests lacks. Waiting for a
+        # replica that does not exist would make every tool with an effect wait forever on a lone
+        # Redis, so ask the replicas themselves: a probe write that one of them acknowledges.
+        return 1 if _a_replica_acknowledges(r) else 0
     except RedisError:
         return 1  # cannot tell: the safe side
     # A backlog stays active for repl-backlog-ttl (an hour by default) after the last replica left.
@@ -65,6 +72,14 @@ def _auto(r: Redis) -> int:
         return 0
     value = configured.get(b"min-replicas-to-write", configured.get("min-replicas-to-write", 0))
     return 1 if int(value or 0) > 0 else 0
+
+
+def _a_replica_acknowledges(r: Redis) -> bool:
+    try:
+        wait_durable(r, Guard(replicas=1, timeout_ms=REPLICA_PROBE_MS))
+    except NotReplicated:
+        return False
+    return True
 
 
 def announce(r: Redis) -> Guard:
