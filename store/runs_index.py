@@ -9,7 +9,7 @@ where the last one stopped.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from redis import Redis
 
@@ -20,12 +20,38 @@ PAGE = 500  # run headers read per round trip
 SWEEP_COUNT = 200  # index entries looked at per sweep step (ZSCAN's COUNT, a hint)
 
 
-def iter_headers(r: Redis, *, page: int = PAGE, scan: int | None = None) -> Iterator[tuple[str, dict[bytes, bytes]]]:
+def iter_headers(
+    r: Redis, *, page: int = PAGE, scan: int | None = None, where: Callable[[str, str], bool] | None = None
+) -> Iterator[tuple[str, dict[bytes, bytes]]]:
     """Each indexed run's id and raw header, newest first, ``page`` headers per round trip; ``scan``
     caps how many index entries are looked at (None: all). Runs whose header has expired are skipped.
+    ``where(status, agent)`` picks runs from those two fields before the whole header is read (it
+    holds the result and the pending tool inputs), so a filter reads little of the runs it passes.
 
     Pages by score, not by rank, so runs created while the caller iterates shift nothing: it neither
     sees a run twice nor skips one (runs created meanwhile are newer than the walk and not seen)."""
+    for ids in _pages(r, page, scan):
+        if where is not None:
+            with r.pipeline(transaction=False) as pipe:
+                for run_id in ids:
+                    pipe.hmget(RunKeys.of(run_id).run, ["status", "agent"])
+                fields = pipe.execute()
+            ids = [
+                run_id
+                for run_id, (status, agent) in zip(ids, fields)
+                if status is not None
+                and where(status.decode(errors="replace"), (agent or b"").decode(errors="replace"))
+            ]
+        with r.pipeline(transaction=False) as pipe:
+            for run_id in ids:
+                pipe.hgetall(RunKeys.of(run_id).run)
+            headers = pipe.execute()
+        for run_id, header in zip(ids, headers):
+            if header:
+                yield run_id, header
+
+
+def _pages(r: Redis, page: int, scan: int | None) -> Iterator[list[str]]:
     upper: float | str = "+inf"
     tied = 0  # entries already seen whose score is ``upper``
     looked = 0
@@ -34,14 +60,7 @@ def iter_headers(r: Redis, *, page: int = PAGE, scan: int | None = None) -> Iter
         rows = r.zrevrangebyscore(RUNS, upper, "-inf", start=tied, num=num, withscores=True)
         if not rows:
             return
-        ids = [member.decode() for member, _ in rows]
-        with r.pipeline(transaction=False) as pipe:
-            for run_id in ids:
-                pipe.hgetall(RunKeys.of(run_id).run)
-            headers = pipe.execute()
-        for run_id, header in zip(ids, headers):
-            if header:
-                yield run_id, header
+        yield [member.decode() for member, _ in rows]
         looked += len(rows)
         last = rows[-1][1]
         at_last = sum(1 for _, score in rows if score == last)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from agentpool import cancel_run, enqueue_run, list_runs
+from agentpool import cancel_run, enqueue_run, get_run, list_runs
 from agentpool.store import checkpoint, runs_index
 from agentpool.store.keys import RUNS, RunKeys
 
@@ -23,7 +23,11 @@ def test_a_filtered_listing_finds_a_match_older_than_any_fixed_window(r):
     newer = [enqueue_run("pool_agents:support", f"task {i}", connection=r) for i in range(60)]
     assert [run.id for run in list_runs(connection=r, status="cancelled", limit=1)] == [old]
     unfiltered = list_runs(connection=r, limit=5)
-    assert [run.id for run in unfiltered] == newer[::-1][:5]
+    assert len(unfiltered) == 5 and {run.id for run in unfiltered} <= set(newer[-10:]), unfiltered
+    created = [run.created_at for run in unfiltered]
+    assert created == sorted(created, reverse=True) and created[0] == max(
+        get_run(i, connection=r).created_at for i in newer
+    )
 
 
 def test_pages_through_runs_created_in_the_same_millisecond_once_each(r):

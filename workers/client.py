@@ -331,18 +331,24 @@ def list_runs(
     if status is not None and status not in STATUSES:
         raise ValueError(f"unknown status {status!r}; valid: {', '.join(sorted(STATUSES))}")
     r = client_for(connection)
+
+    def wanted(run_status: str, run_agent: str) -> bool:
+        return (not status or run_status == status) and (not agent or agent_matches(agent, run_agent))
+
+    filtered = bool(status or agent)
     runs: list[Run] = []
-    for run_id, header in runs_index.iter_headers(
-        r, page=min(runs_index.PAGE, limit) if not (status or agent) else runs_index.PAGE
-    ):
+    pages = runs_index.iter_headers(
+        r,
+        page=min(runs_index.PAGE, max(1, limit)) if not filtered else runs_index.PAGE,
+        where=wanted if filtered else None,
+    )
+    for run_id, header in pages:
         if len(runs) >= limit:
             break
         try:
             state = load_header(run_id, header, open_sealed=False)
         except AgentPoolError:
             continue  # an unreadable record is shown by `agentpool show`, not guessed at here
-        if (status and state.status != status) or (agent and not agent_matches(agent, state.agent)):
-            continue
         run = Run.from_state(state)
         run.waiting = _waiting(r, run)
         runs.append(run)

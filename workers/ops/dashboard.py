@@ -125,22 +125,22 @@ def list_rows(r: Redis, *, status: str | None, agent: str | None, limit: int) ->
     the page refreshes itself, and ``agentpool runs --status`` looks through them all."""
     filtered = bool(status or agent)
     now = time.time()
-    picked: list[client.Run] = []
     agents: set[str] = set()
-    scan = SCAN_WHEN_FILTERED if filtered else None
-    for run_id, raw in runs_index.iter_headers(r, page=runs_index.PAGE if filtered else limit, scan=scan):
+
+    def wanted(run_status: str, run_agent: str) -> bool:
+        agents.add(run_agent)  # the page's agent menu: every agent among the runs looked at
+        return (not status or run_status == status) and (not agent or client.agent_matches(agent, run_agent))
+
+    picked: list[client.Run] = []
+    scan = SCAN_WHEN_FILTERED if filtered else limit
+    for run_id, raw in runs_index.iter_headers(r, page=min(runs_index.PAGE, scan), scan=scan, where=wanted):
         try:
             # Not opening sealed fields: a listing needs no key when encryption at rest is on.
             run = client.Run.from_state(load_header(run_id, raw, open_sealed=False))
         except AgentPoolError:
             continue  # an unreadable record is shown by `agentpool show`, not guessed at here
-        agents.add(run.agent)
-        if (status and run.status != status) or (agent and not client.agent_matches(agent, run.agent)):
-            continue
         if len(picked) < limit:
             picked.append(run)
-        elif not filtered:
-            break
     with r.pipeline(transaction=False) as pipe:
         for run in picked:
             pipe.hgetall(RunKeys.of(run.id).handback)
