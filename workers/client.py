@@ -217,8 +217,9 @@ def _answered(r: Redis, keys: RunKeys, message_id: str, state: RunState) -> bool
 
 
 def cancel_run(run_id: str, *, connection: Redis | None = None, reason: str = "cancelled by request") -> str:
-    """End a run for good. A turn in flight notices at its next write and commits nothing further.
-    Returns the status the run had before."""
+    """End a run that has not ended for good. A turn in flight notices at its next write and commits
+    nothing further. A run already completed, failed or cancelled is left as it is. Returns the status
+    the run had before."""
     r = client_for(connection)
     before = checkpoint.set_status_unfenced(
         r, run_id, "cancelled", error=reason, retention_s=Settings.from_env().retention
