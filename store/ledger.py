@@ -51,6 +51,9 @@ class Outcome:
     content: str
     is_error: bool
     how: str = ""  # ran, replayed, verified, unknown, denied, invalid_input, not_run, unknown_tool
+    # The tool's name, kept with the outcome for readers (`show`, the dashboard) of a call that never
+    # ran (denied, refused input): it has no intent to name it.
+    tool: str = ""
 
     def as_tool_result(self, tool_use_id: str) -> dict[str, Any]:
         block: dict[str, Any] = {"type": "tool_result", "tool_use_id": tool_use_id, "content": self.content}
@@ -90,7 +93,12 @@ def read(r: Redis, keys: RunKeys, tool_use_ids: list[str]) -> dict[str, Entry]:
             content = (
                 open_value(record, f"ledger outcome {tool_use_id}") if "content" not in record else record["content"]
             )
-            outcome = Outcome(content=content, is_error=bool(record["is_error"]), how=record.get("how", ""))
+            outcome = Outcome(
+                content=content,
+                is_error=bool(record["is_error"]),
+                how=record.get("how", ""),
+                tool=record.get("name", ""),
+            )
         entries[tool_use_id] = Entry(intent, outcome)
     return entries
 
@@ -176,6 +184,8 @@ def write_outcome(
 ) -> None:
     # A tool's output is sealed like the messages when encryption at rest is on.
     record = {"v": SCHEMA_VERSION, **seal_value(outcome.content), "is_error": outcome.is_error, "how": how, "at": now}
+    if outcome.tool:
+        record["name"] = outcome.tool
     fenced_hset(r, keys, token, keys.ledger, f"{tool_use_id}:out", record, event)
 
 
@@ -221,6 +231,8 @@ def stage_compaction(pipe: Any, keys: RunKeys, outcomes: dict[str, Outcome], now
             "chars": len(outcome.content),
             "stored_in": "messages",
         }
+        if outcome.tool:
+            note["name"] = outcome.tool
         pipe.hset(keys.ledger, f"{tool_use_id}:out", pack(note))
 
 

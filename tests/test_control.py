@@ -104,6 +104,11 @@ def test_a_denied_call_returns_the_reason_to_the_model_and_never_runs(r, pool, m
     assert result["is_error"] and "release freeze until Monday" in result["content"]
     assert "deploy" not in [e["tool"] for e in pool.effects()]
     assert done.status == "completed"
+    shown = _cli(pool, "show", run_id)  # the ledger names the call although it never ran
+    assert shown.returncode == 0, shown.stderr
+    ledger = shown.stdout.split("\nledger:\n", 1)[1]
+    ledger_line = next(line for line in ledger.splitlines() if result["tool_use_id"] in line)
+    assert " deploy [not run] " in ledger_line, ledger_line
 
 
 def test_decisions_are_bound_to_the_waiting_calls(r, pool, model):

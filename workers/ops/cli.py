@@ -293,7 +293,8 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
                 else "started, no outcome"
             )
             click.echo(
-                f"    {tool_use_id} {intent.get('name', '?')} [{intent.get('effect', '?')}] attempts={intent.get('attempt', 0)} {state}"
+                f"    {tool_use_id} {intent.get('name') or (outcome or {}).get('name', '?')} "
+                f"[{intent.get('effect', 'not run' if outcome else '?')}] attempts={intent.get('attempt', 0)} {state}"
             )
 
 

@@ -171,7 +171,7 @@ def ledger_rows(r: Redis, keys: RunKeys) -> dict[str, dict[str, Any]]:
     for tool_use_id, entry in sorted(ledger.read_all(r, keys).items(), key=lambda kv: started(kv[1])):
         intent, outcome = entry.get("intent") or {}, entry.get("outcome")
         rows[tool_use_id] = {
-            "name": intent.get("name"),
+            "name": intent.get("name") or (outcome or {}).get("name"),
             "effect": intent.get("effect"),
             "attempt": intent.get("attempt", 0),
             "started_at": intent.get("started_at"),

@@ -283,7 +283,7 @@ class Settlement:
     def record(self, call: dict[str, Any], outcome: Outcome, *, how: str, event: Event | None = None) -> Outcome:
         """The outcome in the ledger, with ``event`` (by default: how the call was settled without running).
         Returns it as recorded: made safe to encode and cut to the agent's ``max_result_chars``."""
-        outcome = bounded(outcome, self.limit)
+        outcome = replace(bounded(outcome, self.limit), tool=call["name"])
         event = event or Event.of(
             self.run_id,
             "reconciled" if how in ("unknown", "verified") else "tool_skipped",
