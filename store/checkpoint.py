@@ -432,10 +432,11 @@ def _expire(pipe: Pipeline, keys: RunKeys, retention_s: int) -> None:
             pipe.expire(key, retention_s)
 
 
-def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int = 0) -> bool:
+def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int) -> bool:
     """Fail a run without holding its lease (its records are unreadable, or its turn keeps dying),
-    touching only its status and error fields. A run already finished (cancelled, say) is left as it
-    is. Returns True if the run was failed now."""
+    touching only its status and error fields; its keys expire after ``retention_s`` (0: kept), as
+    every finished run's do. A run already finished (cancelled, say) is left as it is. Returns True
+    if the run was failed now."""
     keys = RunKeys.of(run_id)
     others = [k for k in keys.kept() if k != keys.run]
     return bool(

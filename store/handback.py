@@ -66,8 +66,9 @@ def hand_back(
     event: Event | None = None,
 ) -> HandBack | None:
     """Record the hand-back, drop the lease ``token`` (if the turn took it: '' otherwise) and make
-    the run due when its backoff ends (or at ``until``, epoch seconds, when given). Returns the record, or None if the lease was not the turn's
-    any more (then another worker owns the run and nothing was written)."""
+    the run due when its backoff ends (or at ``until``, epoch seconds, when given). Returns the record,
+    or None if the lease was not the turn's any more (another worker owns the run) or the run has
+    ended or is gone (a stale job's turn: nobody will take it again); then nothing was written."""
     now = now_ms()
     reply = run_script(
         "hand_back",

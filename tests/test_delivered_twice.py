@@ -389,11 +389,11 @@ def test_a_hand_back_delivered_twice_is_counted_once(r, proxy, lossy):
 def test_fail_unfenced_delivered_twice_and_never_over_a_cancel(r, proxy, lossy):
     create(r)
     with cut(proxy, script("fail_unfenced")):
-        checkpoint.fail_unfenced(lossy, RUN, "broken")
+        checkpoint.fail_unfenced(lossy, RUN, "broken", retention_s=0)
     assert r.hmget(KEYS.run, ["status", "error"]) == [b"failed", b"broken"]
     create(r, "r_twice0002")
     checkpoint.set_status_unfenced(r, "r_twice0002", "cancelled", error="by a person")
-    assert not checkpoint.fail_unfenced(r, "r_twice0002", "broken")
+    assert not checkpoint.fail_unfenced(r, "r_twice0002", "broken", retention_s=0)
     assert r.hget(RunKeys.of("r_twice0002").run, "status") == b"cancelled", "a cancel is never turned into a failure"
 
 

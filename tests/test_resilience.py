@@ -12,7 +12,7 @@ import pytest
 from redis import Redis
 from rq.job import Job
 
-from agentpool import enqueue_run, get_run, wait_for_run
+from agentpool import cancel_run, enqueue_run, get_run, wait_for_run
 from agentpool.runtime.jobs import job_id
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import connect
@@ -165,6 +165,7 @@ def _assert_failed_with_reason_and_pool_goes_on(r: Redis, pool: Pool, run_id: st
     wait_for_status(r, run_id, "failed", timeout=60)
     error = r.hget(RunKeys.of(run_id).run, "error").decode()
     assert repr(field) in error and "cannot be taken over" in error, error
+    assert r.ttl(RunKeys.of(run_id).run) > 0, "a failed run expires after the retention, as every finished run"
     after = enqueue_run("pool_agents:support", script_task("simple"), connection=r)
     assert wait_for_run(after, timeout=60, connection=r).status == "completed", pool.logs()
     assert pool.logs().count("could not check run") == 0, "the reaper does not log the same run every second"
@@ -215,3 +216,33 @@ def test_an_old_reaper_leaves_a_newer_run_with_a_status_it_does_not_know_alone(r
     before = _snapshot(r, run_id)
     assert reap_once(r) == []
     assert _snapshot(r, run_id) == before and r.zscore(RUNS_WATCH, run_id) > 0
+
+
+def test_a_turn_that_keeps_dying_fails_its_run_which_then_expires_like_any_finished_run(r, monkeypatch):
+    from agentpool.runtime.takeover import MAX_TURN_ATTEMPTS, requeue_turn
+
+    monkeypatch.setenv("AGENTPOOL_RETENTION_SECONDS", "600")
+    run_id = enqueue_run("pool_agents:support", "a task whose turn kills every worker", connection=r)
+    keys = RunKeys.of(run_id)
+    r.hset(keys.run, mapping={"status": "running", "attempt": MAX_TURN_ATTEMPTS})
+    assert requeue_turn(r, run_id, cause="its horse died", cause_kind="horse_death") is None
+    header = r.hgetall(keys.run)
+    assert header[b"status"] == b"failed" and b"times without finishing" in header[b"error"], header
+    assert all(0 < r.ttl(key) <= 600 for key in (keys.run, keys.messages, keys.events)), [
+        r.ttl(k) for k in (keys.run, keys.messages, keys.events)
+    ]
+
+
+def test_a_stale_job_handed_back_on_an_ended_run_leaves_no_record_behind(r, redis_server, monkeypatch):
+    """A job for a run that has ended, taken by an older worker after an upgrade: the record is too
+    new for it, so it hands the turn back; a hand-back record written then would outlive the run."""
+    from agentpool.runtime.turn import run_turn
+
+    monkeypatch.setenv("REDIS_URL", redis_server.url)  # the turn outside a worker connects as a worker does
+    run_id = enqueue_run("pool_agents:support", "ended before its job ran", connection=r)
+    keys = RunKeys.of(run_id)
+    cancel_run(run_id, connection=r)
+    r.hset(keys.run, "v", SCHEMA_VERSION + 1)  # written by a newer agentpool
+    run_turn(run_id, 0)
+    assert not r.exists(keys.handback), r.hgetall(keys.handback)
+    assert r.ttl(keys.run) > 0

@@ -14,10 +14,16 @@
 -- ARGV[4] worker  ARGV[5] now ms  ARGV[6] run id  ARGV[7] the job handed back  ARGV[8] first delay ms
 -- ARGV[9] longest delay ms  ARGV[10] write id  ARGV[11] the time to wait until (ms), or '' for the backoff
 -- ARGV[12..] the event (see _event.lua)
--- Returns "<until ms>:<since ms>:<count>", or "-1" if the lease was no longer the turn's (nothing done).
+-- Returns "<until ms>:<since ms>:<count>", or "-1" if the lease was no longer the turn's, or the run
+-- has ended or is gone (nothing recorded: a record on an ended run would outlive its retention).
 local seen = replayed(KEYS[4], ARGV[10])
 if seen then return seen end
 if ARGV[1] ~= '' and redis.call('GET', KEYS[2]) ~= ARGV[1] then return '-1' end
+local ended = redis.call('HGET', KEYS[1], 'status')
+if not ended or ended == 'completed' or ended == 'failed' or ended == 'cancelled' then
+  if ARGV[1] ~= '' then redis.call('DEL', KEYS[2]) end
+  return '-1'
+end
 local now = tonumber(ARGV[5])
 local last = redis.call('HMGET', KEYS[4], 'reason', 'since', 'count')
 local since = now

@@ -25,6 +25,7 @@ from rq.job import Job
 
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.serializer import MsgpackSerializer
+from agentpool.runtime.settings import Settings
 from agentpool.store import ledger, writes
 from agentpool.store.checkpoint import QUEUED_RECHECK_MS, fail_unfenced
 from agentpool.store.clock import now_ms
@@ -101,7 +102,7 @@ def read_header(pipe: Redis | Pipeline, run_id: str) -> Header | None:
 def fail_corrupt(r: Redis, run_id: str, exc: UnreadableRecord, where: str) -> None:
     """The run cannot be taken over because its header is damaged: fail it with the reason, once."""
     reason = f"{exc}; the run cannot be taken over ({where}); its data is left as found"
-    if fail_unfenced(r, run_id, reason):
+    if fail_unfenced(r, run_id, reason, retention_s=Settings.from_env().retention):
         log.error("run %s failed: %s", run_id, reason)
         emit(r, run_id, "status", status="failed", error=reason)
 
@@ -166,7 +167,7 @@ def requeue_turn(
                 f"turn {header.turn} was started {MAX_TURN_ATTEMPTS} times without finishing (last: {cause}); "
                 "check the worker logs for what kills it"
             )
-            if fail_unfenced(r, run_id, reason):
+            if fail_unfenced(r, run_id, reason, retention_s=Settings.from_env().retention):
                 emit(r, run_id, "status", status="failed", error=reason)
             return None
         pipe.multi()

@@ -112,7 +112,8 @@ def run_turn(run_id: str, turn: int) -> str:
         detail = f"run {run_id} has schema version {got.detail}, newer than this worker understands"
         return _hand_back(r, keys, got, "", SchemaTooNew(detail), job_id)
     if got.code is Acquire.UNREADABLE:
-        checkpoint.fail_unfenced(r, run_id, f"run header field {got.detail!r} is unreadable; data left as found")
+        reason = f"run header field {got.detail!r} is unreadable; data left as found"
+        checkpoint.fail_unfenced(r, run_id, reason, retention_s=settings.retention)
         return "unreadable"
     if got.code is not Acquire.ACQUIRED:
         log.info("run %s turn %s: %s (%s); nothing to do", run_id, turn, got.code.name.lower(), got.detail)
@@ -162,7 +163,7 @@ def _hand_back(r: Redis, keys: RunKeys, got: AcquireResult, token: str, exc: Exc
         r, keys, token=token, reason=reason, detail=str(exc), worker=worker_identity(), job=job_id, event=event
     )
     if record is None:
-        log.warning("run %s: could not hand back (%s): the lease moved on meanwhile", keys.run_id, exc)
+        log.warning("run %s: not handed back (%s): the lease moved on, or the run has ended", keys.run_id, exc)
         return "abandoned"
     log.warning(
         "run %s: handed back (%s): %s; it waits %.0f s for a worker that can take it",
