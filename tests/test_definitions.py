@@ -193,3 +193,33 @@ def test_a_nan_limit_already_in_a_record_does_not_switch_a_budget_off():
     held = Limits.of(agent, {"max_cost_usd": math.nan, "extra_usd": math.nan, "extra_turns": math.inf})
     assert (held.max_turns, held.max_cost_usd) == (5, 1.0), "the agent's limits hold"
     assert Limits.of(agent, {"max_cost_usd": 2.0, "extra_usd": 0.5}).max_cost_usd == 2.5
+
+
+@tool(effect="unsafe")
+def refund(amount: float, count: int, confirm: bool, note: str = "") -> str:
+    """Refund."""
+    return "refunded"
+
+
+@pytest.mark.parametrize(
+    "given, why",
+    [
+        ({"amount": "nan", "count": 1, "confirm": True}, "amount"),  # lax mode: float('nan') passes `amount > cap`
+        ({"amount": 5, "count": "7", "confirm": True}, "count"),
+        ({"amount": 5, "count": 1, "confirm": "yes"}, "confirm"),
+        ({"amount": 5, "count": 1, "confirm": 1}, "confirm"),
+        ({"amount": math.inf, "count": 1, "confirm": True}, "not JSON"),
+        ({"amount": 5, "count": 1, "confirm": True, "note": 3}, "note"),
+    ],
+)
+def test_tool_input_is_checked_as_the_json_schema_says_not_coerced(given, why):
+    from agentpool import ToolInputError
+
+    with pytest.raises(ToolInputError, match=f"invalid input for refund: .*{why}"):
+        refund.validate(given)
+    assert refund.validate({"amount": 5, "count": 1, "confirm": True}) == {
+        "amount": 5.0,
+        "count": 1,
+        "confirm": True,
+        "note": "",
+    }

@@ -13,6 +13,7 @@ import asyncio
 import contextvars
 import functools
 import inspect
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -73,10 +74,17 @@ class Tool:
         return {"name": self.name, "description": self.description, "input_schema": self.input_schema}
 
     def validate(self, tool_input: Any) -> dict[str, Any]:
+        """The tool's keyword arguments from the model's input, checked as the JSON Schema the model
+        was given says: strictly, in pydantic's JSON mode, so "7" is no integer, "yes" no boolean and
+        "nan" no number (lax mode would coerce each); NaN and infinities are refused outright."""
         if not isinstance(tool_input, dict):
             raise ToolInputError(f"input for {self.name} must be a JSON object, got {type(tool_input).__name__}")
         try:
-            parsed = self.input_model.model_validate(tool_input)
+            as_json = json.dumps(tool_input, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ToolInputError(f"invalid input for {self.name}: not JSON ({exc})") from None
+        try:
+            parsed = self.input_model.model_validate_json(as_json, strict=True)
         except pydantic.ValidationError as exc:
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in err['loc']) or '(input)'}: {err['msg']}" for err in exc.errors()
@@ -151,7 +159,7 @@ def _input_model(tool_name: str, fields: dict[str, Any]) -> tuple[type[pydantic.
     whose type cannot be described to the model."""
     try:
         model = pydantic.create_model(  # type: ignore[call-overload]
-            f"{tool_name}_input", __config__=pydantic.ConfigDict(extra="forbid"), **fields
+            f"{tool_name}_input", __config__=pydantic.ConfigDict(extra="forbid", allow_inf_nan=False), **fields
         )
         return model, _strip_titles(model.model_json_schema())
     except pydantic.PydanticUserError as exc:
