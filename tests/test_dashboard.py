@@ -227,6 +227,27 @@ def test_actions_must_be_json_from_this_origin_and_host(r, board):
     assert board.request("POST", path, {}, headers={"Origin": board.base})[0] == 200
 
 
+def test_a_body_length_that_is_not_a_byte_count_is_refused_unread(r, board):
+    """Content-Length: -1 would make the server read until the client stops sending: no size limit."""
+    import socket
+    from urllib.parse import urlsplit
+
+    run_id = enqueue_run("pool_agents:support", "wait", connection=r)
+    where = urlsplit(board.base)
+    with socket.create_connection((where.hostname, where.port), timeout=10) as sock:
+        head = (
+            f"POST /api/runs/{run_id}/cancel HTTP/1.1\r\nHost: {where.netloc}\r\n"
+            "Content-Type: application/json\r\nContent-Length: -1\r\n\r\n{}"
+        )
+        sock.sendall(head.encode())
+        sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith((b"HTTP/1.0 400", b"HTTP/1.1 400")), reply[:200]
+    assert get_run(run_id, connection=r).status == "queued"
+
+
 def test_beyond_localhost_it_needs_a_token_and_every_api_call_carries_it(r, pool, tmp_path):
     refused = subprocess.run(
         [sys.executable, "-m", "agentpool", "dashboard", "--host", "0.0.0.0", "--port", str(free_port())],

@@ -379,7 +379,10 @@ class Handler(BaseHTTPRequestHandler):
             raise HttpError(HTTPStatus.FORBIDDEN, "cross-origin requests are refused")
 
     def _body(self) -> dict[str, Any]:
-        length = int(self.headers.get("Content-Length") or 0)
+        raw = (self.headers.get("Content-Length") or "0").strip()
+        if not raw.isdigit():  # "-1" would make rfile.read() read until the client stops, past MAX_BODY
+            raise HttpError(HTTPStatus.BAD_REQUEST, "Content-Length must be a whole number of bytes")
+        length = int(raw)
         if length > MAX_BODY:
             raise HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "body too large")
         try:
