@@ -3,11 +3,13 @@
 Field ``<tool_use_id>:wait`` holds the request (tool, input digest, when asked, deadline); field
 ``<tool_use_id>`` holds the decision (approved or not, reason, the input digest it was given for).
 A decision is bound to its tool_use id and input: the turn checks the digest before the call runs.
+The reason a person gives is sealed like the conversation it ends up in (encryption at rest), and
+opened only when read: the reaper, which may run without the key, needs only that a decision exists.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
@@ -15,7 +17,7 @@ from redis import Redis
 from agentpool.store.codec import pack, unpack
 from agentpool.store.keys import RunKeys
 from agentpool.store.ledger import fenced_hset, input_digest
-from agentpool.store.records import SCHEMA_VERSION
+from agentpool.store.records import SCHEMA_VERSION, open_value, seal_value
 
 
 @dataclass(frozen=True)
@@ -30,10 +32,14 @@ class Wait:
 @dataclass(frozen=True)
 class Decision:
     approved: bool
-    reason: str
-    input_digest: str
-    at: float
-    by: str  # "person" or "expiry"
+    sealed_reason: dict[str, Any] = field(repr=False)  # {"plain": ...} or {"sealed": ...}, as seal_value makes
+    input_digest: str = ""
+    at: float = 0.0
+    by: str = "person"  # "person" or "expiry"
+
+    @property
+    def reason(self) -> str:
+        return str(open_value(self.sealed_reason, "approval reason") or "")
 
 
 def request(r: Redis, keys: RunKeys, token: str, call: dict[str, Any], *, now: float, deadline: float | None) -> None:
@@ -50,8 +56,8 @@ def request(r: Redis, keys: RunKeys, token: str, call: dict[str, Any], *, now: f
 def read(r: Redis, keys: RunKeys) -> tuple[dict[str, Wait], dict[str, Decision]]:
     waits: dict[str, Wait] = {}
     decisions: dict[str, Decision] = {}
-    for field, blob in r.hgetall(keys.approvals).items():
-        name = field.decode()
+    for raw_name, blob in r.hgetall(keys.approvals).items():
+        name = raw_name.decode()
         record = unpack(blob, f"approval record {name}")
         if name.endswith(":wait"):
             tool_use_id = name[: -len(":wait")]
@@ -59,9 +65,11 @@ def read(r: Redis, keys: RunKeys) -> tuple[dict[str, Wait], dict[str, Decision]]
                 tool_use_id, record["name"], record["input"], record["requested_at"], record.get("deadline")
             )
         else:
+            # A record from before reasons were sealed keeps it in "reason".
+            reason = {"plain": record.get("reason") or ""} if "reason" in record else record
             decisions[name] = Decision(
                 bool(record["approved"]),
-                record.get("reason") or "",
+                {k: reason[k] for k in ("plain", "sealed") if k in reason} or {"plain": ""},
                 record["input"],
                 record["at"],
                 record.get("by", "person"),
@@ -71,5 +79,12 @@ def read(r: Redis, keys: RunKeys) -> tuple[dict[str, Wait], dict[str, Decision]]
 
 def decision_record(wait: Wait, *, approved: bool, reason: str, now: float, by: str) -> bytes:
     return pack(
-        {"v": SCHEMA_VERSION, "approved": approved, "reason": reason, "input": wait.input_digest, "at": now, "by": by}
+        {
+            "v": SCHEMA_VERSION,
+            "approved": approved,
+            **seal_value(reason),
+            "input": wait.input_digest,
+            "at": now,
+            "by": by,
+        }
     )

@@ -254,3 +254,20 @@ def test_messages_sent_to_a_run_are_sealed_while_they_wait_and_once_delivered(r,
     key_in_this_process()
     with pytest.raises(EncryptionKeyMissing):
         get_run(run_id, connection=r)
+
+
+def test_a_denial_reason_is_sealed_like_the_conversation_it_ends_up_in(r, pool, model, key_in_this_process):
+    key = generate_key()
+    model.set_scripts({"ship": [{"tool_calls": [{"name": "deploy", "input": {"version": "2.4.1"}}]}, {"text": "ok"}]})
+    key_in_this_process(key)
+    pool.start(1, AGENTPOOL_ENCRYPTION_KEY=key)
+    run_id = enqueue_run("pool_agents:guarded", script_task("ship", SECRET_TASK), connection=r)
+    wait_for_status(r, run_id, "waiting_approval")
+    approve(run_id, approved=False, reason="Bluebird freeze until the 41 per share offer closes", connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    denied = [b for m in run.messages if m["role"] == "user" for b in m["content"] if isinstance(b, dict)]
+    assert any("Bluebird freeze" in str(b.get("content")) for b in denied), "the model got the reason"
+    keys = RunKeys.of(run_id)
+    dump = _all_bytes(r, run_id) + b"".join(k + v for k, v in r.hgetall(keys.approvals).items())
+    assert not [p for p in PLAINTEXTS if p in dump], [p for p in PLAINTEXTS if p in dump]
