@@ -165,7 +165,10 @@ def test_a_sentinel_url_is_parsed_and_never_shows_its_password():
     assert (kwargs["username"], kwargs["password"]) == ("sen", "p@ss")
     with pytest.raises(BadRedisUrl) as bad:
         check_redis_url("redis+sentinel://h1/pool?sentinel_pasword=p%40ss")
-    assert "p%40ss" not in str(bad.value) and "sentinel_pasword" in str(bad.value)
+    # A misspelt option is not named (an unknown "option" may be the end of a password holding an
+    # unencoded "&"); the known ones are listed instead.
+    assert "p%40ss" not in str(bad.value) and "sentinel_pasword" not in str(bad.value)
+    assert "unknown query option (known: sentinel_username, sentinel_password)" in str(bad.value)
 
 
 def _wait_for(predicate, what: str, timeout: float = 20) -> None:

@@ -265,3 +265,17 @@ def _listening_on(port: int) -> str | None:
         if state == "0A" and int(hex_port, 16) == port:
             return socket.inet_ntoa(bytes.fromhex(address)[::-1])
     return None
+
+
+@pytest.mark.parametrize(
+    "url, secret",
+    [
+        ("redis://app:Ab3xYz9Q?k+Lm@10.0.0.5:6379/0", "Ab3xYz9Q"),  # "?" in a password not percent-encoded
+        ("redis://:Ab3xYz9Q/k+Lm@10.0.0.5:6379/0", "Ab3xYz9Q"),  # "/" likewise: redis-py quotes what precedes it
+        ("redis+sentinel://:PWx@h:16398/m?sentinel_password=S&ENTPW", "ENTPW"),  # "&" in a sentinel password
+    ],
+)
+def test_a_password_with_url_syntax_in_it_is_never_shown(url, secret):
+    out = agentpool_cli("runs", "--url", url)
+    assert out.returncode == 2 and "is not a Redis URL" in out.stderr, out
+    assert secret not in out.stdout + out.stderr, out.stderr

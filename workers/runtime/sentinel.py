@@ -55,7 +55,8 @@ def parse(url: str) -> SentinelTarget:
     options = parse_qs(query, keep_blank_values=True)
     unknown = sorted(set(options) - set(QUERY_OPTIONS))
     if unknown:
-        raise ValueError(f"unknown option {unknown[0]!r} (known: {', '.join(QUERY_OPTIONS)}); expected {SENTINEL_FORM}")
+        # Not quoted: an unknown "option" may be the end of a password holding an unencoded "&".
+        raise ValueError(f"an unknown query option (known: {', '.join(QUERY_OPTIONS)}); expected {SENTINEL_FORM}")
     creds, at, location = rest.rpartition("@")
     if not at:
         creds, location = "", rest

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from redis import BlockingConnectionPool, ConnectionPool, Redis
 from redis.backoff import ExponentialBackoff
-from redis.connection import parse_url
+from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
 
@@ -118,6 +118,8 @@ URL_FORM = (
 SHOWN_QUERY_OPTIONS = frozenset(
     {"sentinel_username", "db", "protocol", "client_name", "ssl_cert_reqs", "socket_timeout", "socket_connect_timeout"}
 )
+# Names a redacted URL shows (with the value hidden unless it is one of those above): ours and redis-py's.
+KNOWN_QUERY_OPTIONS = SHOWN_QUERY_OPTIONS | set(sentinel.QUERY_OPTIONS) | set(URL_QUERY_ARGUMENT_PARSERS) | {"password"}
 
 
 class BadRedisUrl(ValueError):
@@ -128,11 +130,14 @@ def check_redis_url(url: str, *, subject: str = "the Redis URL") -> str:
     """``url`` if redis-py can connect with it; otherwise a :class:`BadRedisUrl` saying what is expected."""
     try:
         if sentinel.is_sentinel(url):
-            sentinel.parse(url)
+            sentinel.parse(url)  # its messages never quote the URL
         else:
             parse_url(url)
     except ValueError as exc:
-        raise BadRedisUrl(f"{subject} is not a Redis URL: {redact_url(url)!r} ({exc}); {URL_FORM}") from None
+        # redis-py's own message quotes pieces of the URL (the text before a "/" or "?" in a password
+        # that was not percent-encoded), so only ours are passed on.
+        why = f" ({exc})" if sentinel.is_sentinel(url) else " (a password holding / ? # @ must be percent-encoded)"
+        raise BadRedisUrl(f"{subject} is not a Redis URL: {redact_url(url)!r}{why}; {URL_FORM}") from None
     return url
 
 
@@ -167,20 +172,28 @@ def redact_url(url: str) -> str:
     """The URL without its passwords, for logs, banners and error messages. A lone credential before
     ``@`` (``redis://secret@host``) is taken for a password too; an ACL user name is kept; a query
     option's value is shown only for the harmless ones (``SHOWN_QUERY_OPTIONS``): a password there
-    (``?password=``, ``?sentinel_password=``), even misspelt, is not."""
-    url, mark, query = url.partition("?")
-    if mark:
-        options = [option.partition("=") for option in query.split("&")]
-        query = "&".join(f"{k}{eq}{v if k in SHOWN_QUERY_OPTIONS else '***'}" for k, eq, v in options)
+    (``?password=``, ``?sentinel_password=``), even misspelt, is not, and an option name that is not
+    known is hidden too (it may be the end of a password holding an unencoded "&").
+
+    The credentials end at the last "@", looked for before the query: a password that was not
+    percent-encoded may hold "?", "/" or "#", and must not be mistaken for a path or a query."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         scheme, rest = "", url
     if "@" in rest:
-        creds, _, host = rest.rpartition("@")
+        creds, _, rest = rest.rpartition("@")
         user, colon, _password = creds.partition(":")
-        shown = f"{user}:***@" if colon and user else "***@"
-        rest = f"{shown}{host}"
-    return f"{scheme}{sep}{rest}{mark}{query}"
+        shown = f"{user}:***@" if colon and user and "/" not in user and "?" not in user else "***@"
+    else:
+        shown = ""
+    rest, mark, query = rest.partition("?")
+    if mark:
+        options = [option.partition("=") for option in query.split("&")]
+        query = "&".join(
+            f"{k}{eq}{v if k in SHOWN_QUERY_OPTIONS else '***'}" if k in KNOWN_QUERY_OPTIONS else "***"
+            for k, eq, v in options
+        )
+    return f"{scheme}{sep}{shown}{rest}{mark}{query}"
 
 
 # A bytes client per connection pool of the decode_responses=True clients apps hand us.
