@@ -271,3 +271,22 @@ def test_a_denial_reason_is_sealed_like_the_conversation_it_ends_up_in(r, pool, 
     keys = RunKeys.of(run_id)
     dump = _all_bytes(r, run_id) + b"".join(k + v for k, v in r.hgetall(keys.approvals).items())
     assert not [p for p in PLAINTEXTS if p in dump], [p for p in PLAINTEXTS if p in dump]
+
+
+def test_an_api_error_that_echoes_the_key_is_stored_logged_and_shown_without_it(r, pool, model):
+    """Some gateways answer a refused request with the headers they got: the key must not travel on
+    into the run's error, its events, the worker's log or the CLI."""
+    key = "sk-test-not-a-secret"  # the key the pool's workers are given (conftest)
+    echoed = (
+        f"invalid x-api-key {key}; request headers: {{'x-api-key': '{key}', "
+        "'Authorization': 'Bearer sk-ant-api03-ANOTHER_SECRET_TOKEN'}"
+    )
+    model.set_scripts({"echo": [{"error": {"status": 401, "type": "authentication_error", "message": echoed}}]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:support", script_task("echo"), connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "failed" and "authentication_error" in run.error, run.error
+    shown = _cli(pool.env, "show", run_id)
+    everywhere = run.error + str(read_events(r, run_id)) + pool.logs(tail=1_000_000) + shown.stdout + shown.stderr
+    for secret in (key, "ANOTHER_SECRET_TOKEN"):
+        assert secret not in everywhere, secret

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,7 +44,36 @@ CONTEXT_BETA = "context-management-2025-06-27"  # the clear_tool_uses_20250919 e
 _FINAL_ERROR_TYPES = ("invalid_request_error", "authentication_error", "permission_error", "not_found_error")
 
 
-class ModelUnavailable(AgentPoolError):
+# What an API key or token looks like in an error text a gateway echoed back (with its request headers).
+_SECRET_PATTERNS = (
+    re.compile(r"sk-ant-[A-Za-z0-9_\-]{6,}"),
+    re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=\-]{6,}"),
+    re.compile(r"(?i)(x-api-key['\"]?\s*[:=]\s*['\"]?)[^\s'\",}]+"),
+)
+_SECRET_ENV = ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN")
+MAX_ERROR_CHARS = 2000
+
+
+def scrub(text: str) -> str:
+    """An error text from the model API, safe to store in a run, an event and a log: the API key or
+    token (from the environment, or anything shaped like one) masked, and the text capped."""
+    for name in _SECRET_ENV:
+        secret = os.environ.get(name) or ""
+        if len(secret) >= 8:
+            text = text.replace(secret, "***")
+    for pattern in _SECRET_PATTERNS:
+        text = pattern.sub(lambda m: (m.group(1) if m.groups() else "") + "***", text)
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "…"
+
+
+class _ModelError(AgentPoolError):
+    """An error of the model API, its text scrubbed of secrets when it is made (``scrub``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(scrub(message))
+
+
+class ModelUnavailable(_ModelError):
     """A transient failure (429, 529, 5xx, timeout, connection): try the same turn again later."""
 
     retryable = True
@@ -61,7 +91,7 @@ class ModelUnavailable(AgentPoolError):
         self.spent = {k: v for k, v in (spent or {}).items() if v}  # tokens a cut stream had reported: billed
 
 
-class ModelRejected(AgentPoolError):
+class ModelRejected(_ModelError):
     """The API refused the request and retrying cannot help (400-class): the run fails."""
 
 
@@ -69,7 +99,7 @@ class ContextTooLong(ModelRejected):
     """The API refused the request as longer than the model's context window ("prompt is too long")."""
 
 
-class ModelQuotaExhausted(AgentPoolError):
+class ModelQuotaExhausted(_ModelError):
     """A 429 caused by a spend or credit limit: the run stops, resumable once the limit is raised."""
 
 
@@ -432,7 +462,10 @@ def _error_parts(exc: anthropic.APIStatusError) -> tuple[str, str]:
     err = body.get("error") if isinstance(body.get("error"), dict) else body
     if not isinstance(err, dict):
         return f"http_{exc.status_code}", str(exc)
-    return str(err.get("type") or f"http_{exc.status_code}"), str(err.get("message") or exc)
+    kind = str(err.get("type") or "")
+    # The type becomes a metrics label: only what the API's types look like, not what a gateway says.
+    kind = kind if re.fullmatch(r"[a-z][a-z0-9_]{0,39}", kind) else f"http_{exc.status_code}"
+    return kind, str(err.get("message") or exc)
 
 
 def _retry_after(exc: anthropic.APIStatusError) -> float | None:
