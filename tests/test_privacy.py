@@ -112,15 +112,21 @@ def test_a_rotated_key_still_reads_old_runs_and_writes_with_the_new_one(r, pool,
         get_run(run_id, connection=r)
 
 
-def test_input_digests_in_a_redis_dump_cannot_confirm_guesses_when_encryption_is_on(
-    r, pool, model, key_in_this_process
-):
+def _encrypted_run_waiting_to_deploy(r: Redis, pool: Pool, model, key_in_this_process) -> str:
+    """A run under encryption at rest, waiting for a person's decision on deploy(version="2.4.1")."""
     key = generate_key()
     model.set_scripts({"ship": [{"tool_calls": [{"name": "deploy", "input": {"version": "2.4.1"}}]}, {"text": "ok"}]})
     key_in_this_process(key)
     pool.start(1, AGENTPOOL_ENCRYPTION_KEY=key)
     run_id = enqueue_run("pool_agents:guarded", script_task("ship", SECRET_TASK), connection=r)
     wait_for_status(r, run_id, "waiting_approval")
+    return run_id
+
+
+def test_input_digests_in_a_redis_dump_cannot_confirm_guesses_when_encryption_is_on(
+    r, pool, model, key_in_this_process
+):
+    run_id = _encrypted_run_waiting_to_deploy(r, pool, model, key_in_this_process)
     keys = RunKeys.of(run_id)
     waiting = b"".join(k + v for k, v in r.hgetall(keys.approvals).items())
     approve(run_id, connection=r)  # checked against the keyed digest of the call's input
@@ -257,12 +263,7 @@ def test_messages_sent_to_a_run_are_sealed_while_they_wait_and_once_delivered(r,
 
 
 def test_a_denial_reason_is_sealed_like_the_conversation_it_ends_up_in(r, pool, model, key_in_this_process):
-    key = generate_key()
-    model.set_scripts({"ship": [{"tool_calls": [{"name": "deploy", "input": {"version": "2.4.1"}}]}, {"text": "ok"}]})
-    key_in_this_process(key)
-    pool.start(1, AGENTPOOL_ENCRYPTION_KEY=key)
-    run_id = enqueue_run("pool_agents:guarded", script_task("ship", SECRET_TASK), connection=r)
-    wait_for_status(r, run_id, "waiting_approval")
+    run_id = _encrypted_run_waiting_to_deploy(r, pool, model, key_in_this_process)
     approve(run_id, approved=False, reason="Bluebird freeze until the 41 per share offer closes", connection=r)
     run = wait_for_run(run_id, timeout=60, connection=r)
     assert run.status == "completed", (run.error, pool.logs())
