@@ -46,6 +46,7 @@ Redis (or a primary with replicas), not Redis Cluster.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 PREFIX = "ap"
@@ -57,6 +58,15 @@ TURNS_DEFERRED = f"{PREFIX}:turns:deferred"
 DURABILITY_PROBE = f"{PREFIX}:durability:probe"
 STATS = f"{PREFIX}:stats"
 TURN_QUEUE = "agentpool"
+# A run id is part of RQ job ids (letters, digits, "_" and "-" only) and of the dashboard's URLs.
+RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+
+
+def check_run_id(run_id: str) -> str:
+    """``run_id`` if a run may have it; a ValueError saying what is allowed otherwise."""
+    if not isinstance(run_id, str) or not RUN_ID.match(run_id):
+        raise ValueError(f"a run id is 1 to 100 letters, digits, '_' or '-'; got {run_id!r}")
+    return run_id
 
 
 @dataclass(frozen=True, slots=True)

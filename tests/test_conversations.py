@@ -164,6 +164,18 @@ def test_message_content_is_checked(r):
     assert get_run(run_id, connection=r).inbox == []
 
 
+def test_a_run_or_fork_id_that_could_not_name_a_job_is_refused_up_front(r):
+    """RQ job ids take letters, digits, "_" and "-": a completed fork named "fork.v1" would be created
+    (it enqueues nothing) and could then never be continued."""
+    run_id = enqueue_run("pool_agents:support", "task", connection=r)
+    for bad in ("fork.v1", "a:b", "", "x" * 101):
+        with pytest.raises(ValueError, match="a run id is"):
+            fork_run(run_id, fork_id=bad, connection=r)
+        with pytest.raises(ValueError, match="a run id is"):
+            enqueue_run("pool_agents:support", "task", run_id=bad, connection=r)
+    assert fork_run(run_id, fork_id="fork-v1_2", connection=r) == "fork-v1_2"
+
+
 MEETING = [
     {"text": "Let me read the notes.", "tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}]},
     {"tool_calls": [{"name": "create_ticket", "input": {"title": "Changelog", "body": "Ana writes it"}}]},

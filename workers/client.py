@@ -24,7 +24,7 @@ from agentpool.store import window as run_window
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.events import emit
-from agentpool.store.keys import RunKeys
+from agentpool.store.keys import RunKeys, check_run_id
 from agentpool.store.records import ACTIVE_STATUSES, STATUSES, RunState, load_header
 
 
@@ -138,7 +138,7 @@ def enqueue_run(
         if value is not None
     }
     r = client_for(connection)
-    run_id = run_id or new_run_id()
+    run_id = check_run_id(run_id) if run_id is not None else new_run_id()
     created = checkpoint.create_run(
         r,
         run_id,

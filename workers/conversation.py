@@ -27,7 +27,7 @@ from agentpool.runtime.turn import _trailing_text as trailing_text
 from agentpool.store import checkpoint, inbox, writes
 from agentpool.store.errors import MessageRefused, RunExists, RunNotFound
 from agentpool.store.events import Event
-from agentpool.store.keys import RUNS, RUNS_WATCH, RunKeys
+from agentpool.store.keys import RUNS, RUNS_WATCH, RunKeys, check_run_id
 from agentpool.store.records import message_meta, new_header, pack_message, pack_result, unpack_message
 from agentpool.store.window import is_compaction_point
 
@@ -194,6 +194,8 @@ def fork_run(
 
     Idempotent with ``fork_id``: a retried fork with the same id returns the run it made; that id
     used for anything else raises ``RunExists``."""
+    if fork_id is not None:
+        check_run_id(fork_id)  # before anything is read: a completed fork enqueues nothing to catch it
     r = client_for(connection)
     parent = RunKeys.of(run_id)
     with r.pipeline(transaction=True) as pipe:  # one consistent snapshot of the parent
