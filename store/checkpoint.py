@@ -13,6 +13,7 @@ before deciding whether to try again.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -51,6 +52,7 @@ from agentpool.store.scripts import run_script
 
 # How long a committed turn may wait in the queue before the reaper checks that its job still exists.
 QUEUED_RECHECK_MS = 30_000
+EAGER_TRIES = 20  # a fenced transaction's tries without a pause, while others change what it watches
 
 
 def stage_create(pipe: Pipeline, run_id: str, *, agent: str, task: str, limits: Mapping[str, Any], now: float) -> None:
@@ -86,7 +88,7 @@ def create_run(
         header = pipe.hgetall(keys.run)
         if header:
             pipe.unwatch()
-            if writes.landed(header.get(writes.FIELD.encode()), write_id):
+            if writes.landed(header.get(writes.OTHERS.encode()), write_id):
                 return True  # this very call created it; the reply to its EXEC was lost
             _check_same_request(r, run_id, header, agent=agent, task=task, limits=limits)
             return False
@@ -249,7 +251,6 @@ def _fenced_transaction(
     keys: RunKeys,
     token: str,
     stage: Callable[..., None],
-    retries: int = 20,
     read: Callable[[Pipeline], Any] | None = None,
     watch_also: tuple[str, ...] = (),
 ) -> None:
@@ -260,10 +261,15 @@ def _fenced_transaction(
 
     redis-py does not re-send a watched transaction: a connection that drops after EXEC was sent
     raises WatchError, as a watched key that changed does (the heartbeat's PEXPIRE of the lease, say).
-    The transaction records a write id, and each try first asks whether an earlier one landed."""
+    The transaction records a write id, and each try first asks whether an earlier one landed.
+
+    It tries for as long as the lease is the turn's: a burst of messages sent to the run changes the
+    watched keys again and again, and giving up then would abandon a turn nobody else may take until
+    the lease expires. After ``EAGER_TRIES`` it pauses a little between tries."""
     write_id = writes.new_id()
+    tries = 0
     with r.pipeline(transaction=True) as pipe:
-        for _ in range(retries):
+        while True:
             try:
                 pipe.watch(keys.lease, keys.run, *watch_also)
                 holder, status, attempt, requeues, done = run_script(  # type: ignore[misc]
@@ -281,12 +287,13 @@ def _fenced_transaction(
                 args = (found,) if read else ()
                 stage(pipe, header_int(attempt), header_int(requeues), *args)
                 pipe.delete(keys.lease, keys.handback)
-                writes.stage_remember(pipe, keys.run, write_id)
+                writes.stage_remember(pipe, keys.run, write_id, field=writes.FIELD)
                 pipe.execute()
                 return
             except WatchError:
-                continue
-    raise LeaseLost(keys.run_id)
+                tries += 1
+                if tries >= EAGER_TRIES:
+                    time.sleep(min(0.2, 0.005 * (tries - EAGER_TRIES + 1)))
 
 
 def commit_tool_results(
@@ -463,7 +470,7 @@ def set_status_unfenced(
     keys = RunKeys.of(run_id)
 
     def attempt(pipe: Pipeline, write_id: str) -> str:
-        current, recent = pipe.hmget(keys.run, ["status", writes.FIELD])
+        current, recent = pipe.hmget(keys.run, ["status", writes.OTHERS])
         done = writes.landed(recent, write_id)
         if done is not None:
             pipe.unwatch()

@@ -31,7 +31,10 @@ from agentpool.store.scripts import compact_source
 
 T = TypeVar("T")
 
-FIELD = "writes"  # in a run's header, and in its hand-back record
+FIELD = "writes"  # in a run's header (the lease holder's writes), and in its hand-back record
+# Everybody else's writes to a run's header (an app's, the reaper's, events): a ring of their own, so a
+# burst of them never pushes out the id of a save point whose re-send is on its way (_once.lua).
+OTHERS = "writes_others"
 
 
 def new_id() -> str:
@@ -50,9 +53,10 @@ def landed(recent: bytes | None, write_id: str) -> str | None:
     return None
 
 
-def stage_remember(pipe: Any, key: str, write_id: str, result: str = "1") -> None:
-    """Inside MULTI: record ``write_id`` in ``key``'s ``writes`` field with the rest of the transaction."""
-    pipe.eval(compact_source("remember_write"), 1, key, write_id, result)
+def stage_remember(pipe: Any, key: str, write_id: str, result: str = "1", *, field: str = OTHERS) -> None:
+    """Inside MULTI: record ``write_id`` in ``key``'s ``field`` with the rest of the transaction: by
+    default the ring of writes not made by the lease holder, which ``FIELD`` is for."""
+    pipe.eval(compact_source("remember_write"), 1, key, write_id, result, field)
 
 
 def watched(r: Redis, keys: Sequence[str], attempt: Callable[[Pipeline, str], T]) -> T:

@@ -456,3 +456,59 @@ def test_a_pool_losing_one_reply_in_a_hundred_finishes_every_run_with_exact_usag
             assert len(after) == 2 and all(after[name] > before.get(name, 0) for name in after), (before, after)
         finally:
             pool.stop()
+
+
+def test_a_save_point_re_sent_after_a_burst_of_app_writes_is_still_recognised(r, monkeypatch):
+    """redis-py re-sends save point A (same write id) after a lost reply; meanwhile the app sent 20
+    messages to the run. Their write ids must not push the save point's out of the ring it is
+    recognised by, or the re-send counts the call's spend twice and the worker drops a committed turn."""
+    from agentpool import send_message
+    from agentpool.store import writes
+
+    create(r)
+    token = take(r)
+    monkeypatch.setattr(writes, "new_id", lambda: "feedfacecafe")  # what a re-send carries: the same id
+
+    def save_point_a() -> None:
+        checkpoint.commit_response(
+            r, KEYS, token, turns_before=0, message=reply(CALL), pending=[CALL], usage=USAGE, cost_usd=0.5
+        )
+
+    save_point_a()
+    monkeypatch.undo()
+    for i in range(20):
+        send_message(RUN, f"message {i}", message_id=f"burst{i}", connection=r)
+    monkeypatch.setattr(writes, "new_id", lambda: "feedfacecafe")
+    save_point_a()  # the re-send: recognised, nothing applied twice
+    state = checkpoint.load_run(r, RUN)
+    assert (state.usage, state.cost_usd, state.turns) == (USAGE, 0.5, 1)
+    assert r.get(KEYS.lease) == token.encode()
+
+
+def test_save_point_b_outlasts_a_burst_of_messages_that_keeps_changing_what_it_watches(r, monkeypatch):
+    """Each message sent to the run between save point B's read and its EXEC makes the EXEC fail (the
+    inbox is watched). B must not give up while the lease is its own: 30 in a row, then B lands with
+    every message delivered once, in order."""
+    from agentpool import send_message
+    from agentpool.store import inbox
+
+    create(r)
+    token = take(r)
+    checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(CALL), pending=[CALL], usage=USAGE)
+    read_waiting, sent = inbox.read_waiting, []
+
+    def a_message_lands_meanwhile(pipe, keys):
+        found = read_waiting(pipe, keys)
+        if len(sent) < 30:
+            sent.append(send_message(RUN, f"message {len(sent)}", message_id=f"burst{len(sent)}", connection=r))
+        return found
+
+    monkeypatch.setattr(inbox, "read_waiting", a_message_lands_meanwhile)
+    result = {"role": "user", "content": [Outcome("sent", False).as_tool_result(CALL["id"])]}
+    checkpoint.commit_tool_results(
+        r, KEYS, token, message=result, enqueue_next=lambda pipe: stage_turn(pipe, r, RUN, 1), turns=1
+    )
+    assert len(sent) == 30
+    last = checkpoint.load_run(r, RUN).messages[-1]
+    texts = [block["text"] for block in last["content"] if block.get("type") == "text"]
+    assert texts == [f"message {i}" for i in range(30)], texts

@@ -1,27 +1,31 @@
 -- Prepended to the scripts that must be safe to deliver twice (see store/writes.py and store/scripts.py).
 -- redis-py re-sends a script whose reply was lost (retry_on_error), so a script that is not idempotent
 -- by nature takes a write id (12 hex characters, one per logical write, ARGV) and:
---   replayed(hash, id)          -> the result the first delivery recorded, or nil if it never landed
---   remember(hash, id, result)  -> records it, in the field `writes` of `hash` (a run's header, or a
---                                  run's hand-back record): "<id>=<result>;" newest first, the last 16
--- A re-delivery arrives within the client's retry window (seconds), long before 16 other writes to
--- the same run; an empty id skips both (a caller that does not need it).
+--   replayed(hash, id[, field])         -> the result the first delivery recorded, or nil if it never landed
+--   remember(hash, id, result[, field]) -> records it, in `field` of `hash` (a run's header, or a run's
+--                                          hand-back record): "<id>=<result>;" newest first, the last 16
+-- Two rings in a run's header: `writes` for the writes of the turn holding the lease, which makes them
+-- one at a time (a re-send comes before its next write), and `writes_others` for everybody else (an
+-- app's messages, approvals, cancels; the reaper; events), so that a burst of those can never push a
+-- save point's id out before its re-send arrives (the re-send would count the call's spend twice).
+-- An empty id skips both (a caller that does not need it).
 local WRITES_KEPT = 16
-local function replayed(hash, id)
+local function replayed(hash, id, field)
   if id == '' then return nil end
-  local recent = redis.call('HGET', hash, 'writes')
+  local recent = redis.call('HGET', hash, field or 'writes')
   if not recent then return nil end
   local at = string.find(';' .. recent, ';' .. id .. '=', 1, true)
   if not at then return nil end
   return string.match(recent, '^([^;]*)', at + string.len(id) + 1)
 end
-local function remember(hash, id, result)
+local function remember(hash, id, result, field)
   if id == '' then return end
-  local recent = id .. '=' .. tostring(result) .. ';' .. (redis.call('HGET', hash, 'writes') or '')
+  field = field or 'writes'
+  local recent = id .. '=' .. tostring(result) .. ';' .. (redis.call('HGET', hash, field) or '')
   local n = 0
   for pos in string.gmatch(recent, '();') do
     n = n + 1
     if n == WRITES_KEPT then recent = string.sub(recent, 1, pos); break end
   end
-  redis.call('HSET', hash, 'writes', recent)
+  redis.call('HSET', hash, field, recent)
 end

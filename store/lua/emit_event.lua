@@ -6,7 +6,7 @@
 -- ARGV[1] write id  ARGV[2..] the event (see _event.lua)
 -- Returns 1 recorded, 0 not (a re-delivery, or no such run).
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-if replayed(KEYS[1], ARGV[1]) then return 0 end
+if replayed(KEYS[1], ARGV[1], 'writes_others') then return 0 end
 record_event(KEYS[2], KEYS[3], 2)
-remember(KEYS[1], ARGV[1], 1)
+remember(KEYS[1], ARGV[1], 1, 'writes_others')
 return 1

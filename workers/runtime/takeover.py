@@ -41,7 +41,7 @@ log = logging.getLogger("agentpool.takeover")
 # (a tool that OOM-kills every worker, say): the run fails instead of taking the pool down in a loop.
 # Hand-backs (a worker that cannot do the turn, on purpose) are not attempts and do not count.
 MAX_TURN_ATTEMPTS = 25
-HEADER_FIELDS = ("v", "status", "turns", "phase", "attempt", "job", "requeues", writes.FIELD)
+HEADER_FIELDS = ("v", "status", "turns", "phase", "attempt", "job", "requeues", writes.OTHERS)
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Header:
             # A newer agentpool wrote it: fields this code does not know (a new status, say) are not
             # damage. Nothing here decides for it: callers leave such a run alone.
             lenient = {name: (fields[name] or b"").decode("utf-8", errors="replace") for name in ("status", "job")}
-            return cls(version, lenient["status"], 0, 0, 0, lenient["job"], fields[writes.FIELD])
+            return cls(version, lenient["status"], 0, 0, 0, lenient["job"], fields[writes.OTHERS])
         status = text("status")
         if status not in STATUSES:
             raise UnreadableRecord(f"header field 'status' holds an unknown status {status[:40]!r}")
@@ -91,7 +91,7 @@ class Header:
             attempt=number("attempt"),
             requeues=number("requeues"),
             job=text("job"),
-            writes=fields[writes.FIELD],
+            writes=fields[writes.OTHERS],
         )
 
 
