@@ -161,6 +161,8 @@ def test_message_content_is_checked(r):
             send_message(run_id, bad, connection=r)
     with pytest.raises(ValueError, match="message_id"):
         send_message(run_id, "ok", message_id="has space", connection=r)
+    with pytest.raises(ValueError, match="message_id"):  # "m1:at" is where m1's delivery is marked
+        send_message(run_id, "ok", message_id="m1:at", connection=r)
     assert get_run(run_id, connection=r).inbox == []
 
 
@@ -299,3 +301,36 @@ def test_a_run_stopped_by_a_spend_limit_429_goes_on_with_a_message(r, pool, mode
     assert run.status == "completed" and run.result == "Ok." and run.turns == 1
     assert [m["role"] for m in run.messages] == ["user", "user", "assistant"]  # the API joins the two
     assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+
+
+def test_a_fork_retried_after_its_parent_moved_on_returns_the_fork_it_made(r):
+    """The app's fork request landed but its reply was lost; the parent then committed another turn.
+    The retry with the same fork_id is the same request: it returns the fork, it does not refuse it."""
+    from agentpool.store import checkpoint
+    from agentpool.store.keys import RunKeys
+    from agentpool.store.lease import Acquire, acquire
+
+    run_id = enqueue_run("pool_agents:support", "task", connection=r)
+    keys = RunKeys.of(run_id)
+
+    def commit_a_turn(turn: int) -> None:
+        got = acquire(r, keys, turn=turn, worker_id="w1.1", ttl_ms=10_000)
+        assert got.code is Acquire.ACQUIRED, got
+        reply = {"role": "assistant", "content": [{"type": "text", "text": f"turn {turn}"}]}
+        checkpoint.commit_response(r, keys, got.token, turns_before=turn, message=reply, pending=[])
+        checkpoint.commit_tool_results(
+            r,
+            keys,
+            got.token,
+            message={"role": "user", "content": "go on"},
+            enqueue_next=lambda pipe: None,
+            turns=turn + 1,
+        )
+
+    commit_a_turn(0)
+    assert fork_run(run_id, fork_id="fork-retried", connection=r) == "fork-retried"
+    commit_a_turn(1)
+    assert fork_run(run_id, fork_id="fork-retried", connection=r) == "fork-retried"
+    assert get_run("fork-retried", connection=r).turns == 1
+    with pytest.raises(RunExists):
+        fork_run(run_id, at_turn=0, fork_id="fork-retried", connection=r)  # another request under that id

@@ -33,7 +33,8 @@ from agentpool.store.window import is_compaction_point
 
 # The blocks a user message may hold besides tool_results (which only a turn writes).
 USER_BLOCKS = ("text", "image", "document")
-MESSAGE_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+# No ":": the received hash keeps a delivered message's marker under "<message_id>:at".
+MESSAGE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 
 
 def new_message_id() -> str:
@@ -89,7 +90,7 @@ def send_message(
     if message_id is None:
         message_id = new_message_id()
     elif not isinstance(message_id, str) or not MESSAGE_ID.match(message_id):
-        raise ValueError("message_id: 1 to 100 letters, digits or _ . : -")
+        raise ValueError("message_id: 1 to 100 letters, digits or _ . -")
     r = client_for(connection)
     keys = RunKeys.of(run_id)
 
@@ -230,6 +231,7 @@ def fork_run(
         fork_id,
         parent=run_id,
         turn=turn,
+        asked="latest" if at_turn is None else str(at_turn),
         agent=state.agent,
         limits=state.limits,
         blobs=blobs[:end],
@@ -245,6 +247,7 @@ def _create_fork(
     *,
     parent: str,
     turn: int,
+    asked: str,
     agent: str,
     limits: dict[str, Any],
     blobs: list[bytes],
@@ -256,10 +259,13 @@ def _create_fork(
     now = time.time()
 
     def attempt(pipe: Pipeline, _write_id: str) -> str:  # a fork id is its own write id
-        existing = pipe.hmget(keys.run, ["forked_from", "forked_at"])
+        existing = pipe.hmget(keys.run, ["forked_from", "forked_at", "fork_asked"])
         if pipe.exists(keys.run):
             pipe.unwatch()
-            if existing[0] == parent.encode() and existing[1] == str(turn).encode():
+            # The same request retried: the turn it resolves to may have moved on since (the parent
+            # committed a turn), so the request as asked is compared, not only the turn it gave.
+            same_turn = existing[1] == str(turn).encode()
+            if existing[0] == parent.encode() and (same_turn or existing[2] == asked.encode()):
                 return fork_id  # a retried fork: it was created once
             raise RunExists(fork_id, f"and is not the fork of run {parent} at turn {turn}")
         header = new_header(agent, limits, now)
@@ -268,6 +274,7 @@ def _create_fork(
             window=window,
             forked_from=parent,
             forked_at=turn,
+            fork_asked=asked,
             status="completed" if finished else "queued",
             phase="done" if finished else "model",
             result=pack_result(result),
