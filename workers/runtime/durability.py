@@ -5,8 +5,10 @@ client that goes through Sentinel, or a primary whose ``INFO replication`` repor
 or has had one (its replication backlog is active), or whose ``min-replicas-to-write`` is set; on a
 lone Redis it waits for none. It is decided from the deployment, not from the replicas up at this
 instant, except where ``INFO`` is refused (an ACL user without ``@dangerous``): then a replica that
-acknowledges a probe write within ``REPLICA_PROBE_MS`` is what tells a deployment with replicas. Once it waits for one it never stops: a replica that falls behind or disconnects later makes
-tools wait (and their turns be handed back), never run unguarded. While it waits for none it looks
+acknowledges a probe write within ``REPLICA_PROBE_MS`` is what tells a deployment with replicas (on a
+lone Redis, one tool call in ``RECHECK`` seconds pays that wait). Once it waits for one it never
+stops: a replica that falls behind or disconnects later makes tools wait (and their turns be handed
+back), never run unguarded. While it waits for none it looks
 again every ``RECHECK`` seconds, so a replica added after the workers started is waited for.
 """
 
