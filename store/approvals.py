@@ -33,9 +33,9 @@ class Wait:
 class Decision:
     approved: bool
     sealed_reason: dict[str, Any] = field(repr=False)  # {"plain": ...} or {"sealed": ...}, as seal_value makes
-    input_digest: str = ""
-    at: float = 0.0
-    by: str = "person"  # "person" or "expiry"
+    input_digest: str
+    at: float
+    by: str  # "person" or "expiry"
 
     @property
     def reason(self) -> str:
@@ -65,11 +65,11 @@ def read(r: Redis, keys: RunKeys) -> tuple[dict[str, Wait], dict[str, Decision]]
                 tool_use_id, record["name"], record["input"], record["requested_at"], record.get("deadline")
             )
         else:
-            # A record from before reasons were sealed keeps it in "reason".
-            reason = {"plain": record.get("reason") or ""} if "reason" in record else record
+            # A record from before reasons were sealed keeps the reason in plain text under "reason".
+            sealed = {k: record[k] for k in ("plain", "sealed") if k in record}
             decisions[name] = Decision(
                 bool(record["approved"]),
-                {k: reason[k] for k in ("plain", "sealed") if k in reason} or {"plain": ""},
+                sealed or {"plain": record.get("reason") or ""},
                 record["input"],
                 record["at"],
                 record.get("by", "person"),

@@ -102,9 +102,16 @@ def read_header(pipe: Redis | Pipeline, run_id: str) -> Header | None:
 def fail_corrupt(r: Redis, run_id: str, exc: UnreadableRecord, where: str) -> None:
     """The run cannot be taken over because its header is damaged: fail it with the reason, once."""
     reason = f"{exc}; the run cannot be taken over ({where}); its data is left as found"
-    if fail_unfenced(r, run_id, reason, retention_s=Settings.from_env().retention):
+    if _fail(r, run_id, reason):
         log.error("run %s failed: %s", run_id, reason)
+
+
+def _fail(r: Redis, run_id: str, reason: str) -> bool:
+    """Fail the run without its lease, with its retention and the status event; True if failed now."""
+    failed = fail_unfenced(r, run_id, reason, retention_s=Settings.from_env().retention)
+    if failed:
         emit(r, run_id, "status", status="failed", error=reason)
+    return failed
 
 
 def stage_restart(
@@ -167,8 +174,7 @@ def requeue_turn(
                 f"turn {header.turn} was started {MAX_TURN_ATTEMPTS} times without finishing (last: {cause}); "
                 "check the worker logs for what kills it"
             )
-            if fail_unfenced(r, run_id, reason, retention_s=Settings.from_env().retention):
-                emit(r, run_id, "status", status="failed", error=reason)
+            _fail(r, run_id, reason)
             return None
         pipe.multi()
         jid = stage_restart(pipe, r, run_id, turn=header.turn, attempt=next_attempt, requeues=header.requeues)

@@ -106,12 +106,7 @@ class GroupWatcher:
     Started lazily, in the worker's process group (not a horse: it leads no group of its own)."""
 
     def __init__(self) -> None:
-        self._fd: int | None = None
-
-    @property
-    def fd(self) -> int | None:
-        """The pipe's write end, which a forked horse must close (``close_in_child``)."""
-        return self._fd
+        self._fd: int | None = None  # the pipe's write end, which a forked horse must close
 
     def watch(self, pgid: int) -> None:
         """A horse leads group ``pgid`` now (0: no horse, its group ended)."""
