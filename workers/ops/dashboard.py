@@ -133,12 +133,14 @@ def list_rows(r: Redis, *, status: str | None, agent: str | None, limit: int) ->
 
     picked: list[client.Run] = []
     scan = SCAN_WHEN_FILTERED if filtered else limit
-    for run_id, raw in runs_index.iter_headers(r, page=min(runs_index.PAGE, scan), scan=scan, where=wanted):
+    pages = runs_index.iter_headers(r, page=min(runs_index.PAGE, scan), scan=scan, where=wanted if filtered else None)
+    for run_id, raw in pages:
         try:
             # Not opening sealed fields: a listing needs no key when encryption at rest is on.
             run = client.Run.from_state(load_header(run_id, raw, open_sealed=False))
         except AgentPoolError:
             continue  # an unreadable record is shown by `agentpool show`, not guessed at here
+        agents.add(run.agent)  # unfiltered, every run looked at is read whole: no two-field pass first
         if len(picked) < limit:
             picked.append(run)
     with r.pipeline(transaction=False) as pipe:
