@@ -209,14 +209,14 @@ def test_cost_is_exported_once_the_pool_counters_carry_it(r):
     assert b"agentpool_cost_usd_total 0.125" in generate_latest(registry_for(r))
 
 
-def test_every_exported_metric_is_explained_in_the_readme(r):
+def test_every_exported_metric_is_explained_in_the_docs(r):
     from prometheus_client import generate_latest
 
     from agentpool.ops.metrics import registry_for
 
     r.hincrbyfloat("ap:stats", "cost_usd", 0.125)  # exported only once there is spend
     families = {f.name for f in text_string_to_metric_families(generate_latest(registry_for(r)).decode())}
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("| metric | counts |") : readme.index("- **Dashboard**")]
+    page = (ROOT / "docs" / "operations.md").read_text()
+    table = page[page.index("| metric | counts |") : page.index("- **Dashboard**")]
     missing = [name for name in families if not any(f"`{name}{end}" in table for end in ("`", "{", "_total"))]
-    assert families and not missing, f"not explained in the README's metrics table: {missing}"
+    assert families and not missing, f"not explained in docs/operations.md's metrics table: {missing}"

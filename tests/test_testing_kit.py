@@ -1,4 +1,4 @@
-"""The testing kit as an app author uses it (README, "Test your agents"): a local pool in a few lines,
+"""The testing kit as an app author uses it (docs/testing.md): a local pool in a few lines,
 scripts that react to what the tools answered (a denied approval above all), script functions, a
 pytest fixture, and one tool called as a worker calls it."""
 

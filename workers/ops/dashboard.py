@@ -19,7 +19,7 @@ below, which read Redis through ``agentpool.client`` and ``store``::
     POST /api/runs/<id>/fork              {"at_turn": int|null, "fork_id": str|null} -> {"ok", "run_id"}
 
 Errors are ``{"error": text}``: 400 bad input (NaN, an unknown status), 401, 403, 404, 409 refused by
-the run's state (a resume that cannot help), 415, 503 Redis unavailable. The README documents it all.
+the run's state (a resume that cannot help), 415, 503 Redis unavailable. docs/operations.md documents it all.
 
 Security. Bound to a loopback address and given no token, anyone on this machine may act, and requests
 naming another Host are refused (a DNS-rebinding page cannot reach it). Bound anywhere else, it refuses

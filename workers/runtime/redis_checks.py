@@ -37,6 +37,6 @@ def hazards(r: Redis) -> list[str]:
     if cluster.get("cluster_enabled"):
         found.append(
             "Redis runs in cluster mode, which agentpool does not support (a save touches a run's keys and "
-            "the global indexes in one script); use one primary with replicas (README, 'Redis high availability')"
+            "the global indexes in one script); use one primary with replicas (docs/high-availability.md)"
         )
     return found
