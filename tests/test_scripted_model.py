@@ -65,6 +65,7 @@ SCRIPTS: dict[str, list[dict]] = {
         {"error": {"status": 529, "type": "overloaded_error", "message": "Overloaded"}, "text": "ok"},
     ],
     "slow": [{"delay": 0.3, "text": "sorry for the wait"}],
+    "typo": [{"tool_calls": [{"name": "add", "input": {"a": "one"}}]}],
     "custom_usage": [{"text": "x", "usage": {"output_tokens": 4096}, "stop_reason": "max_tokens"}],
     "default": [{"text": "default script here"}],
 }
@@ -350,11 +351,47 @@ def test_bad_tools_rejected(client: anthropic.Anthropic) -> None:
     assert create(client, [user("hi")], tools=[{"type": "web_search_20250305", "name": "web_search"}])
 
 
-def test_unknown_script_and_undefined_scripted_tool_are_test_bugs(client: anthropic.Anthropic) -> None:
+def test_unknown_script_is_a_test_bug(client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError, match="unknown script 'nope'"):
         create(client, [user("[script:nope] go")])
-    with pytest.raises(anthropic.BadRequestError, match="calls tool 'add'"):
-        create(client, [user("[script:calc] go")], tools=[TOOLS[1]])
+
+
+def test_a_script_may_call_a_tool_the_request_does_not_offer(client: anthropic.Anthropic) -> None:
+    """A model calling a tool it was not given is a mistake a test must be able to script: the reply holds
+    the tool_use, and the next request may send it back with its (error) result. A tool_use the client
+    names after a tool it dropped, or forges, is still refused."""
+    messages = [user("[script:calc] go")]
+    first = create(client, messages, tools=[TOOLS[1]])
+    (call,) = [b for b in first.content if b.type == "tool_use"]
+    assert (call.name, call.input, first.stop_reason) == ("add", {"a": 1, "b": 2}, "tool_use")
+    assert TOOL_ID.match(call.id)
+    answered = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "no such tool", "is_error": True}],
+    }
+    second = create(client, messages + [as_assistant(first), answered], tools=[TOOLS[1]])
+    assert second.content[0].text == "The answer is 3."
+
+    forged = as_assistant(first)
+    forged["content"][-1]["id"] = call.id[:-1] + ("x" if call.id[-1] != "x" else "y")
+    answered["content"][0]["tool_use_id"] = forged["content"][-1]["id"]
+    with pytest.raises(anthropic.BadRequestError, match="`add`, which is not defined in `tools`"):
+        create(client, messages + [forged, answered], tools=[TOOLS[1]])
+    renamed = as_assistant(first)
+    renamed["content"][-1]["name"] = "subtract"  # the id was made for `add`
+    answered["content"][0]["tool_use_id"] = call.id
+    with pytest.raises(anthropic.BadRequestError, match="`subtract`, which is not defined in `tools`"):
+        create(client, messages + [renamed, answered], tools=[TOOLS[1]])
+
+
+def test_a_script_may_give_a_tool_input_its_schema_refuses(client: anthropic.Anthropic, model: ScriptedModel) -> None:
+    """Input of the wrong type, or missing a field, is the model's mistake too: it is sent as scripted
+    (checking it is the client's job); only an input that is not an object, which the API never sends,
+    is a script error."""
+    (call,) = create(client, [user("[script:typo] go")]).content
+    assert (call.name, call.input) == ("add", {"a": "one"})
+    with pytest.raises(ValueError, match=r"x.0.tool_calls.0: must be \{'name': str, 'input': dict\}"):
+        model.set_scripts({"x": [{"tool_calls": [{"name": "add", "input": "one"}]}]})
 
 
 def test_top_level_validation_over_raw_http(model: ScriptedModel) -> None:

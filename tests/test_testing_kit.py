@@ -85,6 +85,31 @@ def test_a_script_that_matches_no_branch_or_raises_fails_the_run_with_the_reason
     assert run.status == "failed" and "the script function failed: ZeroDivisionError" in run.error
 
 
+def test_a_script_plays_a_model_that_calls_an_unknown_tool_and_gives_a_tool_bad_input(shared_pool):
+    """The model's mistakes a test author scripts: agentpool answers each with an is_error result, the
+    run goes on, and the next step can react to it."""
+    pool = shared_pool
+    mistakes = [
+        {"tool_calls": [{"name": "cancel_order", "input": {"order": "A-17"}}]},  # refunds has no such tool
+        {"tool_calls": [{"name": "order_status", "input": {"order": 17}}]},  # a number where a str is due
+        {
+            "branches": [
+                {"when": {"tool": "order_status", "is_error": True, "result_contains": "valid string"}, "text": "ok"},
+                {"text": "the bad input reached the tool"},
+            ]
+        },
+    ]
+    run = pool.run("pool_agents:refunds", "Cancel order A-17", script=mistakes)
+
+    assert (run.status, run.result) == ("completed", "ok"), run.error
+    results = [b for m in run.messages if m["role"] == "user" and isinstance(m["content"], list) for b in m["content"]]
+    assert [(r["is_error"], r["content"].split(".")[0]) for r in results] == [
+        (True, "There is no tool named 'cancel_order'"),
+        (True, "invalid input for order_status: order: Input should be a valid string"),
+    ]
+    assert pool.model.stats()["rejected"] == 0, pool.model.stats()["rejections"]
+
+
 def test_malformed_branches_are_refused_when_the_script_is_set():
     for bad, says in (
         ({"branches": []}, "non-empty list"),

@@ -31,6 +31,12 @@ Every key of a step is optional::
       ]
     }
 
+A tool call may name a tool the request does not offer, and its ``input`` may be any object whatever
+the tool's schema says (a wrong type, a missing field): these are a model's mistakes, which a test
+scripts to see the client handle them. Such a tool_use gets an id signed by this server, so a later
+request may send it back although ``tools`` lack its name (a tool_use the client names after a tool it
+dropped from ``tools`` is still a 400).
+
 A step may instead hold ``branches``, chosen by ``when`` conditions on the last tool results
 (``is_error``, ``result_contains``, ``result_matches``, ``tool``) or the task (``task_contains``), and
 in-process a script or a step may be a function of a :class:`ScriptRequest` returning a step: see

@@ -105,7 +105,7 @@ class Answerer:
                 return self._reply(body, "compaction", [block], "compaction", usage, iterations, kind="compaction")
         check_prompt_fits(sum(usage.values()), self.window)
         name, _index, step = self.book.step_for(view)  # the step's delay and injected error happen here
-        content = build_content(step)
+        content = build_content(step, {t.get("name") for t in body.get("tools") or []})
         stop = step.get("stop_reason") or ("tool_use" if step.get("tool_calls") else "end_turn")
         if compaction is not None:
             content = [compaction[0], *content]

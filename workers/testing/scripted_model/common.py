@@ -71,6 +71,26 @@ def sign_thinking(thinking: str) -> str:
     return base64.b64encode(digest).decode("ascii")
 
 
+def unoffered_tool_use_id(name: str) -> str:
+    """The id of a tool_use the scripted model wrote for a tool its request did not offer (a script
+    playing a model's mistake). It carries a signature over the name, so a later request may send the
+    block back although its ``tools`` lack that name; a client cannot make one (a tool_use it names after
+    a tool it dropped from ``tools`` is still refused). Shaped like any id: ``toolu_`` and 24 letters and
+    digits."""
+    base = random_id("toolu_", 12)
+    return base + _unoffered_mac(base, name)
+
+
+def is_unoffered_tool_use(tool_use_id: str, name: str) -> bool:
+    """Whether ``tool_use_id`` was made by :func:`unoffered_tool_use_id` for ``name`` in this process."""
+    base, mac = tool_use_id[:-12], tool_use_id[-12:]
+    return len(tool_use_id) > 12 and hmac.compare_digest(mac, _unoffered_mac(base, name))
+
+
+def _unoffered_mac(base: str, name: str) -> str:
+    return hmac.new(_SIGNING_SECRET, f"unoffered\0{base}\0{name}".encode(), hashlib.sha256).hexdigest()[:12]
+
+
 def parse_json(raw: bytes) -> Any:
     if not raw:
         return None

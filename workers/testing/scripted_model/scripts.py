@@ -17,6 +17,7 @@ from agentpool.testing.scripted_model.common import (
     invalid,
     random_id,
     sign_thinking,
+    unoffered_tool_use_id,
 )
 from agentpool.testing.scripted_model.selection import request_of, resolve, validate_branches
 from agentpool.testing.scripted_model.sse import validate_stream_options
@@ -127,19 +128,11 @@ class InjectedError(Exception):
         self.error = error
 
 
-def check_tool_calls_defined(name: str, index: int, step: dict, body: dict) -> None:
-    # A script calling a tool the request did not offer would only be rejected on the next turn;
-    # fail on this one so the test bug is reported where it is.
-    offered = {t.get("name") for t in body.get("tools") or []}
-    for call in step.get("tool_calls") or []:
-        if call["name"] not in offered:
-            raise invalid(
-                f"[scripted model] script {name!r} step {index} calls tool "
-                f"{call['name']!r}, which the request's `tools` do not define"
-            )
-
-
-def build_content(step: dict) -> list[dict]:
+def build_content(step: dict, offered: set[str]) -> list[dict]:
+    """The reply's content blocks. A tool call may name a tool the request does not offer (``offered``):
+    that is a model's mistake a test may script, and its tool_use gets an id that lets the block be sent
+    back (see ``unoffered_tool_use_id``). Its input may be any object, fields of the wrong type or
+    missing included: checking it is the client's job."""
     content: list[dict] = []
     if "thinking" in step:
         content.append({"type": "thinking", "thinking": step["thinking"], "signature": sign_thinking(step["thinking"])})
@@ -149,7 +142,7 @@ def build_content(step: dict) -> list[dict]:
         content.append(
             {
                 "type": "tool_use",
-                "id": random_id("toolu_"),
+                "id": random_id("toolu_") if call["name"] in offered else unoffered_tool_use_id(call["name"]),
                 "name": call["name"],
                 "input": copy.deepcopy(call.get("input", {})),
             }
@@ -184,7 +177,6 @@ class ScriptBook:
     def step_for(self, body: dict) -> tuple[str, int, dict]:
         """(script name, step index, step) for a validated request; injects the step's error, if due."""
         name, index, step = self.peek(body)
-        check_tool_calls_defined(name, index, step, body)
         if step.get("delay"):
             time.sleep(float(step["delay"]))
         self._maybe_inject_error(first_user_text(body["messages"]), name, index, step)

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from agentpool.testing.scripted_model.cache import CACHE_TTLS, cache_units
-from agentpool.testing.scripted_model.common import ApiError, invalid, sign_thinking
+from agentpool.testing.scripted_model.common import ApiError, invalid, is_unoffered_tool_use, sign_thinking
 from agentpool.testing.scripted_model.compaction import COMPACT_BETA, leading_state
 
 _TOOL_ID_PATTERN = re.compile(r"^[a-zA-Z0-9_-]+$")
@@ -276,7 +276,7 @@ def _validate_block(
         if block["id"] in seen_ids:
             raise invalid(f"{path}: `tool_use` ids must be unique")
         seen_ids.add(block["id"])
-    if kind == "tool_use" and block["name"] not in tool_names:
+    if kind == "tool_use" and block["name"] not in tool_names and not is_unoffered_tool_use(block["id"], block["name"]):
         raise invalid(f"{path}: tool_use block names the tool `{block['name']}`, which is not defined in `tools`")
     if kind == "tool_result":
         _validate_tool_result(path, block)
