@@ -32,7 +32,7 @@ def hazards(r: Redis) -> list[str]:
         found.append(
             f"Redis evicts keys under memory pressure (maxmemory-policy {policy}, maxmemory {maxmemory} bytes): "
             "an evicted ledger intent lets an unsafe tool run twice and an evicted run is lost; "
-            "set maxmemory-policy noeviction (deploy/README.md, 'Redis')"
+            "set maxmemory-policy noeviction (deploy/README.md, 'Redis durability')"
         )
     if cluster.get("cluster_enabled"):
         found.append(
