@@ -41,7 +41,8 @@ class EarlierAttemptMayRun(Exception):
     than a turn waits in its worker: the turn is to be deferred until then."""
 
     def __init__(self, until: float) -> None:
-        super().__init__(f"an earlier attempt may still be running until {until:.0f}")
+        at = time.strftime("%H:%M:%S UTC", time.gmtime(until))  # read by people in `show`, not parsed
+        super().__init__(f"an earlier attempt may still be running until {at}")
         self.until = until
 
 
