@@ -16,7 +16,7 @@ from redis import Redis
 
 from agentpool.store.codec import pack, unpack
 from agentpool.store.keys import RunKeys
-from agentpool.store.ledger import fenced_hset, input_digest
+from agentpool.store.ledger import At, fenced_hset, input_digest
 from agentpool.store.records import SCHEMA_VERSION, open_value, seal_value
 
 
@@ -42,7 +42,16 @@ class Decision:
         return str(open_value(self.sealed_reason, "approval reason") or "")
 
 
-def request(r: Redis, keys: RunKeys, token: str, call: dict[str, Any], *, now: float, deadline: float | None) -> None:
+def request(
+    r: Redis,
+    keys: RunKeys,
+    token: str,
+    call: dict[str, Any],
+    *,
+    now: float,
+    deadline: float | None,
+    at: At | None = None,
+) -> None:
     record = {
         "v": SCHEMA_VERSION,
         "name": call["name"],
@@ -50,7 +59,7 @@ def request(r: Redis, keys: RunKeys, token: str, call: dict[str, Any], *, now: f
         "requested_at": now,
         "deadline": deadline,
     }
-    fenced_hset(r, keys, token, keys.approvals, f"{call['id']}:wait", record)
+    fenced_hset(r, keys, token, keys.approvals, f"{call['id']}:wait", record, at=at)
 
 
 def read(r: Redis, keys: RunKeys) -> tuple[dict[str, Wait], dict[str, Decision]]:

@@ -31,6 +31,7 @@ from agentpool.store.errors import (
     RunNotActive,
     RunNotFound,
     StoreError,
+    TurnMoved,
     UnreadableRecord,
 )
 from agentpool.store.events import Event, script_args
@@ -253,9 +254,10 @@ def _fenced_transaction(
     stage: Callable[..., None],
     read: Callable[[Pipeline], Any] | None = None,
     watch_also: tuple[str, ...] = (),
+    at: ledger.At | None = None,
 ) -> None:
-    """One EXEC that lands only while ``token`` owns the lease and the run is running; it drops the
-    lease. ``stage(pipe, attempt, requeues)`` adds the caller's commands (in MULTI) given the header's
+    """One EXEC that lands only while ``token`` owns the lease and the run is running (and, given
+    ``at``, is at those turns and phase: ``TurnMoved`` otherwise); it drops the lease. ``stage(pipe, attempt, requeues)`` adds the caller's commands (in MULTI) given the header's
     attempt and requeue counters; with ``read``, also what ``read(pipe)`` found under WATCH (of the
     lease, the header and ``watch_also``) as a fourth argument.
 
@@ -272,7 +274,7 @@ def _fenced_transaction(
         while True:
             try:
                 pipe.watch(keys.lease, keys.run, *watch_also)
-                holder, status, attempt, requeues, done = run_script(  # type: ignore[misc]
+                holder, status, attempt, requeues, done, turns, phase = run_script(  # type: ignore[misc]
                     "fence_state", pipe, [keys.lease, keys.run], [write_id]
                 )
                 if done:
@@ -282,6 +284,9 @@ def _fenced_transaction(
                     raise LeaseLost(keys.run_id)
                 if status != b"running":
                     raise RunNotActive(keys.run_id, (status or b"?").decode("utf-8", errors="replace"))
+                if at and (turns, phase) != (str(at[0]).encode(), at[1].encode()):
+                    found_at = f"turn count {(turns or b'?').decode()}, phase {(phase or b'?').decode()}"
+                    raise TurnMoved(keys.run_id, f"save point B follows turn count {at[0]}, the run is at {found_at}")
                 found = read(pipe) if read else None
                 pipe.multi()
                 args = (found,) if read else ()
@@ -303,12 +308,13 @@ def commit_tool_results(
     *,
     message: Mapping[str, Any] | None,
     enqueue_next: Callable[[Pipeline], None],
+    turns: int,
     outcomes: dict[str, Outcome] | None = None,
     event: Event | None = None,
-    turns: int = 0,
 ) -> None:
     """Save point B: the tool results message (if any), phase back to "model", the lease dropped,
-    the next turn's job and the ``event`` that reports it, all in one EXEC. The ledger keeps only
+    the next turn's job and the ``event`` that reports it, all in one EXEC, only if the run is still
+    at the ``turns`` its save point A counted (``TurnMoved`` otherwise). The ledger keeps only
     notes of ``outcomes`` from now on. The header is stamped with the schema version the message
     was written in, as save point A does.
 
@@ -339,7 +345,9 @@ def commit_tool_results(
         if event:
             event.stage(pipe)
 
-    _fenced_transaction(r, keys, token, stage, read=read, watch_also=(keys.inbox,))
+    # Only on the save point A it follows: a promoted replica may hold the lease but not that A, and
+    # tool_results appended there would answer tool_uses its conversation does not have.
+    _fenced_transaction(r, keys, token, stage, read=read, watch_also=(keys.inbox,), at=(turns, "tools"))
     if event:
         event.log()
 

@@ -10,20 +10,30 @@ time, :class:`NotReplicated` is raised and the tool does not run (the turn is ha
 The trap: ``WAIT`` waits only for the writes *of the connection it is sent on*; from a pooled connection
 that wrote nothing it returns at once. So the guard sends one write of its own (``INCR`` of a probe key)
 and ``WAIT`` together, in one pipeline, on one connection. The replication stream is ordered: a replica
-that has the probe has every write the primary made before it, whichever connection made them, which
-includes the intent and save point A (both acknowledged to this worker before the guard runs).
+that has the probe has every write the primary made before it, whichever connection made them.
+
+The second trap: the server that acknowledges may not be the one the writes went to. The primary dies
+with the guard in flight, the client re-sends, and an endpoint that follows the failover (a managed
+primary endpoint, a virtual IP, a proxy in front of Sentinel) delivers it to the promoted replica,
+which lacks the intent and save point A but has a replica of its own to acknowledge at once. So the
+probe is a script (``store/lua/durability_probe.lua``) that writes only where the lease, the run's
+turn and phase, and the call's intent exactly as written are (a :class:`Proof`), and the guard is sent
+once: a connection lost during it is "not replicated", never a retry that may succeed elsewhere (or on
+a primary restarted without the writes, where ``WAITAOF`` would fsync the probe alone).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from redis import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
 from agentpool.store.errors import StoreError
-from agentpool.store.keys import DURABILITY_PROBE
+from agentpool.store.keys import DURABILITY_PROBE, RunKeys
+from agentpool.store.scripts import compact_source
 
 log = logging.getLogger("agentpool.durability")
 WAITAOF_MODES = ("off", "local", "replicas")
@@ -56,23 +66,59 @@ class Guard:
         return " and ".join(parts) + f", up to {self.timeout_ms} ms, before each tool whose effect is not read"
 
 
+@dataclass(frozen=True)
+class Proof:
+    """The writes a guard protects, as the turn made them: ``token``'s lease on the run, the run at
+    ``turns`` in ``phase`` (its save point A), and ``intent`` (the packed record) in ``field`` of the
+    ledger. The probe is written, and so acknowledged, only on a server that holds all of them."""
+
+    keys: RunKeys
+    token: str
+    turns: int
+    phase: str
+    field: str
+    intent: bytes
+
+
+PROBE_REFUSED = {
+    -1: "the lease is not this turn's there",
+    -2: "the run is not running there",
+    -3: "the run is not at the turn's save point A there",
+    -4: "the call's intent is not there",
+}
+
 # Servers known to lack WAITAOF (Redis < 7.2), by "host:port" of the connection that asked.
 _no_waitaof: set[str] = set()
 
 
-def wait_durable(r: Redis, guard: Guard) -> None:
-    """Return once the guard is satisfied; raise :class:`NotReplicated` if it is not in time."""
+def wait_durable(r: Redis, guard: Guard, proof: Proof | None = None) -> None:
+    """Return once the guard is satisfied; raise :class:`NotReplicated` if it is not in time, if the
+    server that answers lacks the writes of ``proof``, or if the connection is lost meanwhile. Without a
+    ``proof`` (telling whether a deployment has replicas) the probe is a plain ``INCR``."""
     if not guard.active:
         return
     use_aof = guard.waitaof != "off" and _server(r) not in _no_waitaof
-    with r.pipeline(transaction=False) as pipe:
-        pipe.incr(DURABILITY_PROBE)
-        if guard.replicas:
-            pipe.execute_command("WAIT", guard.replicas, guard.timeout_ms)
-        if use_aof:
-            numreplicas = guard.replicas if guard.waitaof == "replicas" else 0
-            pipe.execute_command("WAITAOF", 1, numreplicas, guard.timeout_ms)
-        replies = pipe.execute(raise_on_error=False)
+    if proof is None:
+        commands: list[tuple[Any, ...]] = [("INCR", DURABILITY_PROBE)]
+    else:
+        keys = proof.keys
+        commands = [
+            ("EVAL", compact_source("durability_probe"), 4, keys.lease, keys.run, keys.ledger, DURABILITY_PROBE)
+            + (proof.token, proof.turns, proof.phase, proof.field, proof.intent)
+        ]
+    if guard.replicas:
+        commands.append(("WAIT", guard.replicas, guard.timeout_ms))
+    if use_aof:
+        numreplicas = guard.replicas if guard.waitaof == "replicas" else 0
+        commands.append(("WAITAOF", 1, numreplicas, guard.timeout_ms))
+    replies = _send_once(r, commands)
+    probe = replies[0]
+    if isinstance(probe, ResponseError):
+        raise NotReplicated(f"the guard's probe failed: {probe}")
+    if proof is not None and int(probe) != 1:
+        raise NotReplicated(
+            f"the server that answered lacks what the call depends on: {PROBE_REFUSED.get(int(probe), probe)}"
+        )
     acks = int(replies[1]) if guard.replicas else guard.replicas
     if guard.replicas and acks < guard.replicas:
         raise NotReplicated(
@@ -91,6 +137,34 @@ def wait_durable(r: Redis, guard: Guard) -> None:
             raise NotReplicated(
                 f"the call's intent was fsynced locally {local}, on {remote} replica(s), within {guard.timeout_ms} ms"
             )
+
+
+def _send_once(r: Redis, commands: list[tuple[Any, ...]]) -> list[Any]:
+    """The replies to ``commands``, sent together on one connection and never re-sent: redis-py's retry
+    would send them again after a lost connection, perhaps to another server than the first went to.
+    A reply that is an error is returned, not raised; a lost connection is :class:`NotReplicated`."""
+    pool = r.connection_pool
+    try:
+        conn = pool.get_connection()
+    except (ConnectionError, TimeoutError) as exc:
+        raise NotReplicated(f"Redis could not be reached for the guard ({type(exc).__name__})") from exc
+    try:
+        conn.send_packed_command(conn.pack_commands(commands))
+        replies: list[Any] = []
+        for _ in commands:
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+        return replies
+    except (ConnectionError, TimeoutError, OSError) as exc:
+        conn.disconnect()
+        raise NotReplicated(
+            f"the connection was lost during the guard ({type(exc).__name__}): whether the replicas have the "
+            "call's intent is unknown"
+        ) from exc
+    finally:
+        pool.release(conn)
 
 
 def waitaof_supported(r: Redis) -> bool:

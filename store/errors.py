@@ -45,6 +45,17 @@ class LeaseLost(FenceError):
         self.run_id = run_id
 
 
+class TurnMoved(FenceError):
+    """The run is not at the turn and phase the writer believes, although the lease is still its own: the
+    server it now writes to lacks an earlier write of the turn (save point A lost in a failover, whose
+    promoted replica had the lease already). Nothing was written; the turn is redone from what the
+    server has."""
+
+    def __init__(self, run_id: str, detail: str) -> None:
+        super().__init__(f"run {run_id} is not where this turn left it ({detail}); the turn is redone from there")
+        self.run_id = run_id
+
+
 class RunNotActive(FenceError):
     """The run left the running state (cancelled, for instance) while this turn was in flight."""
 

@@ -19,7 +19,7 @@ from redis.client import Pipeline
 
 from agentpool.store import crypto, writes
 from agentpool.store.codec import pack, unpack
-from agentpool.store.errors import LeaseLost, LedgerMismatch, RunNotActive, UnreadableRecord
+from agentpool.store.errors import LeaseLost, LedgerMismatch, RunNotActive, TurnMoved, UnreadableRecord
 from agentpool.store.events import Event, script_args
 from agentpool.store.keys import STATS, RunKeys
 from agentpool.store.records import SCHEMA_VERSION, open_value, seal_value
@@ -114,23 +114,36 @@ def check_same_call(entry: Entry, tool_use: dict[str, Any]) -> None:
         )
 
 
+# Where a turn believes its run is: (turns counted, phase). A fenced write given one lands only there.
+At = tuple[int, str]
+
+
 def fenced_hset(
-    r: Redis, keys: RunKeys, token: str, hash_key: str, field: str, record: dict[str, Any], event: Event | None = None
+    r: Redis,
+    keys: RunKeys,
+    token: str,
+    hash_key: str,
+    field: str,
+    record: dict[str, Any],
+    event: Event | None = None,
+    at: At | None = None,
 ) -> None:
-    """Write ``record`` into one of the run's hashes, only while ``token`` owns the running run,
-    with the ``event`` that reports it."""
+    """Write ``record`` into one of the run's hashes, only while ``token`` owns the running run (and,
+    given ``at``, the run is at those turns and phase), with the ``event`` that reports it."""
     code = int(
         run_script(
             "fenced_hset",
             r,
             [keys.lease, keys.run, hash_key, keys.events, STATS],  # type: ignore[arg-type]
-            [token, field, pack(record), *script_args(event)],
+            [token, field, pack(record), *(at if at else ("", "")), *script_args(event)],
         )
     )
     if code == -1:
         raise LeaseLost(keys.run_id)
     if code == -2:
         raise RunNotActive(keys.run_id, (r.hget(keys.run, "status") or b"?").decode())
+    if code == -3 and at:
+        raise TurnMoved(keys.run_id, f"{field} was to be written at turn count {at[0]}, phase {at[1]}")
     if event:
         event.log()
 
@@ -146,6 +159,7 @@ def write_intent(
     now: float,
     timeout: float | None = None,
     event: Event | None = None,
+    at: At | None = None,
 ) -> dict[str, Any]:
     record = {
         "v": SCHEMA_VERSION,
@@ -158,17 +172,23 @@ def write_intent(
     }
     if timeout is not None:
         record["timeout"] = timeout
-    fenced_hset(r, keys, token, keys.ledger, tool_use["id"], record, event)
+    fenced_hset(r, keys, token, keys.ledger, tool_use["id"], record, event, at)
     return record
 
 
 def withdraw_intent(
-    r: Redis, keys: RunKeys, token: str, tool_use_id: str, record: dict[str, Any], event: Event | None = None
+    r: Redis,
+    keys: RunKeys,
+    token: str,
+    tool_use_id: str,
+    record: dict[str, Any],
+    event: Event | None = None,
+    at: At | None = None,
 ) -> None:
     """Mark an intent as not acted on: the durability guard refused to run its call (fenced, like the
     intent), with the ``event`` that says so. If a failover loses this mark but keeps the intent, the
     call reads "started, no outcome": never run twice, at worst reported unknown."""
-    fenced_hset(r, keys, token, keys.ledger, tool_use_id, {**record, "withdrawn": True}, event)
+    fenced_hset(r, keys, token, keys.ledger, tool_use_id, {**record, "withdrawn": True}, event, at)
 
 
 def write_outcome(
@@ -181,12 +201,13 @@ def write_outcome(
     how: str,
     now: float,
     event: Event | None = None,
+    at: At | None = None,
 ) -> None:
     # A tool's output is sealed like the messages when encryption at rest is on.
     record = {"v": SCHEMA_VERSION, **seal_value(outcome.content), "is_error": outcome.is_error, "how": how, "at": now}
     if outcome.tool:
         record["name"] = outcome.tool
-    fenced_hset(r, keys, token, keys.ledger, f"{tool_use_id}:out", record, event)
+    fenced_hset(r, keys, token, keys.ledger, f"{tool_use_id}:out", record, event, at)
 
 
 def mark_ended(r: Redis, keys: RunKeys, holder: str, now: float) -> int:

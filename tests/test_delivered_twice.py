@@ -269,6 +269,7 @@ def test_save_point_b_whose_exec_reply_is_lost_knows_it_landed(r, proxy, lossy):
             token,
             message=results,
             enqueue_next=lambda pipe: stage_turn(pipe, lossy, RUN, 1),
+            turns=1,
             event=Event.of(RUN, "turn_committed", turn=0),
         )  # before: LeaseLost, though it had committed
     state = checkpoint.load_run(r, RUN)

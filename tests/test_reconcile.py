@@ -60,7 +60,7 @@ def test_calls_to_tools_the_agent_no_longer_has_get_is_error_results(r):
     checkpoint.commit_response(r, keys, token, turns_before=0, message=message, pending=[never, started])
     ledger.write_intent(r, keys, token, started, effect="unsafe", attempt=1, now=1.0)
 
-    results = Settlement(r, keys, token, 0).settle(short, [never, started])
+    results = Settlement(r, keys, token, 0).settle(short, [never, started], turns=1)
     assert [b["tool_use_id"] for b in results] == ["toolu_never", "toolu_started"]
     assert results[0]["is_error"] and "no tool named 'retired_tool'" in results[0]["content"]
     assert results[1]["is_error"] and "status of this retired_tool call is unknown" in results[1]["content"]

@@ -117,10 +117,10 @@ def test_save_point_b_lands_with_its_enqueue_or_not_at_all(r):
         pipe.rpush("test:queue", "job-1")
 
     with pytest.raises(LeaseLost):
-        checkpoint.commit_tool_results(r, KEYS, "9:intruder", message=results, enqueue_next=enqueue)
+        checkpoint.commit_tool_results(r, KEYS, "9:intruder", message=results, enqueue_next=enqueue, turns=1)
     assert r.llen("test:queue") == 0 and r.llen(KEYS.messages) == 2
 
-    checkpoint.commit_tool_results(r, KEYS, token, message=results, enqueue_next=enqueue)
+    checkpoint.commit_tool_results(r, KEYS, token, message=results, enqueue_next=enqueue, turns=1)
     assert r.lrange("test:queue", 0, -1) == [b"job-1"]
     state = checkpoint.load_run(r, RUN)
     assert (state.phase, state.current_turn, len(state.messages)) == ("model", 1, 3)
@@ -216,7 +216,7 @@ def test_scripts_sent_in_a_pipeline_or_under_watch_survive_a_flushed_script_cach
     assert got.code is Acquire.ACQUIRED and checkpoint.decode_run(RUN, *got.then).status == "running"
     checkpoint.commit_response(r, KEYS, got.token, turns_before=0, message=reply(), pending=[])
     r.script_flush()
-    checkpoint.commit_tool_results(r, KEYS, got.token, message=None, enqueue_next=lambda pipe: None)
+    checkpoint.commit_tool_results(r, KEYS, got.token, message=None, enqueue_next=lambda pipe: None, turns=1)
     assert checkpoint.load_run(r, RUN).phase == "model" and not r.exists(KEYS.lease)
 
 
@@ -290,6 +290,7 @@ def test_save_point_b_keeps_a_tool_result_once(r):
         token,
         message=results,
         enqueue_next=lambda pipe: None,
+        turns=1,
         outcomes={"toolu_big": Outcome(big, False, how="ran")},
     )
     assert len(r.hget(KEYS.ledger, "toolu_big:out")) < 200, "the ledger keeps a note, the conversation the result"
@@ -306,7 +307,7 @@ def test_every_save_that_appends_a_message_stamps_the_header_with_its_version(r)
     checkpoint.commit_response(r, KEYS, token, turns_before=0, message=reply(tool_use=call), pending=[call])
     r.hset(KEYS.run, "v", 1)  # as if an older agentpool had written the header
     results = {"role": "user", "content": [Outcome("ok", False).as_tool_result("toolu_1")]}
-    checkpoint.commit_tool_results(r, KEYS, token, message=results, enqueue_next=lambda pipe: None)
+    checkpoint.commit_tool_results(r, KEYS, token, message=results, enqueue_next=lambda pipe: None, turns=1)
     assert r.hget(KEYS.run, "v") == str(SCHEMA_VERSION).encode(), "save point B"
     r.hset(KEYS.run, "v", 1)
     token = take(r, turn=1)

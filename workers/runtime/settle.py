@@ -26,7 +26,8 @@ from agentpool.runtime.settings import Settings
 from agentpool.runtime.toolcall import Ownership, bounded, result_text, run_tool, run_verify
 from agentpool.store import approvals, checkpoint, ledger
 from agentpool.store.clock import now_ms
-from agentpool.store.durability import NotReplicated, wait_durable
+from agentpool.store.codec import pack
+from agentpool.store.durability import NotReplicated, Proof, wait_durable
 from agentpool.store.errors import LedgerMismatch
 from agentpool.store.events import Event, emit
 from agentpool.store.keys import RunKeys
@@ -56,17 +57,22 @@ class Settlement:
         self.where = f"run {self.run_id} turn {turn}"
         self.limit = 100_000  # the agent's max_result_chars, once settle() is given the agent
         self.outcomes: dict[str, Outcome] = {}  # settled this turn, compacted in the ledger at save point B
+        # Where the run is while its tools settle (turns counted, "tools"): every ledger write lands only
+        # there, so none lands on a server that lacks the save point A that asked for the call.
+        self.at: ledger.At | None = None
 
     def settle(
-        self, agent: Agent, pending: list[dict[str, Any]], *, fresh: bool = False
+        self, agent: Agent, pending: list[dict[str, Any]], *, turns: int, fresh: bool = False
     ) -> list[dict[str, Any]] | None:
         """One tool_result per pending tool_use, in order, each reconciled on its own; or None when
-        the run now waits for a person's decision on some of them. ``fresh`` calls come from the reply
-        this very turn received: nothing can be recorded for them yet, so the ledger is not read.
+        the run now waits for a person's decision on some of them. ``turns`` is the run's turn count
+        with the save point A that recorded them. ``fresh`` calls come from the reply this very turn
+        received: nothing can be recorded for them yet, so the ledger is not read.
 
         Raises ``EarlierAttemptMayRun`` when a call started by a worker that lost the lease may still
         take effect for longer than a turn waits in its worker (``wait_for_earlier_attempts``)."""
         self.limit = agent.max_result_chars
+        self.at = (turns, "tools")
         if fresh:
             entries = {call["id"]: Entry(None, None) for call in pending}
         else:
@@ -154,7 +160,7 @@ class Settlement:
             timeout = tool.approval_timeout if tool and tool.approval_timeout is not None else agent.approval_timeout
             deadline = now + timeout if timeout is not None else None
             deadlines += [deadline] if deadline is not None else []
-            approvals.request(self.r, self.keys, self.token, call, now=now, deadline=deadline)
+            approvals.request(self.r, self.keys, self.token, call, now=now, deadline=deadline, at=self.at)
         checkpoint.finish(
             self.r,
             self.keys,
@@ -231,13 +237,18 @@ class Settlement:
             now=now_ms() / 1000,
             timeout=timeout,
             event=tool_event("tool_started", attempt=attempt),
+            at=self.at,
         )
         if tool.effect != "read":
-            try:  # the intent and save point A on the replicas first, or the call does not run yet
-                wait_durable(self.r, durability.guard(self.r))
+            assert self.at is not None
+            # The intent and save point A on the replicas first (and on the server that says so), or the
+            # call does not run yet.
+            proof = Proof(self.keys, self.token, *self.at, field=call["id"], intent=pack(intent))
+            try:
+                wait_durable(self.r, durability.guard(self.r), proof)
             except NotReplicated:
                 withdrawn = tool_event("tool_withdrawn", attempt=attempt, reason="not_replicated")
-                ledger.withdraw_intent(self.r, self.keys, self.token, call["id"], intent, withdrawn)
+                ledger.withdraw_intent(self.r, self.keys, self.token, call["id"], intent, withdrawn, self.at)
                 raise
         ownership = Ownership(self.r, self.keys, self.token)
         outcome = run_tool(
@@ -293,7 +304,7 @@ class Settlement:
             outcome=how,
         )
         ledger.write_outcome(
-            self.r, self.keys, self.token, call["id"], outcome, how=how, now=now_ms() / 1000, event=event
+            self.r, self.keys, self.token, call["id"], outcome, how=how, now=now_ms() / 1000, event=event, at=self.at
         )
         self.outcomes[call["id"]] = replace(outcome, how=how)
         return outcome

@@ -53,6 +53,7 @@ from agentpool.store.errors import (
     MessagesWaiting,
     RunNotActive,
     SchemaTooNew,
+    TurnMoved,
     UnreadableRecord,
 )
 from agentpool.store.events import Event, emit
@@ -119,19 +120,26 @@ def run_turn(run_id: str, turn: int) -> str:
         log.info("run %s turn %s: %s (%s); nothing to do", run_id, turn, got.code.name.lower(), got.detail)
         return got.code.name.lower()
     token = got.token
+    work = Turn(r, keys, token, turn, settings)
     with keep_alive(r, keys, token, settings.lease_ttl_ms):
         try:
-            return Turn(r, keys, token, turn, settings).run(*got.then)
+            return work.run(*got.then)
         except (LeaseLost, RunNotActive) as exc:
             log.warning("run %s turn %s: %s", run_id, turn, exc)
             return "abandoned"
+        except TurnMoved as exc:
+            # Redis lacks an earlier write of this turn (a failover lost save point A, not the lease):
+            # nothing more of it lands; the reaper re-enqueues the run's turn as Redis has it, now.
+            log.warning("run %s turn %s: %s", run_id, turn, exc)
+            release(r, keys, token)
+            return "redone"
         except EarlierAttemptMayRun as wait:
             return _wait_for_earlier_attempt(r, keys, token, wait, job_id)
         except (EncryptionKeyMissing, KeyNotHeld, SchemaTooNew, AgentNotFound, NotReplicated) as exc:
             # This worker cannot do the turn, the run is fine: give it back for a worker that can.
             if isinstance(exc, AgentNotFound) and _agent_unloadable_too_long(r, keys, settings):
                 return _stop_unloadable(r, keys, token, settings, exc)
-            return _hand_back(r, keys, got, token, exc, job_id)
+            return _hand_back(r, keys, got, token, exc, job_id, model_called=work.responded)
         except (UnreadableRecord, LedgerMismatch) as exc:
             log.error("run %s turn %s failed: %s", run_id, turn, exc)
             checkpoint.finish(
@@ -150,12 +158,18 @@ def run_turn(run_id: str, turn: int) -> str:
             raise
 
 
-def _hand_back(r: Redis, keys: RunKeys, got: AcquireResult, token: str, exc: Exception, job_id: str) -> str:
+def _hand_back(
+    r: Redis, keys: RunKeys, got: AcquireResult, token: str, exc: Exception, job_id: str, *, model_called: bool = False
+) -> str:
     """Give the turn back (see ``agentpool.store.handback``), with one clear log line and no traceback:
     RQ sees a job that ended normally, so its failed count does not grow with every hand-back."""
     reason = next(name for kind, name in HANDED_BACK if isinstance(exc, kind))
-    # The turn_started the acquire counted is taken back: no turn happened (the event stays in the stream).
-    counters = {f"handbacks|reason={reason}": 1.0, **({"turns": -1.0} if got.recorded else {})}
+    # The turn_started the acquire counted is taken back if no turn happened (the event stays in the
+    # stream). Once save point A committed the model's reply (``model_called``) the turn did happen: its
+    # retry only settles the tools and counts no turn start, so taking this one back would leave the
+    # turns counted behind the model calls paid for.
+    taken_back = got.recorded and not model_called
+    counters = {f"handbacks|reason={reason}": 1.0, **({"turns": -1.0} if taken_back else {})}
     event = Event(
         keys.run_id, "handed_back", {"reason": reason, "worker": worker_identity(), "error": str(exc)}, counters
     )
@@ -230,6 +244,7 @@ class Turn:
         self.started = time.monotonic()
         self.tools = Settlement(r, keys, token, turn, settings)
         self.watched = False  # somebody watches the run live (looked up with the lease)
+        self.responded = False  # save point A committed this turn's model reply
 
     def run(self, header: dict[bytes, bytes], loaded: list[Any], watched: int = 0) -> str:
         """The turn, given the run's header and window (``store.window``) as read with the lease."""
@@ -238,7 +253,7 @@ class Turn:
         agent = load_agent(state.agent)
         if state.phase == "tools":
             emit(self.r, self.run_id, "resumed", turn=self.turn, pending=len(state.pending))
-            results = self.tools.settle(agent, state.pending)  # may raise EarlierAttemptMayRun
+            results = self.tools.settle(agent, state.pending, turns=state.turns)  # may raise EarlierAttemptMayRun
             if results is None:
                 return "waiting_approval"
             return self.after_tools(results, turns=state.turns, window_at=compaction.window_hint(state))
@@ -360,10 +375,11 @@ class Turn:
             fault("after_delivery_refused", self.run_id, self.turn)
             final = ""
             commit(final)
+        self.responded = True
         fault("after_save_a", self.run_id, self.turn)
         if final:
             return final
-        results = self.tools.settle(agent, pending, fresh=True) if pending else []
+        results = self.tools.settle(agent, pending, turns=state.turns + 1, fresh=True) if pending else []
         if results is None:
             return "waiting_approval"
         return self.after_tools(results, turns=state.turns + 1, window_at=compaction.window_hint(state, reply))

@@ -12,7 +12,10 @@ except that the proxy can:
   ``heal()``; nothing is closed, so clients see silence, as across a cut network link;
 - **hold one request**: ``hold_next(pattern)`` keeps the next request containing ``pattern`` from
   Redis until ``release()``, so a test can put another client's writes before it: races played in
-  a chosen order instead of hoped for.
+  a chosen order instead of hoped for;
+- **follow a failover**: ``retarget((host, port))`` points new connections at another server and
+  closes the open ones, as a managed primary endpoint, a virtual IP or a proxy in front of Sentinel
+  does when a replica is promoted: a client's re-sent request reaches the new primary.
 
 Used by the tests to prove every write is safe to deliver twice; usable by apps for the same purpose::
 
@@ -233,6 +236,13 @@ class NetFault:
 
     def heal(self) -> None:
         self._healed.set()
+
+    def retarget(self, upstream: tuple[str, int]) -> None:
+        """From now on connect to ``upstream``; every open connection is closed (a held request is never
+        delivered to the old server)."""
+        with self._lock:
+            self.upstream = upstream
+        self.drop_connections()
 
     def drop_connections(self) -> None:
         """Close every connection now (as a Redis restart or a reset by a middlebox would)."""

@@ -1,5 +1,11 @@
-"""A primary, a replica and a sentinel on free ports, for failover tests and the durability bench:
-the same ``redis-server`` binary (``--replicaof``, ``--sentinel``), nothing else to install."""
+"""Replicated Redis on free ports, for failover tests and the durability bench, with the same
+``redis-server`` binary (``--replicaof``, ``--sentinel``), nothing else to install:
+
+- ``ReplicatedRedis``: a primary, one or two replicas and a sentinel; clients use ``redis+sentinel://``.
+- ``FollowingEndpoint``: a primary, a replica that a test promotes itself, and that replica's own
+  replica; clients use a plain ``redis://`` endpoint (a proxy) that follows the promotion, as a managed
+  primary endpoint or a virtual IP does.
+"""
 
 from __future__ import annotations
 
@@ -29,15 +35,19 @@ class ReplicatedRedis:
         down_after_ms: int = 1000,
         failover_timeout_ms: int = 3000,
         sentinel_password: str | None = None,
+        replicas: int = 1,
     ) -> None:
         self.workdir = workdir
         self.primary = RedisServer(self._dir("primary"))
-        # The replica reaches the primary through a proxy, so a test can cut replication alone.
-        self.replica_link = NetFault(("127.0.0.1", self.primary.port)).start()
-        self.replica = RedisServer(
-            self._dir("replica"), extra_args=("--replicaof", "127.0.0.1", str(self.replica_link.port))
-        )
-        self.servers = {s.port: s for s in (self.primary, self.replica)}
+        # Each replica reaches the primary through a proxy, so a test can cut replication alone.
+        self.replica_links = [NetFault(("127.0.0.1", self.primary.port)).start() for _ in range(replicas)]
+        self.replica_link = self.replica_links[0]
+        self.replicas = [
+            RedisServer(self._dir(f"replica{n or ''}"), extra_args=("--replicaof", "127.0.0.1", str(link.port)))
+            for n, link in enumerate(self.replica_links)
+        ]
+        self.replica = self.replicas[0]
+        self.servers = {s.port: s for s in (self.primary, *self.replicas)}
         self.sentinel_port = free_port()
         self.down_after_ms, self.failover_timeout_ms = down_after_ms, failover_timeout_ms
         self.sentinel: subprocess.Popen[bytes] | None = None
@@ -54,8 +64,9 @@ class ReplicatedRedis:
 
     def start(self) -> ReplicatedRedis:
         self.primary.start()
-        self.replica.start()
-        self.wait_replicas(1)
+        for replica in self.replicas:
+            replica.start()
+        self.wait_replicas(len(self.replicas))
         conf = self._dir("sentinel") / "sentinel.conf"  # sentinel rewrites it: its own, writable
         conf.write_text(
             f"port {self.sentinel_port}\nbind 127.0.0.1\ndir {conf.parent}\n"
@@ -93,16 +104,12 @@ class ReplicatedRedis:
     def wait_replicas(self, n: int, timeout: float = 30) -> None:
         client = Redis(port=self.primary.port)
         deadline = time.monotonic() + timeout
-        while client.info("replication").get("connected_slaves", 0) < n or not self._replica_synced():
+        while client.info("replication").get("connected_slaves", 0) < n or not all(
+            _synced(replica.port) for replica in self.replicas
+        ):
             if time.monotonic() > deadline:
                 raise RuntimeError("the replica never synced")
             time.sleep(0.05)
-
-    def _replica_synced(self) -> bool:
-        try:
-            return Redis(port=self.replica.port).info("replication").get("master_link_status") == "up"
-        except RedisError:
-            return False
 
     def kill_primary(self, *, restart: bool = True) -> int:
         """SIGKILL whichever server is primary now and wait until the sentinel promotes the other one;
@@ -112,8 +119,11 @@ class ReplicatedRedis:
         old = self.primary_port()
         assert old is not None
         self.servers[old].stop(signal.SIGKILL)
-        new = next(port for port in self.servers if port != old)
-        self.wait_primary(new, timeout=60)
+        deadline = time.monotonic() + 60
+        while (new := self.primary_port()) in (old, None):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the sentinel never promoted a replica of port {old}")
+            time.sleep(0.05)
         if restart:
             # Started as a replica of the new primary outright, as an orchestrator restarting it with
             # the sentinel's view would: waiting for the sentinel to convert it took over 60 s under load.
@@ -138,6 +148,70 @@ class ReplicatedRedis:
             self.sentinel.wait(timeout=10)
         for server in self.servers.values():
             server.stop(signal.SIGKILL)
-        self.replica_link.stop()
+        for link in self.replica_links:
+            link.stop()
         if self._log:
             self._log.close()
+
+
+def _synced(port: int) -> bool:
+    try:
+        return Redis(port=port).info("replication").get("master_link_status") == "up"
+    except RedisError:
+        return False
+
+
+class FollowingEndpoint:
+    """A primary; a replica of it (``replica``, through ``replica_link``, a proxy a test can partition);
+    a replica of that replica (``sub_replica``). Clients use ``url``: a proxy to the primary that
+    ``promote()`` re-points at ``replica`` once it is promoted, as a managed primary endpoint or a
+    virtual IP follows a failover. No sentinel: the test decides when the failover happens."""
+
+    def __init__(self, workdir: Path) -> None:
+        def where(name: str) -> Path:
+            path = workdir / name
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+
+        self.primary = RedisServer(where("primary"))
+        self.replica_link = NetFault(("127.0.0.1", self.primary.port))
+        self.replica = RedisServer(where("replica"), extra_args=("--replicaof", "127.0.0.1", "0"))
+        self.sub_replica = RedisServer(
+            where("sub_replica"), extra_args=("--replicaof", "127.0.0.1", str(self.replica.port))
+        )
+        self.endpoint = NetFault(("127.0.0.1", self.primary.port))
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    def start(self) -> FollowingEndpoint:
+        self.primary.start()
+        self.replica_link.start()
+        self.replica.extra_args = ("--replicaof", "127.0.0.1", str(self.replica_link.port))
+        self.replica.start()
+        self.sub_replica.start()
+        self.endpoint.start()
+        deadline = time.monotonic() + 30
+        while not (_synced(self.replica.port) and _synced(self.sub_replica.port)):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the replicas never synced")
+            time.sleep(0.05)
+        return self
+
+    def promote(self) -> None:
+        """SIGKILL the primary, promote ``replica`` (its own replica stays attached) and re-point the
+        endpoint at it: open connections are closed, new ones reach the new primary."""
+        self.primary.stop(signal.SIGKILL)
+        client = Redis(port=self.replica.port)
+        try:
+            client.execute_command("REPLICAOF", "NO", "ONE")
+        finally:
+            client.close()
+        self.endpoint.retarget(("127.0.0.1", self.replica.port))
+
+    def stop(self) -> None:
+        self.endpoint.stop()
+        for server in (self.sub_replica, self.replica, self.primary):
+            server.stop(signal.SIGKILL)
+        self.replica_link.stop()
