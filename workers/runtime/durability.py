@@ -10,11 +10,16 @@ lone Redis, one tool call in ``RECHECK`` seconds pays that wait). Once it waits 
 stops: a replica that falls behind or disconnects later makes tools wait (and their turns be handed
 back), never run unguarded. While it waits for none it looks
 again every ``RECHECK`` seconds, so a replica added after the workers started is waited for.
+
+A forking worker decides in the parent, before each fork (``before_fork``), at most once per
+``RECHECK``: every work horse inherits that decision as if made when it was forked, so horses do not
+each pay the decision again (with ``INFO`` refused that is a ``REPLICA_PROBE_MS`` wait per guarded turn).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from redis import Redis
@@ -82,6 +87,25 @@ def _a_replica_acknowledges(r: Redis) -> bool:
     except NotReplicated:
         return False
     return True
+
+
+def before_fork(r: Redis) -> None:
+    """In a forking worker, before it forks a work horse: decide (again, if ``RECHECK`` has passed) here,
+    once, for every horse forked after it. A Redis error is left for the horse to meet."""
+    try:
+        guard(r)
+    except RedisError as exc:
+        log.warning("durability guard not decided before the fork (%s); the work horse decides", exc)
+
+
+def _inherited() -> None:
+    # A forked child takes its parent's decision as made now: the parent re-decides before each fork.
+    global _decided_at
+    if _decided is not None:
+        _decided_at = time.monotonic()
+
+
+os.register_at_fork(after_in_child=_inherited)
 
 
 def announce(r: Redis) -> Guard:

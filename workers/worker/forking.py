@@ -12,6 +12,7 @@
 - Agent modules are imported here, in the worker process, before it forks a horse for a turn of that
   agent: every horse inherits them, so agent code is loaded once per worker process, as in the threaded
   worker (``agentpool.runtime.loader``), and new code arrives when the worker restarts.
+- The durability guard is decided here too, before each fork (at most every 10 s), and inherited.
 - It never runs RQ's scheduler: a deferred turn is enqueued by the reaper (``agentpool.runtime.deferred``).
 - Jobs are msgpack; warm shutdown on SIGTERM lets the current turn finish, as RQ does.
 """
@@ -26,7 +27,7 @@ from typing import Any
 from redis import Redis
 from rq import Worker
 
-from agentpool.runtime import sentinel
+from agentpool.runtime import durability, sentinel
 from agentpool.runtime.loader import load_agent
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
@@ -95,6 +96,7 @@ class AgentWorker(Worker):
 
     def fork_work_horse(self, job: Any, queue: Any) -> None:
         self._preload_agent(job)
+        durability.before_fork(self.connection)  # decided here, inherited by the horse: not once per horse
         self._worker_pid = os.getpid()  # the horse, forked next, dies with this process
         super().fork_work_horse(job, queue)
         self._group_watcher.watch(self._horse_pid)  # only the worker gets here: the horse exits in RQ's code
