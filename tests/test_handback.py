@@ -15,7 +15,7 @@ import pytest
 from redis import Redis
 from rq.registry import FailedJobRegistry
 
-from agentpool import enqueue_run, get_run, resume, wait_for_run
+from agentpool import enqueue_run, get_run, resume, send_message, wait_for_run
 from agentpool.runtime.jobs import turn_queue
 from agentpool.store import crypto, handback, stats
 from agentpool.store.codec import pack, unpack
@@ -292,3 +292,46 @@ def test_a_tool_the_guard_refuses_never_runs_and_is_not_counted_as_a_call(r, poo
     counted = float(r.hget("ap:stats", "tool_calls|effect=unsafe") or 0)
     assert counted == started - withdrawn, (counted, started, withdrawn)
     assert get_run(run_id, connection=r).status in ("queued", "running")
+
+
+def _turns_and_calls(r: Redis) -> tuple[float, float]:
+    counted = stats.read_all(r)
+    return counted.get("turns", 0.0), counted.get("model_call_seconds_count", 0.0)
+
+
+def test_turns_keep_up_with_model_calls_after_a_not_replicated_hand_back(r, pool, model):
+    """The guard refuses the call after save point A committed the model's reply: the turn did happen
+    (its retry only settles the tools and counts no turn start), so the hand-back must not take its
+    turn start back: `agentpool_turns_total` would fall behind the model calls paid for."""
+    email = {"name": "send_email", "input": {"to": "a@b.c", "subject": "s", "body": "b"}}
+    model.set_scripts({"mail": [{"tool_calls": [email]}, {"text": "Sent."}]})
+    pool.start(1, AGENTPOOL_REPLICA_ACKS="1", AGENTPOOL_REPLICA_ACK_TIMEOUT="0.2")
+    run_id = enqueue_run("pool_agents:support", script_task("mail"), connection=r)
+    wait_for_handback(r, run_id, "not_replicated")
+    pool.stop()
+    pool.start(1, AGENTPOOL_REPLICA_ACKS="0")  # an operator lowers the guard, knowingly
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    assert _turns_and_calls(r) == (2, 2), (stats.read_all(r), pool.logs())
+
+
+def test_turns_keep_up_with_model_calls_after_a_key_not_held_hand_back_at_save_point_b(
+    r, pool, model, key_in_this_process
+):
+    """A message sealed with a key the worker does not have arrives while the turn's tool runs: save
+    point B, which delivers it, hands the turn back (key_not_held) after the model call was counted."""
+    old, new = generate_key(), generate_key()
+    key_in_this_process(old)
+    model.set_scripts({"read": [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 1.5}}]}, {"text": "ok"}]})
+    pool.start(1, AGENTPOOL_ENCRYPTION_KEY=old)
+    run_id = enqueue_run("pool_agents:support", script_task("read"), connection=r)
+    pool.wait_for_effect("slow_read")
+    key_in_this_process(new, old)  # the app rotated first: what it sends now is sealed with the new key
+    send_message(run_id, "one more thing", connection=r)
+    wait_for_handback(r, run_id, "key_not_held")
+    pool.stop()
+    pool.start(1, AGENTPOOL_ENCRYPTION_KEY=new, AGENTPOOL_ENCRYPTION_OLD_KEYS=old)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    assert_valid_conversation(run.messages)
+    assert _turns_and_calls(r) == (2, 2), (stats.read_all(r), pool.logs())
