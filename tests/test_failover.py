@@ -36,9 +36,12 @@ EFFECTS = [
 
 
 @pytest.fixture
-def replicated(tmp_path):
+def replicated(tmp_path, request):
     # The sentinel asks for a password of its own, as managed ones do: every client here gives it.
-    servers = ReplicatedRedis(tmp_path / "redis", sentinel_password="sen@tinel-s3cret").start()
+    # One replica, or the two a Sentinel deployment normally runs (``@pytest.mark.parametrize("replicated",
+    # [2], indirect=True)``): with two, the failover leaves the new primary a replica and nothing may stall.
+    replicas = getattr(request, "param", 1)
+    servers = ReplicatedRedis(tmp_path / "redis", sentinel_password="sen@tinel-s3cret", replicas=replicas).start()
     yield servers
     servers.stop()
 
@@ -72,7 +75,21 @@ def _run_through(pool: Pool, model, r, run_ids: list[str]) -> None:
     _assert_effects_once(pool, run_ids)
 
 
+TWO_REPLICAS = pytest.mark.parametrize("replicated", [2], indirect=True, ids=["two_replicas"])
+
+
 def test_runs_complete_without_repeated_effects_when_the_primary_is_killed(replicated, ha_pool, model):
+    _kill_under_load(replicated, ha_pool, model, restart=True)
+
+
+@TWO_REPLICAS
+def test_with_two_replicas_runs_complete_when_the_primary_is_killed_and_never_comes_back(replicated, ha_pool, model):
+    """As Sentinel deployments run: the failover leaves the new primary a replica, so the guard is met
+    again without the old primary's return, and no run stalls."""
+    _kill_under_load(replicated, ha_pool, model, restart=False)
+
+
+def _kill_under_load(replicated, ha_pool, model, *, restart: bool) -> None:
     model.set_scripts({"effects": EFFECTS})
     ha_pool.start(3)
     r = connect(replicated.url)
@@ -81,7 +98,7 @@ def test_runs_complete_without_repeated_effects_when_the_primary_is_killed(repli
     while len(ha_pool.effects()) < 15:  # mid-load: some runs past their first effects, most not
         assert time.monotonic() < deadline, ha_pool.logs()
         time.sleep(0.01)
-    replicated.kill_primary()
+    replicated.kill_primary(restart=restart)
     _run_through(ha_pool, model, r, run_ids)
 
 
@@ -89,6 +106,17 @@ def test_a_tool_whose_intent_only_the_primary_had_never_ran(replicated, ha_pool,
     """Replication cut under load (the replica's link partitioned), the primary SIGKILLed while it is,
     the replica promoted: it lacks every write made meanwhile. A tool may have run only if its intent
     and save point A reached the replica first, so none of them runs twice."""
+    _cut_then_kill(replicated, ha_pool, model, restart=True)
+
+
+@TWO_REPLICAS
+def test_with_two_replicas_cut_off_a_tool_whose_intent_only_the_primary_had_never_ran(replicated, ha_pool, model):
+    """Both replicas cut off, the primary killed for good: the sentinel promotes one and points the
+    other at it, so the guard is met again and nothing stalls."""
+    _cut_then_kill(replicated, ha_pool, model, restart=False)
+
+
+def _cut_then_kill(replicated, ha_pool, model, *, restart: bool) -> None:
     model.set_scripts({"effects": EFFECTS})
     ha_pool.start(3)
     r = connect(replicated.url)
@@ -97,14 +125,14 @@ def test_a_tool_whose_intent_only_the_primary_had_never_ran(replicated, ha_pool,
     while len(ha_pool.effects()) < 5:
         assert time.monotonic() < deadline, ha_pool.logs()
         time.sleep(0.01)
-    replicated.replica_link.partition()
+    replicated.cut_replication()
     # The workers go on against the primary alone until the guard has refused a tool for want of the
     # replica. Its hand-back event is written to the primary and lost with it, so the worker's log says.
     deadline = time.monotonic() + 60
     while "handed back (not_replicated)" not in ha_pool.logs(tail=1_000_000):
         assert time.monotonic() < deadline, "no tool waited for the cut-off replica: " + ha_pool.logs()
         time.sleep(0.05)
-    replicated.kill_primary()
+    replicated.kill_primary(restart=restart)
     _run_through(ha_pool, model, r, run_ids)
 
 

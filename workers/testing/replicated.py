@@ -111,6 +111,19 @@ class ReplicatedRedis:
                 raise RuntimeError("the replica never synced")
             time.sleep(0.05)
 
+    def cut_replication(self) -> None:
+        """Cut every replica off the primary (their links partitioned: silence, as across a cut network).
+        A sentinel "fixes" a replica that replicates from an address other than the primary's, so soon
+        after start each replica follows the primary directly, not through its link: it is pointed back
+        at its link here, and the sentinel leaves it so for at least one INFO period (10 s)."""
+        for link, replica in zip(self.replica_links, self.replicas):
+            link.partition()
+            client = Redis(port=replica.port)
+            try:
+                client.execute_command("REPLICAOF", "127.0.0.1", str(link.port))
+            finally:
+                client.close()
+
     def kill_primary(self, *, restart: bool = True) -> int:
         """SIGKILL whichever server is primary now and wait until the sentinel promotes the other one;
         then (``restart``) start the killed one again, empty, as a replica of the new primary, as an
