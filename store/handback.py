@@ -30,7 +30,10 @@ REASONS = {
     "agent_not_loadable": "this worker cannot load the run's agent",
     # The durability guard (store/durability.py): a tool's intent was not acknowledged by the replicas
     # asked for in time; the call did not run and is retried, never run unguarded.
-    "not_replicated": "the replicas did not acknowledge a tool's intent in time (a replica behind or down?)",
+    "not_replicated": (
+        "waiting for a replica to acknowledge a tool's intent (the durability guard, AGENTPOOL_REPLICA_ACKS); "
+        "bring a replica back, or lower AGENTPOOL_REPLICA_ACKS knowingly"
+    ),
     # Not a worker that cannot do the turn: a call a dead or frozen worker started may still take effect
     # until its timeout (plus AGENTPOOL_TAKEOVER_MARGIN) has passed; nothing may repeat or verify it before.
     "earlier_attempt": "a call another worker started may still be running; the turn waits until it cannot",

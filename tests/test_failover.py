@@ -136,6 +136,64 @@ def _cut_then_kill(replicated, ha_pool, model, *, restart: bool) -> None:
     _run_through(ha_pool, model, r, run_ids)
 
 
+def test_runs_a_failover_left_without_a_replica_wait_visibly_and_go_on_once_one_is_back(replicated, ha_pool, model):
+    """One replica, promoted; the old primary does not come back: no replica can acknowledge, so the
+    tools with an effect wait (never run unguarded). The wait is visible: get_run, `agentpool runs`,
+    `agentpool check` and a metric say so, with since when; it ends once a replica is back."""
+    from agentpool import get_run
+    from agentpool.ops.metrics import PoolCollector
+
+    model.set_scripts({"effects": EFFECTS})
+    ha_pool.start(2, AGENTPOOL_REPLICA_ACK_TIMEOUT="0.3")
+    r = connect(replicated.url)
+    run_ids = [enqueue_run("pool_agents:support", script_task("effects", f"task {i}"), connection=r) for i in range(3)]
+    deadline = time.monotonic() + 60
+    while len(ha_pool.effects()) < 2:
+        assert time.monotonic() < deadline, ha_pool.logs()
+        time.sleep(0.01)
+    old = replicated.primary_port()
+    replicated.kill_primary(restart=False)
+
+    def waiting_runs() -> list:
+        runs = [get_run(run_id, connection=r) for run_id in run_ids]
+        return [run for run in runs if (run.waiting or {}).get("kind") == "waiting_for_replica"]
+
+    _wait_for(lambda: waiting_runs(), "no run says it waits for a replica", timeout=60)
+    run = waiting_runs()[0]
+    assert run.status == "running" and run.waiting["reason"] == "not_replicated", run.waiting
+    assert run.waiting["since"] <= time.time() and "waiting for a replica to acknowledge since" in run.waiting["note"]
+    assert "AGENTPOOL_REPLICA_ACKS" in run.waiting["note"]
+    env = {**ha_pool.env}
+    listed = subprocess.run(
+        [sys.executable, "-m", "agentpool", "runs"], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert "waiting for a replica to acknowledge" in listed.stdout, listed.stdout + listed.stderr
+    checked = subprocess.run(
+        [sys.executable, "-m", "agentpool", "check", "--strict"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert checked.returncode == 1 and "the durability guard cannot be met" in checked.stderr, checked.stderr
+    metrics = {m.name: m for m in PoolCollector(r).collect()}
+    assert metrics["agentpool_runs_waiting_for_replica"].samples[0].value >= 1
+    assert metrics["agentpool_replica_wait_seconds"].samples[0].value > 0
+
+    replicated.restart_as_replica(old)  # what the docs tell an operator to do
+    _run_through(ha_pool, model, r, run_ids)
+    checked = subprocess.run(
+        [sys.executable, "-m", "agentpool", "check", "--strict"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert checked.returncode == 0, checked.stderr
+
+
 def test_the_cli_and_rq_info_reach_redis_through_sentinel(replicated, ha_pool, model):
     model.set_scripts({})
     ha_pool.start(1)

@@ -58,7 +58,7 @@ class Run:
     cost_usd: float = 0.0
     awaiting_approval: list[dict[str, Any]] = field(default_factory=list)
     # For a queued or running run: what it waits for and since when (agentpool.runtime.progress):
-    # kind (handed_back, backoff, queued, in_progress, lost), note, since, until, reason, detail, worker.
+    # kind (handed_back, waiting_for_replica, backoff, queued, in_progress, lost), note, since, until, reason, detail, worker.
     waiting: dict[str, Any] | None = None
     window_start: int = 0  # index in the whole conversation of the message the next request starts from
     messages_from: int = 0  # index of ``messages[0]`` in the whole conversation (0 unless loaded with window=True)

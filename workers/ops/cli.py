@@ -223,6 +223,8 @@ def _short_note(run: Run, now: float) -> str:
     kind = waiting.get("kind")
     if kind == "handed_back":
         return f"handed back ({waiting['reason']}) since {_age(now - waiting['since'])}: {waiting['detail']}"[:120]
+    if kind == "waiting_for_replica":
+        return f"waiting for a replica to acknowledge for {_age(now - waiting['since'])}"
     if kind == "backoff":
         return f"backoff after {waiting['detail']}"[:80] + (
             f", retry in {_age(max(0.0, waiting['until'] - now))}" if waiting.get("until") else ""
@@ -565,19 +567,23 @@ def genkey() -> None:
 )
 def check(url: str | None, strict: bool) -> None:
     """Exit 0 if Redis answers within 2 s (for liveness/readiness probes), non-zero otherwise. Server
-    settings that put runs at risk are printed as warnings (and fail the check with --strict)."""
+    settings that put runs at risk, and a durability guard that cannot be met (no replica acknowledges),
+    are printed as warnings (and fail the check with --strict)."""
+    from agentpool.runtime.durability import unmet
     from agentpool.runtime.redis_checks import hazards
 
     client = quick_client(url, socket_timeout=2)
     try:
         client.ping()
         found = hazards(client)
+        guard = unmet(client)
+        found += [guard] if guard else []
     finally:
         client.close()
     for hazard in found:
         click.echo(f"warning: {hazard}", err=True)
     if strict and found:
-        raise click.ClickException(f"{len(found)} setting(s) put runs at risk (above)")
+        raise click.ClickException(f"{len(found)} problem(s) put runs at risk or make them wait (above)")
     click.echo("ok")
 
 

@@ -102,10 +102,19 @@ def is_loopback(host: str) -> bool:
 # -- reading runs ------------------------------------------------------------------------------
 
 
+def _note(waiting: handback.HandBack | None, status: str) -> str:
+    """Why an active run is not moving, when a worker handed its turn back (the run page says more)."""
+    if waiting is None or status not in ("queued", "running"):
+        return ""
+    if waiting.reason == "not_replicated":
+        since = time.strftime("%H:%M:%S", time.localtime(waiting.since))
+        return f"waiting for a replica to acknowledge since {since} (AGENTPOOL_REPLICA_ACKS)"
+    return f"handed back: {waiting.describe()}"
+
+
 def _row(run: client.Run, now: float, waiting: handback.HandBack | None = None) -> dict[str, Any]:
     return {
-        # Why an active run is not moving, when a worker handed its turn back (the run page says more).
-        "note": f"handed back: {waiting.describe()}" if waiting and run.status in ("queued", "running") else "",
+        "note": _note(waiting, run.status),
         "id": run.id,
         "agent": run.agent,
         "status": run.status,

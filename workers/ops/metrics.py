@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping
 
 import click
@@ -79,7 +80,7 @@ COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
         "handbacks",
         "reason",
         "Turns a worker gave back because it could not do them (another worker may), by reason.",
-        ("key_missing", "key_not_held", "too_new", "agent_not_loadable"),
+        ("key_missing", "key_not_held", "too_new", "agent_not_loadable", "not_replicated"),
     ),
     ("model_errors", "type", "Transient model API errors whose turn was retried later, by type.", ()),
     ("tokens", "kind", "Tokens of every model call paid for, by kind.", stats.TOKEN_FIELDS),
@@ -185,6 +186,34 @@ class PoolCollector(Collector):
                 "agentpool_runs_active",
                 "Runs the reaper watches: queued or running, or waiting for an approval with a deadline (exact, any age).",
                 value=int(self.r.zcard(RUNS_WATCH)),
+            ),
+            *self._waiting_for_replica(),
+        ]
+
+    def _waiting_for_replica(self) -> list[Metric]:
+        """Active runs whose turn was handed back because no replica acknowledged (the durability guard),
+        and for how long the oldest has waited: one HMGET per active run (the watch set)."""
+        waiting, oldest = 0, None
+        active = self.r.zrange(RUNS_WATCH, 0, -1)
+        for start in range(0, len(active), PAGE):
+            with self.r.pipeline(transaction=False) as pipe:
+                for run_id in active[start : start + PAGE]:
+                    pipe.hmget(RunKeys.of(run_id.decode(errors="replace")).handback, ["reason", "since"])
+                for reason, since in pipe.execute():
+                    if reason == b"not_replicated":
+                        waiting += 1
+                        oldest = min(oldest or float("inf"), int(since or 0) / 1000)
+        return [
+            GaugeMetricFamily(
+                "agentpool_runs_waiting_for_replica",
+                "Active runs waiting for a replica to acknowledge a tool's intent (the durability guard, "
+                "AGENTPOOL_REPLICA_ACKS): nothing with an effect runs for them until one does.",
+                value=waiting,
+            ),
+            GaugeMetricFamily(
+                "agentpool_replica_wait_seconds",
+                "How long the longest-waiting of those runs has waited for a replica (0: none waits).",
+                value=max(0.0, time.time() - oldest) if oldest else 0.0,
             ),
         ]
 

@@ -108,6 +108,24 @@ def _inherited() -> None:
 os.register_at_fork(after_in_child=_inherited)
 
 
+def unmet(r: Redis, settings: Settings | None = None) -> str | None:
+    """Why the guard that applies cannot be met now (tried with one probe write, as a tool's guard
+    would be), or None if it can or none applies: for ``agentpool check``."""
+    settings = settings or Settings.from_env()
+    chosen = decide(r, settings)
+    if not chosen.active:
+        return None
+    try:
+        wait_durable(r, chosen)
+    except NotReplicated as exc:
+        return (
+            f"the durability guard cannot be met ({chosen.describe()}): {exc}. Every tool whose effect is not "
+            "read waits (its run is handed back as not_replicated) until a replica acknowledges: bring a "
+            "replica back, or lower AGENTPOOL_REPLICA_ACKS knowingly (docs: 'Redis high availability')"
+        )
+    return None
+
+
 def announce(r: Redis) -> Guard:
     """Decide now and say which guard applies, once, at worker start."""
     chosen = guard(r)

@@ -6,6 +6,10 @@ A queued or running run is, at any moment, in one of these states (``Waiting.kin
   does not have, code older than the record, an agent it cannot import) and gave it back; the turn is
   re-enqueued when the backoff ends (``until``), for any worker. The reason stays until a worker
   makes progress, so a pool where *no* worker can do it says so.
+- ``waiting_for_replica``: handed back because the durability guard (``AGENTPOOL_REPLICA_ACKS``) was not
+  met: no replica acknowledged a tool's intent in time (after a failover that left the new primary
+  without a replica, say). The run goes on once a replica acknowledges again; ``since`` is when the
+  wait began.
 - ``backoff``: the model API failed (429, 529, 5xx...) and the turn waits for its retry (``until``);
   it is recorded in ``ap:turns:deferred``, not yet an RQ job, and the reaper (in every worker) moves
   it onto the queue within about a second of ``until``.
@@ -32,7 +36,7 @@ from agentpool.store.records import ACTIVE_STATUSES
 
 @dataclass(frozen=True)
 class Waiting:
-    kind: str  # handed_back, backoff, queued, in_progress, lost
+    kind: str  # handed_back, waiting_for_replica, backoff, queued, in_progress, lost
     note: str  # one line for a person
     since: float | None = None  # epoch seconds
     until: float | None = None
@@ -71,6 +75,18 @@ def why_waiting(r: Redis, run_id: str, status: str) -> Waiting | None:
     record = handback.decode(raw_handback)
     if record is not None and not holder:
         when = f"next try at {_clock(record.until)}" if record.until > now else "being re-enqueued"
+        if record.reason == "not_replicated":
+            return Waiting(
+                "waiting_for_replica",
+                f"waiting for a replica to acknowledge since {_clock(record.since)} ({record.count} tries, last "
+                f"by {record.worker}: {record.detail}); {when}. Bring a replica back, or lower "
+                "AGENTPOOL_REPLICA_ACKS knowingly",
+                since=record.since,
+                until=record.until,
+                reason=record.reason,
+                detail=record.detail,
+                worker=record.worker,
+            )
         return Waiting(
             "handed_back",
             f"handed back {record.count} time(s) since {_clock(record.since)}, last by {record.worker}: "

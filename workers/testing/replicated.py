@@ -138,22 +138,29 @@ class ReplicatedRedis:
                 raise RuntimeError(f"the sentinel never promoted a replica of port {old}")
             time.sleep(0.05)
         if restart:
-            # Started as a replica of the new primary outright, as an orchestrator restarting it with
-            # the sentinel's view would: waiting for the sentinel to convert it took over 60 s under load.
-            # It may not be promoted before its first sync is done (replica-priority 0 until then): a
-            # loaded machine can make the sentinel think the new primary down, and a second failover to
-            # an empty replica would lose every run, which no real orchestrator allows either.
-            self.servers[old].extra_args = ("--replicaof", "127.0.0.1", str(new), "--replica-priority", "0")
-            self.servers[old].start()
-            replica = Redis(port=old)
-            deadline = time.monotonic() + 60
-            while replica.info("replication").get("master_link_status") != "up":
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"port {old} never synced as a replica of {new}")
-                time.sleep(0.05)
-            replica.config_set("replica-priority", 100)
-            replica.close()
+            self.restart_as_replica(old)
         return new
+
+    def restart_as_replica(self, port: int) -> None:
+        """Start the (killed) server on ``port`` again, empty, as a replica of the primary now.
+
+        Started as a replica of the new primary outright, as an orchestrator restarting it with the
+        sentinel's view would: waiting for the sentinel to convert it took over 60 s under load. It may
+        not be promoted before its first sync is done (replica-priority 0 until then): a loaded machine
+        can make the sentinel think the new primary down, and a second failover to an empty replica
+        would lose every run, which no real orchestrator allows either."""
+        primary = self.primary_port()
+        assert primary is not None and primary != port
+        self.servers[port].extra_args = ("--replicaof", "127.0.0.1", str(primary), "--replica-priority", "0")
+        self.servers[port].start()
+        replica = Redis(port=port)
+        deadline = time.monotonic() + 60
+        while replica.info("replication").get("master_link_status") != "up":
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"port {port} never synced as a replica of {primary}")
+            time.sleep(0.05)
+        replica.config_set("replica-priority", 100)
+        replica.close()
 
     def stop(self) -> None:
         if self.sentinel and self.sentinel.poll() is None:

@@ -369,7 +369,10 @@ function runHeader(run, now) {
 // Why a queued or running run is not moving, and since when (agentpool.runtime.progress).
 function waitingCallout(waiting, now) {
   if (!waiting || waiting.kind === "in_progress") return null;
-  const title = { handed_back: "Handed back: ", backoff: "Backing off: ", queued: "Queued: ", lost: "Lost job: " };
+  const title = {
+    handed_back: "Handed back: ", waiting_for_replica: "Waiting for a replica: ", backoff: "Backing off: ",
+    queued: "Queued: ", lost: "Lost job: ",
+  };
   const when = [];
   if (waiting.since) when.push("since " + fmtTime(waiting.since) + " (" + fmtAge(Math.max(0, now - waiting.since)) + ")");
   if (waiting.until) when.push("next try " + fmtTime(waiting.until));
