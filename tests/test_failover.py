@@ -164,19 +164,20 @@ def test_runs_a_failover_left_without_a_replica_wait_visibly_and_go_on_once_one_
     assert run.waiting["since"] <= time.time() and "waiting for a replica to acknowledge since" in run.waiting["note"]
     assert "AGENTPOOL_REPLICA_ACKS" in run.waiting["note"]
     env = {**ha_pool.env}
-    listed = subprocess.run(
-        [sys.executable, "-m", "agentpool", "runs"], env=env, capture_output=True, text=True, timeout=60, check=False
+    listing, checking = (  # both at once: each CLI process takes seconds to start on a loaded machine
+        subprocess.Popen(
+            [sys.executable, "-m", "agentpool", *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in (["runs"], ["check", "--strict"])
     )
-    assert "waiting for a replica to acknowledge" in listed.stdout, listed.stdout + listed.stderr
-    checked = subprocess.run(
-        [sys.executable, "-m", "agentpool", "check", "--strict"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert checked.returncode == 1 and "the durability guard cannot be met" in checked.stderr, checked.stderr
+    listed, _ = listing.communicate(timeout=60)
+    assert "waiting for a replica to acknowledge" in listed, listed
+    _, warned = checking.communicate(timeout=60)
+    assert checking.returncode == 1 and "the durability guard cannot be met" in warned, warned
     metrics = {m.name: m for m in PoolCollector(r).collect()}
     assert metrics["agentpool_runs_waiting_for_replica"].samples[0].value >= 1
     assert metrics["agentpool_replica_wait_seconds"].samples[0].value > 0
