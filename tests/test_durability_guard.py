@@ -4,6 +4,7 @@ and forked work horses inherit the worker's decision of which guard applies inst
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -37,6 +38,7 @@ def replicated(tmp_path):
     while r.info("replication").get("master_link_status") != "up":
         assert time.monotonic() < deadline, "the replica never synced"
         time.sleep(0.05)
+    primary.replica_port = replica.port
     yield primary
     r.close()
     replica.stop()
@@ -83,6 +85,25 @@ def test_a_connection_lost_during_the_guard_is_not_replicated_never_retried(repl
         assert proxy.replies_cut == 1
         wait_durable(lossy, GUARD, proof)  # the same client goes on: the next guard passes
         lossy.close()
+
+
+def test_a_primary_restarted_without_the_writes_acknowledges_no_guard_of_them(replicated):
+    """A primary restarted inside a client's retry window (its writes lost: no persistence here, an
+    fsync that had not happened for WAITAOF): its replica resyncs from it and acknowledges anything it
+    writes from then on. A plain probe passes there; the guard's probe does not, for the intent is gone."""
+    r = connect(replicated.url)
+    proof = _a_guarded_call(r)
+    replicated.stop(signal.SIGKILL)
+    replicated.start()
+    replica = Redis(port=replicated.replica_port)
+    deadline = time.monotonic() + 30
+    while replica.info("replication").get("master_link_status") != "up" or replica.exists(proof.keys.run):
+        assert time.monotonic() < deadline, "the replica never resynced from the restarted primary"
+        time.sleep(0.05)
+    replica.close()
+    wait_durable(r, GUARD)  # a replica acknowledges the restarted primary's writes
+    with pytest.raises(NotReplicated, match="the lease is not this turn's there"):
+        wait_durable(r, GUARD, proof)
 
 
 def test_forked_work_horses_inherit_the_decision_instead_of_each_probing(tmp_path, model):
