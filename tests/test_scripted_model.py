@@ -67,6 +67,8 @@ SCRIPTS: dict[str, list[dict]] = {
     "slow": [{"delay": 0.3, "text": "sorry for the wait"}],
     "typo": [{"tool_calls": [{"name": "add", "input": {"a": "one"}}]}],
     "custom_usage": [{"text": "x", "usage": {"output_tokens": 4096}, "stop_reason": "max_tokens"}],
+    "cut_thinking": [{"thinking": "First I", "stop_reason": "max_tokens"}, {"text": "Go on."}],
+    "cut_text": [{"thinking": "Easy.", "text": "The answer is ", "stop_reason": "max_tokens"}, {"text": "3."}],
     "default": [{"text": "default script here"}],
 }
 for _reason in (
@@ -216,6 +218,25 @@ def test_pause_turn_continuation_with_last_assistant_message(client: anthropic.A
     # Continuing a paused turn sends the assistant content back as the last message.
     resumed = create(client, messages + [as_assistant(paused)])
     assert resumed.content[0].text == "Done."
+
+
+def test_a_continuation_may_not_end_in_whitespace_or_in_a_thinking_block(client: anthropic.Anthropic) -> None:
+    messages = [user("[script:cut_thinking] go")]
+    thought = as_assistant(create(client, messages))
+    assert [b["type"] for b in thought["content"]] == ["thinking"]
+    with pytest.raises(anthropic.BadRequestError) as info:
+        create(client, messages + [thought])
+    assert info.value.body["error"]["message"] == (
+        "messages.1: The final block in an assistant message cannot be `thinking`."
+    )
+    assert create(client, messages + [thought, user("Well?")]).content[0].text == "Go on."  # earlier: accepted
+
+    messages = [user("[script:cut_text] 1 + 2?")]
+    cut = as_assistant(create(client, messages))
+    with pytest.raises(anthropic.BadRequestError, match="final assistant content cannot end with trailing whitespace"):
+        create(client, messages + [cut])
+    stripped = {"role": "assistant", "content": [cut["content"][0], {"type": "text", "text": "The answer is"}]}
+    assert create(client, messages + [stripped]).content[0].text == "3."
 
 
 def test_default_script_and_builtin_default() -> None:

@@ -385,12 +385,13 @@ def _validate_messages(messages: list, tool_names: set[str], has_tools: bool, be
             f"messages.{len(parsed) - 1}: all messages must have non-empty content except "
             f"for the optional final assistant message"
         )
-    if (
-        last_role == "assistant"
-        and last_blocks
-        and last_blocks[-1].get("type") == "text"
-        and last_blocks[-1]["text"] != last_blocks[-1]["text"].rstrip()
-    ):
+    # A final assistant message is a prefill the model continues from (after max_tokens, pause_turn):
+    # it may not end in whitespace, nor in a thinking block, which cannot be continued (the API's
+    # words; a thinking block earlier in it, or in an earlier message, is accepted).
+    final_kind = last_blocks[-1].get("type") if last_role == "assistant" and last_blocks else None
+    if final_kind in ("thinking", "redacted_thinking"):
+        raise invalid(f"messages.{len(parsed) - 1}: The final block in an assistant message cannot be `{final_kind}`.")
+    if final_kind == "text" and last_blocks[-1]["text"] != last_blocks[-1]["text"].rstrip():
         raise invalid("messages: final assistant content cannot end with trailing whitespace")
     _check_tool_pairing(parsed)
 
