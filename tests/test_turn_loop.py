@@ -148,6 +148,37 @@ def test_stop_reasons(r, pool, model):
     assert model.stats()["rejected"] == 0, model.stats()["rejections"]
 
 
+def test_a_reply_cut_after_whitespace_or_inside_its_thinking_goes_on_and_is_stored_as_returned(r, pool, model):
+    # The API refuses a continuation ending in whitespace or in a thinking block: the request is
+    # trimmed as it is sent, the history keeps the reply byte for byte (the prompt cache reads it).
+    model.set_scripts(
+        {
+            "cut": [{"text": "A long answer ", "stop_reason": "max_tokens"}, {"text": "goes on."}],
+            "paused": [{"text": "Searching...\n\n", "stop_reason": "pause_turn"}, {"text": "Found it."}],
+            "thought": [{"thinking": "First I", "stop_reason": "max_tokens"}, {"text": "Thought it through."}],
+        }
+    )
+    pool.start(1)
+    ids = {
+        name: enqueue_run("pool_agents:support", script_task(name), connection=r)
+        for name in ("cut", "paused", "thought")
+    }
+    runs = {name: wait_for_run(i, timeout=60, connection=r) for name, i in ids.items()}
+
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+    assert (runs["cut"].status, runs["cut"].result) == ("completed", "A long answer goes on."), runs["cut"].error
+    assert runs["cut"].messages[1]["content"][0]["text"] == "A long answer "
+    assert (runs["paused"].status, runs["paused"].result) == ("completed", "Searching...\n\nFound it.")
+    assert runs["paused"].messages[1]["content"][0]["text"] == "Searching...\n\n"
+    assert runs["thought"].status == "completed", runs["thought"].error
+    assert [b["type"] for b in runs["thought"].messages[1]["content"]] == ["thinking"]
+    assert runs["thought"].messages[1]["content"][0]["signature"]
+    assert runs["thought"].result == "Thought it through."
+    for run in runs.values():
+        assert run.turns == 2
+        assert_valid_conversation(run.messages)
+
+
 def test_max_turns_stops_the_run_with_a_reason(r, pool, model):
     model.set_scripts(
         {"loop": [{"tool_calls": [{"name": "read_notes", "input": {"topic": str(i)}}]} for i in range(10)]}

@@ -228,7 +228,7 @@ def build_request(
     request: dict[str, Any] = {
         "model": agent.model,
         "max_tokens": compaction.summary_max_tokens if summary and compaction else agent.max_tokens,
-        "messages": _with_moving_breakpoint(messages),
+        "messages": _with_moving_breakpoint(_continuable(messages)),
         **options,
     }
     if tools:
@@ -312,6 +312,39 @@ def _shrunk(message: dict[str, Any]) -> dict[str, Any]:
             block = {**block, key: f"{body[:SHRUNK_RESULT_CHARS]} [... {cut} characters cut]"}
         blocks.append(block)
     return {"role": message["role"], "content": blocks or [{"type": "text", "text": "(thinking)"}]}
+
+
+def _continuable(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The window as sent when it ends with the model's own reply (after ``max_tokens`` or
+    ``pause_turn`` the request continues from it): the API refuses a final assistant message that ends
+    in whitespace ("final assistant content cannot end with trailing whitespace") or in a thinking
+    block ("The final block in an assistant message cannot be `thinking`"), so the copy sent drops
+    trailing thinking blocks and trailing whitespace, and a text block left empty. Only the request
+    changes: the stored reply stays byte-identical (the prompt cache reads the prefix byte for byte,
+    and once it is no longer last it is sent whole)."""
+    last = messages[-1] if messages else None
+    if last is None or last["role"] != "assistant":
+        return messages
+    content = last["content"]
+    if isinstance(content, str):
+        kept: Any = content.rstrip() or []
+    else:
+        kept = list(content)
+        while kept and kept[-1].get("type") in ("thinking", "redacted_thinking", "text"):
+            block = kept[-1]
+            if block["type"] != "text":
+                kept.pop()
+                continue
+            text = block["text"].rstrip()
+            if text:
+                kept[-1] = {**block, "text": text}
+                break
+            kept.pop()
+    if kept == content:
+        return messages
+    # Left empty (a reply cut inside its thinking), it stays: the API takes an empty final assistant
+    # message, and the model starts its reply afresh.
+    return [*messages[:-1], {"role": "assistant", "content": kept}]
 
 
 def _with_moving_breakpoint(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
