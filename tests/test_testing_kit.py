@@ -17,7 +17,16 @@ from redis.exceptions import RedisError
 
 from agentpool import current_call, tool
 from agentpool.runtime.reconcile import idempotency_key
-from agentpool.testing import LocalPool, ScriptedModel, ScriptRequest, call_tool, local_pool, tool_context, tool_result
+from agentpool.testing import (
+    LocalPool,
+    ScriptedModel,
+    ScriptRequest,
+    assert_valid_conversation,
+    call_tool,
+    local_pool,
+    tool_context,
+    tool_result,
+)
 from agentpool.tools import ToolInputError
 
 from conftest import TESTS
@@ -236,3 +245,54 @@ def test_tool_result_is_what_the_model_would_be_sent():
     late = tool_result(slow_search, query="x")
     assert late.is_error and "timed out after 0.2 s" in late.content
     assert tool_result(open_ticket, title="y" * 50, max_result_chars=10).content.startswith("y" * 10 + "\n[... cut")
+
+
+def _use(*ids: str) -> dict:
+    return {"role": "assistant", "content": [{"type": "tool_use", "id": i, "name": "lookup", "input": {}} for i in ids]}
+
+
+def _results(*ids: str, text: str | None = None) -> dict:
+    content: list[dict] = [{"type": "tool_result", "tool_use_id": i, "content": "ok"} for i in ids]
+    if text is not None:
+        content.insert(0, {"type": "text", "text": text})
+    return {"role": "user", "content": content}
+
+
+TASK = {"role": "user", "content": "Look it up."}
+# Conversations the Messages API refuses; the first is what a save point B landing on a primary that
+# lost save point A leaves (issue 20, item 2): a tool_result for a tool_use the conversation never had.
+REFUSED = {
+    "stray result": [TASK, _results("toolu_a")],
+    "result of an older turn": [TASK, _use("toolu_a"), _results("toolu_a"), _use("toolu_b"), _results("toolu_a")],
+    "result twice": [TASK, _use("toolu_a"), _results("toolu_a", "toolu_a")],
+    "result not first": [TASK, _use("toolu_a"), _results("toolu_a", text="Also:")],
+    "result missing": [TASK, _use("toolu_a", "toolu_b"), _results("toolu_a")],
+    "tool_use id reused": [TASK, _use("toolu_a"), _results("toolu_a"), _use("toolu_a"), _results("toolu_a")],
+    "result in an assistant message": [
+        TASK,
+        {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "toolu_a", "content": "ok"}]},
+    ],
+    "an empty message": [TASK, {"role": "assistant", "content": []}, TASK],
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_assert_valid_conversation_refuses_what_the_scripted_model_refuses_in_its_words(name, model):
+    messages = REFUSED[name]
+    tools = [{"name": "lookup", "input_schema": {"type": "object"}}]
+    with (
+        anthropic.Anthropic(base_url=model.base_url, api_key="k", max_retries=0) as client,
+        pytest.raises(anthropic.BadRequestError) as refused,
+    ):
+        client.messages.create(model="claude-sonnet-5-5", max_tokens=64, messages=messages, tools=tools)
+    with pytest.raises(AssertionError) as failed:
+        assert_valid_conversation(messages)
+    assert refused.value.body["error"]["message"] in str(failed.value)
+
+
+def test_assert_valid_conversation_passes_what_a_run_writes_and_keeps_agentpools_order():
+    answered = _results("toolu_a", "toolu_b")
+    answered["content"].append({"type": "text", "text": "And a message sent meanwhile."})
+    assert_valid_conversation([TASK, _use("toolu_a", "toolu_b"), answered, {"role": "assistant", "content": "Done."}])
+    with pytest.raises(AssertionError, match="in order"):  # the API takes any order; agentpool writes tool_use order
+        assert_valid_conversation([TASK, _use("toolu_a", "toolu_b"), _results("toolu_b", "toolu_a")])

@@ -260,15 +260,24 @@ def _validate_tool_result(path: str, block: dict) -> None:
 
 
 def _validate_block(
-    path: str, block: Any, role: str, tool_names: set[str], has_tools: bool, seen_ids: set[str], betas: frozenset[str]
+    path: str,
+    block: Any,
+    role: str,
+    tool_names: set[str] | None,
+    has_tools: bool,
+    seen_ids: set[str],
+    betas: frozenset[str],
 ) -> str:
+    """One content block. ``tool_names`` None: a conversation checked outside any request, so what
+    only a request settles (its tools, this server's thinking signatures) is not checked."""
+    request = tool_names is not None
     kind = _block_type(path, block, betas)
     _validate_block_keys(path, block, kind)
     if kind in ("tool_use", "server_tool_use", "thinking", "redacted_thinking") and role != "assistant":
         raise invalid(f"{path}: `{kind}` blocks can only be in `assistant` messages")
     if kind == "tool_result" and role != "user":
         raise invalid(f"{path}: `tool_result` blocks can only be in `user` messages")
-    if kind in ("tool_use", "tool_result") and not has_tools:
+    if request and kind in ("tool_use", "tool_result") and not has_tools:
         raise invalid("Requests which include `tool_use` or `tool_result` blocks must define tools.")
     if kind in ("tool_use", "server_tool_use"):
         if not _TOOL_ID_PATTERN.match(block["id"]):
@@ -276,13 +285,18 @@ def _validate_block(
         if block["id"] in seen_ids:
             raise invalid(f"{path}: `tool_use` ids must be unique")
         seen_ids.add(block["id"])
-    if kind == "tool_use" and block["name"] not in tool_names and not is_unoffered_tool_use(block["id"], block["name"]):
+    if (
+        tool_names is not None
+        and kind == "tool_use"
+        and block["name"] not in tool_names
+        and not is_unoffered_tool_use(block["id"], block["name"])
+    ):
         raise invalid(f"{path}: tool_use block names the tool `{block['name']}`, which is not defined in `tools`")
     if kind == "tool_result":
         _validate_tool_result(path, block)
-    if kind == "thinking" and not hmac.compare_digest(block["signature"], sign_thinking(block["thinking"])):
+    if request and kind == "thinking" and not hmac.compare_digest(block["signature"], sign_thinking(block["thinking"])):
         raise invalid(f"{path}: Invalid `signature` in `thinking` block")
-    if kind == "redacted_thinking":
+    if request and kind == "redacted_thinking":
         # This server never emits redacted thinking, so any such block was not made by "the model".
         raise invalid(f"{path}: Invalid `data` in `redacted_thinking` block")
     return kind
@@ -363,7 +377,23 @@ def _starts_from_compaction(blocks: list) -> bool:
     return isinstance(first, dict) and first.get("type") == "compaction" and first.get("content") is not None
 
 
-def _validate_messages(messages: list, tool_names: set[str], has_tools: bool, betas: frozenset[str]) -> None:
+def check_conversation(messages: Any, betas: frozenset[str] = frozenset(_BETA_BLOCKS.values())) -> None:
+    """Raise :class:`ApiError` with the API's words for a conversation the Messages API would refuse in
+    any request: message shapes and roles, every content block (its keys, where it may stand, unique
+    tool_use ids), and every tool_result answering a tool_use of the message just before it, exactly
+    one each, first in that message. What only a request settles (its tools, the thinking signatures
+    of this server, what a final assistant message may end with) is left out. ``validate_request``
+    runs the same checks, and ``agentpool.testing.assert_valid_conversation`` is this, so the two
+    cannot drift."""
+    _check_type("messages", messages, list, "a valid list")
+    if not messages:
+        raise invalid("messages: at least one message is required")
+    _conversation(messages, None, False, betas)
+
+
+def _conversation(
+    messages: list, tool_names: set[str] | None, has_tools: bool, betas: frozenset[str]
+) -> list[tuple[str, list]]:
     parsed: list[tuple[str, list]] = []
     seen_ids: set[str] = set()
     for i, msg in enumerate(messages):
@@ -385,6 +415,13 @@ def _validate_messages(messages: list, tool_names: set[str], has_tools: bool, be
             f"messages.{len(parsed) - 1}: all messages must have non-empty content except "
             f"for the optional final assistant message"
         )
+    _check_tool_pairing(parsed)
+    return parsed
+
+
+def _validate_messages(messages: list, tool_names: set[str], has_tools: bool, betas: frozenset[str]) -> None:
+    parsed = _conversation(messages, tool_names, has_tools, betas)
+    last_role, last_blocks = parsed[-1]
     # A final assistant message is a prefill the model continues from (after max_tokens, pause_turn):
     # it may not end in whitespace, nor in a thinking block, which cannot be continued (the API's
     # words; a thinking block earlier in it, or in an earlier message, is accepted).
@@ -393,7 +430,6 @@ def _validate_messages(messages: list, tool_names: set[str], has_tools: bool, be
         raise invalid(f"messages.{len(parsed) - 1}: The final block in an assistant message cannot be `{final_kind}`.")
     if final_kind == "text" and last_blocks[-1]["text"] != last_blocks[-1]["text"].rstrip():
         raise invalid("messages: final assistant content cannot end with trailing whitespace")
-    _check_tool_pairing(parsed)
 
 
 def count_cache_markers(body: dict) -> int:
