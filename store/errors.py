@@ -75,9 +75,9 @@ class MessagesWaiting(StoreError):
 
 
 class MessageRefused(AgentPoolError):
-    """``send_message`` cannot deliver to this run (it was cancelled or failed, or a budget stopped it
-    and its limits must be raised with ``resume`` first), or the ``message_id`` was already used for
-    other content. The message says which; nothing was stored."""
+    """``send_message`` cannot deliver to this run (it was cancelled or failed, or a budget stopped it,
+    or it completed at a limit, and its limits must be raised with ``resume`` first), or the
+    ``message_id`` was already used for other content. The message says which; nothing was stored."""
 
     def __init__(self, run_id: str, why: str) -> None:
         super().__init__(f"message to run {run_id} refused: {why}")

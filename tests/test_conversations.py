@@ -7,6 +7,7 @@ import pytest
 
 from agentpool import (
     MessageRefused,
+    ResumeRefused,
     RunExists,
     approve,
     cancel_run,
@@ -152,6 +153,38 @@ def test_cancelled_failed_and_budget_stopped_runs_refuse_or_say_what_to_do(r, po
     with pytest.raises(MessageRefused, match="cancelled"):
         send_message(queued, "Hello?", connection=r)
     assert get_run(queued, connection=r).inbox == []
+
+
+def test_a_run_completed_at_its_turn_limit_refuses_a_message_until_its_limits_are_raised(r, pool, model):
+    model.set_scripts(
+        {
+            "two": [
+                {"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}]},
+                {"text": "Done."},
+                {"text": "More."},
+            ]
+        }
+    )
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:short", script_task("two"), connection=r)  # max_turns=2
+    done = wait_for_run(run_id, timeout=60, connection=r)
+    assert (done.status, done.turns, done.result) == ("completed", 2, "Done.")
+
+    with pytest.raises(MessageRefused, match=r"completed at a limit \(2 of max_turns=2\).*resume\(.*add_turns=1\)"):
+        send_message(run_id, "And then?", connection=r)
+    after = get_run(run_id, connection=r)
+    assert (after.status, after.messages, after.inbox) == ("completed", done.messages, [])  # nothing stored
+    with pytest.raises(ResumeRefused, match="add_turns>=1"):
+        resume(run_id, connection=r)
+
+    assert resume(run_id, add_turns=1, connection=r).status == "completed"  # raised; nothing to do yet
+    sent = send_message(run_id, "And then?", connection=r)
+    answered = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+    assert (answered.status, answered.turns, answered.result) == ("completed", 3, "More.")
+    assert_valid_conversation(answered.messages)
+    # At its raised limit again: refused again, saying so.
+    with pytest.raises(MessageRefused, match=r"3 of max_turns=3"):
+        send_message(run_id, "Once more?", connection=r)
 
 
 def test_message_content_is_checked(r):

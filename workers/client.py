@@ -23,7 +23,7 @@ from agentpool.store import approvals, checkpoint, events, inbox, runs_index, wr
 from agentpool.store import window as run_window
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError, RunNotFound
-from agentpool.store.events import emit
+from agentpool.store.events import Event, emit
 from agentpool.store.keys import RunKeys, check_run_id
 from agentpool.store.records import ACTIVE_STATUSES, STATUSES, RunState, load_header
 
@@ -242,27 +242,32 @@ def resume(
 
     A run stopped by a limit must be given enough for one more turn: ``resume`` raises
     :class:`ResumeRefused` saying what is needed otherwise, and changes nothing. The check uses the
-    limits the run was held to when it stopped (recorded by the worker)."""
+    limits the run was held to when it stopped (recorded by the worker).
+
+    A run that ``completed`` at a limit (its last turn used the last of its turns, tokens or money)
+    refuses messages until its limits are raised: ``resume`` raises them the same way (enough for one
+    more turn) and the run stays completed, with nothing to do until a message is sent to it."""
     add_turns = limit_value("add_turns", add_turns, whole=True, zero_ok=True)
     add_tokens = limit_value("add_tokens", add_tokens, whole=True, zero_ok=True)
     add_usd = limit_value("add_usd", add_usd, zero_ok=True)
     r = client_for(connection)
     keys = RunKeys.of(run_id)
 
-    def attempt(pipe: Pipeline, write_id: str) -> None:
+    def attempt(pipe: Pipeline, write_id: str) -> bool:
         header = read_header(pipe, run_id)
         if header is None:
             raise RunNotFound(run_id)
         if writes.landed(header.writes, write_id):
             pipe.unwatch()
-            return
+            return header.status == "completed"  # a resume that raised a completed run's limits
         state = checkpoint.load_run(pipe, run_id, with_messages=False)  # type: ignore[arg-type]
-        if state.status != "stopped":
-            raise AgentPoolError(f"run {run_id} is {state.status}; only a stopped run can be resumed")
-        held_to = limits_when_stopped(r, run_id)
-        short = held_to and held_to.short_of(
-            state, {"add_turns": add_turns, "add_tokens": add_tokens, "add_usd": add_usd}
-        )
+        held_to = limits_held_to(r, run_id)
+        at_limit = state.status == "completed" and held_to is not None and bool(held_to.needed_to_resume(state))
+        if state.status != "stopped" and not at_limit:
+            raise AgentPoolError(
+                f"run {run_id} is {state.status}; only a stopped run (or one completed at a limit) can be resumed"
+            )
+        short = held_to and held_to.short_of(state, adds)
         if short:
             raise ResumeRefused(f"run {run_id} would stop again at once: {short}")
         limits = dict(state.limits)
@@ -272,45 +277,50 @@ def resume(
                 # A NaN an older version let in is replaced, not added to (NaN + x is NaN).
                 limits[name] = (before if math.isfinite(before) else 0) + amount
         pipe.multi()
-        stage_restart(
-            pipe,
-            r,
-            run_id,
-            turn=state.current_turn,
-            attempt=0,
-            requeues=header.requeues,
-            fields={"status": "running", "error": "", "model_errors": 0, "limits": pack(limits)},
-        )
-        pipe.delete(keys.handback)
+        if held_to is not None and at_limit:
+            # Completed, it stays so: a message sent now becomes its next user message and is answered.
+            # The limits it is held to from now on are recorded with the change, for send_message.
+            pipe.hset(keys.run, "limits", pack(limits))
+            raised = held_to.raised(adds).limit_fields()
+            Event.of(run_id, "limits_raised", **adds_given, **raised).stage(pipe)
+        else:
+            stage_restart(
+                pipe,
+                r,
+                run_id,
+                turn=state.current_turn,
+                attempt=0,
+                requeues=header.requeues,
+                fields={"status": "running", "error": "", "model_errors": 0, "limits": pack(limits)},
+            )
+            pipe.delete(keys.handback)
         writes.stage_remember(pipe, keys.run, write_id)
         pipe.execute()
+        return at_limit
 
-    writes.watched(r, [keys.run], attempt)
-    emit(
-        r,
-        run_id,
-        "status",
-        status="running",
-        reason="resumed",
-        add_turns=add_turns or None,
-        add_tokens=add_tokens or None,
-        add_usd=add_usd or None,
-    )
+    adds = {"add_turns": add_turns, "add_tokens": add_tokens, "add_usd": add_usd}
+    adds_given = {name: amount or None for name, amount in adds.items()}
+    if not writes.watched(r, [keys.run], attempt):
+        emit(r, run_id, "status", status="running", reason="resumed", **adds_given)
     return get_run(run_id, connection=r)
 
 
-def limits_when_stopped(r: Redis, run_id: str) -> Limits | None:
-    """The limits a stopped run was held to, from the ``status`` event its worker wrote when it
-    stopped; None when it stopped for another reason (model errors) or before this was recorded."""
+def limits_held_to(r: Redis, run_id: str) -> Limits | None:
+    """The limits a stopped or completed run was held to, from the ``status`` event its worker wrote
+    when it stopped or completed (or the ``limits_raised`` event of a ``resume`` since); None when it
+    stopped for another reason (model errors) or before this was recorded."""
     for _id, fields in events.latest(r, run_id, count=20):
+        if fields.get("kind") == "limits_raised":
+            return Limits.from_fields(fields)
         if fields.get("kind") == "status":
-            return Limits.from_fields(fields) if fields.get("status") == "stopped" else None
+            return Limits.from_fields(fields) if fields.get("status") in ("stopped", "completed") else None
     return None
 
 
 def resume_needs(r: Redis, run_id: str) -> dict[str, int | float]:
-    """The least ``resume`` must add for a stopped run to take another turn (empty: nothing)."""
-    held_to = limits_when_stopped(r, run_id)
+    """The least ``resume`` must add for a stopped run (or a completed one, to answer a message) to
+    take another turn (empty: nothing)."""
+    held_to = limits_held_to(r, run_id)
     if held_to is None:
         return {}
     return held_to.needed_to_resume(checkpoint.load_run(r, run_id, with_messages=False))

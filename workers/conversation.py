@@ -2,7 +2,8 @@
 
 A message to a run that is queued, running or waiting for a person waits in its inbox and is
 delivered at the run's next turn boundary (``agentpool.store.inbox``). A message to a completed run (or
-one stopped for a reason other than a limit) becomes its next user message at once and the run goes on.
+one stopped for a reason other than a limit) becomes its next user message at once and the run goes on;
+one that a limit stopped, or that completed at a limit, refuses it until ``resume`` raises its limits.
 A fork is a new run holding a copy of another's conversation up to the end of one of its committed
 turns; it runs no tool again (the copy holds their results) and its usage starts from zero.
 """
@@ -17,7 +18,7 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 
-from agentpool.client import new_run_id, resume_needs
+from agentpool.client import limits_held_to, new_run_id
 from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.settings import Settings, client_for
@@ -28,7 +29,7 @@ from agentpool.store import checkpoint, inbox, writes
 from agentpool.store.errors import MessageRefused, RunExists, RunNotFound
 from agentpool.store.events import Event
 from agentpool.store.keys import RUNS, RUNS_WATCH, RunKeys, check_run_id
-from agentpool.store.records import message_meta, new_header, pack_message, pack_result, unpack_message
+from agentpool.store.records import RunState, message_meta, new_header, pack_message, pack_result, unpack_message
 from agentpool.store.window import is_compaction_point
 
 # The blocks a user message may hold besides tool_results (which only a turn writes).
@@ -81,7 +82,8 @@ def send_message(
       usage and limits carry on).
     - ``stopped``: the same, unless a limit stopped it and still would: then ``MessageRefused`` says
       what ``resume`` must add; resume it, then send (the message is then answered before the run
-      completes).
+      completes). A run that ``completed`` at a limit (its last turn used up its turns, tokens or
+      money) is refused the same way: ``resume`` raises its limits, and it stays completed until sent.
     - ``cancelled``, ``failed``: ``MessageRefused`` saying so.
 
     Idempotent with ``message_id``: a retried call with the same id and content stores and delivers
@@ -108,7 +110,7 @@ def send_message(
                 raise MessageRefused(run_id, f"message id {message_id!r} was already used for another message")
             return message_id  # a retry: it was stored (and is or will be delivered) once
         state = checkpoint.load_run(pipe, run_id, with_messages=False)  # type: ignore[arg-type]
-        refused = _refusal(r, run_id, state.status, state.error)
+        refused = _refusal(r, state)
         if refused:
             raise MessageRefused(run_id, refused)
         # Straight into the conversation when nothing is in flight and no earlier message waits
@@ -152,21 +154,25 @@ def send_message(
     return writes.watched(r, [keys.run, keys.received, keys.inbox], attempt)
 
 
-def _refusal(r: Redis, run_id: str, status: str, error: str) -> str:
+def _refusal(r: Redis, state: RunState) -> str:
+    run_id, status = state.id, state.status
     if status in ("cancelled", "failed"):
-        why = f" ({error})" if error else ""
+        why = f" ({state.error})" if state.error else ""
         return (
             f"the run is {status}{why}; a {status} run takes no more messages (fork_run it to go on from its history)"
         )
+    # A message would start a turn that stops at once, unanswered: raising a budget stays a person's
+    # explicit act, whether a limit stopped the run or its last turn reached one as it completed.
+    held_to = limits_held_to(r, run_id) if status in ("stopped", "completed") else None
+    needs = held_to.needed_to_resume(state) if held_to else {}
+    if held_to is None or not needs:
+        return ""
+    adds = ", ".join(f"{name}={value}" for name, value in needs.items())
+    how = f"raise its limits first with resume({run_id!r}, {adds}), then send the message"
     if status == "stopped":
-        needs = resume_needs(r, run_id)
-        if needs:
-            adds = ", ".join(f"{name}={value}" for name, value in needs.items())
-            return (
-                f"the run was stopped by a limit ({error}); raise its limits first with "
-                f"resume({run_id!r}, {adds}), then send the message"
-            )
-    return ""
+        return f"the run was stopped by a limit ({state.error}); {how}"
+    used = "; ".join(held_to.exhausted(state).values())
+    return f"the run completed at a limit ({used}); {how}"
 
 
 def _stage_append(pipe: Any, keys: RunKeys, message_id: str, content: Any, *, turns: int, index: int) -> None:

@@ -377,7 +377,8 @@ def approve(url: str | None, run_id: str, tool_use_id: str | None, deny: bool, r
 )
 @click.option("--add-usd", type=LimitParam(whole=False, zero_ok=True), default=0.0, help="USD to add to max_cost_usd.")
 def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_usd: float) -> None:
-    """Continue a stopped run from its checkpoint, raising its limits."""
+    """Continue a stopped run from its checkpoint, raising its limits (or raise the limits of a run that
+    completed at one, so that a message sent to it is answered)."""
     from agentpool.client import resume as resume_run
 
     try:

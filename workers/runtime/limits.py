@@ -1,8 +1,9 @@
 """The limits a run is held to between turns: the agent's, overridden per run, raised by ``resume``.
 
-A run stopped by a limit records the limits it was held to in its ``status`` event (``limit_fields``),
-so that ``resume`` can tell, without importing the agent, whether what it adds lets another turn start,
-and refuse with what is needed when it does not (``needed_to_resume``).
+A run stopped by a limit, or completed, records the limits it was held to in its ``status`` event
+(``limit_fields``), so that ``resume`` can tell, without importing the agent, whether what it adds lets
+another turn start, and refuse with what is needed when it does not (``needed_to_resume``); and so that
+a message to a run completed at a limit is refused instead of starting a turn that would stop at once.
 """
 
 from __future__ import annotations
@@ -57,6 +58,19 @@ class Limits:
             "max_total_tokens": self.max_total_tokens,
             "max_cost_usd": None if self.max_cost_usd is None else repr(float(self.max_cost_usd)),
         }
+
+    def raised(self, adds: Mapping[str, int | float]) -> Limits:
+        """These limits with ``resume``'s amounts (``add_turns``, ``add_tokens``, ``add_usd``) added; a
+        limit that is not set stays not set, as in ``of``."""
+
+        def up(value: Any, amount: float) -> Any:
+            return None if value is None else value + amount
+
+        return Limits(
+            self.max_turns + int(adds.get("add_turns", 0)),
+            up(self.max_total_tokens, int(adds.get("add_tokens", 0))),
+            up(self.max_cost_usd, float(adds.get("add_usd", 0.0))),
+        )
 
     def exhausted(self, state: RunState) -> dict[str, str]:
         """Each limit the run has used up, with what it used, in words."""

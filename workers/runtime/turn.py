@@ -335,6 +335,9 @@ class Turn:
             result = _trailing_text(state.messages + [reply.message])
         price = price_of(agent.model)
         cost = price.cost(reply.usage) if price else 0.0
+        # A completed run keeps the limits it was held to: a message sent to it when it completed at one
+        # is refused (agentpool.conversation), as for a run a limit stopped.
+        held_to = Limits.of(agent, state.limits).limit_fields() if final == "completed" else {}
 
         def commit(final: str) -> None:
             checkpoint.commit_response(
@@ -362,7 +365,7 @@ class Turn:
                     compacted="server" if reply.compacted else None,
                     **reply.usage,
                 ),
-                event=Event.of(self.run_id, "status", status=final, error=failure)
+                event=Event.of(self.run_id, "status", status=final, error=failure, **held_to)
                 if final
                 else Event.of(self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending)),
             )
