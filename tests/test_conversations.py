@@ -176,6 +176,9 @@ def test_a_run_completed_at_its_turn_limit_refuses_a_message_until_its_limits_ar
     assert (after.status, after.messages, after.inbox) == ("completed", done.messages, [])  # nothing stored
     with pytest.raises(ResumeRefused, match="add_turns>=1"):
         resume(run_id, connection=r)
+    fork = fork_run(run_id, connection=r)  # completed too, with the parent's limits
+    with pytest.raises(MessageRefused, match=r"completed at a limit \(2 of max_turns=2\)"):
+        send_message(fork, "And then?", connection=r)
 
     assert resume(run_id, add_turns=1, connection=r).status == "completed"  # raised; nothing to do yet
     sent = send_message(run_id, "And then?", connection=r)

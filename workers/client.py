@@ -307,10 +307,11 @@ def resume(
 
 def limits_held_to(r: Redis, run_id: str) -> Limits | None:
     """The limits a stopped or completed run was held to, from the ``status`` event its worker wrote
-    when it stopped or completed (or the ``limits_raised`` event of a ``resume`` since); None when it
-    stopped for another reason (model errors) or before this was recorded."""
+    when it stopped or completed (or the ``limits_raised`` event of a ``resume`` since, or for a fork
+    created completed, its parent's, in its ``forked`` event); None when it stopped for another reason
+    (model errors) or before this was recorded."""
     for _id, fields in events.latest(r, run_id, count=20):
-        if fields.get("kind") == "limits_raised":
+        if fields.get("kind") in ("limits_raised", "forked"):
             return Limits.from_fields(fields)
         if fields.get("kind") == "status":
             return Limits.from_fields(fields) if fields.get("status") in ("stopped", "completed") else None

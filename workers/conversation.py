@@ -232,6 +232,9 @@ def fork_run(
         + [0]
     )
     fork_id = fork_id or new_run_id()
+    # A fork created completed is held to its parent's limits (the same agent and limits): a message
+    # to it is refused when they are used up, as it is for the parent.
+    held_to = limits_held_to(r, run_id) if finished else None
     return _create_fork(
         r,
         fork_id,
@@ -244,6 +247,7 @@ def fork_run(
         window=window,
         result=trailing_text(messages[:end]) if finished else "",
         finished=finished,
+        held_to=held_to.limit_fields() if held_to else {},
     )
 
 
@@ -260,6 +264,7 @@ def _create_fork(
     window: int,
     result: str,
     finished: bool,
+    held_to: dict[str, Any],
 ) -> str:
     keys = RunKeys.of(fork_id)
     now = time.time()
@@ -292,7 +297,7 @@ def _create_fork(
         if not finished:
             pipe.zadd(RUNS_WATCH, {fork_id: int(now * 1000) + checkpoint.QUEUED_RECHECK_MS})
             stage_turn(pipe, r, fork_id, turn)
-        Event.of(fork_id, "forked", parent=parent, at_turn=turn, status=header["status"]).stage(pipe)
+        Event.of(fork_id, "forked", parent=parent, at_turn=turn, status=header["status"], **held_to).stage(pipe)
         retention = Settings.from_env().retention
         if finished and retention > 0:
             for key in keys.kept():
