@@ -8,8 +8,9 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,45 @@ def wait_for_status(r: Redis, run_id: str, status: str, timeout: float = 30) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"run {run_id} is {current}, not {status}")
         time.sleep(0.05)
+
+
+class OutputLines:
+    """A subprocess's output, read line by line by a thread, so that a test waits for the very line it
+    asserts on, with a deadline that holds even while no line comes (a bare readline() would block)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self._ended = False
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    def wait_for(self, wanted: Callable[[str], bool], what: str, timeout: float = 120) -> str:
+        """The first line for which ``wanted`` holds; an AssertionError naming ``what`` (and showing the
+        lines read) if the output ends or ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                found = next((line for line in self.lines if wanted(line)), None)
+                if found is not None:
+                    return found
+                left = deadline - time.monotonic()
+                assert left > 0 and not self._ended, f"no line {what} in:\n" + "\n".join(self.lines)
+                self._changed.wait(left)
+
+
+def event_kind(line: str) -> str:
+    """The event kind of a line ``agentpool watch`` printed (``23:01:02.345 handed_back  reason=...``)."""
+    parts = line.split(maxsplit=2)
+    return parts[1] if len(parts) > 1 else ""
 
 
 def script_task(name: str, text: str = "Summarize this week's meeting notes") -> str:

@@ -25,7 +25,7 @@ from agentpool.store.keys import RunKeys
 from agentpool.store.records import SCHEMA_VERSION
 from agentpool.testing.localpool import WorkerProcesses
 
-from conftest import TESTS, Pool, assert_valid_conversation, script_task, wait_for_status
+from conftest import TESTS, OutputLines, Pool, assert_valid_conversation, event_kind, script_task, wait_for_status
 
 TWO_TURNS = [{"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}]}, {"text": "ok"}]
 
@@ -246,9 +246,12 @@ def test_a_run_waiting_for_a_worker_or_a_backoff_says_so_and_since_or_until_when
     assert "backoff after overloaded_error" in listed.stdout, listed.stdout
 
 
-def test_watch_says_when_a_run_is_handed_back(r, pool, model):
+@pytest.mark.parametrize("joins", ["at once", "after a requeue"])
+def test_watch_says_when_a_run_is_handed_back(r, pool, model, joins):
     pool.start(1)
     run_id = enqueue_run("not_deployed_here:agent", script_task("two"), connection=r)
+    if joins == "after a requeue":  # the replay then holds a requeue whose cause also says "handed back"
+        wait_for_handback(r, run_id, "agent_not_loadable", count=2)
     watch = subprocess.Popen(
         [sys.executable, "-m", "agentpool", "watch", run_id],
         env=pool.env,
@@ -257,12 +260,13 @@ def test_watch_says_when_a_run_is_handed_back(r, pool, model):
         text=True,
     )
     try:
-        deadline = time.monotonic() + 30
-        lines = []
-        while not any("handed back" in line for line in lines):
-            assert time.monotonic() < deadline and watch.poll() is None, lines
-            lines.append(watch.stdout.readline())
-        said = next(line for line in lines if "handed back" in line)
+        # Each line asserted on is waited for by what it is, not by words another line may hold too.
+        out = OutputLines(watch.stdout)
+        event = out.wait_for(lambda line: event_kind(line) == "handed_back", "with the handed_back event")
+        assert "reason=agent_not_loadable" in event and "not_deployed_here" in event
+        said = out.wait_for(
+            lambda line: event_kind(line) == "waiting" and "note=handed back" in line, "saying the run waits"
+        )
         assert "cannot load the run's agent" in said and "not_deployed_here" in said
     finally:
         watch.terminate()
