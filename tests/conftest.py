@@ -99,6 +99,16 @@ class Pool(WorkerProcesses):
 
         return effects(self.effects_path)
 
+    def wait_for_log(self, wanted: Callable[[str], bool], what: str, timeout: float = 60) -> str:
+        """The first line of the workers' logs for which ``wanted`` holds (the logs are read whole)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = next((line for line in self.logs(tail=10_000_000).splitlines() if wanted(line)), None)
+            if found is not None:
+                return found
+            assert time.monotonic() < deadline, f"no log line {what}:\n{self.logs()}"
+            time.sleep(0.05)
+
     def wait_for_effect(self, tool: str, timeout: float = 30) -> dict:
         """The first real execution of ``tool`` (say, a slow tool a test wants to crash into)."""
         deadline = time.monotonic() + timeout
