@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 from agentpool import cancel_run, enqueue_run, get_run, wait_for_run
 from agentpool.runtime.jobs import stage_turn
@@ -207,7 +206,9 @@ def test_cancel_ends_a_run_and_its_turn_commits_nothing_more(r, pool, model):
     pool.wait_for_effect("slow_read")
     assert cancel_run(run_id, connection=r) == "running"
     run = wait_for_run(run_id, timeout=30, connection=r)
-    time.sleep(2.5)  # the slow tool finishes; its turn must not commit
+    # The slow tool finishes and its turn ends without committing: waited for by the job's end, as a
+    # few seconds' sleep may not be enough on a loaded machine (the check below would then prove nothing).
+    pool.wait_for_log(lambda line: f"Job OK ({run_id}-t0000" in line, "saying the cancelled turn's job ended")
     after = get_run(run_id, connection=r)
     assert after.status == "cancelled"
     assert after.messages == run.messages and len(after.messages) == 2
