@@ -57,9 +57,9 @@ def test_a_run_from_a_newer_schema_is_left_untouched(r, pool, model):
 
     assert wait_for_run(good, timeout=60, connection=r).status == "completed"
     job = Job.fetch(job_id(newer, 0), connection=r, serializer=MsgpackSerializer)
-    for _ in range(100):
-        if job.get_status() == "finished":
-            break
+    deadline = time.monotonic() + 60  # the job's end is waited for, not five seconds of it
+    while job.get_status() != "finished":
+        assert time.monotonic() < deadline, f"the newer run's job is {job.get_status()}, not finished"
         time.sleep(0.05)
     assert job.return_value() == "handed_back", "handed back for a newer worker: not a failed job, not a crash"
     record = handback.read(r, RunKeys.of(newer))
