@@ -99,7 +99,7 @@ class Pool(WorkerProcesses):
 
         return effects(self.effects_path)
 
-    def wait_for_log(self, wanted: Callable[[str], bool], what: str, timeout: float = 60) -> str:
+    def wait_for_log(self, wanted: Callable[[str], bool], what: str, timeout: float = 120) -> str:
         """The first line of the workers' logs for which ``wanted`` holds (the logs are read whole)."""
         deadline = time.monotonic() + timeout
         while True:
@@ -109,7 +109,7 @@ class Pool(WorkerProcesses):
             assert time.monotonic() < deadline, f"no log line {what}:\n{self.logs()}"
             time.sleep(0.05)
 
-    def wait_for_effect(self, tool: str, timeout: float = 30) -> dict:
+    def wait_for_effect(self, tool: str, timeout: float = 120) -> dict:
         """The first real execution of ``tool`` (say, a slow tool a test wants to crash into)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -127,7 +127,7 @@ def pool(r: Redis, redis_server: RedisServer, model: ScriptedModel, tmp_path: Pa
     p.stop()
 
 
-def wait_for_status(r: Redis, run_id: str, status: str, timeout: float = 30) -> None:
+def wait_for_status(r: Redis, run_id: str, status: str, timeout: float = 120) -> None:
     """Until the run's header says ``status``; reads only that field, so it works on a run whose
     messages cannot be decoded, and stops at statuses ``wait_for_run`` returns on (waiting_approval)."""
     from agentpool.store.keys import RunKeys

@@ -31,7 +31,7 @@ def start_threaded(pool: Pool, name: str, concurrency: int = CONCURRENCY) -> sub
     return WorkerProcesses.start(pool, 1, *args)[0]
 
 
-def worker_process(supervisor: subprocess.Popen[bytes], *, other_than: int = 0, timeout: float = 30) -> int:
+def worker_process(supervisor: subprocess.Popen[bytes], *, other_than: int = 0, timeout: float = 120) -> int:
     """The threaded worker forked by ``supervisor`` (a new one, if ``other_than`` is the old one)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

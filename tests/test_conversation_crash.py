@@ -54,7 +54,7 @@ def committed_turns(r, run_id: str) -> int:
     return sum(1 for _id, e in events.read(r, run_id) if e["kind"] == "turn_committed")
 
 
-def wait_until(check, timeout: float = 60) -> None:
+def wait_until(check, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < deadline, "timed out"

@@ -47,7 +47,7 @@ POINTS = [
 ]
 
 
-def _rq_failed_jobs(r, timeout: float = 10) -> int:
+def _rq_failed_jobs(r, timeout: float = 60) -> int:
     """What `rq info` counts as failed once it has run RQ's cleanup past every dead worker's heartbeat,
     after the worker that saw a horse die has finished its bookkeeping (polled, a few ms)."""
     queue = turn_queue(r)

@@ -136,14 +136,14 @@ def board(pool, tmp_path) -> Iterator[Dashboard]:
         yield b
 
 
-def wait_status(r, run_id: str, status: str, timeout: float = 60) -> None:
+def wait_status(r, run_id: str, status: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while (now := get_run(run_id, connection=r).status) != status:
         assert time.monotonic() < deadline, f"run {run_id} is {now}, never became {status}"
         time.sleep(0.1)
 
 
-def wait_effect(pool, name: str, timeout: float = 30) -> None:
+def wait_effect(pool, name: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not any(e["tool"] == name for e in pool.effects()):
         assert time.monotonic() < deadline, f"{name} never ran"

@@ -258,7 +258,7 @@ def test_a_sentinel_url_is_parsed_and_never_shows_its_password():
     assert "unknown query option (known: sentinel_username, sentinel_password)" in str(bad.value)
 
 
-def _wait_for(predicate, what: str, timeout: float = 20) -> None:
+def _wait_for(predicate, what: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, what

@@ -33,7 +33,7 @@ def start_worker(pool: Pool):
     return WorkerProcesses.start(pool, 1, "--log-level", "INFO", "--no-scheduler", **MARGIN)[0]
 
 
-def wait_for_event(r, run_id: str, wanted, timeout: float = 30) -> dict:
+def wait_for_event(r, run_id: str, wanted, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = [e for _, e in read_events(r, run_id) if wanted(e)]

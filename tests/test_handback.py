@@ -39,7 +39,7 @@ def key_in_this_process():
     crypto.configure(None)
 
 
-def wait_for_handback(r: Redis, run_id: str, reason: str, count: int = 1, timeout: float = 60) -> handback.HandBack:
+def wait_for_handback(r: Redis, run_id: str, reason: str, count: int = 1, timeout: float = 120) -> handback.HandBack:
     deadline = time.monotonic() + timeout
     while True:
         record = handback.read(r, RunKeys.of(run_id))

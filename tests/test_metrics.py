@@ -39,7 +39,7 @@ MEETING = [
 LOOP = [{"tool_calls": [{"name": "read_notes", "input": {"topic": str(i)}}]} for i in range(10)]
 
 
-def scrape(port: int, timeout: float = 20.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(port: int, timeout: float = 120.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample as {(name, sorted labels): value}, retrying until the server answers."""
     deadline = time.monotonic() + timeout
     while True:

@@ -25,7 +25,7 @@ def start_threaded(pool: Pool, name: str, concurrency: int = 4, **env: str):
     return WorkerProcesses.start(pool, 1, *args, **env)[0]
 
 
-def worker_process(supervisor, timeout: float = 30) -> int:
+def worker_process(supervisor, timeout: float = 120) -> int:
     """The threaded worker process the supervisor runs now."""
     from agentpool.testing.localpool import children_of
 

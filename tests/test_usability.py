@@ -27,7 +27,7 @@ from agentpool.testing.localpool import free_port
 from conftest import TESTS, script_task
 
 
-def agentpool_cli(*args: str, env: dict[str, str] | None = None, url: str | None = None, timeout: float = 60):
+def agentpool_cli(*args: str, env: dict[str, str] | None = None, url: str | None = None, timeout: float = 300):
     environment = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     environment.update(env or {})
     if url is not None:
