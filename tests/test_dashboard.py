@@ -114,7 +114,7 @@ def dashboard_process(env: dict[str, str], tmp: Path, *args: str, token: str | N
         )
         try:
             board = Dashboard(f"http://127.0.0.1:{port}", token)
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 120  # a Python process starting on a loaded machine
             while True:
                 try:
                     board.request("GET", "/api/config")
