@@ -33,6 +33,7 @@ from rq.worker import WorkerStatus
 
 from agentpool import Agent, enqueue_run, get_run, wait_for_run
 from agentpool.runtime.settings import Settings
+from agentpool.store import events
 from agentpool.store.keys import TURN_QUEUE
 from agentpool.testing.localpool import children_of, free_port
 
@@ -936,11 +937,11 @@ def test_a_second_sigterm_is_a_cold_shutdown_and_the_turn_is_taken_over_after_th
     time.sleep(1.2)  # RQ ignores a second signal within 1 s of the first
     worker.send_signal(signal.SIGTERM)
     worker.wait(timeout=15)
-    stopped = time.monotonic()
     pool.start(1)
-    while len(pool.effects()) < 2 and time.monotonic() < stopped + 60:
-        time.sleep(0.05)
-    assert time.monotonic() - stopped < 3 + 10, "taken over within the lease TTL and a few seconds"
-    run = wait_for_run(run_id, timeout=60, connection=r)
+    run = wait_for_run(run_id, timeout=120, connection=r)
     assert run.status == "completed", (run.error, pool.logs())
+    # Taken over by the lease's expiry (not by RQ's abandoned-job cleanup, minutes later): said by the
+    # takeover's cause, not by a stopwatch, which a loaded machine fails (how fast: `agentpool bench recovery`).
+    takeovers = [e["cause_kind"] for _, e in events.read(r, run_id) if e["kind"] == "takeover"]
+    assert takeovers == ["lease_expiry"], takeovers
     assert Counter(e["tool"] for e in pool.effects())["slow_read"] == 2, "the cut read was re-run"
