@@ -460,12 +460,13 @@ def test_injected_429_twice_then_success(client: anthropic.Anthropic, model: Scr
 
 def test_injected_errors_are_not_retried_by_the_sdk(model: ScriptedModel) -> None:
     # Even with SDK retries on (and a retry-after of 7 s), x-should-retry: false surfaces the error at once.
-    with anthropic.Anthropic(base_url=model.base_url, api_key="k", max_retries=3) as c:
-        started = time.monotonic()
-        with pytest.raises(anthropic.RateLimitError):
-            create(c, [user("[script:flaky] go")])
-        assert time.monotonic() - started < 5
-    assert model.stats()["errors_injected"] == 1
+    with (
+        anthropic.Anthropic(base_url=model.base_url, api_key="k", max_retries=3) as c,
+        pytest.raises(anthropic.RateLimitError),
+    ):
+        create(c, [user("[script:flaky] go")])
+    # One request reached the server (counted, not timed: a retry would have been a second one).
+    assert model.stats()["errors_injected"] == 1 and model.stats()["requests"] == 1
 
 
 def test_injected_529_is_overloaded_error(client: anthropic.Anthropic) -> None:
