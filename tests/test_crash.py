@@ -49,10 +49,15 @@ POINTS = [
 
 def _rq_failed_jobs(r, timeout: float = 60) -> int:
     """What `rq info` counts as failed once it has run RQ's cleanup past every dead worker's heartbeat,
-    after the worker that saw a horse die has finished its bookkeeping (polled, a few ms)."""
+    after the workers have finished their bookkeeping: waited for until no job is left started (the
+    runs are over), as a cleanup before that (a few ms idle, seconds under load) fails a job a worker
+    was still finishing."""
     queue = turn_queue(r)
-    queue.started_job_registry.cleanup(timestamp=time.time() + 3600)
     deadline = time.monotonic() + timeout
+    while started := queue.started_job_registry.get_job_ids():
+        assert time.monotonic() < deadline, f"jobs still started with every run over: {started}"
+        time.sleep(0.05)
+    queue.started_job_registry.cleanup(timestamp=time.time() + 3600)
     while (failed := r.zcard(queue.failed_job_registry.key)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return failed
