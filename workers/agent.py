@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from agentpool.checks import limit_value, optional_limit
+from agentpool.mcp_tools import PREFIX, McpTool, ServerConfig, parse_servers, require_mcp
 from agentpool.tools import Tool
 
 # The models that take the API's server-side compaction (the `compact_20260112` edit): the docs name
@@ -93,6 +95,11 @@ class Agent:
     model_options: dict[str, Any] = field(default_factory=dict)  # extra messages.create arguments
     # Past the context window: None/False (off: a run that outgrows it stops), True, or Compaction(...).
     compaction: Compaction | bool | None = None
+    # MCP servers whose tools the model gets beside ``tools``, as mcp__<server>__<tool> (agentpool.mcp_tools):
+    # {"name": {"type": "stdio", "command": ..., "args": [...], "env": {...}}} or {"type": "http", "url": ...}.
+    mcp_servers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    mcp_effects: dict[str, str] = field(default_factory=dict)  # per tool, over what its annotations say
+    mcp_requires_approval: Collection[str] = ()  # tools whose calls wait for a person's decision
 
     def __post_init__(self) -> None:
         if isinstance(self.tools, Tool) or not isinstance(self.tools, (list, tuple)):
@@ -128,9 +135,38 @@ class Agent:
                 f"(got {self.compaction.trigger:,}); raise it, or use agentpool's own with Compaction(server_side=False)"
             )
         self._by_name = {t.name: t for t in self.tools}
+        self.mcp_configs: dict[str, ServerConfig] = {}
+        if self.mcp_servers:
+            require_mcp()
+            self.mcp_configs = parse_servers(self.mcp_servers, self.mcp_effects, self.mcp_requires_approval)
+            clash = [t.name for t in self.tools if t.name.startswith(PREFIX)]
+            if clash:
+                raise ValueError(f"tool names starting with {PREFIX} are for MCP servers' tools: {', '.join(clash)}")
+        elif self.mcp_effects or self.mcp_requires_approval:
+            raise ValueError("mcp_effects and mcp_requires_approval name tools of mcp_servers, and there are none")
+        self.mcp_requires_approval = frozenset(self.mcp_requires_approval)
+        # The servers' tools as this process last listed them (agentpool.runtime.mcp_hub.attach), swapped
+        # whole so a turn running in another thread reads either the old set or the new one.
+        self._mcp: tuple[list[McpTool], dict[str, McpTool], dict[str, Any]] = ([], {}, {})
 
     def tool_named(self, name: str) -> Tool | None:
-        return self._by_name.get(name)
+        return self._by_name.get(name) or self._mcp[1].get(name)
+
+    @property
+    def offered_tools(self) -> list[Tool]:
+        """What the model is offered: the agent's own tools, then its MCP servers' tools."""
+        return [*self.tools, *self._mcp[0]]
+
+    @property
+    def mcp_tools(self) -> list[McpTool]:
+        return list(self._mcp[0])
+
+    @property
+    def mcp_listings(self) -> dict[str, Any]:
+        return self._mcp[2]
+
+    def use_mcp_tools(self, tools: list[McpTool], listings: dict[str, Any]) -> None:
+        self._mcp = (list(tools), {t.name: t for t in tools}, listings)
 
     @property
     def compaction_mode(self) -> str | None:

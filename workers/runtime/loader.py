@@ -41,4 +41,8 @@ def load_agent(path: str) -> Agent:
         raise AgentNotFound(f"module {module_name!r} has no attribute {attr!r} (agent {path!r})") from None
     if not isinstance(agent, Agent):
         raise AgentNotFound(f"{path!r} is not an agentpool Agent (found {type(agent).__name__})")
+    if agent.mcp_configs:  # its servers' tools, as listed now (connecting once per worker process)
+        from agentpool.runtime.mcp_hub import attach
+
+        attach(agent)
     return agent

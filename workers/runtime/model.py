@@ -206,6 +206,27 @@ def _warm_up_events(message: dict[str, Any]) -> bytes:
     return "".join(out).encode()
 
 
+WITHDRAWN = (
+    "This tool is no longer available (its definition was removed or its MCP server stopped offering it). "
+    "Do not call it."
+)
+
+
+def withdrawn_tools(messages: list[dict[str, Any]], offered: set[str]) -> list[dict[str, Any]]:
+    """A definition for each tool the window's tool_use blocks name but the agent no longer offers (new
+    code deployed, an MCP server's tool list changed since a crash): the API refuses a request whose
+    history names a tool that ``tools`` does not define, so without it the run could never go on."""
+    names = [
+        block["name"]
+        for message in messages
+        if message["role"] == "assistant" and isinstance(message["content"], list)
+        for block in message["content"]
+        if block.get("type") == "tool_use"
+    ]
+    gone = [name for name in dict.fromkeys(names) if name not in offered]
+    return [{"name": name, "description": WITHDRAWN, "input_schema": {"type": "object"}} for name in gone]
+
+
 def build_request(
     agent: Agent, messages: list[dict[str, Any]], *, summary: bool = False, shrink: bool = False
 ) -> dict[str, Any]:
@@ -217,7 +238,8 @@ def build_request(
     agentpool's own compaction: the same prefix (read from the cache), the summary prompt after the
     window, no tool to call, no thinking, none of the API's context edits.
     """
-    tools = [t.to_param() for t in agent.tools]
+    tools = [t.to_param() for t in agent.offered_tools]
+    tools += withdrawn_tools(messages, {t["name"] for t in tools})
     if tools:
         tools[-1] = {**tools[-1], "cache_control": CACHE}
     options = dict(agent.model_options)

@@ -184,7 +184,7 @@ class Settlement:
             return self.record(call, Outcome(call["not_run"], True), how="not_run")
         tool = agent.tool_named(call["name"])
         if tool is None and entry.intent is None:
-            names = ", ".join(t.name for t in agent.tools) or "none"
+            names = ", ".join(t.name for t in agent.offered_tools) or "none"
             return self.record(
                 call, Outcome(f"There is no tool named {call['name']!r}. Tools: {names}.", True), how="unknown_tool"
             )

@@ -40,6 +40,16 @@ log = logging.getLogger("agentpool.worker")
 AGENTS_REMEMBERED = 10_000  # run id -> agent path, so a turn costs no extra read to preload its agent
 
 
+def _end_mcp_calls(horse: int, grace: float) -> None:
+    """A horse's MCP calls still in flight in this process's hub (``agentpool.runtime.mcp_hub``) end
+    with it, before anything hands its turn over; a worker without MCP agents has no hub."""
+    from agentpool.runtime.mcp_hub import existing_hub
+
+    hub = existing_hub()
+    if hub is not None:
+        hub.end_calls_of(horse, grace)
+
+
 class AgentWorker(Worker):
     def __init__(
         self, queues: Any = (TURN_QUEUE,), *, connection: Redis, reaper_interval: float | None = None, **kwargs: Any
@@ -68,6 +78,7 @@ class AgentWorker(Worker):
             # asked the tool's verify hook and was told "not happened".
             if not end_process_group(retpid, self.group_grace):
                 log.error("work horse %d's process group did not end; handing its turn over anyway", retpid)
+            _end_mcp_calls(retpid, self.group_grace)  # its MCP calls run in this process's hub
             hand_over_dead_holder(
                 self.connection, job, f"{self.name}.{retpid}", cause=f"work horse {retpid} died ({how})"
             )
@@ -92,6 +103,7 @@ class AgentWorker(Worker):
         finally:
             if horse:
                 end_process_group(horse, self.group_grace)  # no-op (one failed killpg) when nothing is left
+                _end_mcp_calls(horse, self.group_grace)
                 self._group_watcher.watch(0)
 
     def fork_work_horse(self, job: Any, queue: Any) -> None:

@@ -1,0 +1,429 @@
+"""MCP servers' tools in agent runs: real MCP server processes (tests/mcp_servers.py, the SDK's
+MCPServer) over stdio, started by the workers, and over streamable HTTP, started by the test; real
+worker processes; crashes by SIGKILL. Every real execution is counted by the servers themselves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from re import escape as re_escape
+
+import pytest
+
+from agentpool import Agent, ToolInputError, enqueue_run, wait_for_run
+from agentpool.mcp_tools import effect_from_annotations
+from agentpool.runtime.mcp_hub import McpToolFailed
+from agentpool.testing.localpool import free_port, horses_of
+
+from conftest import TESTS, assert_valid_conversation, script_task
+
+SERVERS = str(Path(__file__).parent / "mcp_servers.py")
+
+
+def _effects(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture
+def mcp_env(tmp_path: Path) -> dict[str, str]:
+    (tmp_path / "gates").mkdir()
+    return {
+        "MCP_TEST_EFFECTS": str(tmp_path / "mcp-effects.jsonl"),
+        "MCP_TEST_HIDDEN": str(tmp_path / "hidden.txt"),
+        "MCP_TEST_GATES": str(tmp_path / "gates"),
+    }
+
+
+class HttpServer:
+    """The CRM over streamable HTTP, in a process of the test's own (as a team's MCP server would be)."""
+
+    def __init__(self, env: dict[str, str], logdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp"
+        self.env, self.logdir, self.proc = env, logdir, None
+
+    def start(self) -> HttpServer:
+        self.log = log = open(self.logdir / "mcp-http.log", "ab")  # noqa: SIM115 - closed by stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, SERVERS, "crm", "http", str(self.port)],
+            env={**os.environ, **self.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 60
+        import socket
+
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return self
+            assert self.proc.poll() is None, (self.logdir / "mcp-http.log").read_text()
+            time.sleep(0.05)
+        raise AssertionError("the MCP HTTP server did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(params=["stdio", "http"])
+def crm_transport(request, mcp_env, tmp_path):
+    if request.param == "stdio":
+        yield {}
+        return
+    server = HttpServer(mcp_env, tmp_path).start()
+    yield {"MCP_CRM_URL": server.url}
+    server.stop()
+
+
+WORK = [
+    {"tool_calls": [{"name": "mcp__docs__search_docs", "input": {"query": "refund policy"}}]},
+    {"tool_calls": [{"name": "mcp__crm__tag_customer", "input": {"customer": "acme", "tag": "vip"}}]},
+    {"tool_calls": [{"name": "mcp__crm__delete_customer", "input": {"customer": "globex"}}]},
+    {"tool_calls": [{"name": "mcp__docs__search_docs", "input": {"query": "deletion"}}]},
+    {"text": "Done."},
+]
+
+
+def _results(run) -> dict[str, dict]:
+    uses = {
+        b["id"]: b["name"]
+        for m in run.messages
+        if m["role"] == "assistant"
+        for b in m["content"]
+        if b["type"] == "tool_use"
+    }
+    return {
+        uses[b["tool_use_id"]] + f"#{i}": b
+        for i, m in enumerate(run.messages)
+        if m["role"] == "user" and isinstance(m["content"], list)
+        for b in m["content"]
+    }
+
+
+def test_an_agent_uses_tools_of_two_mcp_servers_over_one_session_each(r, pool, model, mcp_env, crm_transport, tmp_path):
+    model.set_scripts({"work": WORK})
+    pool.start(1, **mcp_env, **crm_transport)
+    run_id = enqueue_run("mcp_agents:support", script_task("work"), connection=r)
+    run = wait_for_run(run_id, timeout=180, connection=r)
+
+    assert run.status == "completed", (run.error, pool.logs())
+    assert_valid_conversation(run.messages)
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+    texts = [b["content"] for b in _results(run).values()]
+    assert texts == [
+        "3 pages about refund policy: setup, billing, limits",
+        "tagged acme vip",
+        "deleted globex",
+        "3 pages about deletion: setup, billing, limits",
+    ]
+    effects = _effects(tmp_path / "mcp-effects.jsonl")
+    assert [e["tool"] for e in effects] == ["search_docs", "tag_customer", "delete_customer", "search_docs"]
+    assert effects[1]["key"].startswith("ap-"), "an idempotent tool's key argument is the run's stable key"
+    docs_pids = {e["pid"] for e in effects if e["tool"] == "search_docs"}
+    assert len(docs_pids) == 1, "five turns (five work horses) share the worker's one docs server process"
+
+
+def _wait_for(path: Path, tool: str, timeout: float = 180) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [e for e in _effects(path) if e["tool"] == tool]
+        if found:
+            return found[0]
+        time.sleep(0.02)
+    raise AssertionError(f"{tool} never ran")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.crash
+def test_work_horses_killed_after_each_mcp_call_never_repeat_the_destructive_one(
+    r, pool, model, mcp_env, crm_transport, tmp_path
+):
+    """The two-server agent, its horse SIGKILLed in every turn after the tool took effect and before its
+    outcome was recorded: the read-only server's tool runs again, the idempotent one again with the same
+    key, the destructive one never again (the model is told its status is unknown)."""
+    model.set_scripts({"work": WORK})
+    pool.start(2, AGENTPOOL_FAULTS="in_tool", **mcp_env, **crm_transport)
+    run_id = enqueue_run("mcp_agents:support", script_task("work"), connection=r)
+    run = wait_for_run(run_id, timeout=180, connection=r)
+
+    assert run.status == "completed", (run.error, pool.logs())
+    assert_valid_conversation(run.messages)
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+    assert len(list(tmp_path.glob(f"fault-in_tool-{run_id}-*"))) == 4, "every tool's horse was killed once"
+    effects = _effects(tmp_path / "mcp-effects.jsonl")
+    by_tool = Counter(e["tool"] for e in effects)
+    assert by_tool["delete_customer"] == 1, "a destructive MCP tool is never called twice"
+    assert by_tool["search_docs"] == 4, "a read-only MCP tool is called again"
+    assert by_tool["tag_customer"] == 2 and len({e["key"] for e in effects if e["tool"] == "tag_customer"}) == 1
+    results = _results(run)
+    deleted = next(b for name, b in results.items() if name.startswith("mcp__crm__delete_customer"))
+    assert deleted.get("is_error") and "status of this mcp__crm__delete_customer call is unknown" in deleted["content"]
+
+
+@pytest.mark.crash
+def test_a_horse_killed_mid_call_stops_its_stdio_server_before_the_takeover(r, pool, model, mcp_env, tmp_path):
+    """The call runs in the worker's hub, not the horse: when the horse dies, the server process with its
+    call still in flight is stopped before the turn is handed over, so the delete cannot land after the
+    takeover told the model its status is unknown; the next call gets a new server."""
+    model.set_scripts(
+        {
+            "held": [
+                {"tool_calls": [{"name": "mcp__crm__held_delete", "input": {"customer": "initech", "gate": "g1"}}]},
+                {"tool_calls": [{"name": "mcp__crm__refund", "input": {"customer": "initech", "amount_cents": 5}}]},
+                {"text": "Checked."},
+            ]
+        }
+    )
+    worker = pool.start(1, **mcp_env)[0]
+    run_id = enqueue_run("mcp_agents:support", script_task("held"), connection=r)
+    started = _wait_for(tmp_path / "mcp-effects.jsonl", "held_delete_started")
+    for horse in horses_of(worker.pid):
+        os.kill(horse, signal.SIGKILL)
+    run = wait_for_run(run_id, timeout=180, connection=r)
+    (tmp_path / "gates" / "g1").touch()  # too late: its server is gone
+
+    assert run.status == "completed", (run.error, pool.logs())
+    assert_valid_conversation(run.messages)
+    assert not _alive(started["pid"]), "the server holding the dead horse's call was stopped"
+    effects = _effects(tmp_path / "mcp-effects.jsonl")
+    assert [e["tool"] for e in effects] == ["held_delete_started", "refund"]
+    assert effects[1]["pid"] != started["pid"], "the next call connected again"
+    held = next(b for name, b in _results(run).items() if name.startswith("mcp__crm__held_delete"))
+    assert held.get("is_error") and "is unknown" in held["content"]
+
+
+@pytest.mark.crash
+def test_a_tool_gone_from_its_server_at_the_takeover_is_reconciled_as_a_tool_the_agent_lost(
+    r, pool, model, mcp_env, tmp_path
+):
+    """A read-only tool would simply run again after a crash; one its server no longer lists when the
+    takeover connects is not called (there is nothing to call): its result says the status is unknown."""
+    model.set_scripts(
+        {
+            "gone": [
+                {"tool_calls": [{"name": "mcp__docs__held_search", "input": {"query": "sla", "gate": "g1"}}]},
+                {"tool_calls": [{"name": "mcp__docs__search_docs", "input": {"query": "sla"}}]},
+                {"text": "Found it."},
+            ]
+        }
+    )
+    worker = pool.start(1, **mcp_env)[0]
+    run_id = enqueue_run("mcp_agents:support", script_task("gone"), connection=r)
+    _wait_for(tmp_path / "mcp-effects.jsonl", "held_search_started")
+    Path(mcp_env["MCP_TEST_HIDDEN"]).write_text("held_search\n")  # the next docs server lacks it
+    for horse in horses_of(worker.pid):
+        os.kill(horse, signal.SIGKILL)
+    run = wait_for_run(run_id, timeout=180, connection=r)
+
+    assert run.status == "completed", (run.error, pool.logs())
+    assert_valid_conversation(run.messages)
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+    tools = [e["tool"] for e in _effects(tmp_path / "mcp-effects.jsonl")]
+    assert tools == ["held_search_started", "search_docs"], "the vanished tool was not called again"
+    held = next(b for name, b in _results(run).items() if name.startswith("mcp__docs__held_search"))
+    assert held.get("is_error") and "status of this mcp__docs__held_search call is unknown" in held["content"]
+
+
+def test_a_server_that_times_out_gives_an_error_result_and_is_connected_again(r, pool, model, mcp_env, tmp_path):
+    model.set_scripts(
+        {
+            "slow": [
+                {"tool_calls": [{"name": "mcp__docs__slow_search", "input": {"query": "q", "seconds": 30}}]},
+                {"tool_calls": [{"name": "mcp__docs__search_docs", "input": {"query": "q"}}]},
+                {"text": "ok"},
+            ]
+        }
+    )
+    pool.start(1, **mcp_env)
+    run = wait_for_run(
+        enqueue_run("mcp_agents:impatient", script_task("slow"), connection=r), timeout=120, connection=r
+    )
+
+    assert run.status == "completed", (run.error, pool.logs())
+    slow, search = _results(run).values()
+    assert slow.get("is_error") and "slow_search" in slow["content"] and "1 s" in slow["content"]
+    assert search["content"] == "3 pages about q: setup, billing, limits" and not search.get("is_error")
+    effects = _effects(tmp_path / "mcp-effects.jsonl")
+    assert effects[0]["pid"] != effects[1]["pid"], "the server that timed out was replaced"
+
+
+def test_an_http_server_that_went_down_gives_an_error_result_and_is_reached_again_once_back(
+    r, pool, model, mcp_env, tmp_path
+):
+    server = HttpServer(mcp_env, tmp_path).start()
+    model.set_scripts(
+        {
+            "down": [
+                {"tool_calls": [{"name": "mcp__docs__held_search", "input": {"query": "a", "gate": "g1"}}]},
+                {"tool_calls": [{"name": "mcp__crm__refund", "input": {"customer": "acme", "amount_cents": 100}}]},
+                {"tool_calls": [{"name": "mcp__docs__held_search", "input": {"query": "b", "gate": "g2"}}]},
+                {"tool_calls": [{"name": "mcp__crm__refund", "input": {"customer": "acme", "amount_cents": 100}}]},
+                {"text": "Refunded."},
+            ]
+        }
+    )
+    gates = tmp_path / "gates"
+    try:
+        pool.start(1, **mcp_env, MCP_CRM_URL=server.url)
+        run_id = enqueue_run("mcp_agents:support", script_task("down"), connection=r)
+        _wait_for(tmp_path / "mcp-effects.jsonl", "held_search_started")
+        server.stop()
+        (gates / "g1").touch()
+        deadline = time.monotonic() + 60
+        while sum(e["tool"] == "held_search_started" for e in _effects(tmp_path / "mcp-effects.jsonl")) < 2:
+            assert time.monotonic() < deadline, pool.logs()
+            time.sleep(0.02)
+        server.start()
+        (gates / "g2").touch()
+        run = wait_for_run(run_id, timeout=180, connection=r)
+    finally:
+        server.stop()
+
+    assert run.status == "completed", (run.error, pool.logs())
+    assert_valid_conversation(run.messages)
+    refunds = [b for name, b in _results(run).items() if name.startswith("mcp__crm__refund")]
+    assert refunds[0].get("is_error") and "MCP server crm" in refunds[0]["content"]
+    assert refunds[1]["content"] == "refunded 100" and not refunds[1].get("is_error")
+    assert [e["tool"] for e in _effects(tmp_path / "mcp-effects.jsonl")].count("refund") == 1
+
+
+def test_an_mcp_tool_can_require_a_persons_approval(r, pool, model, mcp_env, tmp_path):
+    from agentpool import approve, get_run
+
+    from conftest import wait_for_status
+
+    model.set_scripts(
+        {
+            "ask": [
+                {"tool_calls": [{"name": "mcp__crm__delete_customer", "input": {"customer": "umbrella"}}]},
+                {"text": "Gone."},
+            ]
+        }
+    )
+    pool.start(1, **mcp_env)
+    run_id = enqueue_run("mcp_agents:gated", script_task("ask"), connection=r)
+    wait_for_status(r, run_id, "waiting_approval", timeout=180)
+    assert _effects(tmp_path / "mcp-effects.jsonl") == [], "nothing runs before the decision"
+    approve(run_id, connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    assert [e["tool"] for e in _effects(tmp_path / "mcp-effects.jsonl")] == ["delete_customer"]
+    assert get_run(run_id, connection=r).result == "Gone."
+
+
+@pytest.mark.parametrize(
+    ("annotations", "effect"),
+    [
+        ({"readOnlyHint": True}, "read"),
+        ({"readOnlyHint": True, "destructiveHint": True}, "read"),
+        ({"idempotentHint": True, "destructiveHint": False}, "idempotent"),
+        ({"idempotentHint": True}, "unsafe"),  # destructiveHint defaults to true
+        ({"destructiveHint": False}, "unsafe"),
+        ({}, "unsafe"),
+        (None, "unsafe"),
+    ],
+)
+def test_an_mcp_tools_effect_class_comes_from_its_annotations(annotations, effect):
+    assert effect_from_annotations(annotations) == effect
+
+
+def test_tools_are_listed_named_classified_and_their_input_checked_strictly(mcp_env, tmp_path, monkeypatch):
+    """Listed from the real servers in this process, as a worker does."""
+    for name, value in mcp_env.items():
+        monkeypatch.setenv(name, value)
+    from agentpool.runtime.mcp_hub import attach
+
+    agent = Agent(
+        model="claude-sonnet-5-5",
+        mcp_servers={"docs": _stdio("docs", mcp_env), "crm": _stdio("crm", mcp_env)},
+        mcp_effects={"mcp__crm__set_tier": "unsafe"},
+        mcp_requires_approval=["mcp__crm__refund"],
+    )
+    attach(agent)
+    effects = {t.name: t.effect for t in agent.offered_tools}
+    assert effects == {
+        "mcp__docs__search_docs": "read",
+        "mcp__docs__slow_search": "read",
+        "mcp__docs__held_search": "read",
+        "mcp__crm__delete_customer": "unsafe",
+        "mcp__crm__tag_customer": "idempotent",
+        "mcp__crm__set_tier": "unsafe",  # annotated idempotent, overridden
+        "mcp__crm__refund": "unsafe",
+        "mcp__crm__held_delete": "unsafe",
+        "mcp__crm__failing_export": "unsafe",
+    }
+    tag = agent.tool_named("mcp__crm__tag_customer")
+    assert tag.takes_key and "idempotency_key" not in tag.to_param()["input_schema"]["properties"]
+    assert "idempotency_key" not in tag.to_param()["input_schema"]["required"]
+    assert agent.tool_named("mcp__crm__refund").requires_approval
+    assert not agent.tool_named("mcp__crm__delete_customer").requires_approval
+    search = agent.tool_named("mcp__docs__search_docs")
+    assert search.validate({"query": "x", "limit": 2}) == {"query": "x", "limit": 2}
+    for bad, problem in [
+        ({"query": 7}, "query: 7 is not of type 'string'"),
+        ({"query": "x", "limit": "2"}, "limit: '2' is not of type 'integer'"),
+        ({}, "'query' is a required property"),
+        ({"query": "x", "limit": float("nan")}, "not JSON"),
+        ("x", "must be a JSON object"),
+    ]:
+        with pytest.raises(ToolInputError, match=re_escape(problem)):
+            search.validate(bad)
+    assert search.fn(query="billing") == "3 pages about billing: setup, billing, limits"
+    with pytest.raises(McpToolFailed, match="export backend is down"):
+        agent.tool_named("mcp__crm__failing_export").fn(customer="acme")
+
+
+def _stdio(kind: str, env: dict[str, str]) -> dict:
+    return {"type": "stdio", "command": sys.executable, "args": [SERVERS, kind, "stdio"], "env": env}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mcp_servers": {"crm": {"type": "ws", "url": "ws://x"}}}, "type is 'stdio' or 'http'"),
+        ({"mcp_servers": {"crm": {"type": "stdio"}}}, "needs a command"),
+        ({"mcp_servers": {"crm": {"type": "http", "url": "localhost:1"}}}, "url starting with http"),
+        ({"mcp_servers": {"crm": {"type": "http", "url": "http://x", "command": "y"}}}, "unknown keys"),
+        ({"mcp_servers": {"a__b": {"command": "x"}}}, "server name 'a__b'"),
+        ({"mcp_servers": {"crm": {"command": "x", "env": {"A": 1}}}}, "env maps strings to strings"),
+        ({"mcp_servers": {"crm": {"command": "x"}}, "mcp_effects": {"mcp__erp__x": "read"}}, "names no tool"),
+        ({"mcp_servers": {"crm": {"command": "x"}}, "mcp_effects": {"mcp__crm__x": "safe"}}, "must be one of"),
+        ({"mcp_effects": {"mcp__crm__x": "read"}}, "there are none"),
+    ],
+)
+def test_a_wrong_mcp_configuration_is_refused_when_the_agent_is_built(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=re_escape(message)):
+        Agent(model="claude-sonnet-5-5", **kwargs)
+
+
+def test_without_the_mcp_extra_the_agent_build_names_the_extra_and_nothing_else_needs_it():
+    code = (
+        "import sys; sys.modules['mcp'] = None\n"
+        "import agentpool\n"
+        "from agentpool import Agent, tool\n"
+        "Agent(model='claude-sonnet-5-5')\n"
+        "try:\n"
+        "    Agent(model='claude-sonnet-5-5', mcp_servers={'crm': {'command': 'crm-server'}})\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=TESTS)
+    assert out.stdout == "MCP servers need the mcp extra: pip install 'agentpool[mcp]'\n", out.stderr
+    plain = "import sys, agentpool, agentpool.runtime.turn; print('mcp' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, check=True).stdout == "False\n"

@@ -1,0 +1,412 @@
+"""A worker process's connections to MCP servers: one session per server, reused across turns.
+
+The ``mcp`` SDK is async; turns are not. So a process that uses MCP servers runs one event loop in a
+thread of its own (the hub), which holds every session, and turn threads call into it and wait.
+
+A forking worker's work horses are forked for one turn each, and threads do not survive a fork: the
+hub lives in the worker process (the agent is preloaded there before each fork, which connects and
+lists the tools), and a horse reaches it over a Unix socket the hub serves from a private directory.
+So a forking worker starts one server process per stdio server, not one per horse; a horse's call
+costs one local socket round trip more. When a horse dies mid-call, the worker ends that call before
+it hands the turn over (``end_calls_of``): a stdio server with a call of the dead horse in flight is
+stopped (its process, like a tool's subprocess, must not take effect after the takeover decided the
+call did not), an HTTP request is cancelled (as the horse's own request would have died with it).
+
+A server that cannot be reached, does not answer within the tool's timeout or answers with an MCP
+error makes the call fail (the model gets an ``is_error`` result, the ledger its outcome), and its
+connection is dropped: the next call or listing connects again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from agentpool.agent import Agent
+from agentpool.mcp_tools import McpTool, ServerConfig, build_tool
+
+log = logging.getLogger("agentpool.mcp")
+CONNECT_TIMEOUT = 30.0  # seconds to start (or reach) a server, initialize the session and list its tools
+RETRY_AFTER = 1.0  # a server that just failed to connect is not tried again sooner (each turn would wait)
+MAX_LINE = 64 * 1024 * 1024  # one request or reply between a work horse and its worker's hub
+
+
+class McpUnavailable(Exception):
+    """The server could not be reached, timed out or answered with an MCP error; the call may or may not
+    have reached it."""
+
+
+class McpToolFailed(Exception):
+    """The server ran the tool and reports that it failed (``isError``); the message is the tool's text."""
+
+
+def _result_text(result: Any) -> dict[str, Any]:
+    """A CallToolResult as the text the model gets: text blocks as they are, other blocks as JSON, the
+    structured content when there is no text."""
+    parts = []
+    for block in result.content:
+        if getattr(block, "type", None) == "text":
+            parts.append(block.text)
+        else:
+            parts.append(json.dumps(block.model_dump(mode="json", by_alias=True, exclude_none=True)))
+    if not parts and result.structured_content is not None:
+        parts.append(json.dumps(result.structured_content))
+    return {"text": "\n".join(parts), "is_error": bool(result.is_error)}
+
+
+def _listing(tools: list[Any]) -> list[dict[str, Any]]:
+    return [t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in tools]
+
+
+class _Connection:
+    """One server's session, held open by a task of the hub's loop (the SDK's contexts must be entered
+    and left in one task)."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.session: Any = None
+        self.tools: list[dict[str, Any]] | None = None
+        self._holder: asyncio.Task[None] | None = None
+        self._stop: asyncio.Event | None = None
+        self._lock = asyncio.Lock()
+        self._failed_at = 0.0
+        self._failure = ""
+
+    def _transport(self) -> Any:
+        from mcp import StdioServerParameters, stdio_client
+        from mcp.client.streamable_http import streamable_http_client
+        from mcp.shared._httpx_utils import create_mcp_http_client
+
+        c = self.config
+        if c.type == "stdio":
+            params = StdioServerParameters(command=c.command, args=list(c.args), env=dict(c.env) or None)
+            return stdio_client(params), None
+        client = create_mcp_http_client(headers=dict(c.headers) or None)
+        return streamable_http_client(c.url, http_client=client), client
+
+    async def _hold(self, ready: asyncio.Future[None]) -> None:
+        from mcp import ClientSession
+
+        assert self._stop is not None
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                transport, http = self._transport()
+                if http is not None:
+                    await stack.enter_async_context(http)
+                read, write = await stack.enter_async_context(transport)
+                session = await stack.enter_async_context(ClientSession(read, write))
+                await session.initialize()
+                tools, cursor = [], None
+                while True:  # every page of tools/list
+                    from mcp.types import PaginatedRequestParams
+
+                    page = await session.list_tools(params=PaginatedRequestParams(cursor=cursor) if cursor else None)
+                    tools += page.tools
+                    cursor = page.next_cursor
+                    if not cursor:
+                        break
+                self.session, self.tools = session, _listing(tools)
+                ready.set_result(None)
+                await self._stop.wait()
+        except BaseException as exc:  # noqa: BLE001 - whatever ended the session is the connection's failure
+            if not ready.done():
+                ready.set_exception(exc if isinstance(exc, Exception) else McpUnavailable(repr(exc)))
+        finally:
+            self.session = None
+
+    async def ensure(self) -> Any:
+        async with self._lock:
+            if self.session is not None and self._holder is not None and not self._holder.done():
+                return self.session
+            if time.monotonic() - self._failed_at < RETRY_AFTER:
+                raise McpUnavailable(self._failure)
+            ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._stop = asyncio.Event()
+            self._holder = asyncio.ensure_future(self._hold(ready))
+            try:
+                await asyncio.wait_for(asyncio.shield(ready), CONNECT_TIMEOUT)
+            except BaseException as exc:  # noqa: BLE001 - a cancelled connect fails the same way
+                await self._close_holder()
+                self._failed_at = time.monotonic()
+                self._failure = f"MCP server {self.config.name} is unavailable: {_describe(exc)}"
+                log.warning("%s", self._failure)
+                raise McpUnavailable(self._failure) from None
+            log.info("MCP server %s connected: %d tools", self.config.name, len(self.tools or []))
+            return self.session
+
+    async def _close_holder(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
+        if self._holder is not None and not self._holder.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._holder), 10)
+            except BaseException:  # noqa: BLE001 - a transport that will not close is abandoned
+                self._holder.cancel()
+        self.session = None
+
+    async def reset(self, why: str) -> None:
+        log.warning("MCP server %s: %s; it is connected again on its next use", self.config.name, why)
+        await self._close_holder()
+
+    async def list_tools(self) -> list[dict[str, Any]]:
+        await self.ensure()
+        return list(self.tools or [])
+
+    async def call(self, tool: str, arguments: dict[str, Any], timeout: float) -> dict[str, Any]:
+        from mcp import MCPError
+
+        session = await self.ensure()
+        name = self.config.name
+        try:
+            result = await asyncio.wait_for(session.call_tool(tool, arguments), timeout)
+        except TimeoutError:
+            await self.reset(f"{tool} gave no answer within {timeout:g} s")
+            raise McpUnavailable(
+                f"MCP server {name} gave no answer within {timeout:g} s; whether {tool} took effect is unknown"
+            ) from None
+        except asyncio.CancelledError:
+            await self.reset(f"a call of {tool} was cancelled")
+            raise
+        except MCPError as exc:
+            await self.reset(f"MCP error from {tool}: {exc}")
+            raise McpUnavailable(f"MCP server {name} answered {tool} with an error: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a transport that broke mid-call
+            await self.reset(f"{tool} failed in transport: {_describe(exc)}")
+            raise McpUnavailable(
+                f"MCP server {name} failed during {tool} ({_describe(exc)}); whether it took effect is unknown"
+            ) from None
+        return _result_text(result)
+
+
+def _describe(exc: BaseException) -> str:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # anyio's task groups wrap the cause
+        exc = exc.exceptions[0]
+    if isinstance(exc, asyncio.TimeoutError):
+        return f"no answer within {CONNECT_TIMEOUT:g} s"
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+class Hub:
+    """The event loop thread, the sessions, and the socket the work horses of a forking worker use."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.loop = asyncio.new_event_loop()
+        self._connections: dict[str, _Connection] = {}
+        self._by_pid: dict[int, set[tuple[asyncio.Task[Any], str]]] = {}
+        self._dir = tempfile.mkdtemp(prefix="agentpool-mcp-")  # 0700: only this user reaches the socket
+        self.socket_path = os.path.join(self._dir, "hub.sock")
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), name="agentpool-mcp", daemon=True)
+        self._thread.start()
+        started.wait()
+
+    def _run(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(asyncio.start_unix_server(self._serve, self.socket_path, limit=MAX_LINE))
+        started.set()
+        self.loop.run_forever()
+
+    def _submit(self, coroutine: Coroutine[Any, Any, Any], timeout: float | None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+
+    def _connection(self, config: ServerConfig) -> _Connection:
+        conn = self._connections.get(config.key)
+        if conn is None:
+            conn = self._connections[config.key] = _Connection(config)
+        return conn
+
+    def tools(self, configs: list[ServerConfig]) -> list[list[dict[str, Any]] | McpUnavailable]:
+        """Each server's tools, or why not; the servers are connected to at the same time."""
+
+        async def all_of() -> list[Any]:
+            listings = [self._connection(config).list_tools() for config in configs]
+            return await asyncio.gather(*listings, return_exceptions=True)
+
+        return self._submit(all_of(), CONNECT_TIMEOUT + 15)  # type: ignore[no-any-return]
+
+    def call(self, config: ServerConfig, tool: str, arguments: dict[str, Any], timeout: float) -> dict[str, Any]:
+        return self._submit(  # type: ignore[no-any-return]
+            self._connection(config).call(tool, arguments, timeout), timeout + CONNECT_TIMEOUT + 15
+        )
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One request of a work horse: ``{"op": "tools"|"call", "config", "tool", "arguments", "timeout", "pid"}``."""
+        try:
+            request = json.loads(await reader.readline())
+            config = ServerConfig.of(request["config"]["name"], request["config"]["spec"])
+            conn = self._connection(config)
+            if request["op"] == "tools":
+                reply: dict[str, Any] = {"tools": await conn.list_tools()}
+            else:
+                task = asyncio.current_task()
+                assert task is not None
+                mine = (task, config.key)
+                self._by_pid.setdefault(int(request["pid"]), set()).add(mine)
+                try:
+                    reply = {"result": await conn.call(request["tool"], request["arguments"], request["timeout"])}
+                finally:
+                    self._by_pid.get(int(request["pid"]), set()).discard(mine)
+        except McpUnavailable as exc:
+            reply = {"unavailable": str(exc)}
+        except asyncio.CancelledError:
+            reply = {"unavailable": "the call was ended: the work horse that made it died"}
+        except Exception as exc:  # noqa: BLE001 - a malformed request is answered, never kills the hub
+            reply = {"unavailable": f"MCP hub: {_describe(exc)}"}
+        try:
+            writer.write(json.dumps(reply).encode() + b"\n")
+            await writer.drain()
+            writer.close()
+        except Exception:  # noqa: BLE001,S110 - the horse is gone; nobody reads the reply
+            pass
+
+    def end_calls_of(self, pid: int, grace: float) -> None:
+        """Before a dead work horse's turn is handed over: end its calls still in flight here."""
+
+        async def end() -> None:
+            calls = self._by_pid.pop(pid, set())
+            for key in {key for _task, key in calls if self._connections[key].config.type == "stdio"}:
+                await self._connections[key].reset(f"the work horse {pid} died during a call: server stopped")
+            for task, _key in calls:
+                task.cancel()
+            if calls:
+                await asyncio.wait([task for task, _key in calls], timeout=grace)
+
+        if self._by_pid.get(pid):
+            try:
+                self._submit(end(), grace + 15)
+            except Exception:
+                log.exception("could not end the MCP calls of work horse %d", pid)
+
+    def close(self) -> None:
+        async def close_all() -> None:
+            for conn in self._connections.values():
+                await conn._close_holder()
+
+        with contextlib.suppress(Exception):
+            self._submit(close_all(), 15)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class HubClient:
+    """A work horse's way to its worker's hub (forked from the process that holds it)."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+
+    def _ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(timeout)
+                s.connect(self.socket_path)
+                s.sendall(json.dumps({**request, "pid": os.getpid()}).encode() + b"\n")
+                chunks = []
+                while not chunks or not chunks[-1].endswith(b"\n"):
+                    chunk = s.recv(1 << 20)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+            reply: dict[str, Any] = json.loads(b"".join(chunks))
+        except (OSError, ValueError) as exc:
+            raise McpUnavailable(f"this worker's MCP hub did not answer: {type(exc).__name__}: {exc}") from None
+        if "unavailable" in reply:
+            raise McpUnavailable(reply["unavailable"])
+        return reply
+
+    @staticmethod
+    def _config(config: ServerConfig) -> dict[str, Any]:
+        return {"name": config.name, "spec": config.as_dict()}
+
+    def tools(self, configs: list[ServerConfig]) -> list[list[dict[str, Any]] | McpUnavailable]:
+        found: list[list[dict[str, Any]] | McpUnavailable] = []
+        for config in configs:  # the hub has them listed already: one local round trip each
+            try:
+                found.append(self._ask({"op": "tools", "config": self._config(config)}, CONNECT_TIMEOUT + 15)["tools"])
+            except McpUnavailable as exc:
+                found.append(exc)
+        return found
+
+    def call(self, config: ServerConfig, tool: str, arguments: dict[str, Any], timeout: float) -> dict[str, Any]:
+        request = {"op": "call", "config": self._config(config), "tool": tool, "arguments": arguments}
+        return self._ask({**request, "timeout": timeout}, timeout + CONNECT_TIMEOUT + 15)["result"]  # type: ignore[no-any-return]
+
+
+_hub: Hub | None = None
+_hub_lock = threading.Lock()
+
+
+def hub() -> Hub | HubClient:
+    """This process's hub; in a work horse, a client of the hub of the worker it was forked from."""
+    global _hub
+    with _hub_lock:
+        if _hub is not None and _hub.pid != os.getpid():
+            return HubClient(_hub.socket_path)
+        if _hub is None:
+            _hub = Hub()
+        return _hub
+
+
+def existing_hub() -> Hub | None:
+    """The hub this very process runs, if any (a worker without MCP agents has none and imports nothing)."""
+    return _hub if _hub is not None and _hub.pid == os.getpid() else None
+
+
+def _caller(config: ServerConfig, tool: str, timeout: float) -> Callable[[dict[str, Any]], str]:
+    def call(arguments: dict[str, Any]) -> str:
+        reply = hub().call(config, tool, arguments, timeout)
+        if reply["is_error"]:
+            raise McpToolFailed(reply["text"])
+        return reply["text"]  # type: ignore[no-any-return]
+
+    return call
+
+
+def attach(agent: Agent) -> None:
+    """Give the agent its servers' tools as they are listed now. A server that cannot be reached keeps
+    the tools this process listed for it last (a call then fails and reconnects), or has none yet; a
+    tool a server no longer lists is gone, so a call of it left by a crash is reconciled as a call of a
+    tool the agent no longer has."""
+    current: dict[str, list[McpTool]] = {}
+    for tool in agent.mcp_tools:
+        current.setdefault(tool.server, []).append(tool)
+    listings = dict(agent.mcp_listings)
+    changed = False
+    configs = list(agent.mcp_configs.values())
+    for config, listing in zip(configs, hub().tools(configs), strict=True):
+        name = config.name
+        if isinstance(listing, BaseException):
+            log.warning("agent tools of MCP server %s not refreshed: %s", name, listing)
+            continue
+        if listings.get(name) == listing:
+            continue
+        changed = True
+        listings[name] = listing
+        built = []
+        for entry in listing:
+            timeout = agent.tool_timeout
+            tool = build_tool(
+                name,
+                entry,
+                effects=agent.mcp_effects,
+                approvals=agent.mcp_requires_approval,
+                timeout=timeout,
+                caller=_caller(config, str(entry.get("name")), timeout),
+            )
+            if tool is None:
+                log.warning("MCP server %s: tool %r cannot be offered to the model", name, entry.get("name"))
+            else:
+                built.append(tool)
+        current[name] = built
+    if changed:
+        agent.use_mcp_tools([t for name in agent.mcp_configs for t in current.get(name, [])], listings)
