@@ -194,19 +194,37 @@ def wait_for_run(
     stopped, failed or cancelled, which the returned run says). A run that was ``completed`` when the
     message was sent does not count as answered; ``run.result`` is then the answer to the message."""
     r = client_for(connection)
-    keys = RunKeys.of(run_id)
-    if after_message is not None and not r.hexists(keys.received, after_message):
-        checkpoint.load_run(r, run_id, with_messages=False)  # RunNotFound for a run that is not there
-        raise AgentPoolError(f"no message {after_message!r} was sent to run {run_id}")
+    check_waitable(r, run_id, after_message)
     deadline = time.monotonic() + timeout
     while True:
-        state = checkpoint.load_run(r, run_id, with_messages=False)
-        if state.status not in ACTIVE_STATUSES and (after_message is None or _answered(r, keys, after_message, state)):
+        state = waited_for(r, run_id, after_message)
+        if state is None:
             return get_run(run_id, connection=r)
         if time.monotonic() >= deadline:
-            waits_for = f" for an answer to message {after_message}" if after_message else ""
-            raise RunTimeout(f"run {run_id} still {state.status}{waits_for} after {timeout:g} s (turn {state.turns})")
+            raise timed_out(state, after_message, timeout)
         time.sleep(poll)
+
+
+# The pieces of wait_for_run, shared with agentpool.aio's (which pauses with asyncio.sleep instead).
+def check_waitable(r: Redis, run_id: str, after_message: str | None) -> None:
+    """RunNotFound for a run that is not there; an error for a message id never sent to it."""
+    if after_message is not None and not r.hexists(RunKeys.of(run_id).received, after_message):
+        checkpoint.load_run(r, run_id, with_messages=False)
+        raise AgentPoolError(f"no message {after_message!r} was sent to run {run_id}")
+
+
+def waited_for(r: Redis, run_id: str, after_message: str | None) -> RunState | None:
+    """None once the wait is over; else the run's header as it is now."""
+    state = checkpoint.load_run(r, run_id, with_messages=False)
+    keys = RunKeys.of(run_id)
+    if state.status not in ACTIVE_STATUSES and (after_message is None or _answered(r, keys, after_message, state)):
+        return None
+    return state
+
+
+def timed_out(state: RunState, after_message: str | None, timeout: float) -> RunTimeout:
+    waits_for = f" for an answer to message {after_message}" if after_message else ""
+    return RunTimeout(f"run {state.id} still {state.status}{waits_for} after {timeout:g} s (turn {state.turns})")
 
 
 def _answered(r: Redis, keys: RunKeys, message_id: str, state: RunState) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 from redis import BlockingConnectionPool, ConnectionPool, Redis
 from redis.backoff import ExponentialBackoff
@@ -141,6 +142,18 @@ def check_redis_url(url: str, *, subject: str = "the Redis URL") -> str:
     return url
 
 
+# What every client agentpool makes rides on, sync or asyncio (``agentpool.aio.connect``).
+CONNECTION_OPTIONS: dict[str, Any] = {
+    "retry_on_error": [ConnectionError, TimeoutError],
+    "health_check_interval": 30,
+    "socket_keepalive": True,
+}
+
+
+def retry_backoff() -> ExponentialBackoff:
+    return ExponentialBackoff(cap=2.0, base=0.05)
+
+
 def connect(url: str | None = None, *, max_connections: int | None = None) -> Redis:
     """A client that rides out a dropped connection or a Redis restart (~15 s of retries) instead of
     failing the turn. Bytes in, bytes out: RQ requires ``decode_responses=False``.
@@ -148,12 +161,7 @@ def connect(url: str | None = None, *, max_connections: int | None = None) -> Re
     ``max_connections`` is for a process of many threads (``worker --concurrency N``): its threads
     share that many connections and wait up to 30 s for a free one. redis-py's default pool holds 100
     and fails the 101st caller at once (``MaxConnectionsError``)."""
-    options = {
-        "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=12),
-        "retry_on_error": [ConnectionError, TimeoutError],
-        "health_check_interval": 30,
-        "socket_keepalive": True,
-    }
+    options = {"retry": Retry(retry_backoff(), retries=12), **CONNECTION_OPTIONS}
     url = check_redis_url(url or Settings.from_env().redis_url, subject="REDIS_URL" if url is None else "the Redis URL")
     if sentinel.is_sentinel(url):
         # A pool per process that asks the sentinels where the primary is: it follows a failover. (No
