@@ -13,6 +13,7 @@ from redis.client import Pipeline
 
 from agentpool.agent import check_agent_path
 from agentpool.checks import limit_value
+from agentpool.runtime import tracing
 from agentpool.runtime.approvals import decide
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.limits import Limits
@@ -139,14 +140,15 @@ def enqueue_run(
     }
     r = client_for(connection)
     run_id = check_run_id(run_id) if run_id is not None else new_run_id()
+    parent = tracing.current_parent()  # the app's span, the parent of the run's trace
+
+    def stage_enqueue(pipe: Pipeline) -> None:
+        if parent:
+            pipe.hset(RunKeys.of(run_id).run, tracing.PARENT_FIELD, parent)
+        stage_turn(pipe, r, run_id, 0)  # RQ's enqueue joins the transaction
+
     created = checkpoint.create_run(
-        r,
-        run_id,
-        agent=agent,
-        task=task,
-        limits=limits,
-        now=time.time(),
-        stage_enqueue=lambda pipe: stage_turn(pipe, r, run_id, 0),  # RQ's enqueue joins the transaction
+        r, run_id, agent=agent, task=task, limits=limits, now=time.time(), stage_enqueue=stage_enqueue
     )
     if created:
         emit(r, run_id, "status", status="queued", agent=agent)

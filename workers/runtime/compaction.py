@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentpool.agent import SUMMARY_PREAMBLE, Agent
 from agentpool.pricing import price_of
+from agentpool.runtime import tracing
 from agentpool.runtime.faults import fault
 from agentpool.runtime.model import ContextTooLong, ModelReply, ModelUnavailable, call_model
 from agentpool.store import window
@@ -64,7 +65,11 @@ def call(turn: Turn, agent: Agent, state: RunState) -> tuple[RunState, ModelRepl
     compacted = False
     why = due(agent, state)
     if why:
-        state = compact(turn, agent, state, why)
+        with tracing.span(
+            "agentpool.compaction",
+            **{"agentpool.compaction.reason": why, "agentpool.compaction.mode": agent.compaction_mode},
+        ):
+            state = compact(turn, agent, state, why)
         compacted = True
     try:
         return state, call_model(agent, state.messages, live=turn.live_output("reply"))

@@ -31,6 +31,7 @@ import anthropic
 import httpx2
 
 from agentpool.agent import SUMMARY_PROMPT, Agent, Compaction
+from agentpool.runtime import tracing
 from agentpool.runtime.settings import Settings
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.records import USAGE_FIELDS
@@ -392,8 +393,34 @@ def call_model(
     """One call on the window ``messages`` (a ``summary`` call: agentpool's compaction, of a window with
     its long tool results cut when ``shrink``), streamed to ``live`` as it arrives. Raises
     ModelUnavailable (transient), ModelQuotaExhausted, ContextTooLong or ModelRejected."""
-    client, settings = _client()
     request = build_request(agent, messages, summary=summary, shrink=shrink)
+    attributes = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "anthropic",
+        "gen_ai.request.model": agent.model,
+        "gen_ai.request.max_tokens": request["max_tokens"],
+        "agentpool.call.purpose": "summary" if summary else "reply",
+    }
+    with tracing.span(f"chat {agent.model}", client=True, **attributes) as span:
+        reply = _call(request, live)
+        tracing.set_attributes(
+            span,
+            **{
+                "gen_ai.response.id": reply.meta.get("id"),
+                "gen_ai.response.model": reply.meta.get("model"),
+                "gen_ai.response.finish_reasons": [reply.stop_reason],
+                "gen_ai.usage.input_tokens": reply.usage.get("input_tokens", 0),
+                "gen_ai.usage.output_tokens": reply.usage.get("output_tokens", 0),
+                "gen_ai.usage.cache_read.input_tokens": reply.usage.get("cache_read_input_tokens", 0),
+                "gen_ai.usage.cache_creation.input_tokens": reply.usage.get("cache_creation_input_tokens", 0),
+                "agentpool.compacted": reply.compacted or None,  # the API compacted before answering
+            },
+        )
+        return reply
+
+
+def _call(request: dict[str, Any], live: DeltaSink | None) -> ModelReply:
+    client, settings = _client()
     started = time.monotonic()
     try:
         if settings.model_streaming:

@@ -19,7 +19,7 @@ from redis import Redis
 
 from agentpool.agent import Agent
 from agentpool.context import ToolCall
-from agentpool.runtime import durability
+from agentpool.runtime import durability, tracing
 from agentpool.runtime.faults import fault
 from agentpool.runtime.reconcile import Action, idempotency_key, plan, running_until, unknown_outcome
 from agentpool.runtime.settings import Settings
@@ -86,10 +86,35 @@ class Settlement:
         if undecided:
             self.wait_for_approval(agent, undecided)
             return None
-        return [
-            self.settle_one(agent, call, entries[call["id"]], decisions.get(call["id"])).as_tool_result(call["id"])
-            for call in pending
-        ]
+        return [self.traced(agent, call, entries[call["id"]], decisions.get(call["id"])) for call in pending]
+
+    def traced(
+        self, agent: Agent, call: dict[str, Any], entry: Entry, decision: approvals.Decision | None
+    ) -> dict[str, Any]:
+        """The call's tool_result, settled in an ``execute_tool`` span (when tracing is on) that says its
+        effect class and how it was settled (ran, replayed, unknown, verified, denied, ...)."""
+        tool = agent.tool_named(call["name"])
+        attributes = {
+            "gen_ai.operation.name": "execute_tool",
+            "gen_ai.tool.name": call["name"],
+            "gen_ai.tool.call.id": call["id"],
+            "agentpool.tool.effect": tool.effect if tool else "?",
+            "agentpool.tool.attempts": entry.attempts,
+        }
+        with tracing.span(f"execute_tool {call['name']}", **attributes) as span:
+            outcome = self.settle_one(agent, call, entry, decision)
+            settled = self.outcomes.get(call["id"])
+            how = "replayed" if entry.outcome is not None or settled is None else settled.how
+            decided = None if decision is None else ("approved" if decision.approved else "denied")
+            tracing.set_attributes(
+                span,
+                **{
+                    "agentpool.tool.outcome": how,
+                    "agentpool.tool.is_error": outcome.is_error,
+                    "agentpool.approval": decided,
+                },
+            )
+            return outcome.as_tool_result(call["id"])
 
     def wait_for_earlier_attempts(self, agent: Agent, pending: list[dict[str, Any]], entries: dict[str, Entry]) -> None:
         """Before anything is asked or run: an attempt started by a worker that lost its lease (frozen
@@ -153,6 +178,10 @@ class Settlement:
     def wait_for_approval(self, agent: Agent, calls: list[dict[str, Any]]) -> None:
         """Before any intent is written: record what a person must decide, and release the run.
         Nothing is queued or leased while it waits; the reaper denies a call once its deadline passes."""
+        with tracing.span("agentpool.approval_request", **{"agentpool.tools": ",".join(c["name"] for c in calls)}):
+            self._request_approval(agent, calls)
+
+    def _request_approval(self, agent: Agent, calls: list[dict[str, Any]]) -> None:
         now = time.time()
         deadlines = []
         for call in calls:

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.job import Job
 
+from agentpool.runtime import tracing
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
@@ -189,6 +190,7 @@ def requeue_turn(
     if count_attempt:
         log.warning("run %s: turn %s re-enqueued as %s (%s)", run_id, header.turn, jid, cause)
         emit(r, run_id, "takeover", turn=header.turn, cause=cause, cause_kind=cause_kind, job=jid)
+        tracing.record_takeover(r, run_id, header.turn, cause, cause_kind, jid)
     else:
         log.info("run %s: turn %s re-enqueued as %s (%s)", run_id, header.turn, jid, cause)
         emit(r, run_id, "requeued", turn=header.turn, cause=cause, job=jid)

@@ -34,7 +34,7 @@ from rq import get_current_job
 
 from agentpool.agent import Agent
 from agentpool.pricing import price_of
-from agentpool.runtime import compaction
+from agentpool.runtime import compaction, tracing
 from agentpool.runtime.faults import fault
 from agentpool.runtime.heartbeat import keep_alive
 from agentpool.runtime.jobs import stage_turn
@@ -121,9 +121,11 @@ def run_turn(run_id: str, turn: int) -> str:
         return got.code.name.lower()
     token = got.token
     work = Turn(r, keys, token, turn, settings)
-    with keep_alive(r, keys, token, settings.lease_ttl_ms):
+    with keep_alive(r, keys, token, settings.lease_ttl_ms), tracing.turn_span(r, keys, turn, got.then[0]) as span:
         try:
-            return work.run(*got.then)
+            outcome = work.run(*got.then)
+            tracing.set_attributes(span, **{"agentpool.turn.outcome": outcome})
+            return outcome
         except (LeaseLost, RunNotActive) as exc:
             log.warning("run %s turn %s: %s", run_id, turn, exc)
             return "abandoned"
@@ -253,7 +255,10 @@ class Turn:
         agent = load_agent(state.agent)
         if state.phase == "tools":
             emit(self.r, self.run_id, "resumed", turn=self.turn, pending=len(state.pending))
-            results = self.tools.settle(agent, state.pending, turns=state.turns)  # may raise EarlierAttemptMayRun
+            with tracing.span(
+                "agentpool.reconcile", **{"agentpool.run.id": self.run_id, "agentpool.pending": len(state.pending)}
+            ):
+                results = self.tools.settle(agent, state.pending, turns=state.turns)  # may raise EarlierAttemptMayRun
             if results is None:
                 return "waiting_approval"
             return self.after_tools(results, turns=state.turns, window_at=compaction.window_hint(state))
@@ -371,7 +376,8 @@ class Turn:
             )
 
         try:
-            commit(final)
+            with tracing.span("agentpool.save_point A", **{"agentpool.run.id": self.run_id, "agentpool.status": final}):
+                commit(final)
         except MessagesWaiting:
             # Messages were sent while the model answered: the run answers them before it completes
             # (this turn's save point B delivers them; save point A wrote nothing).
@@ -382,6 +388,7 @@ class Turn:
         fault("after_save_a", self.run_id, self.turn)
         if final:
             return final
+        tracing.tools_phase()  # the model call and save point A exported before a tool can kill the horse
         results = self.tools.settle(agent, pending, turns=state.turns + 1, fresh=True) if pending else []
         if results is None:
             return "waiting_approval"
@@ -398,6 +405,14 @@ class Turn:
             if window_at is not None:
                 window.stage_hint(pipe, self.keys, window_at)
 
+        with tracing.span(
+            "agentpool.save_point B", **{"agentpool.run.id": self.run_id, "agentpool.tool_results": len(results)}
+        ):
+            self._commit_tool_results(results, turns, enqueue_next)
+        fault("after_save_b", self.run_id, self.turn)
+        return "committed"
+
+    def _commit_tool_results(self, results: list[dict[str, Any]], turns: int, enqueue_next: Any) -> None:
         checkpoint.commit_tool_results(
             self.r,
             self.keys,
@@ -415,8 +430,6 @@ class Turn:
                 seconds=round(time.monotonic() - self.started, 4),
             ),
         )
-        fault("after_save_b", self.run_id, self.turn)
-        return "committed"
 
     def defer(self, state: RunState, exc: ModelUnavailable) -> str:
         errors = state.model_errors + 1

@@ -1,0 +1,276 @@
+"""OpenTelemetry traces of runs: one trace per run, across every worker that touched it.
+
+On when the standard variables say so: ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console``, any exporter
+installed under the ``opentelemetry_traces_exporter`` entry point group) or an OTLP endpoint
+(``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``), with ``OTEL_SERVICE_NAME``,
+``OTEL_RESOURCE_ATTRIBUTES`` and the exporters' own variables; ``OTEL_SDK_DISABLED=true`` or
+``OTEL_TRACES_EXPORTER=none`` keeps it off. It needs the SDK: ``pip install 'agentpool[otel]'``. A
+process whose app set up its own SDK tracer provider is traced through that one. Off, every hook is one
+check of a module global: no span, no attribute built, no Redis command.
+
+The trace's shape: ``enqueue_run`` keeps the app's current span (if any) with the run
+(``trace_parent`` in its header, in the create transaction); the first traced turn opens the run's
+span, ``invoke_agent <agent>``, as its child and keeps it with the run (``trace``); every turn, in
+whichever worker, is a child of that span, and the model calls (``chat <model>``, GenAI semantic
+conventions), tool calls (``execute_tool <name>``), save points, approval requests and compactions of
+the turn are children of the turn. Takeovers are spans of their own under the run's span.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from redis import Redis
+
+from agentpool.store.keys import RunKeys
+
+log = logging.getLogger("agentpool.tracing")
+INSTALL_HINT = "OpenTelemetry traces need the otel extra: pip install 'agentpool[otel]'"
+TRACE_FIELD = "trace"  # the run span's traceparent, in the run's header
+PARENT_FIELD = "trace_parent"  # the app's span enqueue_run was called in
+
+_UNSET: Any = object()
+_tracer: Any = _UNSET
+_provider: Any = None
+
+
+def _wanted() -> bool:
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporters = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporters == "none":
+        return False
+    return bool(
+        exporters
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+
+
+def _exporter(name: str) -> Any:
+    from importlib.metadata import entry_points
+
+    found = list(entry_points(group="opentelemetry_traces_exporter", name=name))
+    if not found and name == "otlp":  # the default: gRPC's name; the otel extra installs OTLP over HTTP
+        found = list(entry_points(group="opentelemetry_traces_exporter", name="otlp_proto_http"))
+    if not found:
+        hint = " (pip install opentelemetry-exporter-otlp)" if name.startswith("otlp") else ""
+        raise ValueError(f"OTEL_TRACES_EXPORTER names {name!r}, which no installed package provides{hint}")
+    return found[0].load()()
+
+
+def _setup() -> Any:
+    global _provider
+    from opentelemetry import trace
+
+    current = trace.get_tracer_provider()
+    if hasattr(current, "add_span_processor"):  # the app set up an SDK provider: spans go where its go
+        _provider = current
+        return current.get_tracer("agentpool")
+    if not _wanted():
+        return None
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    except ImportError:
+        log.warning("%s; runs are not traced", INSTALL_HINT)
+        return None
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "agentpool")})
+    )
+    for name in (os.environ.get("OTEL_TRACES_EXPORTER") or "otlp").split(","):
+        try:
+            provider.add_span_processor(BatchSpanProcessor(_exporter(name.strip())))
+        except Exception as exc:  # noqa: BLE001 - a bad exporter setting must not stop the worker
+            log.warning("traces not exported to %s: %s", name.strip(), exc)
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    return provider.get_tracer("agentpool")
+
+
+def tracer() -> Any:
+    """The tracer runs are traced with, or None when tracing is off (decided once per process)."""
+    global _tracer
+    if _tracer is _UNSET:
+        try:
+            _tracer = _setup()
+        except ImportError:
+            _tracer = None
+    return _tracer
+
+
+def flush() -> None:
+    """Export what this process traced: a forking worker's horse ends with ``os._exit``, and the batch
+    processor's thread would take its spans with it."""
+    if _provider is not None and tracer() is not None:
+        _provider.force_flush(5000)
+
+
+def current_parent() -> str | None:
+    """The traceparent of the caller's current span (an app's request span), if it has one. An app that
+    never imported OpenTelemetry has none: nothing is imported for it."""
+    if "opentelemetry.trace" not in sys.modules:
+        return None
+    try:
+        from opentelemetry import trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    except ImportError:
+        return None
+    if not trace.get_current_span().get_span_context().is_valid:
+        return None
+    carrier: dict[str, str] = {}
+    TraceContextTextMapPropagator().inject(carrier)
+    return carrier.get("traceparent")
+
+
+def _context(traceparent: str | None) -> Any:
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    return TraceContextTextMapPropagator().extract({"traceparent": traceparent} if traceparent else {})
+
+
+def _traceparent_of(span: Any) -> str:
+    ctx = span.get_span_context()
+    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
+
+
+def run_context(r: Redis, keys: RunKeys, header: dict[bytes, bytes], agent: str) -> Any:
+    """The run's span as a parent context; the first traced turn opens it (a child of the app's span
+    enqueue_run was called in) and keeps it with the run. Called only with tracing on."""
+    known = _text(header.get(TRACE_FIELD.encode()))
+    if not known:
+        t = tracer()
+        span = t.start_span(
+            f"invoke_agent {agent}",
+            context=_context(_text(header.get(PARENT_FIELD.encode()))),
+            attributes={
+                "gen_ai.operation.name": "invoke_agent",
+                "gen_ai.agent.name": agent,
+                "agentpool.run.id": keys.run_id,
+            },
+        )
+        span.end()
+        flush()  # out now, once per run: a horse killed later in this turn would take it with it
+        mine = _traceparent_of(span)
+        # HSETNX: the lease holder alone gets here, and a header never loses the field once set.
+        known = mine if r.hsetnx(keys.run, TRACE_FIELD, mine) else _text(r.hget(keys.run, TRACE_FIELD))
+    return _context(known)
+
+
+class _TurnTrace:
+    """The open span of a turn, current while it runs. ``tools_phase`` ends it at save point A and opens
+    ``turn <n> tools`` beside it (both children of the run's span): a horse killed in a tool then loses
+    only the span of its tool phase, never the exported model call's parent."""
+
+    def __init__(self, t: Any, parent: Any, turn: int, attributes: dict[str, Any]) -> None:
+        self.t, self.parent, self.turn, self.attributes = t, parent, turn, attributes
+        self._open(f"turn {turn}")
+
+    def _open(self, name: str) -> None:
+        from opentelemetry import context, trace
+
+        self.span = self.t.start_span(name, context=self.parent, attributes=self.attributes)
+        self._token = context.attach(trace.set_span_in_context(self.span))
+
+    def close(self, exc: BaseException | None = None) -> None:
+        from opentelemetry import context
+        from opentelemetry.trace import Status, StatusCode
+
+        if exc is not None:
+            self.span.record_exception(exc)
+            self.span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+        context.detach(self._token)
+        self.span.end()
+
+    def tools_phase(self) -> None:
+        self.close()
+        self._open(f"turn {self.turn} tools")
+
+
+_current_turn: contextvars.ContextVar[_TurnTrace | None] = contextvars.ContextVar("agentpool_turn", default=None)
+
+
+@contextlib.contextmanager
+def turn_span(r: Redis, keys: RunKeys, turn: int, header: dict[bytes, bytes]) -> Iterator[Any]:
+    """The span of one turn, current while it runs, child of the run's span. Off: nothing."""
+    t = tracer()
+    if t is None:
+        yield None
+        return
+    agent = _text(header.get(b"agent")) or "?"
+    parent = run_context(r, keys, header, agent)
+    attributes = {"agentpool.run.id": keys.run_id, "agentpool.turn": turn, "gen_ai.agent.name": agent}
+    current = _TurnTrace(t, parent, turn, attributes)
+    mark = _current_turn.set(current)
+    try:
+        yield current
+    except BaseException as exc:
+        current.close(exc)
+        raise
+    else:
+        current.close()
+    finally:
+        _current_turn.reset(mark)
+        flush()
+
+
+def tools_phase() -> None:
+    """Save point A is written and the turn's tools come next (see ``_TurnTrace``); export what is done."""
+    current = _current_turn.get()
+    if current is not None:
+        current.tools_phase()
+        flush()
+
+
+@contextlib.contextmanager
+def span(name: str, *, client: bool = False, **attributes: Any) -> Iterator[Any]:
+    """A child of the current span (a turn's), or nothing when tracing is off. ``client``: a call out
+    of the process (the model API), as the GenAI conventions make a chat span."""
+    t = tracer()
+    if t is None:
+        yield None
+        return
+    from opentelemetry.trace import SpanKind
+
+    kind = SpanKind.CLIENT if client else SpanKind.INTERNAL
+    with t.start_as_current_span(
+        name, kind=kind, attributes={k: v for k, v in attributes.items() if v is not None}
+    ) as s:
+        yield s
+
+
+def set_attributes(target: Any, **attributes: Any) -> None:
+    if isinstance(target, _TurnTrace):
+        target = target.span
+    if target is not None:
+        target.set_attributes({k: v for k, v in attributes.items() if v is not None})
+
+
+def record_takeover(r: Redis, run_id: str, turn: int, cause: str, cause_kind: str, job: str) -> None:
+    """A span for a takeover, under the run's span (read from its header: only with tracing on)."""
+    t = tracer()
+    if t is None:
+        return
+    known = _text(r.hget(RunKeys.of(run_id).run, TRACE_FIELD))
+    if not known:
+        return
+    attributes = {
+        "agentpool.run.id": run_id,
+        "agentpool.turn": turn,
+        "agentpool.takeover.cause": cause,
+        "agentpool.takeover.cause_kind": cause_kind,
+        "agentpool.job": job,
+    }
+    t.start_span("agentpool.takeover", context=_context(known), attributes=attributes).end()
+    flush()

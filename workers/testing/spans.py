@@ -1,0 +1,47 @@
+"""A span exporter for tests of traced workers: every finished span as one JSON line appended to the
+file named by ``AGENTPOOL_TEST_SPANS``. Selected like any exporter, by ``OTEL_TRACES_EXPORTER=agentpool_jsonl``
+(an ``opentelemetry_traces_exporter`` entry point), so a worker process is configured as in production."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+
+def span_record(span: ReadableSpan) -> dict[str, Any]:
+    ctx = span.get_span_context()
+    return {
+        "name": span.name,
+        "trace_id": f"{ctx.trace_id:032x}",
+        "span_id": f"{ctx.span_id:016x}",
+        "parent_id": f"{span.parent.span_id:016x}" if span.parent else None,
+        "kind": span.kind.name,
+        "status": span.status.status_code.name,
+        "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in (span.attributes or {}).items()},
+        "pid": os.getpid(),
+    }
+
+
+class FileSpanExporter(SpanExporter):
+    def __init__(self) -> None:
+        self.path = os.environ["AGENTPOOL_TEST_SPANS"]
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        with open(self.path, "a") as f:  # O_APPEND: each write lands whole
+            f.write("".join(json.dumps(span_record(s)) + "\n" for s in spans))
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def read_spans(path: str) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
