@@ -111,6 +111,17 @@ def open_value(record: dict[str, Any], what: str) -> Any:
     return record["plain"]
 
 
+def tool_uses(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The tool_use blocks of a conversation's assistant messages, in the order the model asked for them."""
+    return [
+        block
+        for message in messages
+        if message["role"] == "assistant" and isinstance(message["content"], list)
+        for block in message["content"]
+        if block.get("type") == "tool_use"
+    ]
+
+
 def pack_message(message: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> bytes:
     """``meta`` keeps what else the API returned with an assistant message (id, model, stop reason,
     usage) beside it; it is never sent back."""

@@ -16,7 +16,7 @@ from agentpool.runtime.settings import connect, redact_url
 from agentpool.store import ledger
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.keys import RunKeys
-from agentpool.store.records import STATUSES
+from agentpool.store.records import STATUSES, tool_uses
 
 if TYPE_CHECKING:
     from agentpool.client import Run
@@ -302,13 +302,7 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
 
 def _in_call_order(messages: list[dict[str, Any]], entries: dict[str, Any]) -> dict[str, Any]:
     """The ledger in the order the model asked for the calls (a hash has no order of its own)."""
-    order = [
-        block["id"]
-        for message in messages
-        if message["role"] == "assistant" and isinstance(message["content"], list)
-        for block in message["content"]
-        if block.get("type") == "tool_use"
-    ]
+    order = [block["id"] for block in tool_uses(messages)]
     rank = {tool_use_id: n for n, tool_use_id in enumerate(order)}
     return dict(sorted(entries.items(), key=lambda kv: rank.get(kv[0], len(rank))))
 

@@ -34,7 +34,7 @@ from agentpool.agent import SUMMARY_PROMPT, Agent, Compaction
 from agentpool.runtime import tracing
 from agentpool.runtime.settings import Settings
 from agentpool.store.errors import AgentPoolError
-from agentpool.store.records import USAGE_FIELDS
+from agentpool.store.records import USAGE_FIELDS, tool_uses
 
 CACHE = {"type": "ephemeral"}
 # 429 bodies that will not clear by waiting (a spend or credit limit), by the words the API uses.
@@ -217,14 +217,8 @@ def withdrawn_tools(messages: list[dict[str, Any]], offered: set[str]) -> list[d
     """A definition for each tool the window's tool_use blocks name but the agent no longer offers (new
     code deployed, an MCP server's tool list changed since a crash): the API refuses a request whose
     history names a tool that ``tools`` does not define, so without it the run could never go on."""
-    names = [
-        block["name"]
-        for message in messages
-        if message["role"] == "assistant" and isinstance(message["content"], list)
-        for block in message["content"]
-        if block.get("type") == "tool_use"
-    ]
-    gone = [name for name in dict.fromkeys(names) if name not in offered]
+    names = dict.fromkeys(block["name"] for block in tool_uses(messages))
+    gone = [name for name in names if name not in offered]
     return [{"name": name, "description": WITHDRAWN, "input_schema": {"type": "object"}} for name in gone]
 
 
