@@ -233,21 +233,21 @@ def tools_phase() -> None:
         flush()
 
 
-@contextlib.contextmanager
-def span(name: str, *, client: bool = False, **attributes: Any) -> Iterator[Any]:
-    """A child of the current span (a turn's), or nothing when tracing is off. ``client``: a call out
-    of the process (the model API), as the GenAI conventions make a chat span."""
+_OFF = contextlib.nullcontext()  # what every hook gets while tracing is off: no generator, no span
+
+
+def span(name: str, *, client: bool = False, **attributes: Any) -> contextlib.AbstractContextManager[Any]:
+    """A child of the current span (a turn's), or a shared no-op when tracing is off. ``client``: a call
+    out of the process (the model API), as the GenAI conventions make a chat span."""
     t = tracer()
     if t is None:
-        yield None
-        return
+        return _OFF
     from opentelemetry.trace import SpanKind
 
     kind = SpanKind.CLIENT if client else SpanKind.INTERNAL
-    with t.start_as_current_span(
+    return t.start_as_current_span(  # type: ignore[no-any-return]
         name, kind=kind, attributes={k: v for k, v in attributes.items() if v is not None}
-    ) as s:
-        yield s
+    )
 
 
 def set_attributes(target: Any, **attributes: Any) -> None:
