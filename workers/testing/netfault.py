@@ -8,6 +8,11 @@ except that the proxy can:
   client that retries (redis-py with ``retry_on_error=[ConnectionError, ...]``) sends it again. On
   demand (``cut_next_reply(pattern)``: the reply to the next request containing ``pattern``) or at a
   rate (``reply_loss=0.01``: one reply in a hundred, chosen at random);
+- **black-hole a connection**: after Redis has answered a request, swallow the answer and go silent on
+  that connection for good (nothing more forwarded either way, nothing closed: no FIN, no RST), as a
+  dropped NAT or conntrack entry, a load balancer failover or a live-migrated VM does. Only a client
+  that gives up on a silent socket (a socket timeout) gets past it. On demand
+  (``black_hole_next(pattern)``) or at a rate (``black_hole=0.01``);
 - **partition**: ``partition()`` stops forwarding in both directions and holds new connections until
   ``heal()``; nothing is closed, so clients see silence, as across a cut network link;
 - **hold one request**: ``hold_next(pattern)`` keeps the next request containing ``pattern`` from
@@ -19,7 +24,7 @@ except that the proxy can:
 
 Used by the tests to prove every write is safe to deliver twice; usable by apps for the same purpose::
 
-    with NetFault.to(redis_url, reply_loss=0.01) as proxy:
+    with NetFault.to(redis_url, reply_loss=0.01) as proxy:  # or black_hole=0.01
         r = connect(proxy.url)
         ...
 """
@@ -54,6 +59,8 @@ class _Link:
         self.proxy, self.client = proxy, client
         self.upstream: socket.socket | None = None
         self.cut_pending = False
+        self.hole_pending = False  # the next reply is swallowed and the link goes silent
+        self.silent = False
         self.closed = threading.Event()
 
     def start(self) -> None:
@@ -79,8 +86,12 @@ class _Link:
                 break
             self.proxy._healed.wait()
             self.proxy._maybe_hold(data)
+            if self.silent:
+                continue  # swallowed: a black hole forwards nothing, and closes nothing
             if self.proxy._take_cut(data):
                 self.cut_pending = True
+            if self.proxy._take_hole(data):
+                self.hole_pending = True
             try:
                 self.upstream.sendall(data)
             except OSError:
@@ -94,6 +105,12 @@ class _Link:
             if not data:
                 break
             self.proxy._healed.wait()
+            if self.silent:
+                continue
+            if self.hole_pending or self.proxy._hole_at_random():
+                self.silent = True  # Redis applied the request; its answer, and all after it, vanish
+                self.proxy._count_hole()
+                continue
             if self.cut_pending or self.proxy._lose_at_random():
                 self._drain(self.upstream)  # the whole answer reached us: Redis is done with the request
                 self.proxy._count_cut()
@@ -136,12 +153,16 @@ class _Link:
 class NetFault:
     """A fault-injecting TCP proxy to ``upstream`` (host, port). See the module docstring."""
 
-    def __init__(self, upstream: tuple[str, int], *, reply_loss: float = 0.0, seed: int | None = None) -> None:
+    def __init__(
+        self, upstream: tuple[str, int], *, reply_loss: float = 0.0, black_hole: float = 0.0, seed: int | None = None
+    ) -> None:
         self.upstream = upstream
         self.reply_loss = reply_loss
+        self.black_hole = black_hole
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         self._cuts: list[list[bytes | int]] = []  # [pattern, times left]
+        self._holes: list[list[bytes | int]] = []
         self._links: set[_Link] = set()
         self._healed = threading.Event()
         self._healed.set()
@@ -150,6 +171,7 @@ class NetFault:
         self._released = threading.Event()
         self._listener: socket.socket | None = None
         self.replies_cut = 0
+        self.black_holed = 0  # connections gone silent
         self.upstream_url = f"redis://{upstream[0]}:{upstream[1]}/0"
 
     @classmethod
@@ -208,10 +230,17 @@ class NetFault:
         with self._lock:
             self._cuts.append([pattern, times])
 
+    def black_hole_next(self, pattern: bytes = b"", times: int = 1) -> None:
+        """Swallow the reply to the next ``times`` requests whose bytes contain ``pattern`` (any request
+        if empty) and leave each of their connections open and silent for good: Redis gets and applies
+        the request; the client hears nothing more on that connection, not even a close."""
+        with self._lock:
+            self._holes.append([pattern, times])
+
     def pending_cuts(self) -> int:
         """Cuts armed with ``cut_next_reply`` that no request has triggered yet."""
         with self._lock:
-            return sum(int(times) for _pattern, times in self._cuts)
+            return sum(int(times) for _pattern, times in self._cuts + self._holes)
 
     def hold_next(self, pattern: bytes) -> None:
         """Keep the next request containing ``pattern`` from Redis until ``release()``."""
@@ -273,26 +302,42 @@ class NetFault:
             self._released.wait()
 
     def _take_cut(self, data: bytes) -> bool:
+        return self._take(self._cuts, data)
+
+    def _take_hole(self, data: bytes) -> bool:
+        return self._take(self._holes, data)
+
+    def _take(self, armed: list[list[bytes | int]], data: bytes) -> bool:
         with self._lock:
-            for cut in self._cuts:
+            for cut in armed:
                 pattern = cut[0]
                 assert isinstance(pattern, bytes)
                 if pattern in data:
                     cut[1] = int(cut[1]) - 1
                     if cut[1] <= 0:
-                        self._cuts.remove(cut)
+                        armed.remove(cut)
                     return True
         return False
 
     def _lose_at_random(self) -> bool:
-        if self.reply_loss <= 0:
+        return self._at_random(self.reply_loss)
+
+    def _hole_at_random(self) -> bool:
+        return self._at_random(self.black_hole)
+
+    def _at_random(self, rate: float) -> bool:
+        if rate <= 0:
             return False
         with self._lock:
-            return self._random.random() < self.reply_loss
+            return self._random.random() < rate
 
     def _count_cut(self) -> None:
         with self._lock:
             self.replies_cut += 1
+
+    def _count_hole(self) -> None:
+        with self._lock:
+            self.black_holed += 1
 
     def _forget(self, link: _Link) -> None:
         with self._lock:
