@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 
-from agentpool.runtime import sentinel
+from agentpool.runtime import connections, sentinel
 from agentpool.runtime.settings import DEFAULT_REDIS_URL, check_redis_url
 
 _url = check_redis_url(os.environ.get("REDIS_URL", DEFAULT_REDIS_URL), subject="REDIS_URL")
 if sentinel.is_sentinel(_url):
-    SENTINEL = sentinel.rq_settings(_url)
+    # A socket timeout, so that `rq info` gives up on a primary gone silent (agentpool.runtime.connections).
+    SENTINEL = sentinel.rq_settings(_url, socket_timeout=connections.socket_timeout())
 else:
     REDIS_URL = _url

@@ -24,8 +24,8 @@ from redis.asyncio.retry import Retry
 from agentpool import client, conversation, watching
 from agentpool.aio.bridge import GreenRedis, run_sync
 from agentpool.client import Run
-from agentpool.runtime import sentinel
-from agentpool.runtime.settings import CONNECTION_OPTIONS, Settings, check_redis_url, retry_backoff
+from agentpool.runtime import connections, sentinel
+from agentpool.runtime.settings import Settings, check_redis_url
 
 __all__ = [
     "approve",
@@ -46,14 +46,14 @@ _bytes_clients: weakref.WeakKeyDictionary[Any, aredis.Redis] = weakref.WeakKeyDi
 
 def connect(url: str | None = None) -> aredis.Redis:
     """A ``redis.asyncio`` client for ``url`` (default ``REDIS_URL``), with the sync API's retry and
-    keepalive settings."""
+    the options that find out a silent peer (``agentpool.runtime.connections``)."""
     url = check_redis_url(url or Settings.from_env().redis_url, subject="REDIS_URL" if url is None else "the Redis URL")
     if sentinel.is_sentinel(url):
         raise ValueError(
             "agentpool.aio does not build Sentinel clients: pass connection=redis.asyncio.sentinel."
             "Sentinel(...).master_for(name)"
         )
-    return aredis.Redis.from_url(url, retry=Retry(retry_backoff(), retries=12), **CONNECTION_OPTIONS)
+    return aredis.Redis.from_url(url, **{**connections.silence_options(), "retry": connections.ride_out(Retry)})
 
 
 def _green(connection: aredis.Redis | None) -> GreenRedis:

@@ -27,7 +27,7 @@ from redis.utils import HIREDIS_AVAILABLE
 
 from agentpool.agent import Agent
 from agentpool.context import current_call
-from agentpool.runtime import sentinel
+from agentpool.runtime import connections
 from agentpool.tools import tool
 
 SECTIONS = ("overhead", "saves", "memory", "recovery", "deferred", "durability", "long")
@@ -108,7 +108,7 @@ class Lab:
 
         self.server = None if url else RedisServer(workdir).start()
         self.url = url or self.server.url  # type: ignore[union-attr]
-        self.r = sentinel.from_url(self.url)
+        self.r = connections.build(self.url, retry=connections.ride_out())
         if url and self.r.dbsize():
             raise click.ClickException(f"{url} is not empty: bench flushes the database it uses; give an empty one")
         self.model = scripted_model.ScriptedModel(cache_min_tokens=1024).start()

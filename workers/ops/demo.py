@@ -27,7 +27,7 @@ from redis import Redis
 from agentpool.client import Run, enqueue_run, list_runs
 from agentpool.ops.demo_agents import demo_script
 from agentpool.ops.redisconn import quick_client
-from agentpool.runtime import sentinel
+from agentpool.runtime import connections
 from agentpool.runtime.settings import redact_url
 from agentpool.store.events import read as read_events
 from agentpool.store.records import ACTIVE_STATUSES
@@ -136,7 +136,7 @@ def demo(n_runs: int, n_workers: int, real: bool, lease_ttl: float, timeout: flo
                 ) from None
             url = redis_server.url
             screen.say(f"Redis: throwaway redis-server on {url} (AOF on, noeviction)")
-        r = sentinel.from_url(url)
+        r = connections.build(url, retry=connections.ride_out())
         env = {
             **os.environ,
             "REDIS_URL": url,

@@ -16,12 +16,10 @@ from typing import Any
 import click
 from click.core import ParameterSource
 from redis import Redis
-from redis.backoff import ExponentialBackoff
 from redis.exceptions import AuthenticationError, ConnectionError, RedisError, ResponseError, TimeoutError
-from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError
 
-from agentpool.runtime import sentinel
+from agentpool.runtime import connections
 from agentpool.runtime.settings import BadRedisUrl, Settings, check_redis_url, redact_url
 
 # The URL the current command talks to, and where it came from, for the error line.
@@ -48,13 +46,13 @@ def target_url(url: str | None, *, param: str = "url") -> str:
 def quick_client(
     url: str | None, *, socket_timeout: float = 10.0, retries: int = 1, param: str = "url", **options: Any
 ) -> Redis:
-    """A client for a command a person waits on: 2 s to connect, one quick retry, no 15 s ride-out."""
-    return sentinel.from_url(
+    """A client for a command a person waits on: 2 s to connect, one quick retry (also after a
+    connection that went silent for ``socket_timeout``), no 15 s ride-out."""
+    return connections.build(
         target_url(url, param=param),
-        socket_connect_timeout=2,
+        retry=connections.quick(retries),
         socket_timeout=socket_timeout,
-        retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries=retries),
-        retry_on_error=[ConnectionError, TimeoutError],
+        socket_connect_timeout=2,
         **options,
     )
 

@@ -25,6 +25,7 @@ SENTINEL_FORM = (
     "[?sentinel_password=...[&sentinel_username=...]]"
 )
 QUERY_OPTIONS = ("sentinel_username", "sentinel_password")
+SENTINEL_TIMEOUT = 2.0  # seconds a sentinel may take to say where the primary is
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,12 @@ def _host_port(text: str) -> tuple[str, int]:
 
 def client(target: SentinelTarget, **options: Any) -> Redis:
     """A client for the master ``target`` names; ``options`` are the data connections' (retries,
-    timeouts, pool size). The sentinels are asked with the same socket timeouts, 2 s by default."""
-    sentinel_kwargs = {k: v for k, v in options.items() if k in ("socket_timeout", "socket_connect_timeout")}
-    sentinel_kwargs.setdefault("socket_timeout", 2)
-    sentinel_kwargs.setdefault("socket_connect_timeout", 2)
+    timeouts, keepalive, pool size: ``agentpool.runtime.connections`` builds them). The sentinels are
+    asked with the same keepalive and at most ``SENTINEL_TIMEOUT`` of socket timeout: a sentinel answers
+    at once, and one gone silent must not hold up finding the primary."""
+    sentinel_kwargs = {k: v for k, v in options.items() if k in ("socket_keepalive", "socket_keepalive_options")}
+    for name in ("socket_timeout", "socket_connect_timeout"):
+        sentinel_kwargs[name] = min(options.get(name) or SENTINEL_TIMEOUT, SENTINEL_TIMEOUT)
     sentinel_kwargs.update(target.sentinel_auth())
     manager = Sentinel(list(target.instances), sentinel_kwargs=sentinel_kwargs)
     return manager.master_for(
@@ -111,15 +114,6 @@ def client(target: SentinelTarget, **options: Any) -> Redis:
         ssl=target.ssl,
         **options,
     )
-
-
-def from_url(url: str, **options: Any) -> Redis:
-    """``Redis.from_url``, with Sentinel URLs too."""
-    if is_sentinel(url):
-        if options.get("max_connections") is None:
-            options.pop("max_connections", None)
-        return client(parse(url), **options)
-    return Redis.from_url(url, **options)
 
 
 def clone(r: Redis, **overrides: Any) -> Redis | None:
@@ -138,7 +132,7 @@ def clone(r: Redis, **overrides: Any) -> Redis | None:
     )
 
 
-def rq_settings(url: str) -> dict[str, Any]:
+def rq_settings(url: str, socket_timeout: float | None = None) -> dict[str, Any]:
     """RQ's ``SENTINEL`` setting (``rq ... -c settings``, read by ``rq.cli.helpers.get_redis_from_config``
     in RQ 3.0) for a Sentinel URL."""
     target = parse(url)
@@ -149,6 +143,10 @@ def rq_settings(url: str) -> dict[str, Any]:
         "USERNAME": target.username,
         "PASSWORD": target.password,
         "SSL": target.ssl,
-        "SOCKET_TIMEOUT": None,
-        "SENTINEL_KWARGS": {"socket_timeout": 2, "socket_connect_timeout": 2, **target.sentinel_auth()},
+        "SOCKET_TIMEOUT": socket_timeout,
+        "SENTINEL_KWARGS": {
+            "socket_timeout": SENTINEL_TIMEOUT,
+            "socket_connect_timeout": SENTINEL_TIMEOUT,
+            **target.sentinel_auth(),
+        },
     }

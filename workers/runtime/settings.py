@@ -5,16 +5,12 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any
 
-from redis import BlockingConnectionPool, ConnectionPool, Redis
-from redis.backoff import ExponentialBackoff
+from redis import ConnectionPool, Redis
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
-from redis.exceptions import ConnectionError, TimeoutError
-from redis.retry import Retry
 
 from agentpool.checks import limit_value
-from agentpool.runtime import sentinel
+from agentpool.runtime import connections, sentinel
 from agentpool.store import crypto
 from agentpool.store.errors import AgentPoolError
 
@@ -68,6 +64,9 @@ class Settings:
     replica_acks: str = "auto"
     replica_ack_timeout: float = 1.0  # seconds WAIT/WAITAOF may take before the turn is handed back
     waitaof: str = "off"  # off | local | replicas
+    # Seconds a Redis command may go unanswered before its connection is dropped and the command re-sent
+    # on a new one (agentpool.runtime.connections: a peer gone silent, without FIN or RST).
+    redis_timeout: float = 5.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -88,6 +87,7 @@ class Settings:
             replica_acks=_replica_acks(),
             replica_ack_timeout=_env_float("AGENTPOOL_REPLICA_ACK_TIMEOUT", 1.0),
             waitaof=_choice("AGENTPOOL_WAITAOF", ("off", "local", "replicas"), "off"),
+            redis_timeout=_env_float("AGENTPOOL_REDIS_TIMEOUT", 5.0),
         )
 
     @property
@@ -142,38 +142,17 @@ def check_redis_url(url: str, *, subject: str = "the Redis URL") -> str:
     return url
 
 
-# What every client agentpool makes rides on, sync or asyncio (``agentpool.aio.connect``).
-CONNECTION_OPTIONS: dict[str, Any] = {
-    "retry_on_error": [ConnectionError, TimeoutError],
-    "health_check_interval": 30,
-    "socket_keepalive": True,
-}
-
-
-def retry_backoff() -> ExponentialBackoff:
-    return ExponentialBackoff(cap=2.0, base=0.05)
-
-
 def connect(url: str | None = None, *, max_connections: int | None = None) -> Redis:
     """A client that rides out a dropped connection or a Redis restart (~15 s of retries) instead of
-    failing the turn. Bytes in, bytes out: RQ requires ``decode_responses=False``.
+    failing the turn, and gives up on a connection gone silent after ``AGENTPOOL_REDIS_TIMEOUT``
+    (``agentpool.runtime.connections``). Bytes in, bytes out: RQ requires ``decode_responses=False``.
 
     ``max_connections`` is for a process of many threads (``worker --concurrency N``): its threads
     share that many connections and wait up to 30 s for a free one. redis-py's default pool holds 100
     and fails the 101st caller at once (``MaxConnectionsError``)."""
-    options = {"retry": Retry(retry_backoff(), retries=12), **CONNECTION_OPTIONS}
     url = check_redis_url(url or Settings.from_env().redis_url, subject="REDIS_URL" if url is None else "the Redis URL")
-    if sentinel.is_sentinel(url):
-        # A pool per process that asks the sentinels where the primary is: it follows a failover. (No
-        # blocking pool for Sentinel in redis-py: ``max_connections`` is then the pool's hard cap.)
-        return sentinel.client(
-            sentinel.parse(url), **options, **({"max_connections": max_connections} if max_connections else {})
-        )
-    if max_connections is None:
-        return Redis.from_url(url, **options)
-    return Redis(
-        connection_pool=BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=30, **options)
-    )
+    # A Sentinel URL gets a pool per process that asks the sentinels where the primary is: it follows a failover.
+    return connections.build(url, retry=connections.ride_out(), max_connections=max_connections)
 
 
 def redact_url(url: str) -> str:
@@ -220,20 +199,12 @@ def client_for(connection: Redis | None) -> Redis:
     client = _bytes_clients.get(pool)
     if client is not None:
         return client
-    client = sentinel.clone(connection, decode_responses=False)
-    if client is None:
-        try:
-            client = Redis(
-                connection_pool=type(pool)(
-                    connection_class=pool.connection_class,
-                    max_connections=pool.max_connections,
-                    **{**pool.connection_kwargs, "decode_responses": False},
-                )
-            )
-        except TypeError:
-            raise AgentPoolError(
-                f"agentpool reads Redis as bytes, as RQ does, and cannot derive a bytes client from this "
-                f"decode_responses=True client ({type(pool).__name__}); pass one made without decode_responses=True"
-            ) from None
+    try:
+        client = connections.derive(connection, decode_responses=False)
+    except TypeError:
+        raise AgentPoolError(
+            f"agentpool reads Redis as bytes, as RQ does, and cannot derive a bytes client from this "
+            f"decode_responses=True client ({type(pool).__name__}); pass one made without decode_responses=True"
+        ) from None
     _bytes_clients[pool] = client
     return client

@@ -27,7 +27,7 @@ from typing import Any
 from redis import Redis
 from rq import Worker
 
-from agentpool.runtime import durability, sentinel
+from agentpool.runtime import connections, durability
 from agentpool.runtime.loader import load_agent
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
@@ -65,6 +65,19 @@ class AgentWorker(Worker):
         self.group_grace = min(3.0, settings.lease_ttl / 3)
         self._agents: dict[str, str] = {}
         self._group_watcher = GroupWatcher()
+
+    @property
+    def dequeue_timeout(self) -> int:
+        """How long one BLMOVE waits for a turn: RQ's 405 s would make it raise the socket timeout of the
+        pool every turn, heartbeat and lease renewal of this worker shares to 415 s (see
+        ``agentpool.runtime.connections``); an idle worker asks again every few seconds instead."""
+        return connections.DEQUEUE_BLOCK
+
+    @property
+    def connection_timeout(self) -> float:
+        """What RQ raises a lower socket timeout of its connection to (``BaseWorker._set_connection``):
+        agentpool's own, above the dequeue's block."""
+        return connections.socket_timeout()
 
     def _on_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         # An exception here would end RQ's work loop, and the worker with it: never let one out.
@@ -147,13 +160,7 @@ class AgentWorker(Worker):
 
         warm_up()
         # The reaper gets its own connection pool: it runs beside the worker's blocking dequeue.
-        pool_kwargs = self.connection.connection_pool.connection_kwargs
-        reaper_conn = sentinel.clone(self.connection) or Redis(
-            connection_pool=type(self.connection.connection_pool)(
-                connection_class=self.connection.connection_pool.connection_class, **pool_kwargs
-            )
-        )
-        reaper = ReaperThread(reaper_conn, owner=self.name, interval=self.reaper_interval)
+        reaper = ReaperThread(connections.derive(self.connection), owner=self.name, interval=self.reaper_interval)
         if self.reaper_interval > 0:
             reaper.start()
         # Never RQ's scheduler (not even from `rq worker --with-scheduler -w ...`): its process can outlive

@@ -38,6 +38,7 @@ from rq.timeouts import BaseDeathPenalty
 from rq.utils import now
 from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
 
+from agentpool.runtime import connections
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
@@ -156,6 +157,14 @@ class ThreadedWorker(BaseWorker):
         self.exit_code = 0
         self._slots = TurnSlots(concurrency, on_idle=self._now_idle)
         self._beating = threading.Event()
+
+    @property
+    def connection_timeout(self) -> float:
+        """What RQ raises a lower socket timeout of its connection to (``BaseWorker._set_connection``:
+        405 s + 10 s at its defaults): agentpool's own, above this worker's 1 s dequeue, so that its
+        turns, lease keeper and reaper, which share the pool, give up on a silent connection in
+        seconds (``agentpool.runtime.connections``)."""
+        return connections.socket_timeout()
 
     # -- the loop ----------------------------------------------------------------------------
 
