@@ -51,8 +51,9 @@ def parse_deferred_member(member: str) -> tuple[str, int, int] | None:
     return run_id, int(turn), int(attempt)
 
 
-def enqueue_turn(pipe: Pipeline, r: Redis, run_id: str, turn: int, attempt: int = 0) -> str:
-    """Add the turn's RQ job to ``pipe`` (RQ calls ``pipe.multi()`` if the caller has not)."""
+def enqueue_turn(pipe: Pipeline, r: Redis, run_id: str, turn: int, attempt: int = 0, *, at_front: bool = False) -> str:
+    """Add the turn's RQ job to ``pipe`` (RQ calls ``pipe.multi()`` if the caller has not); ``at_front``
+    pushes it to the head of the queue (RQ's ``LPUSH``), ahead of every turn waiting."""
     jid = job_id(run_id, turn, attempt)
     turn_queue(r).enqueue(
         TURN_FUNC,
@@ -64,18 +65,21 @@ def enqueue_turn(pipe: Pipeline, r: Redis, run_id: str, turn: int, attempt: int 
         result_ttl=RESULT_TTL,
         failure_ttl=FAILURE_TTL,
         description=f"agentpool turn {turn} of {run_id}",
+        at_front=at_front,
     )
     return jid
 
 
-def stage_turn(pipe: Pipeline, r: Redis, run_id: str, turn: int, attempt: int = 0, *, delay: float = 0.0) -> str:
+def stage_turn(
+    pipe: Pipeline, r: Redis, run_id: str, turn: int, attempt: int = 0, *, delay: float = 0.0, at_front: bool = False
+) -> str:
     """Add the turn's job to ``pipe``, a transaction (already in MULTI) the caller executes with its own
     writes. ``attempt`` names the job as the run's n-th re-enqueue (see ``job_id``). With ``delay``, the
     turn is recorded as due in ``delay`` seconds instead, in the same transaction; the reaper enqueues it
-    then."""
+    then. ``at_front``: ahead of every turn waiting (see ``enqueue_turn``)."""
     jid = job_id(run_id, turn, attempt)
     pipe.hset(RunKeys.of(run_id).run, "job", jid)  # the reaper checks this job is still alive
     if delay > 0:
         pipe.zadd(TURNS_DEFERRED, {deferred_member(run_id, turn, attempt): now_ms() + int(delay * 1000)})
         return jid
-    return enqueue_turn(pipe, r, run_id, turn, attempt)
+    return enqueue_turn(pipe, r, run_id, turn, attempt, at_front=at_front)

@@ -1,5 +1,7 @@
 """Putting a run's current turn back on the queue when the worker that held it is gone, or gave it back.
 
+The turn goes to the front of the queue (RQ's ``at_front``): it had already waited its turn once.
+
 Used by the worker when its work horse dies (at once), by the reaper when a lease expired, a
 committed turn's job vanished, or a hand-back's backoff ended. It re-checks everything inside one
 WATCH/MULTI: a run whose lease is held, that is not active, or whose turn moved on is left alone. A
@@ -116,18 +118,27 @@ def _fail(r: Redis, run_id: str, reason: str) -> bool:
 
 
 def stage_restart(
-    pipe: Pipeline, r: Redis, run_id: str, *, turn: int, attempt: int, requeues: int, fields: dict | None = None
+    pipe: Pipeline,
+    r: Redis,
+    run_id: str,
+    *,
+    turn: int,
+    attempt: int,
+    requeues: int,
+    fields: dict | None = None,
+    at_front: bool = False,
 ) -> str:
     """In a transaction (in MULTI): give the run's current turn a new job, with ``fields`` (a new
     status, say) written to the header in the same step. ``requeues`` is the header's count of
     re-enqueues so far: the job is named by the next one, so every re-enqueue (a takeover, a resume, a
-    decision, a hand-back's retry) has an id of its own and never inherits an older job's expiry."""
+    decision, a hand-back's retry) has an id of its own and never inherits an older job's expiry.
+    ``at_front``: the job goes ahead of every turn waiting."""
     pipe.hset(
         RunKeys.of(run_id).run,
         mapping={"attempt": attempt, "requeues": requeues + 1, "updated_at": now_ms(), **(fields or {})},
     )
     pipe.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS})
-    return stage_turn(pipe, r, run_id, turn, requeues + 1)
+    return stage_turn(pipe, r, run_id, turn, requeues + 1, at_front=at_front)
 
 
 def requeue_turn(
@@ -178,7 +189,12 @@ def requeue_turn(
             _fail(r, run_id, reason)
             return None
         pipe.multi()
-        jid = stage_restart(pipe, r, run_id, turn=header.turn, attempt=next_attempt, requeues=header.requeues)
+        # At the front of the queue: this turn was already running (its worker died) or was handed back,
+        # so it waited its place in the queue once; behind a backlog, a crash would cost the run the
+        # whole queue's length instead of the takeover's few seconds.
+        jid = stage_restart(
+            pipe, r, run_id, turn=header.turn, attempt=next_attempt, requeues=header.requeues, at_front=True
+        )
         writes.stage_remember(pipe, keys.run, write_id)
         pipe.execute()
         return header, jid
