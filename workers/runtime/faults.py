@@ -3,7 +3,8 @@
 ``AGENTPOOL_FAULTS="after_save_a,in_tool"`` arms points; each fires once per (point, run, turn), marked
 by a file in ``AGENTPOOL_FAULT_DIR``, so the turn that takes over runs through. Firing SIGKILLs the
 process that reaches the point: in a forking worker that is the work horse, exactly as the OOM killer
-would. Unarmed, ``fault()`` is one dict lookup.
+would. The points in ``SIGNALS`` send another signal instead (a deploy's SIGTERM, at a chosen instant).
+Unarmed, ``fault()`` is one dict lookup.
 """
 
 from __future__ import annotations
@@ -30,7 +31,11 @@ POINTS = (
     "after_message_commit",
     "before_fork_commit",
     "after_fork_commit",
+    # In a forking worker (not its horse): RQ's BLMOVE moved the turn's job to its intermediate queue;
+    # no execution claims it yet. A SIGTERM (a deploy) lands here.
+    "after_dequeue",
 )
+SIGNALS = {"after_dequeue": signal.SIGTERM}
 
 _ARMED = frozenset(p for p in os.environ.get("AGENTPOOL_FAULTS", "").split(",") if p)
 if _ARMED - set(POINTS):
@@ -45,4 +50,4 @@ def fault(point: str, run_id: str, turn: int) -> None:
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), SIGNALS.get(point, signal.SIGKILL))

@@ -22,6 +22,7 @@ from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.store.clock import now_ms
 from agentpool.store.keys import TURN_QUEUE, TURNS_DEFERRED, RunKeys
+from agentpool.store.scripts import run_script
 
 TURN_FUNC = "agentpool.runtime.turn.run_turn"
 RESULT_TTL = 60  # a turn job returns nothing worth keeping
@@ -83,3 +84,9 @@ def stage_turn(
         pipe.zadd(TURNS_DEFERRED, {deferred_member(run_id, turn, attempt): now_ms() + int(delay * 1000)})
         return jid
     return enqueue_turn(pipe, r, run_id, turn, attempt, at_front=at_front)
+
+
+def give_back(r: Redis, queue: Queue, job_id: str) -> bool:
+    """Put a job this worker dequeued (RQ moved it to the queue's intermediate list) but will not run
+    back at the head of ``queue``, for another worker; safe to deliver twice. False if it was not there."""
+    return bool(run_script("give_back_job", r, [queue.intermediate_queue_key, queue.key], [job_id]))

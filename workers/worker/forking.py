@@ -14,20 +14,28 @@
   worker (``agentpool.runtime.loader``), and new code arrives when the worker restarts.
 - The durability guard is decided here too, before each fork (at most every 10 s), and inherited.
 - It never runs RQ's scheduler: a deferred turn is enqueued by the reaper (``agentpool.runtime.deferred``).
-- Jobs are msgpack; warm shutdown on SIGTERM lets the current turn finish, as RQ does.
+- Jobs are msgpack; warm shutdown on SIGTERM lets the current turn finish, as RQ does. An idle worker's
+  SIGTERM never strands a turn in RQ's intermediate queue: a turn dequeued as the stop came is given
+  back to the head of the queue (``_shutdown``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
+import time
 from typing import Any
 
 from redis import Redis
 from rq import Worker
+from rq.exceptions import StopRequested
+from rq.worker import WorkerStatus
 
 from agentpool.runtime import connections, durability
+from agentpool.runtime.faults import fault
+from agentpool.runtime.jobs import give_back
 from agentpool.runtime.loader import load_agent
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
@@ -78,6 +86,43 @@ class AgentWorker(Worker):
         """What RQ raises a lower socket timeout of its connection to (``BaseWorker._set_connection``):
         agentpool's own, above the dequeue's block."""
         return connections.socket_timeout()
+
+    def _shutdown(self) -> None:
+        """A warm stop (SIGTERM). RQ's, when the worker is idle, raises StopRequested from the signal
+        handler wherever the main thread is: inside the BLMOVE (whose reply, a job RQ already moved to
+        its intermediate queue, is then never read) or between that BLMOVE and the execution that claims
+        the job. Either way the turn sits in the intermediate queue, on no queue, until the reaper's
+        recheck (30 s). So an idle worker only takes note: its dequeue ends within ``DEQUEUE_BLOCK``,
+        and a turn it dequeued meanwhile is given back to the head of the queue."""
+        if self.get_state() == WorkerStatus.BUSY:
+            super()._shutdown()  # the turn in flight finishes, then the worker stops
+            return
+        self._stop_requested = True
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
+        """RQ's dequeue, one BLMOVE at a time (its own loop waits on for ever), so that a stop is seen
+        between two; a turn dequeued once a stop was asked for is given back instead of returned."""
+        started = time.monotonic()
+        while True:
+            if self._stop_requested:
+                raise StopRequested()  # RQ's loop ends the worker on it (warm: nothing was dequeued)
+            left = None if max_idle_time is None else max_idle_time - (time.monotonic() - started)
+            if left is not None and left <= 0:
+                return None
+            once = None if timeout is None else max(1, math.ceil(min(timeout, left if left is not None else timeout)))
+            result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time=once)
+            if result is None and timeout is None:
+                return None  # burst mode: nothing queued
+            if result is None:
+                continue
+            job, queue = result
+            if is_turn_job(job):
+                fault("after_dequeue", *job.args)
+            if self._stop_requested:
+                returned = give_back(self.connection, queue, job.id)
+                log.info("worker %s: stopping; turn job %s given back to the queue (%s)", self.name, job.id, returned)
+                raise StopRequested()
+            return result
 
     def _on_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         # An exception here would end RQ's work loop, and the worker with it: never let one out.

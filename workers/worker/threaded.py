@@ -39,6 +39,7 @@ from rq.utils import now
 from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
 
 from agentpool.runtime import connections
+from agentpool.runtime.jobs import give_back
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
@@ -285,10 +286,7 @@ class ThreadedWorker(BaseWorker):
 
     def _give_back(self, job: Job, queue: Queue) -> None:
         """Put a job dequeued but not started back at the head of its queue, for another worker."""
-        with self.connection.pipeline(transaction=True) as pipe:
-            pipe.lrem(queue.intermediate_queue_key, 1, job.id)
-            pipe.lpush(queue.key, job.id)
-            pipe.execute()
+        give_back(self.connection, queue, job.id)
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         """Prepare the execution here, in the main thread (it registers the job as started and the

@@ -1,0 +1,58 @@
+"""A SIGTERM (a deploy) that reaches a forking worker between RQ's BLMOVE and the execution that claims
+the job strands nothing: the turn goes back to the head of the queue and the next worker takes it at
+once, not after the reaper's 30 s recheck. The fault point ``after_dequeue`` sends the worker a real
+SIGTERM at exactly that instant."""
+
+from __future__ import annotations
+
+import pytest
+from test_delivered_twice import load_scripts, script
+
+from agentpool import enqueue_run, wait_for_run
+from agentpool.runtime.jobs import give_back, turn_queue
+from agentpool.runtime.settings import connect
+from agentpool.store.events import read as read_events
+from agentpool.store.keys import RunKeys
+from agentpool.testing.netfault import NetFault
+
+from conftest import assert_valid_conversation, script_task
+
+pytestmark = pytest.mark.crash
+
+
+def test_a_sigterm_between_dequeue_and_start_gives_the_turn_back_to_the_head_of_the_queue(r, pool, model):
+    model.set_scripts({"short": [{"text": "Done."}], "later": [{"text": "Later."}]})
+    run_id = enqueue_run("pool_agents:support", script_task("short"), connection=r)
+    behind = enqueue_run("pool_agents:support", script_task("later"), connection=r)
+    job = r.hget(RunKeys.of(run_id).run, "job").decode()
+
+    stopped = pool.start(1, AGENTPOOL_FAULTS="after_dequeue")[0]
+    assert stopped.wait(timeout=60) == 0, "a warm stop:\n" + pool.logs()
+    assert list((pool.tmp).glob(f"fault-after_dequeue-{run_id}-0")), "the SIGTERM came after the dequeue"
+
+    queue = turn_queue(r)
+    assert r.lrange(queue.intermediate_queue_key, 0, -1) == [], "nothing stranded in RQ's intermediate queue"
+    assert queue.get_job_ids()[:1] == [job], "the turn is back at the head of the queue, ahead of the one behind"
+
+    pool.start(1)
+    for rid in (run_id, behind):
+        run = wait_for_run(rid, timeout=60, connection=r)
+        assert run.status == "completed", (run.error, pool.logs())
+        assert_valid_conversation(run.messages)
+    kinds = [e["kind"] for _i, e in read_events(r, run_id)]
+    assert "takeover" not in kinds, "the next worker took the turn as queued; no reaper had to find it"
+
+
+def test_a_give_back_delivered_twice_pushes_the_job_once(r, redis_server):
+    queue = turn_queue(r)
+    r.rpush(queue.key, "r_other-t0000")
+    r.rpush(queue.intermediate_queue_key, "r_given-t0000")
+    load_scripts(r)
+    with NetFault.to(redis_server.url) as proxy:
+        lossy = connect(proxy.url)
+        proxy.cut_next_reply(script("give_back_job"))
+        give_back(lossy, turn_queue(lossy), "r_given-t0000")  # its reply lost, re-sent: finds it gone
+        assert proxy.pending_cuts() == 0, "the reply was lost"
+        lossy.close()
+    assert r.lrange(queue.key, 0, -1) == [b"r_given-t0000", b"r_other-t0000"], "pushed once, at the head"
+    assert r.llen(queue.intermediate_queue_key) == 0
