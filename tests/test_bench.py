@@ -33,7 +33,7 @@ SECTIONS = {
         2,
     ),
     "recovery": (
-        ["--trials", "2", "--threads", "2", "--lease-ttl", "2", "--short-ttl", "0"],
+        ["--trials", "2", "--threads", "2", "--lease-ttl", "2", "--short-ttl", "0", "--backlog", "4"],
         "recovery: SIGKILL while a turn runs a slow tool",
         ["work horse killed", "threaded worker process killed", "whole worker killed"],
         3,
@@ -64,6 +64,7 @@ MORE_TABLES = {
         ["forking (--concurrency 1)", "threaded (--concurrency 2)"],
     ),
     "long": ("live: a streamed delta, from the scripted model's socket", []),
+    "recovery": ("recovery under load", ["work horse killed", "whole worker killed (reaper takes over)"]),
 }
 
 

@@ -5,6 +5,8 @@ SIGTERM at exactly that instant."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from test_delivered_twice import load_scripts, script
 
@@ -41,6 +43,24 @@ def test_a_sigterm_between_dequeue_and_start_gives_the_turn_back_to_the_head_of_
         assert_valid_conversation(run.messages)
     kinds = [e["kind"] for _i, e in read_events(r, run_id)]
     assert "takeover" not in kinds, "the next worker took the turn as queued; no reaper had to find it"
+
+
+def test_a_job_left_in_the_intermediate_queue_by_a_killed_worker_is_given_back_without_a_takeover(r, pool, model):
+    # SIGKILLed right after its BLMOVE: nobody claims the job. The reaper of the next worker gives it
+    # back to the queue once it has sat there STRANDED_AFTER seconds, before the run's own recheck would
+    # have called its job lost (a takeover, 30 s after the enqueue).
+    model.set_scripts({"short": [{"text": "Done."}]})
+    run_id = enqueue_run("pool_agents:support", script_task("short"), connection=r)
+    killed = pool.start(1, AGENTPOOL_FAULTS="after_dequeue_killed", AGENTPOOL_REAPER_INTERVAL="0")[0]
+    assert killed.wait(timeout=60) == -signal.SIGKILL, pool.logs()
+    assert r.llen(turn_queue(r).intermediate_queue_key) == 1, "the job is stranded in the intermediate queue"
+
+    pool.start(1)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    kinds = [e["kind"] for _i, e in read_events(r, run_id)]
+    assert "takeover" not in kinds, "given back as it was; not found lost by the run's recheck"
+    assert "given back to the queue" in pool.logs(20000)
 
 
 def test_a_give_back_delivered_twice_pushes_the_job_once(r, redis_server):

@@ -594,6 +594,75 @@ def bench_recovery(lab: Lab, trials: int, lease_ttl: float, short_ttl: float, th
     )
 
 
+BACKLOG_STEP: list[dict[str, Any]] = [{"delay": 0.5, "text": "queued work done"}]  # 0.5 s of a worker each
+
+
+def bench_recovery_under_load(lab: Lab, trials: int, backlog: int, ttl: float) -> None:
+    """A crashed run's takeover time beside its crash-to-continue time, with ``backlog`` turns queued
+    behind it: the re-enqueued turn goes to the front of the queue, so the two differ by a turn's
+    pick-up, not by the backlog's length (``backlog`` x 0.5 s)."""
+    rows = []
+    for whole in (False, True):
+        takeovers: list[float] = []
+        continues: list[float] = []
+        for n in range(trials):
+            took, went_on = _kill_under_backlog(lab, n, backlog, ttl, whole=whole)
+            takeovers.append(took)
+            continues.append(went_on)
+        label = "whole worker killed (reaper takes over)" if whole else "work horse killed"
+        rows.append(
+            [
+                label,
+                str(backlog),
+                str(trials),
+                f"{pct(takeovers, 50):.3f}",
+                f"{pct(takeovers, 95):.3f}",
+                f"{pct(continues, 50):.3f}",
+                f"{pct(continues, 95):.3f}",
+                f"{pct([c - t for c, t in zip(continues, takeovers)], 95):.3f}",
+                "gap p95 <= 2 s",
+            ]
+        )
+    table(
+        f"recovery under load: SIGKILL mid-tool with {backlog} turns (0.5 s each) queued behind -> takeover, "
+        "and -> the run's next turn (crash-to-continue)",
+        ["crash", "backlog", "trials", "takeover p50 s", "p95 s", "continue p50 s", "p95 s", "gap p95 s", "target"],
+        rows,
+        (
+            (
+                f"lease TTL {ttl:g} s; the backlog would add up to {backlog * 0.5:g} s if the taken-over turn "
+                "queued behind it; a whole-worker kill is taken over by the reaper of one live forking worker "
+                "that works through the backlog meanwhile"
+            ),
+        ),
+    )
+
+
+def _kill_under_backlog(lab: Lab, n: int, backlog: int, ttl: float, *, whole: bool) -> tuple[float, float]:
+    from agentpool.client import enqueue_run, wait_for_run
+    from agentpool.testing.localpool import horses_of
+
+    lab.reset({"slow": SLOW_TOOL, "work": BACKLOG_STEP})
+    env = {"AGENTPOOL_LEASE_TTL": f"{ttl:g}"}
+    victim, _name = lab.start(**env)
+    run_id = enqueue_run(AGENT, task("slow", n), connection=lab.r)
+    started = _wait_events(lab, [run_id], ("tool_started",))[run_id][0]
+    if whole:
+        lab.start(**env)  # the survivor: it works through the backlog, its reaper takes the run over
+    queued = [enqueue_run(AGENT, task("work", i), connection=lab.r) for i in range(backlog)]
+    if whole:
+        lab.workers.kill(victim)  # the worker and its horse
+    else:
+        os.kill(horses_of(victim.pid)[0], signal.SIGKILL)
+    killed = time.monotonic()
+    taken = _wait_events(lab, [run_id], ("takeover",), after=started, timeout=ttl + 60)[run_id]
+    resumed = _wait_events(lab, [run_id], RESUMED, after=taken[0], timeout=backlog + 60)[run_id][1]
+    for rid in [run_id, *queued]:
+        if wait_for_run(rid, timeout=backlog + 60, connection=lab.r).status != "completed":
+            raise click.ClickException(f"run {rid} did not complete after the kill")
+    return taken[1] - killed, resumed - killed
+
+
 def _kill_one_process(lab: Lab, worker_pid: int, n: int) -> float:
     """The process running the run's turn (the horse, or the threaded worker) is SIGKILLed mid-tool."""
     from agentpool.client import enqueue_run, wait_for_run
@@ -736,6 +805,13 @@ def _lab(url: str | None) -> Iterator[Lab]:
     help="recovery: also kill whole workers under this shorter TTL (0: skip).",
 )
 @click.option(
+    "--backlog",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="recovery: turns queued behind the crashed run in the 'under load' rows.",
+)
+@click.option(
     "--deferred-runs", type=click.IntRange(min=1), default=12, show_default=True, help="deferred: runs backing off."
 )
 @click.option(
@@ -770,6 +846,7 @@ def bench(
     trials: int,
     lease_ttl: float | None,
     short_ttl: float,
+    backlog: int,
     deferred_runs: int,
     durability_runs: int,
     long_turns: int,
@@ -797,6 +874,7 @@ def bench(
             bench_memory(lab, high_concurrency, hold)
         if "recovery" in sections:
             bench_recovery(lab, trials, ttl, short_ttl, threads)
+            bench_recovery_under_load(lab, min(trials, 5), backlog, short_ttl or ttl)
         if "deferred" in sections:
             from agentpool.ops.bench_ha import bench_deferred
 

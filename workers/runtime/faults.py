@@ -32,8 +32,9 @@ POINTS = (
     "before_fork_commit",
     "after_fork_commit",
     # In a forking worker (not its horse): RQ's BLMOVE moved the turn's job to its intermediate queue;
-    # no execution claims it yet. A SIGTERM (a deploy) lands here.
+    # no execution claims it yet. A SIGTERM (a deploy) lands here; or a SIGKILL.
     "after_dequeue",
+    "after_dequeue_killed",
 )
 SIGNALS = {"after_dequeue": signal.SIGTERM}
 

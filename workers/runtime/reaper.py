@@ -9,7 +9,12 @@ It moves deferred turns (a model retry's backoff) onto the queue once due (``age
 that is agentpool's only scheduler. It also denies approvals whose deadline passed, which continues
 the waiting run. A run whose header is damaged is failed with the reason, once, and the scan goes on.
 Each scan also takes one step of the sweep that drops expired runs from the run index
-(``agentpool.store.runs_index``).
+(``agentpool.store.runs_index``), and gives back to the head of the queue a turn job left in RQ's
+intermediate queue (moved there by a BLMOVE whose worker then died, or whose reply a silent connection
+swallowed) once this process has seen it there for ``STRANDED_AFTER`` seconds: a worker claims its
+job within milliseconds (seconds at most, importing an agent for the first time), and the job would
+otherwise wait for the run's 30 s recheck. Giving back a job a slow worker still claims is harmless: the
+second execution finds the lease held or the turn done.
 
 Every worker runs it in a thread; a one-second lock lets one of them scan at a time. Due deferred
 turns are looked for every 0.1 s by every worker, without the lock: that move is atomic.
@@ -28,7 +33,7 @@ from rq.job import Job, JobStatus
 
 from agentpool.runtime import deferred
 from agentpool.runtime.approvals import expire_due
-from agentpool.runtime.jobs import turn_queue
+from agentpool.runtime.jobs import give_back, turn_queue
 from agentpool.runtime.takeover import fail_corrupt, read_header, requeue_turn
 from agentpool.store import handback, runs_index, watch
 from agentpool.store.checkpoint import QUEUED_RECHECK_MS
@@ -39,15 +44,26 @@ from agentpool.store.records import ACTIVE_STATUSES, SCHEMA_VERSION
 
 log = logging.getLogger("agentpool.reaper")
 PROMOTE_EVERY = 0.1  # seconds between looks for due deferred turns: one ZRANGEBYSCORE per worker
+STRANDED_AFTER = 10.0  # seconds a job may sit in RQ's intermediate queue before it is given back
+_intermediate_seen: dict[str, float] = {}  # job id -> when this process first saw it there (monotonic)
 WAITING = {JobStatus.QUEUED.value, JobStatus.DEFERRED.value}
 
 
-def reap_once(r: Redis, *, batch: int = 500, report: Callable[[str, str], None] | None = None) -> list[str]:
+def reap_once(
+    r: Redis,
+    *,
+    batch: int = 500,
+    report: Callable[[str, str], None] | None = None,
+    stranded_after: float = STRANDED_AFTER,
+) -> list[str]:
     """Look at every run that is due. Returns the ids of runs whose turn was re-enqueued; ``report``
     (``agentpool reap``) is told each thing done, as (run id, what).
 
     Every change to the watch set is conditional on the status it was decided from (``store/watch.py``):
     a person resuming or approving a run while the reaper looks at it never drops it from the set."""
+    for job_id in _give_back_stranded(r, stranded_after):
+        if report:
+            report("-", f"job {job_id} left in RQ's intermediate queue given back to the queue")
     for moved in _promote(r, batch=batch):
         if report:
             report(
@@ -69,6 +85,26 @@ def reap_once(r: Redis, *, batch: int = 500, report: Callable[[str, str], None] 
     if swept and report:
         report("-", f"{swept} expired run(s) dropped from the run index")
     return requeued
+
+
+def _give_back_stranded(r: Redis, after: float) -> list[str]:
+    queue = turn_queue(r)
+    now = time.monotonic()
+    there = {raw.decode("utf-8", errors="replace") for raw in r.lrange(queue.intermediate_queue_key, 0, 99)}
+    for gone in set(_intermediate_seen) - there:
+        del _intermediate_seen[gone]
+    given = []
+    for job_id in there:
+        seen = _intermediate_seen.setdefault(job_id, now)
+        if now - seen < after:
+            continue
+        del _intermediate_seen[job_id]
+        if give_back(r, queue, job_id):
+            log.warning(
+                "reaper: job %s sat in RQ's intermediate queue for %.0f s; given back to the queue", job_id, now - seen
+            )
+            given.append(job_id)
+    return given
 
 
 def _promote(r: Redis, batch: int = 500) -> list[deferred.Promoted]:
@@ -150,8 +186,11 @@ def _job_state(r: Redis, job_id: str) -> str:
     if raw is None:
         return "missing"
     status = raw.decode("utf-8", errors="replace")
-    if status == JobStatus.QUEUED.value and turn_queue(r).get_job_position(job_id) is None:
-        return "lost from the queue"
+    if status == JobStatus.QUEUED.value:
+        queue = turn_queue(r)
+        if queue.get_job_position(job_id) is None:
+            # Dequeued, not yet claimed: a worker claims it at once, or _give_back_stranded returns it.
+            return "waiting" if r.lpos(queue.intermediate_queue_key, job_id) is not None else "lost from the queue"
     return "waiting" if status in WAITING else status
 
 

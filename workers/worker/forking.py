@@ -118,6 +118,7 @@ class AgentWorker(Worker):
             job, queue = result
             if is_turn_job(job):
                 fault("after_dequeue", *job.args)
+                fault("after_dequeue_killed", *job.args)
             if self._stop_requested:
                 returned = give_back(self.connection, queue, job.id)
                 log.info("worker %s: stopping; turn job %s given back to the queue (%s)", self.name, job.id, returned)
