@@ -18,8 +18,9 @@ lease keeper and reaper share that pool: one swallowed reply wedged a worker for
 - **health checks** (every 10 s): a pooled connection idle that long is PINGed before it is used.
 
 The bound: a command sent on a connection that went silent is re-sent on a new connection after
-``socket_timeout`` (the lease keeper's renewals after at most a third of the lease TTL, so that one
-silent renewal cannot cost a lease: ``with_timeout``). Re-sending is safe: every agentpool write is
+``socket_timeout``. A lease renewal is sent a third of the TTL after the last one, so at the default
+TTL (15 s) a silent renewal re-sent after 5 s still lands in time; with a TTL under three socket
+timeouts one may cost the lease (the run is then taken over: fenced, nothing lost). Re-sending is safe: every agentpool write is
 recognised when delivered twice (write ids, ``store/writes.py``; RQ's own bookkeeping is idempotent or
 counts only), which ``tests/test_delivered_twice.py`` and ``tests/test_silent_connections.py`` prove.
 """
@@ -27,10 +28,9 @@ counts only), which ``tests/test_delivered_twice.py`` and ``tests/test_silent_co
 from __future__ import annotations
 
 import socket
-import weakref
 from typing import Any
 
-from redis import BlockingConnectionPool, ConnectionPool, Redis
+from redis import BlockingConnectionPool, Redis
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
@@ -141,20 +141,3 @@ def derive(r: Redis, **overrides: Any) -> Redis:
             connection_class=pool.connection_class, max_connections=pool.max_connections, **kwargs
         )
     )
-
-
-# Clients with a shorter socket timeout, derived once per pool and timeout.
-_short: weakref.WeakKeyDictionary[ConnectionPool, dict[float, Redis]] = weakref.WeakKeyDictionary()
-
-
-def with_timeout(r: Redis, seconds: float) -> Redis:
-    """``r``, or a client like it whose socket timeout is at most ``seconds`` (for a caller that must
-    hear back sooner than the pool's timeout: the lease keeper). Derived once per pool, then reused."""
-    current = r.connection_pool.connection_kwargs.get("socket_timeout")
-    if current is not None and current <= seconds:
-        return r
-    by_timeout = _short.setdefault(r.connection_pool, {})
-    client = by_timeout.get(seconds)
-    if client is None:
-        client = by_timeout[seconds] = derive(r, socket_timeout=seconds, socket_connect_timeout=seconds)
-    return client

@@ -2,8 +2,7 @@
 
 One thread per process renews every lease the process holds, those due together in one pipelined
 round trip, each at a third of its TTL: two renewals can fail (a Redis blip) before a lease lapses.
-A renewal gives up on a connection gone silent after a period (``connections.with_timeout``) and is
-re-sent on a new one, so one silent connection cannot cost a lease. A turn holds its lease in ``keep_alive`` for as long as it runs: a dict entry, not a thread of its
+A turn holds its lease in ``keep_alive`` for as long as it runs: a dict entry, not a thread of its
 own (starting and joining one cost half a millisecond per turn, and a threaded worker runs hundreds).
 
 A renewal races the commit that ends a turn (save point B deletes the lease): a renewal sent just
@@ -26,12 +25,10 @@ from dataclasses import dataclass
 from redis import Redis
 from redis.exceptions import RedisError
 
-from agentpool.runtime import connections
 from agentpool.store import lease
 from agentpool.store.keys import RunKeys
 
 log = logging.getLogger("agentpool.heartbeat")
-MIN_RENEW_TIMEOUT = 0.5  # seconds: a renewal's socket timeout, never below this however short the lease
 
 
 @dataclass(eq=False)
@@ -93,11 +90,8 @@ class LeaseKeeper:
     def _renew(self, batch: list[_Held]) -> None:
         for r in {id(h.r): h.r for h in batch}.values():
             mine = [h for h in batch if h.r is r]
-            # A renewal sent on a connection gone silent is re-sent on a new one within a period, not
-            # after the pool's socket timeout: one silent renewal must not cost the leases.
-            quick = connections.with_timeout(r, max(MIN_RENEW_TIMEOUT, min(h.period for h in mine)))
             try:
-                kept = lease.renew_many(quick, [(h.keys, h.token, h.ttl_ms) for h in mine])
+                kept = lease.renew_many(r, [(h.keys, h.token, h.ttl_ms) for h in mine])
             except RedisError as exc:
                 log.warning("could not renew %d lease(s) (%s); retrying", len(mine), exc)
                 continue
