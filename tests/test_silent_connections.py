@@ -27,7 +27,8 @@ pytestmark = pytest.mark.crash
 
 PER_CALL = {"input_tokens": 1000, "output_tokens": 100, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
 STEPS = [
-    {"tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}], "usage": PER_CALL},
+    # A tool that outlasts a lease renewal period (TTL 3 s in the tests): renewals are sent, and one goes silent.
+    {"tool_calls": [{"name": "slow_read", "input": {"seconds": 1.5}}], "usage": PER_CALL},
     {"tool_calls": [{"name": "create_ticket", "input": {"title": "Changelog", "body": "Ana"}}], "usage": PER_CALL},
     {"text": "All done.", "usage": PER_CALL},
 ]
