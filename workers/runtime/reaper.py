@@ -11,10 +11,10 @@ the waiting run. A run whose header is damaged is failed with the reason, once, 
 Each scan also takes one step of the sweep that drops expired runs from the run index
 (``agentpool.store.runs_index``), and gives back to the head of the queue a turn job left in RQ's
 intermediate queue (moved there by a BLMOVE whose worker then died, or whose reply a silent connection
-swallowed) once this process has seen it there for ``STRANDED_AFTER`` seconds: a worker claims its
-job within milliseconds (seconds at most, importing an agent for the first time), and the job would
-otherwise wait for the run's 30 s recheck. Giving back a job a slow worker still claims is harmless: the
-second execution finds the lease held or the turn done.
+swallowed) once this process has seen it there for ``STRANDED_AFTER`` seconds with no execution in
+RQ's started registry: a worker prepares the execution within milliseconds of its BLMOVE, and the job
+would otherwise wait for the run's 30 s recheck. Giving back a job a slow worker still claims is harmless:
+the second execution finds the lease held or the turn done.
 
 Every worker runs it in a thread; a one-second lock lets one of them scan at a time. Due deferred
 turns are looked for every 0.1 s by every worker, without the lock: that move is atomic.
@@ -98,6 +98,8 @@ def _give_back_stranded(r: Redis, after: float) -> list[str]:
         seen = _intermediate_seen.setdefault(job_id, now)
         if now - seen < after:
             continue
+        if job_id in queue.started_job_registry:
+            continue  # claimed: its execution is prepared, the process it forks takes it out (as RQ's cleanup)
         del _intermediate_seen[job_id]
         if give_back(r, queue, job_id):
             log.warning(
