@@ -191,8 +191,11 @@ def _job_state(r: Redis, job_id: str) -> str:
     if status == JobStatus.QUEUED.value:
         queue = turn_queue(r)
         if queue.get_job_position(job_id) is None:
-            # Dequeued, not yet claimed: a worker claims it at once, or _give_back_stranded returns it.
-            return "waiting" if r.lpos(queue.intermediate_queue_key, job_id) is not None else "lost from the queue"
+            if r.lpos(queue.intermediate_queue_key, job_id) is None:
+                return "lost from the queue"
+            # Dequeued: claimed (its execution prepared; a dead claimer's turn is taken over like a started
+            # one's), or not yet, and then a worker claims it at once or _give_back_stranded returns it.
+            return "started" if job_id in queue.started_job_registry else "waiting"
     return "waiting" if status in WAITING else status
 
 
