@@ -11,15 +11,11 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 
-from agentpool.agent import check_agent_path
 from agentpool.checks import limit_value
 from agentpool.runtime import tracing
-from agentpool.runtime.approvals import decide
-from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import Settings, client_for
-from agentpool.runtime.takeover import read_header, stage_restart
 from agentpool.store import approvals, checkpoint, events, inbox, runs_index, writes
 from agentpool.store import window as run_window
 from agentpool.store.codec import pack
@@ -27,6 +23,9 @@ from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.events import Event, emit
 from agentpool.store.keys import RunKeys, check_run_id
 from agentpool.store.records import ACTIVE_STATUSES, STATUSES, RunState, load_header
+
+# What enqueues a turn (RQ) or loads an agent (pydantic) is imported by the functions that do: reading
+# runs (`agentpool runs`, `show`) must not pay for them.
 
 
 class RunTimeout(AgentPoolError):
@@ -126,6 +125,9 @@ def enqueue_run(
     id is returned and the run is left as it is (a retried enqueue gets the run it made, never a
     second one); if it exists for anything else, ``RunExists`` is raised and nothing changes. An
     existing run is never reset."""
+    from agentpool.agent import check_agent_path
+    from agentpool.runtime.jobs import stage_turn
+
     check_agent_path(agent)
     if not isinstance(task, str) or not task.strip():
         raise ValueError("a run needs a non-empty task text")
@@ -267,6 +269,8 @@ def resume(
     A run that ``completed`` at a limit (its last turn used the last of its turns, tokens or money)
     refuses messages until its limits are raised: ``resume`` raises them the same way (enough for one
     more turn) and the run stays completed, with nothing to do until a message is sent to it."""
+    from agentpool.runtime.takeover import read_header, stage_restart
+
     add_turns = limit_value("add_turns", add_turns, whole=True, zero_ok=True)
     add_tokens = limit_value("add_tokens", add_tokens, whole=True, zero_ok=True)
     add_usd = limit_value("add_usd", add_usd, zero_ok=True)
@@ -397,6 +401,8 @@ def approve(
 ) -> list[str]:
     """Decide on a call the run waits on (or, without ``tool_use_id``, on every one). A denied call
     gets an ``is_error`` tool_result carrying ``reason``. Returns the tool_use ids decided."""
+    from agentpool.runtime.approvals import decide
+
     return decide(
         client_for(connection),
         run_id,

@@ -19,12 +19,11 @@ from redis import Redis
 from redis.client import Pipeline
 
 from agentpool.client import limits_held_to, new_run_id
+from agentpool.runtime.answers import FINISHED_STOPS, trailing_text
 from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.settings import Settings, client_for
 from agentpool.runtime.takeover import read_header, stage_restart
-from agentpool.runtime.turn import FINISHED_STOPS
-from agentpool.runtime.turn import _trailing_text as trailing_text
 from agentpool.store import checkpoint, inbox, writes
 from agentpool.store.errors import MessageRefused, RunExists, RunNotFound
 from agentpool.store.events import Event

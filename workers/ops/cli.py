@@ -6,7 +6,8 @@ import json
 import logging
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import click
 
@@ -19,6 +20,8 @@ from agentpool.store.keys import RunKeys
 from agentpool.store.records import STATUSES, tool_uses
 
 if TYPE_CHECKING:
+    from redis import Redis
+
     from agentpool.client import Run
 
 url_option = click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
@@ -51,7 +54,28 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
-@click.group(cls=OneLineErrors)
+class _Commands(OneLineErrors):
+    """The servers and the lab (dashboard, metrics, demo, bench) each live in a module of their own,
+    imported only when its command is named: ``agentpool runs`` must not load the dashboard's web
+    stack, Prometheus's client or the bench's testing kit."""
+
+    LAZY: ClassVar[dict[str, str]] = {
+        "bench": "agentpool.ops.bench",
+        "dashboard": "agentpool.ops.dashboard",
+        "demo": "agentpool.ops.demo",
+        "metrics": "agentpool.ops.metrics",
+    }
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.LAZY})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.LAZY and cmd_name not in self.commands:
+            self.add_command(getattr(import_module(self.LAZY[cmd_name]), cmd_name))
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=_Commands)
 def main() -> None:
     """agentpool: durable Claude agent runs on a pool of RQ workers."""
 
@@ -347,19 +371,83 @@ def cancel(url: str | None, run_id: str) -> None:
 
 @main.command()
 @url_option
-@click.argument("run_id")
+@click.argument("run_id", required=False)
 @click.argument("tool_use_id", required=False)
 @click.option("--deny", is_flag=True, help="Refuse the call(s): the model gets an is_error result with the reason.")
 @click.option("--reason", default=None, help="Why; passed to the model on a denial.")
-def approve(url: str | None, run_id: str, tool_use_id: str | None, deny: bool, reason: str | None) -> None:
-    """Approve (or --deny) a call RUN_ID waits on; without TOOL_USE_ID, every call it waits on."""
+@click.option("--all", "every_run", is_flag=True, help="Every call every run waits on (with --agent: that agent's).")
+@click.option("--agent", default=None, help="With --all: only runs of this agent (full path, name or module).")
+@click.option("--yes", "-y", is_flag=True, help="With --all: decide without asking for a confirmation.")
+def approve(
+    url: str | None,
+    run_id: str | None,
+    tool_use_id: str | None,
+    deny: bool,
+    reason: str | None,
+    every_run: bool,
+    agent: str | None,
+    yes: bool,
+) -> None:
+    """Approve (or --deny) a call RUN_ID waits on; without TOOL_USE_ID, every call it waits on. With
+    --all instead of RUN_ID, every call the runs waiting for approval (of --agent) wait on, after a
+    confirmation."""
     from agentpool.client import approve as decide
 
+    if every_run:
+        if run_id is not None:
+            raise click.UsageError("give a RUN_ID or --all, not both")
+        _decide_all(quick_client(url), agent=agent, approved=not deny, reason=reason, yes=yes)
+        return
+    if run_id is None:
+        raise click.UsageError("give the RUN_ID to decide on, or --all (and --agent) for every run waiting")
+    if agent is not None or yes:
+        raise click.UsageError("--agent and --yes go with --all")
     try:
         decided = decide(run_id, tool_use_id, approved=not deny, reason=reason, connection=quick_client(url))
     except AgentPoolError as exc:
         _fail(str(exc))
     click.echo(f"{'denied' if deny else 'approved'}: {', '.join(decided)}")
+
+
+def _decide_all(r: Redis, *, agent: str | None, approved: bool, reason: str | None, yes: bool) -> None:
+    """Decide on every call the waiting runs (of ``agent``) wait on: exactly the calls shown before the
+    confirmation, so that a call a run asks for meanwhile is never decided unseen."""
+    from agentpool.client import get_run, list_runs
+    from agentpool.runtime.approvals import decide
+
+    waiting = []
+    for listed in list_runs(connection=r, limit=10**6, status="waiting_approval", agent=agent):
+        try:
+            run = get_run(listed.id, connection=r)
+        except AgentPoolError:
+            continue  # ended or unreadable since it was listed: `show` tells which
+        if run.awaiting_approval:
+            waiting.append(run)
+    verb = "approve" if approved else "deny"
+    calls = sum(len(run.awaiting_approval) for run in waiting)
+    if not calls:
+        click.echo(f"nothing to {verb}: no run{f' of {agent}' if agent else ''} waits for approval")
+        return
+    for run in waiting:
+        for call in run.awaiting_approval:
+            click.echo(f"{run.id} {run.agent}: {call['id']} {call['name']} {json.dumps(call['input'])[:120]}")
+    if not yes:
+        try:
+            click.confirm(f"{verb.capitalize()} these {calls} call(s) in {len(waiting)} run(s)?", abort=True)
+        except click.Abort:
+            _fail("not confirmed: nothing decided (--yes decides without asking)")
+    failed = 0
+    for run in waiting:
+        ids = [call["id"] for call in run.awaiting_approval]
+        try:  # one transaction per run: all its calls decided, then its turn queued
+            decide(r, run.id, ids, approved=approved, reason=reason or "", by="person")
+        except AgentPoolError as exc:
+            failed += 1
+            click.echo(f"{run.id}: not decided: {exc}", err=True)
+            continue
+        click.echo(f"{run.id}: {'approved' if approved else 'denied'}: {', '.join(ids)}")
+    if failed:
+        sys.exit(1)
 
 
 @main.command()
@@ -581,19 +669,6 @@ def check(url: str | None, strict: bool) -> None:
         raise click.ClickException(f"{len(found)} problem(s) put runs at risk or make them wait (above)")
     click.echo("ok")
 
-
-def _add_ops_commands() -> None:
-    # The servers and the lab (dashboard, metrics, demo, bench) each live in a module of their own.
-    from agentpool.ops.bench import bench
-    from agentpool.ops.dashboard import dashboard
-    from agentpool.ops.demo import demo
-    from agentpool.ops.metrics import metrics
-
-    for command in (bench, dashboard, demo, metrics):
-        main.add_command(command)
-
-
-_add_ops_commands()
 
 if __name__ == "__main__":
     main()

@@ -14,9 +14,10 @@ holder would stall every deferred turn of the pool.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from redis import Redis
 from redis.client import Pipeline
-from rq import Queue
 
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
@@ -24,12 +25,17 @@ from agentpool.store.clock import now_ms
 from agentpool.store.keys import TURN_QUEUE, TURNS_DEFERRED, RunKeys
 from agentpool.store.scripts import run_script
 
+if TYPE_CHECKING:
+    from rq import Queue
+
 TURN_FUNC = "agentpool.runtime.turn.run_turn"
 RESULT_TTL = 60  # a turn job returns nothing worth keeping
 FAILURE_TTL = 7 * 24 * 3600
 
 
 def turn_queue(r: Redis) -> Queue:
+    from rq import Queue  # here: reading a run (`agentpool runs`, `show`) needs no RQ
+
     return Queue(TURN_QUEUE, connection=r, serializer=MsgpackSerializer)
 
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agentpool.agent import Agent
 from agentpool.pricing import price_of
 from agentpool.store.records import RunState
+
+if TYPE_CHECKING:
+    from agentpool.agent import Agent  # only a type here: `resume` and the CLI need no agent's code
 
 # The limit, and the amount ``resume`` adds to it.
 RAISED_BY = {"max_turns": "add_turns", "max_total_tokens": "add_tokens", "max_cost_usd": "add_usd"}

@@ -26,7 +26,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from redis import Redis
-from rq.job import Job
 
 from agentpool.runtime.deferred import due_for_job
 from agentpool.store import handback
@@ -110,6 +109,8 @@ def why_waiting(r: Redis, run_id: str, status: str) -> Waiting | None:
         if until < now - 5:
             note += " (overdue: is any worker or `agentpool reap` running?)"
         return Waiting("backoff", note, until=until, detail=why)
+    from rq.job import Job  # here: only a run whose turn is an RQ job needs RQ's key names
+
     job_status, enqueued_at, created_at = (
         r.hmget(Job.key_for(jid), ["status", "enqueued_at", "created_at"]) if jid else (None,) * 3
     )

@@ -35,6 +35,8 @@ from rq import get_current_job
 from agentpool.agent import Agent
 from agentpool.pricing import price_of
 from agentpool.runtime import compaction, tracing
+from agentpool.runtime.answers import FINISHED_STOPS
+from agentpool.runtime.answers import trailing_text as _trailing_text
 from agentpool.runtime.faults import fault
 from agentpool.runtime.heartbeat import keep_alive
 from agentpool.runtime.jobs import stage_turn
@@ -64,7 +66,6 @@ from agentpool.store.records import TERMINAL_STATUSES, RunState
 
 log = logging.getLogger("agentpool.turn")
 
-FINISHED_STOPS = ("end_turn", "stop_sequence")
 # Continue with no new user message (after "compaction", the API's pause_after_compaction, the model
 # goes on from the compaction block).
 CONTINUE_STOPS = ("pause_turn", "max_tokens", "compaction")
@@ -497,16 +498,3 @@ def _context_full(agent: Agent, detail: str) -> str:
 
 def _results_message(results: list[dict[str, Any]]) -> dict[str, Any] | None:
     return {"role": "user", "content": results} if results else None
-
-
-def _trailing_text(messages: list[dict[str, Any]]) -> str:
-    """The text of the assistant messages after the last user message (a paused or cut-off answer
-    continues over several)."""
-    parts: list[str] = []
-    for message in reversed(messages):
-        if message["role"] != "assistant":
-            break
-        content = message["content"]
-        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        parts.insert(0, "".join(b.get("text", "") for b in blocks if b.get("type") == "text"))
-    return "".join(parts)

@@ -1,0 +1,148 @@
+"""The CLI answers at once: a command that only reads or writes Redis loads neither the anthropic SDK, nor
+pydantic, nor Prometheus's client, nor the dashboard's stack (what `python -X importtime -m agentpool runs`
+showed cost a second per call); and many approvals are one command with a confirmation."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from agentpool import enqueue_run, get_run, wait_for_run
+
+from conftest import TESTS, script_task, wait_for_status
+
+# Run the command as `python -m agentpool` does, then print which of these it had imported.
+PROBE = """
+import json, runpy, sys
+sys.argv = ["agentpool", *sys.argv[1:]]
+try:
+    runpy.run_module("agentpool", run_name="__main__")
+except SystemExit:
+    pass
+heavy = ("anthropic", "pydantic", "prometheus_client", "httpx", "rq", "agentpool.ops.dashboard", "agentpool.testing")
+print(json.dumps(sorted(m for m in heavy if m in sys.modules)), file=sys.stderr)
+"""
+
+NEVER = ["agentpool.ops.dashboard", "agentpool.testing", "anthropic", "httpx", "prometheus_client", "pydantic"]
+
+
+def _loaded(url: str, *args: str, stdin: str = "") -> tuple[list[str], subprocess.CompletedProcess[str]]:
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, *args],
+        env={**_env(), "REDIS_URL": url},
+        cwd=str(TESTS),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return json.loads(out.stderr.strip().splitlines()[-1]), out
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "AGENTPOOL_FAULTS")}
+
+
+@pytest.fixture
+def waiting_run(r, pool, model):
+    """A run waiting for an approval, its worker stopped: nothing else moves while the CLI looks."""
+    model.set_scripts({"deploy": [{"tool_calls": [{"name": "deploy", "input": {"version": "9"}}]}, {"text": "ok"}]})
+    (worker,) = pool.start(1)
+    run_id = enqueue_run("pool_agents:guarded", script_task("deploy"), connection=r)
+    wait_for_status(r, run_id, "waiting_approval")
+    pool.kill(worker)
+    return run_id
+
+
+def test_reading_runs_loads_neither_the_sdk_nor_pydantic_nor_rq(redis_server, waiting_run):
+    for args in (("runs",), ("show", waiting_run), ("runs", "--status", "waiting_approval")):
+        loaded, out = _loaded(redis_server.url, *args)
+        assert out.stdout and "Traceback" not in out.stderr, out.stderr
+        assert loaded == [], (args, loaded)
+
+
+def test_approving_and_sending_load_rq_to_queue_the_turn_but_nothing_heavier(redis_server, waiting_run):
+    loaded, out = _loaded(redis_server.url, "approve", waiting_run)
+    assert "approved: toolu_" in out.stdout, out.stderr
+    assert [m for m in loaded if m in NEVER] == [], loaded
+
+    loaded, out = _loaded(redis_server.url, "send", waiting_run, "and then?")
+    assert out.stdout.strip(), out.stderr
+    assert [m for m in loaded if m in NEVER] == [], loaded
+
+
+def test_the_servers_commands_are_still_there_when_named(redis_server):
+    out = subprocess.run(
+        [sys.executable, "-m", "agentpool", "--help"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert all(f"  {name} " in out.stdout for name in ("bench", "dashboard", "demo", "metrics", "runs")), out.stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "agentpool", "dashboard", "--help"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert "--port" in out.stdout
+
+
+def _cli(url: str, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agentpool", *args],
+        env={**_env(), "REDIS_URL": url},
+        cwd=str(TESTS),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_approve_all_of_an_agent_asks_first_and_decides_exactly_what_it_showed(r, redis_server, pool, model):
+    model.set_scripts({"deploy": [{"tool_calls": [{"name": "deploy", "input": {"version": "9"}}]}, {"text": "ok"}]})
+    (worker,) = pool.start(1)
+    guarded = [enqueue_run("pool_agents:guarded", script_task("deploy"), connection=r) for _ in range(3)]
+    for run_id in guarded:
+        wait_for_status(r, run_id, "waiting_approval")
+    pool.kill(worker)
+
+    refused = _cli(redis_server.url, "approve", "--all", "--agent", "guarded", stdin="n\n")
+    assert refused.returncode == 1 and "nothing decided" in refused.stderr, refused
+    assert all(get_run(run_id, connection=r).status == "waiting_approval" for run_id in guarded)
+    shown = [line for line in refused.stdout.splitlines() if " deploy " in line]
+    assert sorted(line.split()[0] for line in shown) == sorted(guarded), refused.stdout
+    assert "Approve these 3 call(s) in 3 run(s)?" in refused.stdout
+
+    none = _cli(redis_server.url, "approve", "--all", "--agent", "support", "--yes")
+    assert none.returncode == 0 and "nothing to approve: no run of support waits" in none.stdout, none
+
+    denied = _cli(redis_server.url, "approve", "--all", "--agent", "guarded", "--deny", "--reason", "freeze", "--yes")
+    assert denied.returncode == 0, denied
+    assert denied.stdout.count(": denied: toolu_") == 3, denied.stdout
+    pool.start(1)
+    for run_id in guarded:
+        done = wait_for_run(run_id, timeout=60, connection=r)
+        assert done.status == "completed"
+    assert "deploy" not in [e["tool"] for e in pool.effects()]
+
+
+def test_approve_says_how_to_name_what_to_decide():
+    for args, says in (
+        ((), "give the RUN_ID to decide on, or --all"),
+        (("r_x", "--all"), "give a RUN_ID or --all, not both"),
+        (("r_x", "--agent", "a"), "--agent and --yes go with --all"),
+    ):
+        out = _cli("redis://127.0.0.1:1/0", "approve", *args)
+        assert out.returncode == 2 and says in out.stderr, (args, out.stderr)
