@@ -9,16 +9,21 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import anthropic
 import pytest
 from redis import Redis
 from redis.exceptions import RedisError
+from rq import Worker
 
 from agentpool import current_call, tool
 from agentpool.runtime.reconcile import idempotency_key
+from agentpool.store.events import read as read_events
 from agentpool.testing import (
     LocalPool,
+    NothingKilled,
     ScriptedModel,
     ScriptRequest,
     assert_valid_conversation,
@@ -165,14 +170,161 @@ def test_local_pool_runs_an_apps_own_agents_and_survives_a_killed_worker(tmp_pat
 
     with local_pool(SLOW_LOOKUP, workers=1) as pool:
         run_id = pool.enqueue("shop_agents:support", "Where is A-17?")
-        pool.kill_worker()  # mid-turn or before it: either way another worker must finish the run
+        killed = pool.kill_turn(run_id)  # the worker holding this run's turn, mid-turn: or NothingKilled
         pool.start_workers(1)
         run = pool.wait(run_id)
         assert (run.status, run.result) == ("completed", "A-17 ships today."), pool.logs()
+        assert (killed.what, killed.run_id, killed.worker) == ("worker", run_id, 0)
+        assert pool.kills == [killed]
         url = pool.redis_url
     assert pool.workers.alive() == []
     with pytest.raises(RedisError):  # the throwaway redis-server is gone with the pool
         Redis.from_url(url, socket_connect_timeout=1).ping()
+
+
+# An app whose unsafe tool leaves a trace of each charge where the test can count them.
+SHOP = """
+import os
+from pathlib import Path
+
+from agentpool import Agent, tool
+
+CHARGES = Path(os.environ["SHOP_CHARGES"])
+
+
+def charges(order):
+    return CHARGES.read_text().split().count(order) if CHARGES.exists() else 0
+
+
+@tool(effect="unsafe")
+def charge(order: str) -> str:
+    \"\"\"Charge an order's card.\"\"\"
+    with CHARGES.open("a") as ledger:
+        ledger.write(order + "\\n")
+    return f"charged {order}"
+
+
+@tool(effect="unsafe")
+def charge_checked(order: str) -> str:
+    \"\"\"Charge an order's card; the bank tells whether it was.\"\"\"
+    return charge(order)
+
+
+@charge_checked.verify
+def _was_charged(order: str, idempotency_key: str) -> str | None:
+    return f"charged {order}" if charges(order) else None
+
+
+@tool(effect="read")
+def lookup(order: str) -> str:
+    \"\"\"Where an order is.\"\"\"
+    return f"{order} ships today"
+
+
+cashier = Agent(model="claude-sonnet-5-5", tools=[charge, charge_checked, lookup], max_turns=5)
+"""
+
+
+def _charge(tool: str = "charge", delay: float = 0.0) -> list[dict]:
+    return [
+        {"tool_calls": [{"name": tool, "input": {"order": "A-17"}}], "delay": delay},
+        {
+            "branches": [
+                {"when": {"tool": tool, "result_contains": "unknown"}, "text": "The charge may not have gone through."},
+                {"when": {"tool": tool, "result_contains": "charged A-17"}, "text": "Charged."},
+                {"text": "A-17 ships today."},
+            ]
+        },
+    ]
+
+
+@pytest.fixture
+def shop(tmp_path, monkeypatch):
+    (tmp_path / "shop.py").write_text(textwrap.dedent(SHOP))
+    charges = tmp_path / "charges.txt"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SHOP_CHARGES", str(charges))
+    return lambda: charges.read_text().split().count("A-17") if charges.exists() else 0
+
+
+def _in_progress(pool: LocalPool, run_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while (pool.get(run_id).waiting or {}).get("kind") != "in_progress":
+        assert time.monotonic() < deadline, pool.logs()
+        time.sleep(0.02)
+
+
+def test_kill_turn_kills_the_worker_running_that_run_not_the_first_one(shop):
+    gate = threading.Event()
+
+    def held(request: ScriptRequest) -> dict:  # the first run's model call waits until the test lets it go
+        if request.step == 0:
+            gate.wait(60)
+            return {"tool_calls": [{"name": "lookup", "input": {"order": "A-17"}}]}
+        return {"text": "A-17 ships today."}
+
+    with local_pool(workers=1) as pool:
+        first = pool.enqueue("shop:cashier", "Where is A-17?", script=held)
+        _in_progress(pool, first)  # worker 0 is busy with it
+        pool.start_workers(1)
+        deadline = time.monotonic() + 60
+        while Worker.count(connection=pool.redis) < 2:
+            assert time.monotonic() < deadline, pool.logs()
+            time.sleep(0.05)
+        second = pool.enqueue("shop:cashier", "Where is A-17 now?", script=_charge("lookup", delay=2))
+
+        killed = pool.kill_turn(second)  # kill_worker() would have killed worker 0, running `first`
+        gate.set()
+
+        assert (killed.worker, killed.what, killed.run_id) == (1, "worker", second)
+        assert [p.poll() is None for p in pool.workers.procs] == [True, False]
+        done = [pool.wait(first), pool.wait(second)]  # worker 0 takes the killed run over
+        assert [run.status for run in done] == ["completed", "completed"], pool.logs()
+        assert "takeover" in [f["kind"] for _id, f in read_events(pool.redis, second)]
+        assert "takeover" not in [f["kind"] for _id, f in read_events(pool.redis, first)]
+
+
+def test_a_kill_inside_the_tool_is_reconciled_and_the_unsafe_charge_is_not_repeated(shop):
+    with local_pool(workers=1) as pool:  # a forking worker: the horse dies there, its worker hands over
+        run = pool.run("shop:cashier", "Charge A-17", script=_charge(), kill_at="in_tool", kill_tool="charge")
+        (killed,) = pool.kills
+    assert (killed.what, killed.worker, killed.run_id) == ("in_tool", 0, run.id)
+    assert (run.status, run.result) == ("completed", "The charge may not have gone through."), run
+    assert shop() == 1, "charged once, never again by the takeover"
+
+
+def test_a_crash_test_that_crashes_nothing_fails(shop):
+    with local_pool(workers=1) as pool:
+        with pytest.raises(NothingKilled, match=r"never reached in_tool"):
+            pool.run("shop:cashier", "Where is A-17?", script=_charge("lookup"), kill_at="in_tool", kill_tool="charge")
+        done = pool.run("shop:cashier", "Where is A-17?", script=_charge("lookup"))
+        with pytest.raises(NothingKilled, match=r"is completed: no worker holds a turn"):
+            pool.kill_turn(done.id)
+        with pytest.raises(ValueError, match="kill_at must be one of"):
+            pool.enqueue("shop:cashier", "x", kill_at="in_tol")
+        with pytest.raises(ValueError, match="kill_tool goes with a tool's point"):
+            pool.enqueue("shop:cashier", "x", kill_at="after_save_a", kill_tool="charge")
+        assert pool.kills == []
+        legacy = pool.kill_worker()  # the old call: the first live worker, whatever it runs
+        assert (legacy.worker, legacy.what, legacy.run_id) == (0, "worker", None)
+
+
+def test_a_lost_machine_mid_charge_is_verified_at_once_with_the_kits_fast_takeover(shop):
+    # A whole worker lost inside the tool leaves an attempt that may still be running elsewhere: the
+    # takeover waits for the tool's timeout (120 s here) + the takeover margin (5 s) before it asks
+    # `verify`. The kit's fast setting makes that wait a second.
+    with local_pool(workers=2, tool_timeout=1.0, takeover_margin=0.2) as pool:
+        run = pool.run(
+            "shop:cashier", "Charge A-17", script=_charge("charge_checked"), kill_at="in_tool", whole_worker=True
+        )
+        (killed,) = pool.kills
+        assert killed.what == "in_tool" and pool.workers.procs[killed.worker].poll() is not None, "the whole worker"
+        waits = [
+            float(f["seconds"]) for _id, f in read_events(pool.redis, run.id) if f["kind"] == "waiting_for_attempt"
+        ]
+        assert all(seconds <= 1.2 for seconds in waits), waits  # the attempt's 1 s timeout + 0.2 s, not 125 s
+    assert (run.status, run.result) == ("completed", "Charged."), run
+    assert shop() == 1
 
 
 CONFTEST = 'pytest_plugins = ["agentpool.testing.pytest_plugin"]\n'

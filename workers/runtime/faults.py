@@ -5,6 +5,13 @@ by a file in ``AGENTPOOL_FAULT_DIR``, so the turn that takes over runs through. 
 process that reaches the point: in a forking worker that is the work horse, exactly as the OOM killer
 would. The points in ``SIGNALS`` send another signal instead (a deploy's SIGTERM, at a chosen instant).
 Unarmed, ``fault()`` is one dict lookup.
+
+The testing kit arms a point for one run instead (``LocalPool.enqueue(..., kill_at=...)``): with
+``AGENTPOOL_FAULT_ARMS`` naming a directory, a file ``<point>-<run_id>`` there arms that point for that
+run, once; its first line holds a tool's name (only that tool's call fires it) or nothing, and a
+second line ``worker`` kills the process's parent with it (the worker of a work horse: a lost machine,
+which leaves no one to say the attempt ended). The process that fires renames it ``fired-<point>-<run_id>-<pid>-<parent pid>`` before it dies, so the kit knows who was killed and
+can fail a test in which nobody was.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ POINTS = (
     "before_model_call",  # lease held, checkpoint loaded, nothing asked yet
     "after_model_reply",  # the model answered (and billed us); save point A, which counts it, not written
     "after_save_a",  # response committed, no tool started
+    "before_tool",  # a tool's intent is in the ledger (and on the replicas); the tool not yet started
     "in_tool",  # inside a tool, after its effect, before it returns
     "after_tool_outcome",  # a tool's outcome is in the ledger; save point B not written
     "after_save_b",  # tool results committed with the next job; this job not yet finished
@@ -41,10 +49,15 @@ SIGNALS = {"after_dequeue": signal.SIGTERM}
 _ARMED = frozenset(p for p in os.environ.get("AGENTPOOL_FAULTS", "").split(",") if p)
 if _ARMED - set(POINTS):
     raise RuntimeError(f"unknown fault points in AGENTPOOL_FAULTS: {sorted(_ARMED - set(POINTS))}")
+# The points a tool's call passes, which an arming file may restrict to one tool.
+TOOL_POINTS = ("before_tool", "in_tool", "after_tool_outcome")
+_ARMS = os.environ.get("AGENTPOOL_FAULT_ARMS") or None
 
 
-def fault(point: str, run_id: str, turn: int) -> None:
+def fault(point: str, run_id: str, turn: int, *, tool: str | None = None) -> None:
     if point not in _ARMED:
+        if _ARMS is not None:
+            _fire_if_armed_for(point, run_id, tool)
         return
     marker = Path(os.environ.get("AGENTPOOL_FAULT_DIR", "/tmp")) / f"fault-{point}-{run_id}-{turn}"
     try:
@@ -52,3 +65,20 @@ def fault(point: str, run_id: str, turn: int) -> None:
     except FileExistsError:
         return
     os.kill(os.getpid(), SIGNALS.get(point, signal.SIGKILL))
+
+
+def _fire_if_armed_for(point: str, run_id: str, tool: str | None) -> None:
+    armed = Path(_ARMS or ".") / f"{point}-{run_id}"
+    try:
+        wanted, *options = armed.read_text().split("\n")
+    except OSError:
+        return
+    if wanted and wanted != tool:
+        return
+    try:  # one process wins the rename: a point armed once fires once
+        os.rename(armed, armed.with_name(f"fired-{point}-{run_id}-{os.getpid()}-{os.getppid()}"))
+    except OSError:
+        return
+    if "worker" in options:
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)

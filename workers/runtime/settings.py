@@ -59,6 +59,9 @@ class Settings:
     model_call_timeout: float = 600.0  # cap on a whole model call, streamed or not
     model_streaming: bool = True  # False: one non-streaming create() per call (no live output)
     agent_load_grace: float = 300.0  # seconds no worker could load a run's agent before the run stops
+    # No tool runs longer than this in this worker, whatever its own timeout (None: no cap). For tests: a
+    # takeover waits for an earlier attempt up to its timeout + takeover_margin before it repeats or verifies it.
+    max_tool_timeout: float | None = None
     # The durability guard before a tool whose effect is not read (agentpool.runtime.durability):
     # "auto" (1 replica behind Sentinel or on a primary that has replicas, else 0) or a number.
     replica_acks: str = "auto"
@@ -84,6 +87,7 @@ class Settings:
             model_streaming=os.environ.get("AGENTPOOL_MODEL_STREAMING", "1").strip().lower()
             not in ("0", "false", "no"),
             agent_load_grace=_env_float("AGENTPOOL_AGENT_LOAD_GRACE", 300.0),
+            max_tool_timeout=_env_float("AGENTPOOL_MAX_TOOL_TIMEOUT", 0.0, zero_ok=True) or None,
             replica_acks=_replica_acks(),
             replica_ack_timeout=_env_float("AGENTPOOL_REPLICA_ACK_TIMEOUT", 1.0),
             waitaof=_choice("AGENTPOOL_WAITAOF", ("off", "local", "replicas"), "off"),

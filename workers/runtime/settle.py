@@ -129,7 +129,7 @@ class Settlement:
                 tool.effect if tool else None,
                 entries[call["id"]],
                 has_verify=bool(tool and tool.verify_fn),
-                timeout=(tool.timeout if tool and tool.timeout else agent.tool_timeout),
+                timeout=self.timeout_of(tool, agent),
                 margin=self.settings.takeover_margin,
             )
             if until > time.time():
@@ -159,6 +159,13 @@ class Settlement:
         if deferred:
             raise EarlierAttemptMayRun(until)
         time.sleep(max(0.0, until - time.time()))
+
+    def timeout_of(self, tool: Tool | None, agent: Agent) -> float:
+        """The tool's own timeout, else the agent's; no longer than ``max_tool_timeout`` when this
+        worker has one (the testing kit's, so that a takeover's wait for an earlier attempt is short)."""
+        timeout = (tool.timeout if tool and tool.timeout else None) or agent.tool_timeout
+        cap = self.settings.max_tool_timeout
+        return min(timeout, cap) if cap else timeout
 
     def needs_decision(
         self, agent: Agent, call: dict[str, Any], entry: Entry, decisions: dict[str, approvals.Decision]
@@ -251,7 +258,7 @@ class Settlement:
     def execute(
         self, agent: Agent, tool: Tool, call: dict[str, Any], kwargs: dict[str, Any], key: str, attempt: int
     ) -> Outcome:
-        timeout = tool.timeout or agent.tool_timeout
+        timeout = self.timeout_of(tool, agent)
 
         def tool_event(kind: str, **fields: Any) -> Event:
             return Event.of(self.run_id, kind, tool=tool.name, tool_use_id=call["id"], effect=tool.effect, **fields)
@@ -279,6 +286,7 @@ class Settlement:
                 withdrawn = tool_event("tool_withdrawn", attempt=attempt, reason="not_replicated")
                 ledger.withdraw_intent(self.r, self.keys, self.token, call["id"], intent, withdrawn, self.at)
                 raise
+        fault("before_tool", self.run_id, self.turn, tool=call["name"])
         ownership = Ownership(self.r, self.keys, self.token)
         outcome = run_tool(
             tool,
@@ -288,14 +296,14 @@ class Settlement:
             timeout=timeout,
             where=self.where,
         )
-        fault("in_tool", self.run_id, self.turn)
+        fault("in_tool", self.run_id, self.turn, tool=call["name"])
         outcome = self.record(
             call,
             outcome,
             how="ran",
             event=tool_event("tool_finished", is_error=outcome.is_error),
         )
-        fault("after_tool_outcome", self.run_id, self.turn)
+        fault("after_tool_outcome", self.run_id, self.turn, tool=call["name"])
         return outcome
 
     def check_decision(self, call: dict[str, Any], decision: approvals.Decision | None) -> Outcome | None:
@@ -317,7 +325,7 @@ class Settlement:
             kwargs,
             call=ToolCall(self.run_id, self.turn, call["id"], key, attempt, owner_check=ownership),
             ownership=ownership,
-            timeout=tool.timeout or agent.tool_timeout,
+            timeout=self.timeout_of(tool, agent),
             where=self.where,
         )
 

@@ -17,8 +17,11 @@ process, and real ``agentpool worker`` processes that import your agents from th
             run = pool.approve(run.id, approved=False, reason="over the limit")
             assert run.result == "I could not issue the credit."
 
-Workers are separate processes (kill them for real with ``kill_worker``); the scripted model runs in
-this process, so a script may be a Python function of the request.
+Workers are separate processes, killed for real: ``kill_turn(run_id)`` SIGKILLs the worker (or only
+the work horse) running that run's turn, and ``enqueue(..., kill_at="in_tool", kill_tool="charge")``
+kills whatever process reaches that point of that run (``agentpool.runtime.faults``); both raise
+:class:`NothingKilled` when nothing was killed, so a crash test cannot pass without a crash. The
+scripted model runs in this process, so a script may be a Python function of the request.
 """
 
 from __future__ import annotations
@@ -26,19 +29,46 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import signal
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
 from redis import Redis
 
-from agentpool.client import Run, RunTimeout, approve, enqueue_run, get_run, resume, wait_for_run
-from agentpool.testing.localpool import RedisServer, WorkerProcesses, scratch_dir
+from agentpool.client import Run, RunTimeout, approve, enqueue_run, get_run, new_run_id, resume, wait_for_run
+from agentpool.runtime.faults import POINTS, TOOL_POINTS
+from agentpool.store.keys import RUNS_WATCH, RunKeys
+from agentpool.store.records import ACTIVE_STATUSES
+from agentpool.testing.localpool import RedisServer, WorkerProcesses, children_of, scratch_dir
 from agentpool.testing.scripted_model import ScriptedModel
 
 FAKE_KEY = "sk-agentpool-testing-not-a-key"  # the scripted model checks one is sent, never its value
+# Points of a turn in a worker that ``kill_at`` can name (the others are in the process that sends a
+# message or forks a run: the app's).
+KILL_POINTS = tuple(p for p in POINTS if not p.endswith(("_message_commit", "_fork_commit")))
+
+
+class NothingKilled(AssertionError):
+    """A kill a test asked for did not happen (the run ended first, or never reached the point): the
+    test would prove nothing about a crash."""
+
+
+@dataclass(frozen=True)
+class Kill:
+    """A process a :class:`LocalPool` SIGKILLed. ``what``: ``"worker"`` (the worker and its work
+    horse: a lost machine), ``"horse"`` (only the work horse: the OOM killer), or the fault point at
+    which the process running the turn killed itself. ``worker``: the worker's index in start order
+    (``pool.workers.procs``), -1 if unknown."""
+
+    pid: int
+    worker: int
+    what: str
+    run_id: str | None = None
 
 
 class LocalPool:
@@ -50,6 +80,12 @@ class LocalPool:
     ``redis-server``/a ``ScriptedModel`` (they are then not stopped, nor is the database flushed).
     ``cwd``: where workers import agents from (the current directory). ``env``: extra environment for
     the workers. ``lease_ttl``: short, so a killed worker's run is taken over within seconds.
+
+    ``tool_timeout`` and ``takeover_margin`` make crash tests of idempotent tools and of ``verify``
+    hooks fast: a worker that takes over a call another worker started (and may still be running)
+    waits until that attempt's timeout plus the margin has passed before it repeats or verifies it:
+    by default your tool's timeout (120 s) plus 5 s. ``tool_timeout`` caps every tool's timeout in the
+    workers (``AGENTPOOL_MAX_TOOL_TIMEOUT``); ``takeover_margin`` sets ``AGENTPOOL_TAKEOVER_MARGIN``.
     """
 
     def __init__(
@@ -64,6 +100,8 @@ class LocalPool:
         cwd: str | os.PathLike[str] | None = None,
         env: dict[str, str] | None = None,
         lease_ttl: float = 3.0,
+        tool_timeout: float | None = None,
+        takeover_margin: float | None = None,
     ) -> None:
         self._scripts: dict[str, Any] = dict(scripts or {})
         if script is not None:
@@ -73,6 +111,12 @@ class LocalPool:
         self._owns_model = model is None
         self.cwd = str(cwd or os.getcwd())
         self._env, self._lease_ttl = dict(env or {}), lease_ttl
+        if tool_timeout is not None:
+            self._env.setdefault("AGENTPOOL_MAX_TOOL_TIMEOUT", str(tool_timeout))
+        if takeover_margin is not None:
+            self._env.setdefault("AGENTPOOL_TAKEOVER_MARGIN", str(takeover_margin))
+        self.kills: list[Kill] = []  # every process this pool killed, in order
+        self._whole_worker_kills: set[str] = set()
         self._names = itertools.count(1)
         self._tmp: Path | None = None
         self._redis_server: RedisServer | None = None
@@ -83,6 +127,7 @@ class LocalPool:
 
     def start(self) -> Self:
         self._tmp = scratch_dir("agentpool-test-")
+        self._arms.mkdir()
         try:
             if self._redis_url is None:
                 self._redis_server = RedisServer(self._tmp).start()
@@ -117,6 +162,11 @@ class LocalPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def _arms(self) -> Path:
+        assert self._tmp is not None
+        return self._tmp / "faults"
+
     def _worker_env(self) -> dict[str, str]:
         # The workers import what this process can: the current directory and its sys.path first.
         paths = [self.cwd, *(p for p in sys.path if p and os.path.isdir(p))]
@@ -129,6 +179,7 @@ class LocalPool:
             AGENTPOOL_LEASE_TTL=str(self._lease_ttl),
             AGENTPOOL_REAPER_INTERVAL="0.25",
             AGENTPOOL_MODEL_TIMEOUT="30",
+            AGENTPOOL_FAULT_ARMS=str(self._arms),  # kill_at: a point armed for one run (agentpool.runtime.faults)
             PYTHONPATH=os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         )
         env.update(self._env)
@@ -166,10 +217,80 @@ class LocalPool:
         args = ["--concurrency", str(self._concurrency)] if self._concurrency > 1 else []
         self.workers.start(n, "--log-level", "INFO", *args, **env)
 
-    def kill_worker(self, index: int = 0) -> None:
-        """SIGKILL a live worker and its work horse, as a lost machine would; its run is taken over by
-        another worker once its lease expires (start one with ``start_workers`` if none is left)."""
-        self.workers.kill(self.workers.alive()[index])
+    def kill_worker(self, index: int = 0) -> Kill:
+        """SIGKILL the ``index``-th live worker in start order (the first by default) and its work
+        horse, as a lost machine would, *whichever run it is working on, if any*: to kill the worker
+        running a given run's turn, use :meth:`kill_turn`. A run it held is taken over by another worker
+        once its lease expires (start one with ``start_workers`` if none is left)."""
+        proc = self.workers.alive()[index]
+        held = self._runs_held_by(proc.pid)
+        self.workers.kill(proc)
+        return self._killed(Kill(proc.pid, self.workers.procs.index(proc), "worker", held[0] if held else None))
+
+    def kill_turn(self, run_id: str, *, horse_only: bool = False, timeout: float = 30) -> Kill:
+        """SIGKILL the worker that holds ``run_id``'s turn, with its work horse (a lost machine; the run
+        is taken over once its lease expires), or with ``horse_only`` only the horse (the OOM killer; its
+        worker hands the turn over at once). Waits until a worker holds the turn (its lease names the
+        process); raises :class:`NothingKilled` if the run ends, waits for an approval or is not taken
+        within ``timeout`` s. A turn that ends too fast to be caught needs a slower script step
+        (``"delay"``) or a named point: ``enqueue(..., kill_at=...)``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            holder, status = self._turn_holder(run_id)
+            if holder is not None:
+                index, pid = holder
+                proc = self.workers.procs[index]
+                if pid == proc.pid:
+                    if horse_only:
+                        raise ValueError(
+                            "this worker runs turns in threads (concurrency > 1): it has no work horse to "
+                            "kill; kill the worker (horse_only=False)"
+                        )
+                    self.workers.kill(proc)
+                    return self._killed(Kill(pid, index, "worker", run_id))
+                if horse_only:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        continue  # the turn ended meanwhile: look again
+                    return self._killed(Kill(pid, index, "horse", run_id))
+                self.workers.kill(proc)
+                return self._killed(Kill(proc.pid, index, "worker", run_id))
+            if status not in ACTIVE_STATUSES:
+                raise NothingKilled(f"run {run_id} is {status}: no worker holds a turn of it, nothing was killed")
+            if time.monotonic() >= deadline:
+                raise NothingKilled(f"no worker took a turn of run {run_id} within {timeout:g} s: nothing was killed")
+            time.sleep(0.01)
+
+    def killed(self, run_id: str, *, timeout: float = 60) -> Kill:
+        """The kill ``enqueue(..., kill_at=...)`` armed for ``run_id``, once a process reached the point
+        and died there; :class:`NothingKilled` if the run stops moving (completed, failed, waiting
+        for an approval...) without reaching it, or ``timeout`` s pass."""
+        deadline = time.monotonic() + timeout
+        while True:
+            fired = sorted(self._arms.glob(f"fired-*-{run_id}-*"))
+            if fired:
+                point, _, pids = fired[0].name.removeprefix("fired-").partition(f"-{run_id}-")
+                pid, _, parent = pids.partition("-")
+                fired[0].unlink()
+                kill = Kill(int(pid), self._worker_of(int(pid), int(parent or 0)), point, run_id)
+                if run_id in self._whole_worker_kills and kill.worker >= 0:
+                    self.workers.procs[kill.worker].wait(timeout=10)  # its horse killed it: gone once reaped
+                return self._killed(kill)
+            armed = [p for p in self._arms.glob(f"*-{run_id}") if not p.name.startswith("fired-")]
+            status = self._status(run_id)
+            if not armed or status not in ACTIVE_STATUSES or time.monotonic() >= deadline:
+                for path in armed:
+                    path.unlink(missing_ok=True)
+                if sorted(self._arms.glob(f"fired-*-{run_id}-*")):
+                    continue  # it fired as we looked
+                what = ", ".join(p.name.removesuffix(f"-{run_id}") for p in armed) or "no point armed"
+                why = f"is {status}" if status not in ACTIVE_STATUSES else f"is still {status} after {timeout:g} s"
+                raise NothingKilled(
+                    f"run {run_id} {why} and never reached {what}: nothing was killed (does its script make "
+                    "the call that point needs?)"
+                )
+            time.sleep(0.01)
 
     def logs(self) -> str:
         """The end of every worker's log (INFO: one line per run event)."""
@@ -182,18 +303,72 @@ class LocalPool:
 
     # -- runs --------------------------------------------------------------------------------------
 
-    def enqueue(self, agent: str, task: str, *, script: Any = None, **limits: Any) -> str:
-        """Enqueue a run of ``agent`` (``module:attribute``); ``script`` answers this run only."""
+    def enqueue(
+        self,
+        agent: str,
+        task: str,
+        *,
+        script: Any = None,
+        kill_at: str | None = None,
+        kill_tool: str | None = None,
+        whole_worker: bool = False,
+        **options: Any,
+    ) -> str:
+        """Enqueue a run of ``agent`` (``module:attribute``); ``script`` answers this run only.
+
+        ``kill_at`` arms a named point for this run, once: the process that reaches it is SIGKILLed (in
+        a forking worker the work horse, as the OOM killer would; in a threaded one the whole worker).
+        The points: ``before_model_call``, ``mid_stream`` (the reply is streaming), ``after_model_reply``,
+        ``after_save_a``, ``before_tool`` (its intent recorded, the tool not started), ``in_tool``
+        (after its effect, before it returns), ``after_tool_outcome``, ``after_save_b``, and the
+        compaction ones (``agentpool.runtime.faults.POINTS``). ``kill_tool`` restricts a tool point to
+        that tool's call. ``whole_worker`` kills the worker with it (a lost machine: nobody can say the
+        attempt ended, so a takeover waits out its tool's timeout before it repeats or verifies a call;
+        see ``tool_timeout``). :meth:`killed` then says which process died, or fails if none did."""
+        if kill_at is not None:
+            if kill_at not in KILL_POINTS:
+                raise ValueError(f"kill_at must be one of {', '.join(KILL_POINTS)}; got {kill_at!r}")
+            if kill_tool is not None and kill_at not in TOOL_POINTS:
+                raise ValueError(f"kill_tool goes with a tool's point ({', '.join(TOOL_POINTS)}), not {kill_at!r}")
+            options.setdefault("run_id", new_run_id())
+            if whole_worker:
+                self._whole_worker_kills.add(options["run_id"])
+            (self._arms / f"{kill_at}-{options['run_id']}").write_text((kill_tool or "") + ("\nworker" * whole_worker))
+        elif kill_tool is not None or whole_worker:
+            raise ValueError("kill_tool and whole_worker go with kill_at")
         if script is not None:
             name = f"run{next(self._names)}"
             self.set_scripts({name: script})
             task = f"{task} [script:{name}]"
-        return enqueue_run(agent, task, connection=self.redis, **limits)
+        return enqueue_run(agent, task, connection=self.redis, **options)
 
-    def run(self, agent: str, task: str, *, script: Any = None, timeout: float = 60, **limits: Any) -> Run:
+    def run(
+        self,
+        agent: str,
+        task: str,
+        *,
+        script: Any = None,
+        timeout: float = 60,
+        kill_at: str | None = None,
+        kill_tool: str | None = None,
+        whole_worker: bool = False,
+        **options: Any,
+    ) -> Run:
         """Enqueue a run and wait until it is no longer queued or running: it completed, failed, was
-        stopped by a limit, or waits for an approval (``approve`` it to go on)."""
-        return self.wait(self.enqueue(agent, task, script=script, **limits), timeout=timeout)
+        stopped by a limit, or waits for an approval (``approve`` it to go on). With ``kill_at``, the
+        process running it is killed at that point first (:meth:`enqueue`; :class:`NothingKilled` if
+        it never gets there) and the run is then waited for as the pool takes it over."""
+        run_id = self.enqueue(
+            agent, task, script=script, kill_at=kill_at, kill_tool=kill_tool, whole_worker=whole_worker, **options
+        )
+        if kill_at is not None:
+            self.killed(run_id, timeout=timeout)
+            if not self.workers.alive():
+                raise RuntimeError(
+                    f"the kill at {kill_at} took the last worker with it: start one (start_workers) to take run "
+                    f"{run_id} over, or use a pool of two"
+                )
+        return self.wait(run_id, timeout=timeout)
 
     def wait(self, run_id: str, timeout: float = 60) -> Run:
         try:
@@ -216,6 +391,42 @@ class LocalPool:
         """Decide on the call(s) the run waits on, then wait for the run as ``run`` does."""
         approve(run_id, tool_use_id, approved=approved, reason=reason, connection=self.redis)
         return self.wait(run_id, timeout=timeout)
+
+    # -- who runs what -----------------------------------------------------------------------------
+
+    def _killed(self, kill: Kill) -> Kill:
+        self.kills.append(kill)
+        return kill
+
+    def _status(self, run_id: str) -> str:
+        raw = self.redis.hget(RunKeys.of(run_id).run, "status")
+        return raw.decode() if raw else "missing"
+
+    def _worker_of(self, *pids: int) -> int:
+        """The index of the worker that is one of ``pids`` (-1: none of this pool's)."""
+        return next((n for n, proc in enumerate(self.workers.procs) if proc.pid in pids), -1)
+
+    def _lease_pid(self, run_id: str) -> int | None:
+        """The process that holds the run's lease: ``<fence>:<worker name>.<pid>``."""
+        raw = self.redis.get(RunKeys.of(run_id).lease)
+        tail = raw.decode(errors="replace").rpartition(".")[2] if raw else ""
+        return int(tail) if tail.isdigit() else None
+
+    def _turn_holder(self, run_id: str) -> tuple[tuple[int, int] | None, str]:
+        """(index of the worker, pid of the process running the turn) once a live worker of this pool
+        holds the run's lease, and the run's status."""
+        status = self._status(run_id)
+        pid = self._lease_pid(run_id)
+        if pid is not None:
+            for index, proc in enumerate(self.workers.procs):
+                if proc.poll() is None and (pid == proc.pid or pid in children_of(proc.pid)):
+                    return (index, pid), status
+        return None, status
+
+    def _runs_held_by(self, worker_pid: int) -> list[str]:
+        pids = {worker_pid, *children_of(worker_pid)}
+        active = [raw.decode() for raw in self.redis.zrange(RUNS_WATCH, 0, -1)]
+        return [run_id for run_id in active if self._lease_pid(run_id) in pids]
 
     def resume(self, run_id: str, *, timeout: float = 60, **amounts: Any) -> Run:
         """``agentpool.resume`` a stopped run, then wait for it as ``run`` does."""
