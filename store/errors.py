@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 
 class AgentPoolError(Exception):
     """Base of every error agentpool raises on purpose."""
 
     retryable = False
+
+
+class RedisUnreachable(AgentPoolError, RedisConnectionError, RedisTimeoutError):
+    """An API call could not reach Redis; the message names the server (without its password).
+    Still a redis-py ``ConnectionError``/``TimeoutError`` for code that catches those."""
 
 
 class StoreError(AgentPoolError):

@@ -148,7 +148,9 @@ def test_cancelled_failed_and_budget_stopped_runs_refuse_or_say_what_to_do(r, po
     cancel_run(cancelled, connection=r)  # a completed run stays completed, and takes messages
     still = send_message(cancelled, "Still there?", connection=r)
     assert wait_for_run(cancelled, timeout=60, connection=r, after_message=still).result == "Yes."
-    queued = enqueue_run("pool_agents:nowhere", script_task("chat"), connection=r, run_id="r_cancel_me")
+    queued = enqueue_run(
+        "pool_agents:nowhere", script_task("chat"), connection=r, check_agent=False, run_id="r_cancel_me"
+    )
     cancel_run(queued, connection=r)
     with pytest.raises(MessageRefused, match="cancelled"):
         send_message(queued, "Hello?", connection=r)
@@ -301,7 +303,7 @@ def test_the_cli_sends_waits_for_the_answer_and_forks(r, redis_server, pool, mod
     assert "message_delivered" in watched.stdout and "messages=cli-1" in watched.stdout
     assert "forked" in agentpool_cli("watch", fork_id, "--events-only", url=redis_server.url).stdout
 
-    queued = enqueue_run("pool_agents:nowhere", "task", connection=r)
+    queued = enqueue_run("pool_agents:nowhere", "task", connection=r, check_agent=False)
     cancel_run(queued, connection=r)
     refused = agentpool_cli("send", queued, "Hi", url=redis_server.url)
     assert refused.returncode == 1 and "cancelled" in refused.stderr

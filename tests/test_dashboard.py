@@ -432,7 +432,9 @@ def test_a_run_that_is_not_moving_says_why_and_since_when(r, pool, model, board,
     from agentpool.store.keys import RunKeys
 
     pool.start(1)
-    run_id = enqueue_run("not_deployed_here:agent", script_task("meeting"), connection=r)  # no worker has it
+    run_id = enqueue_run(
+        "not_deployed_here:agent", script_task("meeting"), connection=r, check_agent=False
+    )  # no worker has it
     deadline = time.monotonic() + 30
     while handback.read(r, RunKeys.of(run_id)) is None:
         assert time.monotonic() < deadline, "the turn was never handed back"

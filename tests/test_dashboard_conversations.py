@@ -85,7 +85,7 @@ def test_the_message_and_fork_api(r, pool, model, board):  # noqa: F811
     detail = board.get("/api/runs/web-fork")
     assert detail["run"]["forked_from"] == run_id and detail["run"]["forked_at"] == 1
 
-    waiting = enqueue_run("pool_agents:nowhere", "task", connection=r)
+    waiting = enqueue_run("pool_agents:nowhere", "task", connection=r, check_agent=False)
     wait_for_status(r, waiting, "queued")
     board.request("POST", f"/api/runs/{waiting}/message", {"text": "Queued one.", "message_id": "q1"})
     assert board.get(f"/api/runs/{waiting}")["run"]["inbox"] == [{"id": "q1", "content": "Queued one."}]

@@ -89,8 +89,11 @@ def test_a_verify_hook_that_cannot_take_the_tools_arguments_is_refused_at_regist
     assert "def _was_sent(to, subject, body, *, idempotency_key)" in message
     assert send_email.verify_fn is None, "the broken hook was not registered"
 
+    def sent(to: str) -> str:
+        return "sent"
+
     with pytest.raises(TypeError, match="idempotency_key"):
-        tool(effect="unsafe", verify=lambda to: None)(lambda to: "sent")
+        tool(effect="unsafe", verify=lambda to: None)(sent)
 
     @send_email.verify
     def _fine(to, subject, body, *, idempotency_key):

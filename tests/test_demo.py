@@ -4,6 +4,7 @@ leaves nothing behind where it is told to, and says what went wrong when somethi
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -33,6 +34,10 @@ def test_the_demo_leaves_the_apps_redis_alone(r, redis_server):
 
     assert out.returncode == 0, out.stdout + out.stderr
     assert "throwaway redis-server" in out.stdout
+    # Off a terminal (here a pipe) the live table is not printed again and again: one line per event.
+    assert "LAST EVENT" not in out.stdout, out.stdout
+    events = re.findall(r"^\d\d:\d\d:\d\d\.\d{3} (r_\w+) +(\w+)", out.stdout, re.MULTILINE)
+    assert len({run for run, _kind in events}) == 2 and ("status" in {kind for _run, kind in events}), out.stdout
     assert r.keys("*") == [b"the-apps-own-key"], "nothing enqueued, counted or registered in the app's Redis"
 
 

@@ -165,7 +165,7 @@ def test_a_worker_that_cannot_import_the_agent_hands_the_turn_to_one_that_can(r,
     _agent_module(code, 1)
     model.set_scripts({"which": WHICH})
     pool.start(1)  # deployed before the agent existed: skew_agents is not importable there
-    run_id = enqueue_run("skew_agents:helper", script_task("which"), connection=r)
+    run_id = enqueue_run("skew_agents:helper", script_task("which"), connection=r, check_agent=False)
     record = wait_for_handback(r, run_id, "agent_not_loadable")
     assert "cannot import module 'skew_agents'" in record.detail
     pool.start(1, PYTHONPATH=f"{TESTS}{os.pathsep}{code}")
@@ -179,8 +179,8 @@ def test_when_no_worker_can_load_the_agent_for_the_grace_period_the_run_stops_re
     _agent_module(code, 1)
     model.set_scripts({"which": WHICH})
     pool.start(1, AGENTPOOL_AGENT_LOAD_GRACE="2")
-    missing_attr = enqueue_run("pool_agents:quick", script_task("which"), connection=r)
-    run_id = enqueue_run("skew_agents:helper", script_task("which"), connection=r)
+    missing_attr = enqueue_run("pool_agents:quick", script_task("which"), connection=r, check_agent=False)
+    run_id = enqueue_run("skew_agents:helper", script_task("which"), connection=r, check_agent=False)
     wait_for_status(r, run_id, "stopped", timeout=60)
     stopped = get_run(run_id, connection=r)
     assert "no worker could load the agent" in stopped.error and "skew_agents" in stopped.error
@@ -204,14 +204,14 @@ def test_both_worker_kinds_load_agent_code_once_per_process(concurrency, r, pool
     model.set_scripts({"which": WHICH})
     env = {"PYTHONPATH": f"{TESTS}{os.pathsep}{code}", "PYTHONDONTWRITEBYTECODE": "1"}
     _start(pool, concurrency, env)
-    first = enqueue_run("skew_agents:helper", script_task("which"), connection=r)
+    first = enqueue_run("skew_agents:helper", script_task("which"), connection=r, check_agent=False)
     assert wait_for_run(first, timeout=60, connection=r).status == "completed"
     _agent_module(code, 22)  # new code on disk while the worker runs
-    second = enqueue_run("skew_agents:helper", script_task("which"), connection=r)
+    second = enqueue_run("skew_agents:helper", script_task("which"), connection=r, check_agent=False)
     assert wait_for_run(second, timeout=60, connection=r).status == "completed"
     pool.stop()
     _start(pool, concurrency, env)  # restarted: the new code
-    third = enqueue_run("skew_agents:helper", script_task("which"), connection=r)
+    third = enqueue_run("skew_agents:helper", script_task("which"), connection=r, check_agent=False)
     assert wait_for_run(third, timeout=60, connection=r).status == "completed"
     versions = [e["version"] for e in pool.effects() if e["tool"] == "which_version"]
     assert versions == [1, 1, 22], versions
@@ -249,7 +249,7 @@ def test_a_run_waiting_for_a_worker_or_a_backoff_says_so_and_since_or_until_when
 @pytest.mark.parametrize("joins", ["at once", "after a requeue"])
 def test_watch_says_when_a_run_is_handed_back(r, pool, model, joins):
     pool.start(1)
-    run_id = enqueue_run("not_deployed_here:agent", script_task("two"), connection=r)
+    run_id = enqueue_run("not_deployed_here:agent", script_task("two"), connection=r, check_agent=False)
     if joins == "after a requeue":  # the replay then holds a requeue whose cause also says "handed back"
         wait_for_handback(r, run_id, "agent_not_loadable", count=2)
     watch = subprocess.Popen(

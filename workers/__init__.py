@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from agentpool.store.errors import (
         AgentPoolError,
         MessageRefused,
+        RedisUnreachable,
         RunExists,
         RunNotFound,
         SchemaTooNew,
@@ -72,6 +73,7 @@ _HOMES = {
     "agentpool.store.errors": (
         "AgentPoolError",
         "MessageRefused",
+        "RedisUnreachable",
         "RunExists",
         "RunNotFound",
         "SchemaTooNew",
@@ -106,6 +108,7 @@ __all__ = [
     "EncryptionKeyMissing",
     "InvalidLimit",
     "MessageRefused",
+    "RedisUnreachable",
     "ResumeRefused",
     "Run",
     "RunExists",

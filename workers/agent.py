@@ -102,6 +102,10 @@ class Agent:
     mcp_requires_approval: Collection[str] = ()  # tools whose calls wait for a person's decision
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError(
+                f"Agent(model=...) names the Claude model to call, e.g. 'claude-sonnet-5-5'; got {self.model!r}"
+            )
         if isinstance(self.tools, Tool) or not isinstance(self.tools, (list, tuple)):
             raise TypeError(f"Agent(tools=...) takes a list of @tool functions, got {type(self.tools).__name__}")
         for t in self.tools:
@@ -176,7 +180,14 @@ class Agent:
         return "server" if self.compaction.uses_server(self.model) else "summary"
 
 
-def check_agent_path(path: str) -> None:
+def check_agent_path(path: object) -> None:
+    if isinstance(path, Agent):
+        raise TypeError(
+            "a run names its agent by import path, as a string ('myapp.agents:support': module:attribute), "
+            "so that any worker can load it; got the Agent itself"
+        )
+    if not isinstance(path, str):
+        raise TypeError(f"an agent is named by its import path 'module:attribute' (a str), got {type(path).__name__}")
     module, sep, attr = path.partition(":")
     if not sep or not module or not attr:
         raise ValueError(f"an agent is named 'module:attribute', got {path!r}")

@@ -15,7 +15,7 @@ from agentpool.checks import limit_value
 from agentpool.runtime import tracing
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.progress import why_waiting
-from agentpool.runtime.settings import Settings, client_for
+from agentpool.runtime.settings import Settings, client_for, names_the_server
 from agentpool.store import approvals, checkpoint, events, inbox, runs_index, writes
 from agentpool.store import window as run_window
 from agentpool.store.codec import pack
@@ -108,18 +108,24 @@ def new_run_id() -> str:
     return f"r_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
 
 
+@names_the_server
 def enqueue_run(
     agent: str,
     task: str,
     *,
-    connection: Redis | None = None,
+    connection: Redis | str | None = None,
     max_turns: int | None = None,
     max_total_tokens: int | None = None,
     max_cost_usd: float | None = None,
     run_id: str | None = None,
+    check_agent: bool = True,
 ) -> str:
     """Create a run of ``agent`` (an import path ``module:attribute``) on ``task`` and queue its
     first turn, atomically. Returns the run id. The limits, when given, override the agent's.
+
+    The agent is loaded here first, as a worker will load it, so that a typo or a broken module is
+    an ``AgentNotLoadable`` at once rather than a run no worker can take. An app that does not have
+    the agents' code (it only enqueues for workers that do) passes ``check_agent=False``.
 
     Idempotent with your own ``run_id``: if that run exists for the same agent, task and limits, its
     id is returned and the run is left as it is (a retried enqueue gets the run it made, never a
@@ -129,6 +135,8 @@ def enqueue_run(
     from agentpool.runtime.jobs import stage_turn
 
     check_agent_path(agent)
+    if check_agent:
+        _check_loadable(agent)
     if not isinstance(task, str) or not task.strip():
         raise ValueError("a run needs a non-empty task text")
     limits = {
@@ -157,7 +165,25 @@ def enqueue_run(
     return run_id
 
 
-def get_run(run_id: str, *, connection: Redis | None = None, window: bool = False) -> Run:
+class AgentNotLoadable(AgentPoolError, ValueError):
+    """``enqueue_run`` cannot load the agent it was given: no worker could run it either, unless
+    the workers have code this process has not (then pass ``check_agent=False``)."""
+
+
+def _check_loadable(agent: str) -> None:
+    from agentpool.runtime.loader import AgentNotFound, load_agent
+
+    try:
+        load_agent(agent, add_cwd=False)
+    except AgentNotFound as exc:
+        raise AgentNotLoadable(
+            f"{exc}; fix the agent's path, or pass check_agent=False (agentpool enqueue --no-check-agent) "
+            "if only the workers have its code"
+        ) from None
+
+
+@names_the_server
+def get_run(run_id: str, *, connection: Redis | str | None = None, window: bool = False) -> Run:
     """The run with its whole conversation, or with ``window=True`` only what its next request sends
     (from its latest compaction point: one read that does not grow with the run's history)."""
     r = client_for(connection)
@@ -183,11 +209,12 @@ def _waiting(r: Redis, run: Run) -> dict[str, Any] | None:
     return found.to_dict() if found else None
 
 
+@names_the_server
 def wait_for_run(
     run_id: str,
     *,
     timeout: float = 300.0,
-    connection: Redis | None = None,
+    connection: Redis | str | None = None,
     poll: float = 0.2,
     after_message: str | None = None,
 ) -> Run:
@@ -238,7 +265,8 @@ def _answered(r: Redis, keys: RunKeys, message_id: str, state: RunState) -> bool
     return delivered is not None and state.turns > delivered.turns
 
 
-def cancel_run(run_id: str, *, connection: Redis | None = None, reason: str = "cancelled by request") -> str:
+@names_the_server
+def cancel_run(run_id: str, *, connection: Redis | str | None = None, reason: str = "cancelled by request") -> str:
     """End a run that has not ended for good. A turn in flight notices at its next write and commits
     nothing further. A run already completed, failed or cancelled is left as it is. Returns the status
     the run had before."""
@@ -251,13 +279,14 @@ def cancel_run(run_id: str, *, connection: Redis | None = None, reason: str = "c
     return before
 
 
+@names_the_server
 def resume(
     run_id: str,
     *,
     add_turns: int = 0,
     add_tokens: int = 0,
     add_usd: float = 0.0,
-    connection: Redis | None = None,
+    connection: Redis | str | None = None,
 ) -> Run:
     """Continue a ``stopped`` run from its checkpoint, raising its limits by the amounts given (a run
     stopped by repeated model errors or a spend-limit 429 needs none).
@@ -358,8 +387,9 @@ def agent_matches(wanted: str, agent: str) -> bool:
     return wanted in (agent, attribute) or module == wanted or module.startswith(wanted + ".")
 
 
+@names_the_server
 def list_runs(
-    *, connection: Redis | None = None, limit: int = 100, status: str | None = None, agent: str | None = None
+    *, connection: Redis | str | None = None, limit: int = 100, status: str | None = None, agent: str | None = None
 ) -> list[Run]:
     """Newest first, headers only (``messages`` left empty). ``agent`` matches as ``agent_matches``
     says; an unknown ``status`` is a ValueError listing the valid ones. With a filter, the whole
@@ -391,13 +421,14 @@ def list_runs(
     return runs
 
 
+@names_the_server
 def approve(
     run_id: str,
     tool_use_id: str | None = None,
     *,
     approved: bool = True,
     reason: str | None = None,
-    connection: Redis | None = None,
+    connection: Redis | str | None = None,
 ) -> list[str]:
     """Decide on a call the run waits on (or, without ``tool_use_id``, on every one). A denied call
     gets an ``is_error`` tool_result carrying ``reason``. Returns the tool_use ids decided."""

@@ -22,7 +22,7 @@ from agentpool.client import limits_held_to, new_run_id
 from agentpool.runtime.answers import FINISHED_STOPS, trailing_text
 from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import stage_turn
-from agentpool.runtime.settings import Settings, client_for
+from agentpool.runtime.settings import Settings, client_for, names_the_server
 from agentpool.runtime.takeover import read_header, stage_restart
 from agentpool.store import checkpoint, inbox, writes
 from agentpool.store.errors import MessageRefused, RunExists, RunNotFound
@@ -64,12 +64,13 @@ def check_content(content: Any) -> str | list[dict[str, Any]]:
     return [dict(block) for block in content]
 
 
+@names_the_server
 def send_message(
     run_id: str,
     content: str | list[dict[str, Any]],
     *,
     message_id: str | None = None,
-    connection: Redis | None = None,
+    connection: Redis | str | None = None,
 ) -> str:
     """Send a user message to a run; returns the message's id.
 
@@ -181,12 +182,13 @@ def _stage_append(pipe: Any, keys: RunKeys, message_id: str, content: Any, *, tu
     Event.of(keys.run_id, "message_delivered", messages=message_id, turn=turns).stage(pipe)
 
 
+@names_the_server
 def fork_run(
     run_id: str,
     *,
     at_turn: int | None = None,
     fork_id: str | None = None,
-    connection: Redis | None = None,
+    connection: Redis | str | None = None,
 ) -> str:
     """A new run with ``run_id``'s conversation up to the end of its committed turn ``at_turn`` (the
     latest by default; a turn still in flight forks from the one before it), the same agent and

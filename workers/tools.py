@@ -211,10 +211,20 @@ def _build(
             continue
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
             raise TypeError(f"tool {fn.__name__}: *args/**kwargs cannot be described to the model")
+        if param.name not in hints:
+            raise TypeError(
+                f"tool {label}: parameter {param.name!r} has no type annotation; annotate it ({param.name}: str, "
+                "int, ...) so the model is told what to send and its input is checked"
+            )
         default = ... if param.default is param.empty else param.default
         fields[param.name] = (
-            hints.get(param.name, Any),
+            hints[param.name],
             pydantic.Field(default, description=param_docs.get(param.name)),
+        )
+    if effect == "read" and takes_key:
+        raise TypeError(
+            f"tool {label} is a read tool but takes {IDEMPOTENCY_PARAM!r}: a read has no effect to repeat "
+            f"safely; drop the parameter, or declare effect='idempotent' if the call changes something"
         )
     if effect == "idempotent" and not takes_key:
         raise TypeError(

@@ -15,7 +15,7 @@ from agentpool.checks import InvalidLimit, limit_value
 from agentpool.ops.redisconn import OneLineErrors, describe, quick_client, target_url
 from agentpool.runtime.settings import connect, redact_url
 from agentpool.store import ledger
-from agentpool.store.errors import AgentPoolError
+from agentpool.store.errors import AgentPoolError, RedisUnreachable
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import STATUSES, tool_uses
 
@@ -52,6 +52,13 @@ class LimitParam(click.ParamType):
 def _fail(message: str) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(1)
+
+
+def _refuse(exc: Exception) -> None:
+    """A command's error in one line; Redis out of reach is left to the group, which says where."""
+    if isinstance(exc, RedisUnreachable):
+        raise exc
+    _fail(str(exc))
 
 
 class _Commands(OneLineErrors):
@@ -177,7 +184,13 @@ def worker(
 )
 @click.option("--max-cost-usd", type=LimitParam(whole=False), default=None, help="Overrides the agent's max_cost_usd.")
 @click.option("--wait", is_flag=True, help="Wait for the run to end and print its result.")
-@click.option("--timeout", type=LimitParam(whole=False), default=600.0, show_default=True, help="Seconds, with --wait.")
+@click.option("--timeout", type=LimitParam(whole=False), default=None, help="Seconds to --wait (default 600).")
+@click.option(
+    "--no-check-agent",
+    "no_check_agent",
+    is_flag=True,
+    help="Do not load AGENT here first (for a machine without the agents' code; workers load it).",
+)
 def enqueue(
     url: str | None,
     agent: str,
@@ -186,23 +199,42 @@ def enqueue(
     max_total_tokens: int | None,
     max_cost_usd: float | None,
     wait: bool,
-    timeout: float,
+    timeout: float | None,
+    no_check_agent: bool,
 ) -> None:
-    """Enqueue a run of AGENT (module:attribute) on TASK; print its id."""
+    """Enqueue a run of AGENT (module:attribute) on TASK; print its id. AGENT is loaded here first, as
+    a worker will load it (from the current directory): a typo is an error now, not a stuck run."""
     from agentpool.client import enqueue_run, wait_for_run
 
+    _timeout_needs_wait(timeout, wait)
+    if "" not in sys.path:  # the agent is looked for where `agentpool worker` looks: the current directory
+        sys.path.insert(0, "")
     r = quick_client(url)
     try:
         run_id = enqueue_run(
-            agent, task, connection=r, max_turns=max_turns, max_total_tokens=max_total_tokens, max_cost_usd=max_cost_usd
+            agent,
+            task,
+            connection=r,
+            max_turns=max_turns,
+            max_total_tokens=max_total_tokens,
+            max_cost_usd=max_cost_usd,
+            check_agent=not no_check_agent,
         )
     except ValueError as exc:
-        _fail(str(exc))
+        _refuse(exc)
     click.echo(run_id)
     if wait:
-        run = wait_for_run(run_id, timeout=timeout, connection=r)
+        run = wait_for_run(run_id, timeout=timeout or WAIT_TIMEOUT, connection=r)
         click.echo(f"{run.status} after {run.turns} turns: {run.result or run.error or ''}")
         sys.exit(0 if run.status == "completed" else 1)
+
+
+WAIT_TIMEOUT = 600.0
+
+
+def _timeout_needs_wait(timeout: float | None, wait: bool) -> None:
+    if timeout is not None and not wait:
+        raise click.UsageError("--timeout is how long --wait waits; add --wait, or drop --timeout")
 
 
 def _age(seconds: float) -> str:
@@ -245,6 +277,9 @@ def _short_note(run: Run, now: float) -> str:
     """Why a queued or running run is not moving, in a few words (``show`` gives the whole story)."""
     waiting = run.waiting or {}
     kind = waiting.get("kind")
+    if kind == "handed_back" and waiting["reason"] == "agent_not_loadable":
+        since = _age(now - waiting["since"])
+        return f"waiting for a worker that can load its agent (handed back since {since}): {waiting['detail']}"[:140]
     if kind == "handed_back":
         return f"handed back ({waiting['reason']}) since {_age(now - waiting['since'])}: {waiting['detail']}"[:120]
     if kind == "waiting_for_replica":
@@ -257,6 +292,8 @@ def _short_note(run: Run, now: float) -> str:
         return "waiting for a worker" + (f" for {_age(now - waiting['since'])}" if waiting.get("since") else "")
     if kind == "lost":
         return waiting["note"]
+    if run.status == "waiting_approval":
+        return f"waiting for a person's decision: agentpool approve {run.id} [--deny]"
     return (run.error or "")[:80] if run.status not in ("completed", "running", "queued") else ""
 
 
@@ -273,7 +310,7 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
         run = get_run(run_id, connection=r)
         entries = _in_call_order(run.messages, ledger.read_all(r, RunKeys.of(run_id)))
     except AgentPoolError as exc:
-        _fail(str(exc))
+        _refuse(exc)
     if as_json:
         doc = run.to_dict()
         doc["ledger"] = entries
@@ -362,7 +399,7 @@ def cancel(url: str | None, run_id: str) -> None:
     try:
         before = cancel_run(run_id, connection=quick_client(url))
     except AgentPoolError as exc:
-        _fail(str(exc))
+        _refuse(exc)
     click.echo(
         f"{run_id}: was {before}; "
         + ("cancelled" if before not in ("completed", "failed", "cancelled") else "unchanged")
@@ -405,7 +442,7 @@ def approve(
     try:
         decided = decide(run_id, tool_use_id, approved=not deny, reason=reason, connection=quick_client(url))
     except AgentPoolError as exc:
-        _fail(str(exc))
+        _refuse(exc)
     click.echo(f"{'denied' if deny else 'approved'}: {', '.join(decided)}")
 
 
@@ -468,7 +505,7 @@ def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_us
             run_id, add_turns=add_turns, add_tokens=add_tokens, add_usd=add_usd, connection=quick_client(url)
         )
     except AgentPoolError as exc:
-        _fail(str(exc))
+        _refuse(exc)
     click.echo(f"{run_id}: {run.status} at turn {run.turns}")
 
 
@@ -478,21 +515,22 @@ def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_us
 @click.argument("text")
 @click.option("--message-id", default=None, help="Your id for the message: sending it again delivers it once.")
 @click.option("--wait", is_flag=True, help="Wait for the run's answer to this message and print it.")
-@click.option("--timeout", type=LimitParam(whole=False), default=600.0, show_default=True, help="Seconds, with --wait.")
-def send(url: str | None, run_id: str, text: str, message_id: str | None, wait: bool, timeout: float) -> None:
+@click.option("--timeout", type=LimitParam(whole=False), default=None, help="Seconds to --wait (default 600).")
+def send(url: str | None, run_id: str, text: str, message_id: str | None, wait: bool, timeout: float | None) -> None:
     """Send TEXT to RUN_ID as a user message; print the message's id. A running run gets it at its next
     turn boundary; a completed one goes on with it."""
     from agentpool.client import wait_for_run
     from agentpool.conversation import send_message
 
+    _timeout_needs_wait(timeout, wait)
     r = quick_client(url)
     try:
         sent = send_message(run_id, text, message_id=message_id, connection=r)
     except (AgentPoolError, ValueError) as exc:
-        _fail(str(exc))
+        _refuse(exc)
     click.echo(sent)
     if wait:
-        run = wait_for_run(run_id, timeout=timeout, connection=r, after_message=sent)
+        run = wait_for_run(run_id, timeout=timeout or WAIT_TIMEOUT, connection=r, after_message=sent)
         click.echo(f"{run.status} after {run.turns} turns: {run.result or run.error or ''}")
         sys.exit(0 if run.status == "completed" else 1)
 
@@ -514,7 +552,7 @@ def fork(url: str | None, run_id: str, at_turn: int | None, fork_id: str | None)
         new_id = fork_run(run_id, at_turn=at_turn, fork_id=fork_id, connection=r)
         run = get_run(new_id, connection=r)
     except (AgentPoolError, ValueError) as exc:
-        _fail(str(exc))
+        _refuse(exc)
     click.echo(new_id)
     click.echo(f"forked from {run_id} at turn {run.forked_at}: {run.status}", err=True)
 
@@ -532,7 +570,7 @@ def watch(url: str | None, run_id: str, events_only: bool) -> None:
     try:
         state = checkpoint.load_run(r, run_id, with_messages=False)
     except AgentPoolError as exc:
-        _fail(str(exc))
+        _refuse(exc)
     click.echo(f"run {run_id} ({state.agent}): {state.status}, turn {state.turns}, {sum(state.usage.values())} tokens")
     printer = _LivePrinter()
     for item in follow(run_id, connection=r, live_output=not events_only):

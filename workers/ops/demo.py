@@ -44,23 +44,29 @@ TEAMS = ["platform", "billing", "search", "mobile", "infra", "growth", "security
 
 
 class Screen:
-    """A live table, redrawn in place on a terminal; plain periodic lines otherwise."""
+    """A live table, redrawn in place on a terminal; off one (a pipe, a log, CI), one line per run
+    event instead: a table printed again and again would bury what happened under copies of itself."""
 
     def __init__(self) -> None:
         self.tty = sys.stdout.isatty()
         self.lines = 0
-        self.last_plain = 0.0
+        self.seen: dict[str, str] = {}  # off a terminal: the last event printed, per run
 
-    def draw(self, rows: list[str], *, final: bool = False) -> None:
+    def show(self, r: Redis, run_ids: list[str], note: str) -> None:
         if self.tty:
-            if self.lines:
-                sys.stdout.write(f"\x1b[{self.lines}F\x1b[J")
-            sys.stdout.write("\n".join(rows) + "\n")
-            sys.stdout.flush()
-            self.lines = len(rows)
-        elif final or time.monotonic() - self.last_plain > 2:
-            self.last_plain = time.monotonic()
-            print("\n".join(rows), flush=True)
+            self.draw(_table(r, run_ids, note))
+            return
+        for run_id in run_ids:
+            for event_id, event in read_events(r, run_id, after=self.seen.get(run_id, "0-0")):
+                self.seen[run_id] = event_id
+                print(_event_line(run_id, event_id, event), flush=True)
+
+    def draw(self, rows: list[str]) -> None:
+        if self.lines:
+            sys.stdout.write(f"\x1b[{self.lines}F\x1b[J")
+        sys.stdout.write("\n".join(rows) + "\n")
+        sys.stdout.flush()
+        self.lines = len(rows)
 
     def say(self, text: str) -> None:
         self.lines = 0  # keep the message above the next table
@@ -84,6 +90,16 @@ def _table(r: Redis, run_ids: list[str], note: str) -> list[str]:
         rows.append(f"{run.id:<26} {run.status:<10} {run.turns:>5} {run.total_tokens:>7}  {detail[:40]}")
     rows.append(note)
     return rows
+
+
+def _event_line(run_id: str, event_id: str, event: dict[str, str]) -> str:
+    at = int(event_id.partition("-")[0]) / 1000
+    stamp = time.strftime("%H:%M:%S", time.localtime(at)) + f".{int(at * 1000) % 1000:03d}"
+    kind = event.get("kind", "?")
+    detail = " ".join(
+        f"{k}={v}" for k, v in event.items() if k in ("turn", "tool", "status", "cause_kind", "action", "outcome")
+    )
+    return f"{stamp} {run_id} {kind:<18} {detail}".rstrip()
 
 
 def _busy_workers(workers: WorkerProcesses) -> list[tuple[int, list[int]]]:
@@ -214,7 +230,7 @@ def _drive(r: Redis, run_ids: list[str], workers: WorkerProcesses, screen: Scree
     while time.monotonic() - started < timeout:
         statuses = {run.id: run.status for run in list_runs(connection=r, limit=len(run_ids) + 50)}
         if all(statuses.get(i) not in ACTIVE_STATUSES for i in run_ids):
-            screen.draw(_table(r, run_ids, note), final=True)
+            screen.show(r, run_ids, note)
             return crashes
         if not workers.alive():
             raise click.ClickException(
@@ -237,7 +253,7 @@ def _drive(r: Redis, run_ids: list[str], workers: WorkerProcesses, screen: Scree
                     )
                 crashes.append(note)
                 screen.say(f"\n*** {note}\n")
-        screen.draw(_table(r, run_ids, note))
+        screen.show(r, run_ids, note)
         time.sleep(0.25)
     raise click.ClickException(f"runs still active after {timeout:g} s:\n" + _diagnosis(r, run_ids, workers))
 

@@ -21,6 +21,7 @@ from redis.sentinel import MasterNotFoundError
 
 from agentpool.runtime import connections
 from agentpool.runtime.settings import BadRedisUrl, Settings, check_redis_url, redact_url
+from agentpool.store.errors import RedisUnreachable
 
 # The URL the current command talks to, and where it came from, for the error line.
 _target: dict[str, str] = {}
@@ -66,6 +67,8 @@ def reason(exc: RedisError) -> str:
 
 
 def describe(exc: RedisError) -> str:
+    if isinstance(exc, RedisUnreachable) and isinstance(exc.__cause__, RedisError):
+        exc = exc.__cause__  # the API's own wording names the server; the command's names where the URL came from
     where = f"{_target.get('url', '?')} ({_target.get('origin', 'from REDIS_URL')})"
     if isinstance(exc, MasterNotFoundError):
         return f"Redis unreachable at {where}: {_no_primary(exc)}"

@@ -25,11 +25,12 @@ class AgentNotFound(AgentPoolError):
     attribute, or the attribute is not an ``Agent``. Possibly only this worker's code is old."""
 
 
-def load_agent(path: str) -> Agent:
-    """Import ``module:attribute`` with the current directory on the path, as ``rq worker`` does."""
+def load_agent(path: str, *, add_cwd: bool = True) -> Agent:
+    """Import ``module:attribute`` with the current directory on the path, as ``rq worker`` does
+    (``add_cwd=False``: with the process's own path, for an app checking an agent at enqueue)."""
     check_agent_path(path)
     module_name, _, attr = path.partition(":")
-    if "" not in sys.path and "." not in sys.path:
+    if add_cwd and "" not in sys.path and "." not in sys.path:
         sys.path.insert(0, "")
     try:
         module = importlib.import_module(module_name)

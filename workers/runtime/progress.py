@@ -86,9 +86,11 @@ def why_waiting(r: Redis, run_id: str, status: str) -> Waiting | None:
                 detail=record.detail,
                 worker=record.worker,
             )
+        # Not running in any useful sense: it waits for a worker with the agent's code.
+        head = "waiting for a worker that can load its agent: " if record.reason == "agent_not_loadable" else ""
         return Waiting(
             "handed_back",
-            f"handed back {record.count} time(s) since {_clock(record.since)}, last by {record.worker}: "
+            f"{head}handed back {record.count} time(s) since {_clock(record.since)}, last by {record.worker}: "
             f"{record.describe()} ({record.detail}); {when}",
             since=record.since,
             until=record.until,

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ParamSpec, TypeVar
 
 from redis import ConnectionPool, Redis
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
@@ -12,7 +16,7 @@ from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
 from agentpool.checks import limit_value
 from agentpool.runtime import connections, sentinel
 from agentpool.store import crypto
-from agentpool.store.errors import AgentPoolError
+from agentpool.store.errors import AgentPoolError, RedisUnreachable
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
@@ -141,7 +145,15 @@ def check_redis_url(url: str, *, subject: str = "the Redis URL") -> str:
     except ValueError as exc:
         # redis-py's own message quotes pieces of the URL (the text before a "/" or "?" in a password
         # that was not percent-encoded), so only ours are passed on.
-        why = f" ({exc})" if sentinel.is_sentinel(url) else " (a password holding / ? # @ must be percent-encoded)"
+        if sentinel.is_sentinel(url):
+            why = f" ({exc})"
+        elif "://" not in url:
+            shown = "host:port/0" if "@" in url else url + ("" if "/" in url else "/0")  # never echo a password
+            why = f" (no scheme: write redis://{shown})"
+        elif "@" in url:
+            why = " (a password holding / ? # @ must be percent-encoded)"
+        else:
+            why = ""
         raise BadRedisUrl(f"{subject} is not a Redis URL: {redact_url(url)!r}{why}; {URL_FORM}") from None
     return url
 
@@ -191,12 +203,33 @@ def redact_url(url: str) -> str:
 _bytes_clients: weakref.WeakKeyDictionary[ConnectionPool, Redis] = weakref.WeakKeyDictionary()
 
 
-def client_for(connection: Redis | None) -> Redis:
+_warned_default = False
+_url_clients: dict[str, Redis] = {}  # one client (and connection pool) per URL an app passes as connection=
+
+
+def client_for(connection: Redis | str | None) -> Redis:
     """The client to use: agentpool reads Redis as bytes (msgpack records, and RQ requires it). A client
     made with ``decode_responses=True`` is accepted: a bytes client with the same connection settings
-    is built from its pool once and reused."""
+    is built from its pool once and reused. A URL (``"redis://host:6379/0"``) gets a client of its own;
+    None, the one ``REDIS_URL`` names (the default URL, said once in a warning, when it is not set)."""
+    global _warned_default
+    if isinstance(connection, str):
+        client = _url_clients.get(connection)
+        if client is None:
+            client = _url_clients[connection] = connect(connection)
+        return client
     if connection is None:
+        if not os.environ.get("REDIS_URL") and not _warned_default:
+            _warned_default = True
+            warnings.warn(
+                f"agentpool: no connection given and REDIS_URL is not set: using {DEFAULT_REDIS_URL}",
+                stacklevel=3,
+            )
         return connect()
+    if not isinstance(connection, Redis) or not hasattr(connection, "connection_pool"):
+        raise TypeError(
+            f"connection must be a redis.Redis client or a Redis URL string, got {type(connection).__name__}"
+        )
     pool = connection.connection_pool
     if not pool.connection_kwargs.get("decode_responses"):
         return connection
@@ -212,3 +245,41 @@ def client_for(connection: Redis | None) -> Redis:
         ) from None
     _bytes_clients[pool] = client
     return client
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def names_the_server(fn: Callable[P, T]) -> Callable[P, T]:
+    """For the API's functions: a Redis that cannot be reached is a :class:`RedisUnreachable` naming
+    the server it tried (``connection=``'s, else ``REDIS_URL``'s, without a password), not redis-py's
+    bare ``ConnectionError``."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except RedisUnreachable:
+            raise
+        except (ConnectionError, TimeoutError) as exc:
+            raise RedisUnreachable(f"Redis unreachable at {server_of(kwargs.get('connection'))}: {exc}") from exc
+
+    return call
+
+
+def server_of(connection: Any) -> str:
+    """Where a client (or URL, or None: ``REDIS_URL``) connects, without credentials."""
+    if connection is None:
+        url = os.environ.get("REDIS_URL")
+        return (
+            f"{redact_url(url)} (from REDIS_URL)" if url else f"{DEFAULT_REDIS_URL} (the default: REDIS_URL is not set)"
+        )
+    if isinstance(connection, str):
+        return redact_url(connection)
+    kwargs = getattr(getattr(connection, "connection_pool", None), "connection_kwargs", {})
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}"
+    if "host" in kwargs:
+        return f"redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+    return type(connection).__name__

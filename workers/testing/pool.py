@@ -340,7 +340,14 @@ class LocalPool:
             name = f"run{next(self._names)}"
             self.set_scripts({name: script})
             task = f"{task} [script:{name}]"
-        return enqueue_run(agent, task, connection=self.redis, **options)
+        added = self.cwd not in sys.path
+        if added:  # the agent is checked where the workers import it from (``cwd``)
+            sys.path.insert(0, self.cwd)
+        try:
+            return enqueue_run(agent, task, connection=self.redis, **options)
+        finally:
+            if added:
+                sys.path.remove(self.cwd)
 
     def run(
         self,
