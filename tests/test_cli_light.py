@@ -64,6 +64,8 @@ def test_reading_runs_loads_neither_the_sdk_nor_pydantic_nor_rq(redis_server, wa
         loaded, out = _loaded(redis_server.url, *args)
         assert out.stdout and "Traceback" not in out.stderr, out.stderr
         assert loaded == [], (args, loaded)
+    row = next(line for line in out.stdout.splitlines() if line.startswith(waiting_run))  # `runs`, filtered
+    assert row.endswith(f"waiting for a person's decision: agentpool approve {waiting_run} [--deny]"), row
 
 
 def test_approving_and_sending_load_rq_to_queue_the_turn_but_nothing_heavier(redis_server, waiting_run):
