@@ -284,6 +284,17 @@ def test_kill_turn_kills_the_worker_running_that_run_not_the_first_one(shop):
         assert "takeover" not in [f["kind"] for _id, f in read_events(pool.redis, first)]
 
 
+def test_kill_turn_with_horse_only_leaves_the_worker_to_hand_the_turn_over_at_once(shop):
+    with local_pool(workers=1) as pool:
+        run_id = pool.enqueue("shop:cashier", "Where is A-17?", script=_charge("lookup", delay=3))
+        killed = pool.kill_turn(run_id, horse_only=True)
+        run = pool.wait(run_id)  # no other worker: the horse's own worker takes the turn again
+        assert (killed.what, killed.worker) == ("horse", 0) and pool.workers.procs[0].poll() is None
+        assert run.status == "completed", run
+        takeovers = [f for _id, f in read_events(pool.redis, run_id) if f["kind"] == "takeover"]
+        assert [f["cause_kind"] for f in takeovers] == ["horse_death"], takeovers
+
+
 def test_a_kill_inside_the_tool_is_reconciled_and_the_unsafe_charge_is_not_repeated(shop):
     with local_pool(workers=1) as pool:  # a forking worker: the horse dies there, its worker hands over
         run = pool.run("shop:cashier", "Charge A-17", script=_charge(), kill_at="in_tool", kill_tool="charge")

@@ -227,10 +227,11 @@ class LocalPool:
         self.workers.kill(proc)
         return self._killed(Kill(proc.pid, self.workers.procs.index(proc), "worker", held[0] if held else None))
 
-    def kill_turn(self, run_id: str, *, horse_only: bool = False, timeout: float = 30) -> Kill:
+    def kill_turn(self, run_id: str, *, horse_only: bool = False, timeout: float = 60) -> Kill:
         """SIGKILL the worker that holds ``run_id``'s turn, with its work horse (a lost machine; the run
-        is taken over once its lease expires), or with ``horse_only`` only the horse (the OOM killer; its
-        worker hands the turn over at once). Waits until a worker holds the turn (its lease names the
+        is taken over once its lease expires), or with ``horse_only`` only the process running the turn
+        (the OOM killer): a forking worker's work horse, or the threaded process under a
+        ``concurrency > 1`` worker's supervisor; its parent hands the turn over at once. Waits until a worker holds the turn (its lease names the
         process); raises :class:`NothingKilled` if the run ends, waits for an approval or is not taken
         within ``timeout`` s. A turn that ends too fast to be caught needs a slower script step
         (``"delay"``) or a named point: ``enqueue(..., kill_at=...)``."""
@@ -240,15 +241,7 @@ class LocalPool:
             if holder is not None:
                 index, pid = holder
                 proc = self.workers.procs[index]
-                if pid == proc.pid:
-                    if horse_only:
-                        raise ValueError(
-                            "this worker runs turns in threads (concurrency > 1): it has no work horse to "
-                            "kill; kill the worker (horse_only=False)"
-                        )
-                    self.workers.kill(proc)
-                    return self._killed(Kill(pid, index, "worker", run_id))
-                if horse_only:
+                if horse_only and pid != proc.pid:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:
