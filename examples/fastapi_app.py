@@ -30,6 +30,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     app.state.redis = aio.connect()  # REDIS_URL
     yield
     await app.state.redis.aclose()
+    await aio.aclose()  # what agentpool.aio made by itself (none here: the app passes its own client)
 
 
 app = FastAPI(title="agentpool example", lifespan=lifespan)
@@ -48,7 +49,8 @@ class Decision(BaseModel):
 @app.post("/runs")
 async def start_run(body: NewRun) -> dict:
     try:
-        run_id = await aio.enqueue_run(AGENT, body.task, connection=app.state.redis)
+        # The app only names the agent (see above): workers load it, so it is not loaded here first.
+        run_id = await aio.enqueue_run(AGENT, body.task, connection=app.state.redis, check_agent=False)
     except ValueError as exc:
         raise HTTPException(400, str(exc)) from None
     return {"id": run_id}

@@ -4,6 +4,8 @@ Redis and real worker processes. Each test runs its app code in one event loop (
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import redis.asyncio as aredis
@@ -18,6 +20,13 @@ APPROVAL = [
     {"text": "Deployed 2.4.1."},
     {"text": "You said: thanks."},
 ]
+
+
+def run_loop(coroutine: Any) -> Any:
+    """``asyncio.run`` in a thread of its own, as an app's event loop would be: a browser test that ran
+    earlier in this process (Playwright's sync API) leaves its own loop marked running in the main thread."""
+    with ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, coroutine).result()
 
 
 def _client(redis_server, **kwargs) -> aredis.Redis:
@@ -44,9 +53,10 @@ def test_an_asyncio_app_starts_watches_approves_messages_and_forks_a_run(r, redi
         fork_id = await aio.fork_run(run_id, at_turn=1, connection=a)
         fork = await aio.get_run(fork_id, connection=a)
         await a.aclose()
+        await aio.aclose()  # the bytes twin agentpool.aio keeps beside a decode_responses client
         return locals()
 
-    got = asyncio.run(app())
+    got = run_loop(app())
     assert [c["name"] for c in got["waiting"].awaiting_approval] == ["deploy"]
     assert got["decided"] == [got["waiting"].awaiting_approval[0]["id"]]
     assert got["done"].status == "completed" and got["done"].result == "Deployed 2.4.1.", pool.logs()
@@ -77,7 +87,7 @@ def test_a_watch_waiting_on_redis_does_not_block_the_loop(redis_server):
         await a.aclose()
         return items, seen_blocked
 
-    items, seen_blocked = asyncio.run(app())
+    items, seen_blocked = run_loop(app())
     assert seen_blocked, "the loop ran while the watch's XREAD was blocked in Redis"
     assert items[-1]["type"] == "status" and items[-1]["status"] == "cancelled"
 
@@ -101,7 +111,7 @@ def test_the_async_api_raises_the_sync_apis_errors_and_refuses_a_sync_client(r, 
             await aio.wait_for_run("r_aio1", timeout=0, connection=a)
         await a.aclose()
 
-    asyncio.run(app())
+    run_loop(app())
 
 
 def test_without_a_connection_the_async_api_reads_redis_url(redis_server, monkeypatch):
@@ -109,9 +119,11 @@ def test_without_a_connection_the_async_api_reads_redis_url(redis_server, monkey
 
     async def app() -> str:
         run_id = await aio.enqueue_run("pool_agents:support", "from the environment")
-        return (await aio.get_run(run_id)).status
+        status = (await aio.get_run(run_id)).status
+        await aio.aclose()  # the client agentpool.aio made from REDIS_URL
+        return status
 
-    assert asyncio.run(app()) == "queued"
+    assert run_loop(app()) == "queued"
 
 
 def test_without_the_aio_extra_importing_agentpool_aio_names_the_extra():

@@ -28,6 +28,7 @@ from agentpool.runtime import connections, sentinel
 from agentpool.runtime.settings import Settings, check_redis_url
 
 __all__ = [
+    "aclose",
     "approve",
     "cancel_run",
     "connect",
@@ -56,6 +57,17 @@ def connect(url: str | None = None) -> aredis.Redis:
     return aredis.Redis.from_url(url, **{**connections.silence_options(), "retry": connections.ride_out(Retry)})
 
 
+async def aclose() -> None:
+    """Close the clients ``agentpool.aio`` made by itself: this loop's client from ``REDIS_URL`` (used when
+    no ``connection`` is given) and the bytes twin it keeps beside a ``decode_responses=True`` client. An
+    app calls it at shutdown, where it closes its own client (a FastAPI lifespan, say)."""
+    made = [_default.pop(asyncio.get_running_loop(), None), *_bytes_clients.values()]
+    _bytes_clients.clear()
+    for made_client in made:
+        if made_client is not None:
+            await made_client.aclose(close_connection_pool=True)  # a twin was given its pool: close it too
+
+
 def _green(connection: aredis.Redis | None) -> GreenRedis:
     if connection is None:
         loop = asyncio.get_running_loop()
@@ -80,7 +92,9 @@ def _green(connection: aredis.Redis | None) -> GreenRedis:
 
 
 async def enqueue_run(agent: str, task: str, *, connection: aredis.Redis | None = None, **options: Any) -> str:
-    """``agentpool.enqueue_run``: ``max_turns``, ``max_total_tokens``, ``max_cost_usd``, ``run_id``."""
+    """``agentpool.enqueue_run``'s options (``max_turns``, ``max_total_tokens``, ``max_cost_usd``, ``run_id``,
+    ``check_agent``...). Loading the agent to check it imports its module in the loop's thread: an app
+    that has the agent's code imports it at start-up, one that has not passes ``check_agent=False``."""
     return await run_sync(client.enqueue_run, agent, task, connection=_green(connection), **options)
 
 

@@ -12,6 +12,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from redis import ConnectionPool, Redis
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
+from redis.exceptions import ConnectionError, TimeoutError
 
 from agentpool.checks import limit_value
 from agentpool.runtime import connections, sentinel
@@ -226,7 +227,8 @@ def client_for(connection: Redis | str | None) -> Redis:
                 stacklevel=3,
             )
         return connect()
-    if not isinstance(connection, Redis) or not hasattr(connection, "connection_pool"):
+    # Duck-typed: agentpool.aio hands the sync code a redis.asyncio client seen as a sync one (GreenRedis).
+    if not hasattr(connection, "connection_pool"):
         raise TypeError(
             f"connection must be a redis.Redis client or a Redis URL string, got {type(connection).__name__}"
         )
