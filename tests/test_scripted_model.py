@@ -611,6 +611,7 @@ def test_stats_scripts_and_unknown_paths(model: ScriptedModel) -> None:
         "compactions",
         "summaries",
         "request_bytes",
+        "rate_limited",
     }
 
     status, _, body = raw_post(model.base_url + "/_scripts", {"only": [{"text": "replaced"}]})

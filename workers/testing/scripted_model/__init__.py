@@ -62,15 +62,22 @@ in ``usage.iterations``) and later requests must send that block back verbatim, 
 prompt gets a summary. Step selection survives compaction (the number of turns compacted away travels in
 the block, or in the summary's text).
 
+Rate limits, as the API enforces them (``ratelimit.py``): ``ScriptedModel(rate_limits=RateLimits(rpm=600,
+itpm=200_000, otpm=40_000, minute=6))`` (or ``set_rate_limits``) keeps token buckets per (scaled) minute
+for requests, input tokens (cache reads do not count) and output tokens (``max_tokens`` held while the
+reply is made), sends the ``anthropic-ratelimit-*`` headers on every reply and a 429 ``rate_limit_error``
+with ``retry-after`` beyond them. ``reset()`` refills the buckets.
+
 Other endpoints: ``GET /_stats``, ``POST /_scripts`` (JSON body replaces the scripts), ``POST /_reset``
 (zero the counters, forget injected-error counters and the prompt cache).
 ``ScriptedModel.delta_times()`` tells when each text delta left the server (for latency figures).
 
 Run standalone: ``python -m agentpool.testing.scripted_model --port 8765 [--host 127.0.0.1] [--scripts f.json]
-[--context-window N]``.
+[--context-window N] [--rpm N] [--itpm N] [--otpm N] [--minute SECONDS]``.
 """
 
 from agentpool.testing.scripted_model.common import ApiError, sign_thinking
+from agentpool.testing.scripted_model.ratelimit import RateLimits
 from agentpool.testing.scripted_model.scripts import ScriptBook, load_scripts
 from agentpool.testing.scripted_model.selection import ScriptRequest, ToolResult
 from agentpool.testing.scripted_model.server import ScriptedModel
@@ -78,6 +85,7 @@ from agentpool.testing.scripted_model.validation import validate_request
 
 __all__ = [
     "ApiError",
+    "RateLimits",
     "ScriptBook",
     "ScriptRequest",
     "ScriptedModel",

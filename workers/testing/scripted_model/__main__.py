@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 
+from agentpool.testing.scripted_model.ratelimit import RateLimits
 from agentpool.testing.scripted_model.scripts import load_scripts
 from agentpool.testing.scripted_model.server import ScriptedModel
 
@@ -21,7 +22,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--scripts", help="JSON file mapping script names to lists of steps")
     parser.add_argument("--cache-min-tokens", type=int, default=1024)
     parser.add_argument("--context-window", type=int, default=200_000, help="tokens a request may hold")
+    parser.add_argument("--rpm", type=int, help="requests per minute (default: no limit)")
+    parser.add_argument("--itpm", type=int, help="input tokens per minute (cache reads do not count)")
+    parser.add_argument("--otpm", type=int, help="output tokens per minute")
+    parser.add_argument("--minute", type=float, default=60.0, help="seconds a rate-limit minute lasts (tests)")
     args = parser.parse_args(argv)
+    try:
+        limits = RateLimits(rpm=args.rpm, itpm=args.itpm, otpm=args.otpm, minute=args.minute)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     scripts = load_scripts(args.scripts) if args.scripts else None
     model = ScriptedModel(
@@ -30,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         port=args.port,
         cache_min_tokens=args.cache_min_tokens,
         context_window=args.context_window,
+        rate_limits=limits,
     ).start()
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -27,6 +27,7 @@ from agentpool.testing.scripted_model.compaction import (
     step_view,
     summary_text,
 )
+from agentpool.testing.scripted_model.ratelimit import Admission, RateLimiter
 from agentpool.testing.scripted_model.scripts import (
     STOP_SEQUENCE,
     InjectedError,
@@ -45,6 +46,7 @@ class Answer:
     cut: dict[str, Any] | None = None  # the cut this stream gets, if one is due
     kind: str = "response"  # "response", "summary" (a client's summary request), "compaction" (paused after one)
     compacted: bool = False
+    headers: dict[str, str] = field(default_factory=dict)  # the rate-limit headers of the reply
 
 
 class Occurrences:
@@ -80,13 +82,36 @@ def _injected(spec: dict[str, Any]) -> InjectedError:
 class Answerer:
     """Answers requests from a script book, a prompt cache and a context window of ``window`` tokens."""
 
-    def __init__(self, book: ScriptBook, cache: PromptCache, lock: threading.Lock, window: int) -> None:
+    def __init__(
+        self, book: ScriptBook, cache: PromptCache, lock: threading.Lock, window: int, limiter: RateLimiter
+    ) -> None:
         self.book, self.cache, self.lock, self.window = book, cache, lock, window
+        self.limiter = limiter
         self.faults = Occurrences()
 
     def answer(self, body: Any, betas: frozenset[str], streaming: bool) -> Answer:
         state = validate_request(body, betas)
         edits = parse_edits(body, betas)
+        admission = self._admit(body)
+        try:
+            answer = self._answer(body, betas, streaming, state, edits)
+        except (ApiError, InjectedError) as exc:
+            admission.settle(0)  # nothing was sampled: the output estimate goes back
+            error = exc.error if isinstance(exc, InjectedError) else exc
+            error.headers = {**admission.headers, **error.headers}
+            raise
+        admission.settle(int(answer.message["usage"].get("output_tokens") or 0))
+        answer.headers = admission.headers
+        return answer
+
+    def _admit(self, body: dict[str, Any]) -> Admission:
+        """The request through the rate limits (a 429 beyond them): cache reads do not count as input."""
+        with self.lock:
+            usage = self.cache.usage(body, record=False)
+        counted = usage["input_tokens"] + usage["cache_creation_input_tokens"]
+        return self.limiter.admit(counted, int(body["max_tokens"]))
+
+    def _answer(self, body: Any, betas: frozenset[str], streaming: bool, state: Any, edits: Edits) -> Answer:
         view = {**body, "messages": step_view(body["messages"], state)}
         sent, applied = body, None
         with self.lock:

@@ -73,12 +73,14 @@ class PromptCache:
     def clear(self) -> None:
         self._expiry.clear()
 
-    def usage(self, body: dict) -> dict[str, int]:
-        """Input-side usage for one request; caller holds the model's lock."""
+    def usage(self, body: dict, *, record: bool = True) -> dict[str, int]:
+        """Input-side usage for one request; caller holds the model's lock. ``record=False`` only
+        looks: a request refused (a 429) writes nothing to the cache and refreshes nothing."""
         units, markers = cache_units(body)
         total = estimate_tokens(canonical(units))
         now = time.monotonic()
-        self._expiry = {k: t for k, t in self._expiry.items() if t > now}
+        if record:
+            self._expiry = {k: t for k, t in self._expiry.items() if t > now}
         prefixes = []
         for pos, ttl in markers:
             text = canonical(units[: pos + 1])
@@ -86,10 +88,10 @@ class PromptCache:
             if tokens >= self.min_tokens:  # shorter prefixes are silently not cached, as in the API
                 key = hashlib.sha256(f"{body['model']}\0{text}".encode()).hexdigest()
                 prefixes.append((tokens, key, CACHE_TTLS[ttl]))
-        read = max((tokens for tokens, key, _ in prefixes if key in self._expiry), default=0)
+        read = max((tokens for tokens, key, _ in prefixes if self._expiry.get(key, 0.0) > now), default=0)
         longest = max((tokens for tokens, _, _ in prefixes), default=0)
         creation = longest - read
-        for _, key, ttl_s in prefixes:  # a hit refreshes the entry's lifetime, as in the API
+        for _, key, ttl_s in prefixes if record else ():  # a hit refreshes the entry's lifetime, as in the API
             self._expiry[key] = max(self._expiry.get(key, 0.0), now + ttl_s)
         return {
             "input_tokens": max(0, total - read - creation),

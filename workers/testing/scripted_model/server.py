@@ -16,6 +16,7 @@ from agentpool.testing.scripted_model.answer import Answer, Answerer
 from agentpool.testing.scripted_model.cache import PromptCache
 from agentpool.testing.scripted_model.common import ApiError, error_body, invalid, parse_json, random_id
 from agentpool.testing.scripted_model.compaction import DEFAULT_CONTEXT_WINDOW, betas_of
+from agentpool.testing.scripted_model.ratelimit import RateLimiter, RateLimits
 from agentpool.testing.scripted_model.scripts import InjectedError, ScriptBook
 from agentpool.testing.scripted_model.sse import DeltaLog, StreamWriter
 
@@ -95,13 +96,15 @@ class ScriptedModel:
         port: int = 0,
         cache_min_tokens: int = 1024,
         context_window: int = DEFAULT_CONTEXT_WINDOW,
+        rate_limits: RateLimits | None = None,
     ) -> None:
         self._book = ScriptBook(scripts)
+        self.limiter = RateLimiter(rate_limits)
         self._host = host
         self._port = port
         self._lock = threading.Lock()
         self._cache = PromptCache(cache_min_tokens)
-        self._answerer = Answerer(self._book, self._cache, self._lock, context_window)
+        self._answerer = Answerer(self._book, self._cache, self._lock, context_window, self.limiter)
         self._deltas = DeltaLog()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -172,7 +175,13 @@ class ScriptedModel:
         self._deltas.clear()
 
     def reset(self) -> None:
+        """Zero the counters, forget injected-error counts and the prompt cache, refill the rate limits."""
         self._reset_counters()
+        self.limiter.refill()
+
+    def set_rate_limits(self, limits: RateLimits | None) -> None:
+        """Enforce ``limits`` from now on (None: no limits), starting with full buckets."""
+        self.limiter.configure(limits)
 
     def stats(self) -> dict:
         with self._lock:
@@ -181,6 +190,7 @@ class ScriptedModel:
                 "rejections": list(self._rejections),
                 "by_script": dict(self._by_script),
                 "request_bytes": list(self._request_bytes),
+                "rate_limited": self.limiter.refused,
             }
 
     def delta_times(self) -> list[tuple[float, str]]:
@@ -310,9 +320,11 @@ class ScriptedModel:
             self._counts["streams_cut"] += streaming and answer.cut is not None
             self._by_script[answer.script] = self._by_script.get(answer.script, 0) + 1
         if not streaming:
-            self._send(handler, 200, answer.message, request_id, {})
+            self._send(handler, 200, answer.message, request_id, answer.headers)
             return
-        StreamWriter(handler, request_id, self._deltas.add).send(answer.message, answer.stream, answer.cut)
+        StreamWriter(handler, request_id, self._deltas.add, answer.headers).send(
+            answer.message, answer.stream, answer.cut
+        )
 
     def _handle_messages(self, body: Any) -> tuple[int, dict]:
         raise AssertionError("answered by _answer, which needs the request's headers and connection")

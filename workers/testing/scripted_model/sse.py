@@ -144,8 +144,15 @@ def events(message: dict[str, Any], options: dict[str, Any]) -> list[tuple[str, 
 class StreamWriter:
     """Writes one SSE response on a request handler's connection, chunked, and applies a scripted cut."""
 
-    def __init__(self, handler: Any, request_id: str, on_text: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        handler: Any,
+        request_id: str,
+        on_text: Callable[[str], None] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         self.handler, self.request_id, self.on_text = handler, request_id, on_text
+        self.headers = headers or {}
 
     def _write(self, data: bytes) -> bool:
         try:
@@ -176,6 +183,8 @@ class StreamWriter:
             handler.send_header("cache-control", "no-cache")
             handler.send_header("transfer-encoding", "chunked")
             handler.send_header("request-id", self.request_id)
+            for name, value in self.headers.items():
+                handler.send_header(name, value)
             handler.end_headers()
         except OSError:
             handler.close_connection = True
