@@ -39,6 +39,16 @@ Global::
                                     WAIT has a write of its own connection to wait for
     ap:stats                hash    pool-wide counters behind /metrics (see store/stats.py)
 
+Per model's rate-limit budget (all keys of one budget share the hash tag ``{limits:<model>}``)::
+
+    ap:{limits:<m>}:budget  hash    the pool's token buckets for the model: "level:<dim>" (requests,
+                                    input, output), "at" (ms of the last refill), "learned:<dim>" (the
+                                    limit the API's anthropic-ratelimit-* headers reported)
+    ap:{limits:<m>}:held    hash    reservation id -> "<input> <output> <ms>": calls in flight
+    ap:{limits:<m>}:waiting zset    ticket "<run id>:<turn>" -> when it began to wait (ms): the line
+    ap:{limits:<m>}:needs   hash    ticket -> "<requests> <input> <output> <expires ms>"
+    ap:limits:models        set     every model that has a budget (for ``agentpool limits show``)
+
 RQ keeps its own keys under ``rq:``; agentpool's turn jobs go to the queue named by ``TURN_QUEUE``.
 The global sorted sets are touched by the same scripts as a run's keys, so agentpool needs a single
 Redis (or a primary with replicas), not Redis Cluster.
@@ -58,6 +68,9 @@ TURNS_DEFERRED = f"{PREFIX}:turns:deferred"
 DURABILITY_PROBE = f"{PREFIX}:durability:probe"
 STATS = f"{PREFIX}:stats"
 TURN_QUEUE = "agentpool"
+LIMIT_MODELS = f"{PREFIX}:limits:models"
+# A model id in a key (and a ticket's text): what the API's ids use, nothing that could break a key.
+MODEL_ID = re.compile(r"^[A-Za-z0-9._@/-]{1,200}$")
 # A run id is part of RQ job ids (letters, digits, "_" and "-" only) and of the dashboard's URLs.
 RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
 
@@ -129,3 +142,22 @@ class RunKeys:
             self.inbox,
             self.received,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class LimitKeys:
+    model: str
+    budget: str
+    held: str
+    waiting: str
+    needs: str
+
+    @classmethod
+    def of(cls, model: str) -> LimitKeys:
+        if not MODEL_ID.match(model):
+            raise ValueError(f"a model id is 1 to 200 letters, digits or ._@/-; got {model!r}")
+        base = f"{PREFIX}:{{limits:{model}}}"
+        return cls(model, f"{base}:budget", f"{base}:held", f"{base}:waiting", f"{base}:needs")
+
+    def all(self) -> tuple[str, ...]:
+        return (self.budget, self.held, self.waiting, self.needs)

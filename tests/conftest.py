@@ -64,6 +64,7 @@ def model_server() -> Iterator[ScriptedModel]:
 def model(model_server: ScriptedModel) -> ScriptedModel:
     model_server.reset()
     model_server.set_scripts({})
+    model_server.set_rate_limits(None)
     return model_server
 
 

@@ -83,6 +83,12 @@ COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
         ("key_missing", "key_not_held", "too_new", "agent_not_loadable", "not_replicated"),
     ),
     ("model_errors", "type", "Transient model API errors whose turn was retried later, by type.", ()),
+    (
+        "budget_waits",
+        "model",
+        "Turns deferred because the pool's rate-limit budget for the model could not cover their call yet.",
+        (),
+    ),
     ("tokens", "kind", "Tokens of every model call paid for, by kind.", stats.TOKEN_FIELDS),
     (
         "compactions",

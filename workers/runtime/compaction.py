@@ -25,7 +25,8 @@ from agentpool.agent import SUMMARY_PREAMBLE, Agent
 from agentpool.pricing import price_of
 from agentpool.runtime import tracing
 from agentpool.runtime.faults import fault
-from agentpool.runtime.model import ContextTooLong, ModelReply, ModelUnavailable, call_model
+from agentpool.runtime.model import ContextTooLong, ModelReply, ModelUnavailable
+from agentpool.runtime.ratelimit import limited_call
 from agentpool.store import window
 from agentpool.store.events import Event
 from agentpool.store.records import RunState
@@ -72,12 +73,17 @@ def call(turn: Turn, agent: Agent, state: RunState) -> tuple[RunState, ModelRepl
             state = compact(turn, agent, state, why)
         compacted = True
     try:
-        return state, call_model(agent, state.messages, live=turn.live_output("reply"))
+        return state, _reply(turn, agent, state)
     except ContextTooLong:
         if agent.compaction_mode is None or compacted or not state.last_reply:
             raise
     state = compact(turn, agent, state, "too_long")
-    return state, call_model(agent, state.messages, live=turn.live_output("reply"))
+    return state, _reply(turn, agent, state)
+
+
+def _reply(turn: Turn, agent: Agent, state: RunState) -> ModelReply:
+    live = turn.live_output("reply")
+    return limited_call(turn, agent, state.messages, last_reply=state.last_reply, live=live)
 
 
 def compact(turn: Turn, agent: Agent, state: RunState, why: str) -> RunState:
@@ -124,7 +130,8 @@ def _summarize(turn: Turn, agent: Agent, state: RunState, *, shrink: bool) -> Mo
     """The summary call. A window that is full (or found too long, or whose summary the window cut
     short) is summarized from a copy with its long tool results and texts cut (``shrink``)."""
     try:
-        reply = call_model(agent, state.messages, summary=True, shrink=shrink, live=turn.live_output("summary"))
+        live = turn.live_output("summary")
+        reply = limited_call(turn, agent, state.messages, summary=True, shrink=shrink, live=live)
     except ContextTooLong:
         if shrink:
             raise

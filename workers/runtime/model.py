@@ -24,7 +24,7 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anthropic
@@ -85,9 +85,11 @@ class ModelUnavailable(_ModelError):
         retry_after: float | None = None,
         kind: str = "connection",
         spent: dict[str, int] | None = None,
+        limits: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.limits = limits or {}  # the reply's anthropic-ratelimit-* headers (a 429 has them)
         self.kind = kind  # the API's error type (rate_limit_error, overloaded_error, ...), "connection", "timeout"
         self.spent = {k: v for k, v in (spent or {}).items() if v}  # tokens a cut stream had reported: billed
 
@@ -112,6 +114,7 @@ class ModelReply:
     meta: dict[str, Any]  # response id, model, stop_reason, usage: kept beside the message
     seconds: float = 0.0  # the call, from request to last event
     compacted: bool = False  # the API compacted the conversation: the reply starts with a compaction block
+    limits: dict[str, str] = field(default_factory=dict)  # the reply's anthropic-ratelimit-* headers
 
 
 class DeltaSink(Protocol):
@@ -416,11 +419,15 @@ def call_model(
 def _call(request: dict[str, Any], live: DeltaSink | None) -> ModelReply:
     client, settings = _client()
     started = time.monotonic()
+    headers: dict[str, str] = {}
     try:
         if settings.model_streaming:
-            data = _streamed(client, request, live, deadline=started + settings.model_call_timeout)
+            data = _streamed(client, request, live, deadline=started + settings.model_call_timeout, headers=headers)
         else:
-            data = _created(client, request, settings.model_call_timeout)
+            data = _created(client, request, settings.model_call_timeout, headers)
+    except ModelUnavailable as exc:
+        exc.limits = exc.limits or headers
+        raise
     except anthropic.APIConnectionError as exc:  # includes APITimeoutError
         raise ModelUnavailable(f"model unreachable: {type(exc).__name__}: {exc}") from exc
     except anthropic.APIStatusError as exc:
@@ -442,18 +449,35 @@ def _call(request: dict[str, Any], live: DeltaSink | None) -> ModelReply:
         meta=meta,
         seconds=time.monotonic() - started,
         compacted=compacted,
+        limits=headers,
     )
 
 
-def _created(client: anthropic.Anthropic, request: dict[str, Any], cap: float) -> dict[str, Any]:
+RATE_LIMIT_HEADER = "anthropic-ratelimit-"
+
+
+def rate_limit_headers(headers: Any) -> dict[str, str]:
+    """The ``anthropic-ratelimit-*`` headers of a reply (what the pool's budget learns from)."""
+    return {k.lower(): v for k, v in headers.items() if k.lower().startswith(RATE_LIMIT_HEADER)}
+
+
+def _created(
+    client: anthropic.Anthropic, request: dict[str, Any], cap: float, headers: dict[str, str]
+) -> dict[str, Any]:
     betas = request.pop("betas", None)
-    if betas:
-        return client.beta.messages.create(**request, betas=betas, timeout=cap).to_dict(mode="json")
-    return client.messages.create(**request, timeout=cap).to_dict(mode="json")
+    api: Any = client.beta.messages if betas else client.messages
+    raw = api.with_raw_response.create(**request, **({"betas": betas} if betas else {}), timeout=cap)
+    headers.update(rate_limit_headers(raw.headers))
+    return raw.parse().to_dict(mode="json")  # type: ignore[no-any-return]
 
 
 def _streamed(
-    client: anthropic.Anthropic, request: dict[str, Any], live: DeltaSink | None, *, deadline: float
+    client: anthropic.Anthropic,
+    request: dict[str, Any],
+    live: DeltaSink | None,
+    *,
+    deadline: float,
+    headers: dict[str, str],
 ) -> dict[str, Any]:
     betas = request.pop("betas", None)
     api: Any = client.beta.messages if betas else client.messages
@@ -461,6 +485,7 @@ def _streamed(
     outcome = "cut"
     try:
         with api.stream(**request, **({"betas": betas} if betas else {})) as stream:
+            headers.update(rate_limit_headers(stream.response.headers))
             finished = False
             for event in stream:
                 kind = event.type
@@ -565,5 +590,5 @@ def _classify(exc: anthropic.APIStatusError) -> AgentPoolError:
     if status == 429 and any(words in text.lower() for words in _NON_TRANSIENT_429):
         return ModelQuotaExhausted(f"the API refused for a limit that waiting will not clear: {text}")
     if status in (408, 409, 429) or status >= 500:
-        return ModelUnavailable(text, _retry_after(exc), kind=kind)
+        return ModelUnavailable(text, _retry_after(exc), kind=kind, limits=rate_limit_headers(exc.response.headers))
     return ModelRejected(text)

@@ -7,7 +7,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 from redis import ConnectionPool, Redis
@@ -18,6 +18,7 @@ from agentpool.checks import limit_value
 from agentpool.runtime import connections, sentinel
 from agentpool.store import crypto
 from agentpool.store.errors import AgentPoolError, RedisUnreachable
+from agentpool.store.ratelimit import parse_limits
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
@@ -37,6 +38,16 @@ def _replica_acks() -> str:
     if raw != "auto" and not (raw.isdigit() and int(raw) < 100):
         raise SystemExit(f"AGENTPOOL_REPLICA_ACKS must be auto or a number of replicas, got {raw!r}")
     return raw
+
+
+def _rate_limits() -> dict:
+    raw = os.environ.get("AGENTPOOL_RATE_LIMITS", "").strip()
+    if not raw:
+        return {}
+    try:
+        return parse_limits(raw)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -75,6 +86,11 @@ class Settings:
     # Seconds a Redis command may go unanswered before its connection is dropped and the command re-sent
     # on a new one (agentpool.runtime.connections: a peer gone silent, without FIN or RST).
     redis_timeout: float = 5.0
+    # The pool's model rate limits (agentpool.runtime.ratelimit): on by default, learned from the API's
+    # headers; AGENTPOOL_RATE_LIMITS sets or caps them per model; the minute can be scaled for tests.
+    rate_limiter: bool = True
+    rate_limits: dict = field(default_factory=dict)  # model (or "*") -> agentpool.store.ratelimit.Limits
+    rate_limit_minute: float = 60.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -97,6 +113,9 @@ class Settings:
             replica_ack_timeout=_env_float("AGENTPOOL_REPLICA_ACK_TIMEOUT", 1.0),
             waitaof=_choice("AGENTPOOL_WAITAOF", ("off", "local", "replicas"), "off"),
             redis_timeout=_env_float("AGENTPOOL_REDIS_TIMEOUT", 5.0),
+            rate_limiter=_choice("AGENTPOOL_RATE_LIMITER", ("on", "off"), "on") == "on",
+            rate_limits=_rate_limits(),
+            rate_limit_minute=_env_float("AGENTPOOL_RATE_LIMIT_MINUTE", 60.0),
         )
 
     @property

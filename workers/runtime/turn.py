@@ -43,6 +43,7 @@ from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.loader import AgentNotFound, load_agent
 from agentpool.runtime.model import ContextTooLong, ModelQuotaExhausted, ModelRejected, ModelReply, ModelUnavailable
+from agentpool.runtime.ratelimit import WaitForBudget
 from agentpool.runtime.settings import Settings, connect
 from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
 from agentpool.runtime.stream import LiveOutput
@@ -270,6 +271,8 @@ class Turn:
         fault("before_model_call", self.run_id, self.turn)
         try:
             state, reply = compaction.call(self, agent, state)
+        except WaitForBudget as wait:
+            return self.wait_for_budget(state, wait)
         except ModelUnavailable as exc:
             self.count_cut_stream(agent, exc)
             return self.defer(state, exc)
@@ -459,6 +462,24 @@ class Turn:
             delay_ms=int(delay * 1000),
             enqueue_later=lambda pipe, n: stage_turn(pipe, self.r, self.run_id, self.turn, n, delay=delay),
             reason=f"{exc.kind}: {exc}"[:500],
+        )
+        return "deferred"
+
+    def wait_for_budget(self, state: RunState, wait: WaitForBudget) -> str:
+        """Defer the turn until the pool's rate-limit budget can cover its call: no model error is
+        counted (nothing failed), no worker waits, the lease is dropped."""
+        log.info("%s: %s", self.where, wait)
+        emit(
+            self.r, self.run_id, "waiting_for_budget", turn=self.turn, model=wait.model, seconds=round(wait.seconds, 3)
+        )
+        checkpoint.defer_turn(
+            self.r,
+            self.keys,
+            self.token,
+            model_errors=state.model_errors,
+            delay_ms=int(wait.seconds * 1000),
+            enqueue_later=lambda pipe, n: stage_turn(pipe, self.r, self.run_id, self.turn, n, delay=wait.seconds),
+            reason=f"rate_limit_budget: {wait}"[:500],
         )
         return "deferred"
 

@@ -1,0 +1,79 @@
+-- Reserve one model call's budget in the pool's rate limits for a model, or give it a place in line.
+-- The budget is three token buckets (requests, input tokens, output tokens per minute) refilled
+-- continuously, as the API's are; a limit is the lower of the one an operator set (ARGV) and the one
+-- learned from the API's headers (the budget hash); a dimension with neither is not limited.
+-- Waiting calls hold tickets in a sorted set scored by when they began to wait: a call is granted only
+-- if the budget covers it after what every live ticket ahead of it needs, so waiting turns go in the
+-- order they started waiting however their retries interleave. A ticket lives until ARGV[10] past its
+-- expected wait; a turn that never comes back (cancelled, its run gone) stops holding its place then.
+-- Idempotent per reservation id: a re-sent call (redis-py retry) finds its reservation and takes nothing.
+-- KEYS[1] budget hash  KEYS[2] held hash (reservation id -> "in out")  KEYS[3] waiting zset
+-- KEYS[4] needs hash (ticket -> "requests in out expires_ms")  KEYS[5] set of models with a budget
+-- ARGV[1] unused  ARGV[2] minute ms  ARGV[3] model  ARGV[4] ticket  ARGV[5] reservation id
+-- ARGV[6..8] needed requests, input tokens, output tokens  ARGV[9..11] operator limits rpm, itpm, otpm
+-- (0: none)  ARGV[12] ticket slack ms
+-- Returns {1, 0} granted, {0, wait_ms} wait (the ticket is in line), {2, 0} already granted.
+-- Redis's clock, not the caller's: every worker's refill is measured on one clock.
+local t = redis.call('TIME')
+local now, minute = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), tonumber(ARGV[2])
+if redis.call('HEXISTS', KEYS[2], ARGV[5]) == 1 then return {2, 0} end
+redis.call('SADD', KEYS[5], ARGV[3])
+local dims = {'requests', 'input', 'output'}
+local need = {tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])}
+local state = redis.call('HGETALL', KEYS[1])
+local h = {}
+for i = 1, #state, 2 do h[state[i]] = state[i + 1] end
+local at = tonumber(h['at'] or now)
+local limit, level = {}, {}
+for i, d in ipairs(dims) do
+  local set, learned = tonumber(ARGV[8 + i]), tonumber(h['learned:' .. d] or 0)
+  local l = 0
+  if set > 0 and learned > 0 then l = math.min(set, learned) elseif set > 0 then l = set else l = learned end
+  limit[i] = l
+  if l > 0 then
+    local lv = tonumber(h['level:' .. d] or l)
+    level[i] = math.min(l, lv + math.max(0, now - at) * l / minute)
+  end
+end
+-- What the live tickets ahead of this one need (expired ones leave the line).
+local ahead = {0, 0, 0}
+local members = redis.call('ZRANGE', KEYS[3], 0, -1)
+for _, m in ipairs(members) do
+  if m == ARGV[4] then break end
+  local rec = redis.call('HGET', KEYS[4], m)
+  local r, i_, o, exp = string.match(rec or '', '^(%S+) (%S+) (%S+) (%S+)$')
+  if not exp or tonumber(exp) < now then
+    redis.call('ZREM', KEYS[3], m)
+    redis.call('HDEL', KEYS[4], m)
+  else
+    ahead[1], ahead[2], ahead[3] = ahead[1] + tonumber(r), ahead[2] + tonumber(i_), ahead[3] + tonumber(o)
+  end
+end
+local wait = 0
+for i = 1, 3 do
+  if limit[i] > 0 then
+    local want = ahead[i] + math.min(need[i], limit[i])
+    if level[i] < want then
+      wait = math.max(wait, math.ceil((want - level[i]) * minute / limit[i]))
+    end
+  end
+end
+local fields = {'at', now}
+if wait > 0 then
+  for i, d in ipairs(dims) do
+    if limit[i] > 0 then table.insert(fields, 'level:' .. d); table.insert(fields, level[i]) end
+  end
+  redis.call('HSET', KEYS[1], unpack(fields))
+  redis.call('ZADD', KEYS[3], 'NX', now, ARGV[4])
+  redis.call('HSET', KEYS[4], ARGV[4],
+    need[1] .. ' ' .. need[2] .. ' ' .. need[3] .. ' ' .. (now + wait + tonumber(ARGV[12])))
+  return {0, wait}
+end
+for i, d in ipairs(dims) do
+  if limit[i] > 0 then table.insert(fields, 'level:' .. d); table.insert(fields, level[i] - need[i]) end
+end
+redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('ZREM', KEYS[3], ARGV[4])
+redis.call('HDEL', KEYS[4], ARGV[4])
+redis.call('HSET', KEYS[2], ARGV[5], need[2] .. ' ' .. need[3] .. ' ' .. now)
+return {1, 0}

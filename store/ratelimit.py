@@ -1,0 +1,215 @@
+"""The pool's rate-limit budget per model, shared by every worker: token buckets for requests, input
+tokens and output tokens per minute, reserved before a call and settled after it (``store/lua/
+limit_reserve.lua``, ``limit_settle.lua``), and a line of waiting calls in the order they began to wait.
+
+Limits come from two places: what an operator set (``Limits`` passed in, from ``AGENTPOOL_RATE_LIMITS``)
+and what the API reported in its ``anthropic-ratelimit-*`` headers (learned here); where both exist the
+lower one holds. A dimension with neither is not limited.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from redis import Redis
+
+from agentpool.store.keys import LIMIT_MODELS, LimitKeys
+from agentpool.store.scripts import run_script
+
+DIMENSIONS = ("requests", "input", "output")
+FORM = "AGENTPOOL_RATE_LIMITS is '<model>=rpm:N,itpm:N,otpm:N;*=rpm:N' (model '*' for every other model)"
+TICKET_SLACK_MS = 30_000  # how long past its expected wait a ticket keeps its place in line
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per minute: requests, input tokens, output tokens. ``None``: not limited by this source."""
+
+    rpm: int | None = None
+    itpm: int | None = None
+    otpm: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rpm", "itpm", "otpm"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 1:
+                raise ValueError(f"rate limit {name} must be a whole number >= 1, got {value!r}")
+            if value != int(value):
+                raise ValueError(f"rate limit {name} must be a whole number >= 1, got {value!r}")
+
+    def args(self) -> list[int]:
+        return [int(v or 0) for v in (self.rpm, self.itpm, self.otpm)]
+
+    def capped_by(self, other: Limits) -> Limits:
+        """Each limit the lower of the two; one that only one of them has is kept."""
+
+        def low(a: int | None, b: int | None) -> int | None:
+            return b if a is None else a if b is None else min(a, b)
+
+        return Limits(low(self.rpm, other.rpm), low(self.itpm, other.itpm), low(self.otpm, other.otpm))
+
+
+def parse_limits(raw: str) -> dict[str, Limits]:
+    """``AGENTPOOL_RATE_LIMITS`` as {model: Limits}; a ValueError saying what is wrong otherwise."""
+    out: dict[str, Limits] = {}
+    for part in filter(None, (p.strip() for p in raw.split(";"))):
+        model, eq, spec = part.partition("=")
+        model = model.strip()
+        if not eq or not model:
+            raise ValueError(f"{FORM}; got {part!r}")
+        values: dict[str, int] = {}
+        for item in filter(None, (i.strip() for i in spec.split(","))):
+            name, colon, number = item.partition(":")
+            name = name.strip().lower()
+            if not colon or name not in ("rpm", "itpm", "otpm"):
+                raise ValueError(f"{FORM}; {item!r} in {model!r} is not rpm:N, itpm:N or otpm:N")
+            try:
+                value = float(number)
+            except ValueError:
+                raise ValueError(
+                    f"AGENTPOOL_RATE_LIMITS: {model} {name} must be a whole number >= 1, got {number!r}"
+                ) from None
+            values[name] = value  # type: ignore[assignment]
+        try:
+            out[model] = Limits(**values)
+        except ValueError as exc:
+            raise ValueError(f"AGENTPOOL_RATE_LIMITS: {model}: {exc}") from None
+        if model != "*":
+            try:
+                LimitKeys.of(model)
+            except ValueError as exc:
+                raise ValueError(f"AGENTPOOL_RATE_LIMITS: {exc}") from None
+    return out
+
+
+@dataclass(frozen=True)
+class Need:
+    input: int
+    output: int
+    requests: int = 1
+
+
+@dataclass(frozen=True)
+class Reservation:
+    model: str
+    id: str
+    need: Need
+
+
+@dataclass(frozen=True)
+class Wait:
+    seconds: float
+
+
+def reserve(
+    r: Redis, model: str, *, ticket: str, reservation_id: str, need: Need, limits: Limits, minute_s: float
+) -> Reservation | Wait:
+    """The call's budget, taken now, or how long to wait for it (the ticket then holds a place in line)."""
+    keys = LimitKeys.of(model)
+    granted, wait_ms = run_script(  # type: ignore[misc]
+        "limit_reserve",
+        r,
+        [keys.budget, keys.held, keys.waiting, keys.needs, LIMIT_MODELS],
+        [
+            0,  # unused: the scripts read Redis's clock
+            int(minute_s * 1000),
+            model,
+            ticket,
+            reservation_id,
+            need.requests,
+            need.input,
+            need.output,
+            *limits.args(),
+            TICKET_SLACK_MS,
+        ],
+    )
+    if int(granted) == 0:
+        return Wait(int(wait_ms) / 1000)
+    return Reservation(model, reservation_id, need)
+
+
+@dataclass(frozen=True)
+class Reported:
+    """What a reply's ``anthropic-ratelimit-*`` headers said: limits and remaining, per dimension."""
+
+    limits: dict[str, int] = field(default_factory=dict)
+    remaining: dict[str, int] = field(default_factory=dict)
+
+
+def settle(
+    r: Redis,
+    model: str,
+    *,
+    reservation: Reservation | None,
+    used_input: int,
+    used_output: int,
+    reported: Reported,
+    limits: Limits,
+    minute_s: float,
+) -> bool:
+    """Correct ``reservation`` to what the call used (a failed call: what it was billed for, often 0)
+    and learn what the API reported. Returns False if the reservation had been settled already."""
+    keys = LimitKeys.of(model)
+    back_in = back_out = 0
+    if reservation is not None:
+        back_in = reservation.need.input - used_input
+        back_out = reservation.need.output - used_output
+    code = run_script(
+        "limit_settle",
+        r,
+        [keys.budget, keys.held],
+        [
+            0,  # unused: the scripts read Redis's clock
+            int(minute_s * 1000),
+            reservation.id if reservation else "",
+            back_in,
+            back_out,
+            *limits.args(),
+            *(int(reported.limits.get(d, 0)) for d in DIMENSIONS),
+            *(int(reported.remaining.get(d, -1)) for d in DIMENSIONS),
+        ],
+    )
+    return bool(code)
+
+
+@dataclass(frozen=True)
+class BudgetView:
+    model: str
+    learned: dict[str, int]
+    levels: dict[str, float]  # as last written (not refilled to now)
+    at_ms: int
+    held: dict[str, int]  # input and output tokens reserved by calls in flight, and how many calls
+    waiting: int
+
+
+def show(r: Redis) -> list[BudgetView]:
+    """Every model's budget: what was learned, the buckets, what is reserved now and how many wait."""
+    views = []
+    for raw in sorted(r.smembers(LIMIT_MODELS)):
+        model = raw.decode()
+        keys = LimitKeys.of(model)
+        with r.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.budget)
+            pipe.hvals(keys.held)
+            pipe.zcard(keys.waiting)
+            budget, held, waiting = pipe.execute()
+        fields = {k.decode(): v.decode() for k, v in budget.items()}
+        inflight = {"calls": len(held), "input": 0, "output": 0}
+        for value in held:
+            parts = value.decode().split()
+            inflight["input"] += int(float(parts[0]))
+            inflight["output"] += int(float(parts[1]))
+        views.append(
+            BudgetView(
+                model=model,
+                learned={d: int(float(fields[f"learned:{d}"])) for d in DIMENSIONS if f"learned:{d}" in fields},
+                levels={d: float(fields[f"level:{d}"]) for d in DIMENSIONS if f"level:{d}" in fields},
+                at_ms=int(float(fields.get("at", 0))),
+                held=inflight,
+                waiting=int(waiting),
+            )
+        )
+    return views

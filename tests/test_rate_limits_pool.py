@@ -1,0 +1,38 @@
+"""A pool of real workers shares one rate-limit budget per model, learned from the scripted model's
+``anthropic-ratelimit-*`` headers with no configuration: the turns that would overrun it wait (deferred,
+holding no worker) instead of meeting 429s, and every run completes."""
+
+from __future__ import annotations
+
+from redis import Redis
+
+from agentpool import enqueue_run, wait_for_run
+from agentpool.store import events, ratelimit
+from agentpool.testing.localpool import WorkerProcesses
+from agentpool.testing.scripted_model import RateLimits
+
+from conftest import assert_valid_conversation, script_task
+
+READ = {"name": "read_notes", "input": {"topic": "release"}}
+STEPS = [{"tool_calls": [READ]}, {"tool_calls": [READ]}, {"text": "All done."}]
+RUNS = 12
+
+
+def test_runs_beyond_the_limit_wait_for_the_budget_instead_of_meeting_429s(r: Redis, pool, model) -> None:
+    model.set_scripts({"steps": STEPS})
+    # 8 requests a (scaled) minute of 2 s: 36 calls need several refills; 8 turns at once could all ask.
+    model.set_rate_limits(RateLimits(rpm=8, minute=2.0))
+    args = ("--log-level", "INFO", "--concurrency", "8")
+    WorkerProcesses.start(pool, 1, *args, AGENTPOOL_RATE_LIMIT_MINUTE="2")
+    run_ids = [enqueue_run("pool_agents:support", script_task("steps", f"task {i}"), connection=r) for i in range(RUNS)]
+    runs = [wait_for_run(run_id, timeout=120, connection=r) for run_id in run_ids]
+    assert [run.status for run in runs] == ["completed"] * RUNS, ([(x.status, x.error) for x in runs], pool.logs())
+    for run in runs:
+        assert run.turns == 3 and run.result == "All done."
+        assert_valid_conversation(run.messages)
+    # Without the limiter (AGENTPOOL_RATE_LIMITER=off) this load meets many 429s: each turn backs off alone.
+    assert model.stats()["rate_limited"] == 0, model.stats()
+    waits = [f for run_id in run_ids for _, f in events.read(r, run_id) if f["kind"] == "waiting_for_budget"]
+    assert waits, "no turn ever waited for the budget: the limit was never reached"
+    (view,) = ratelimit.show(r)
+    assert view.learned == {"requests": 8} and view.waiting == 0 and view.held["calls"] == 0

@@ -1,0 +1,129 @@
+"""The pool's rate-limit budget in Redis (store/ratelimit.py, store/lua/limit_*.lua): reservations,
+corrections, what the API's headers teach, and the line waiting turns stand in."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+from redis import Redis
+
+from agentpool.store import ratelimit
+from agentpool.store.keys import LimitKeys
+from agentpool.store.ratelimit import Limits, Need, Reported, Reservation, Wait, parse_limits
+
+MODEL = "claude-sonnet-5-5"
+SLOW = 3600.0  # a "minute" of an hour: nothing refills visibly during a test
+UNLIMITED = Limits()
+NOTHING = Reported()
+
+
+def take(r: Redis, ticket: str, need: Need, limits: Limits = UNLIMITED, minute: float = SLOW, rid: str | None = None):
+    return ratelimit.reserve(
+        r, MODEL, ticket=ticket, reservation_id=rid or f"res-{ticket}", need=need, limits=limits, minute_s=minute
+    )
+
+
+def settle(r: Redis, got, used_in: int = 0, used_out: int = 0, reported: Reported = NOTHING, **kw) -> bool:
+    return ratelimit.settle(
+        r,
+        MODEL,
+        reservation=got,
+        used_input=used_in,
+        used_output=used_out,
+        reported=reported,
+        limits=kw.get("limits", UNLIMITED),
+        minute_s=kw.get("minute", SLOW),
+    )
+
+
+def test_an_operator_limit_admits_that_many_requests_then_says_how_long_to_wait(r: Redis) -> None:
+    limits = Limits(rpm=3)
+    assert all(isinstance(take(r, f"t{i}", Need(10, 10), limits), Reservation) for i in range(3))
+    waited = take(r, "t3", Need(10, 10), limits)
+    assert isinstance(waited, Wait)
+    assert 0 < waited.seconds <= SLOW / 3 + 1  # one request refills in a third of the minute
+
+
+def test_waiting_turns_go_in_the_order_they_began_to_wait(r: Redis) -> None:
+    limits = Limits(itpm=1000)
+    assert isinstance(take(r, "first-call", Need(1000, 0), limits), Reservation)  # the bucket is empty now
+    assert isinstance(take(r, "early", Need(600, 0), limits), Wait)
+    assert isinstance(take(r, "late", Need(300, 0), limits), Wait)
+    # 700 come back (the first call used only 300): enough for "late" alone, but "early" is ahead of it.
+    assert settle(r, Reservation(MODEL, "res-first-call", Need(1000, 0)), used_in=300, limits=limits)
+    assert isinstance(take(r, "late", Need(300, 0), limits), Wait)
+    assert isinstance(take(r, "newcomer", Need(50, 0), limits), Wait)  # nor may one that never waited
+    assert isinstance(take(r, "early", Need(600, 0), limits), Reservation)
+    assert isinstance(take(r, "late", Need(300, 0), limits), Wait)  # 100 left, 300 needed
+    assert r.zrange(LimitKeys.of(MODEL).waiting, 0, -1) == [b"late", b"newcomer"]
+
+
+def test_a_ticket_nobody_comes_back_for_stops_holding_its_place(r: Redis) -> None:
+    limits = Limits(rpm=1)
+    take(r, "a", Need(1, 1), limits, minute=0.5)
+    assert isinstance(take(r, "gone", Need(1, 1), limits, minute=0.5), Wait)
+    keys = LimitKeys.of(MODEL)
+    r.hset(keys.needs, "gone", "1 1 1 1")  # its expiry long past
+    got = None
+    for _ in range(400):  # the bucket refills in half a second; "gone" no longer stands in front
+        got = take(r, "b", Need(1, 1), limits, minute=0.5)
+        if isinstance(got, Reservation):
+            break
+        time.sleep(0.05)
+    assert isinstance(got, Reservation)
+    assert b"gone" not in r.zrange(keys.waiting, 0, -1)
+
+
+def test_settling_gives_back_what_the_call_did_not_use_once(r: Redis) -> None:
+    limits = Limits(otpm=1000)
+    got = take(r, "t", Need(10, 900), limits)
+    assert isinstance(take(r, "u", Need(10, 900), limits), Wait)
+    assert settle(r, got, used_out=100, limits=limits)
+    assert not settle(r, got, used_out=100, limits=limits)  # a re-sent settle gives nothing back twice
+    assert isinstance(take(r, "u", Need(10, 900), limits), Reservation)  # 900 were back
+    assert isinstance(take(r, "v", Need(10, 200), limits), Wait)  # ...and only once: 100 left
+
+
+def test_a_resent_reservation_takes_the_budget_once(r: Redis) -> None:
+    limits = Limits(rpm=2)
+    assert isinstance(take(r, "t", Need(1, 1), limits, rid="same"), Reservation)
+    assert isinstance(take(r, "t", Need(1, 1), limits, rid="same"), Reservation)
+    assert isinstance(take(r, "u", Need(1, 1), limits), Reservation)
+
+
+def test_limits_and_remaining_are_learned_from_the_api_headers_with_no_configuration(r: Redis) -> None:
+    assert isinstance(take(r, "t", Need(10, 10)), Reservation)  # nothing known: not limited
+    learned = Reported(limits={"requests": 50, "input": 10_000}, remaining={"requests": 0, "input": 9000})
+    settle(r, None, reported=learned)
+    assert isinstance(take(r, "u", Need(10, 10)), Wait)  # the API said no request is left
+    (view,) = ratelimit.show(r)
+    assert view.model == MODEL and view.learned == {"requests": 50, "input": 10_000}
+    assert view.waiting == 1 and view.held["calls"] == 1
+
+
+def test_an_operator_limit_caps_a_learned_one(r: Redis) -> None:
+    settle(r, None, reported=Reported(limits={"requests": 1000}))
+    capped = Limits(rpm=2)
+    assert isinstance(take(r, "a", Need(1, 1), capped), Reservation)
+    assert isinstance(take(r, "b", Need(1, 1), capped), Reservation)
+    assert isinstance(take(r, "c", Need(1, 1), capped), Wait)
+
+
+def test_the_env_form_parses_and_bad_limits_get_one_clear_line() -> None:
+    parsed = parse_limits("claude-sonnet-5-5=rpm:600,itpm:200000,otpm:40000;*=rpm:50")
+    assert parsed == {"claude-sonnet-5-5": Limits(600, 200_000, 40_000), "*": Limits(rpm=50)}
+    for bad, words in [
+        ("claude-sonnet-5-5=rpm:-1", "rpm"),
+        ("claude-sonnet-5-5=itpm:nan", "itpm"),
+        ("claude-sonnet-5-5=tpm:5", "tpm"),
+        ("rpm:5", "AGENTPOOL_RATE_LIMITS"),
+        ("x=rpm:1.5", "rpm"),
+        ("bad model=rpm:1", "model"),
+    ]:
+        with pytest.raises(ValueError) as caught:
+            parse_limits(bad)
+        message = str(caught.value)
+        assert words in message and "\n" not in message
+    assert not math.isnan(Limits(rpm=5).rpm or 0)

@@ -1,0 +1,149 @@
+"""Model calls inside the pool's rate limits (``agentpool.store.ratelimit``): one budget per model in
+Redis, shared by every worker, in the API's own units (requests, input tokens, output tokens a minute).
+
+Before a call its budget is reserved: one request, the input tokens it is estimated to count (the last
+call's context plus what the turn added since; the whole request for a first call or a summary) and its
+``max_tokens``. After it, the reservation is corrected to the real usage (cache reads are free: the API
+does not count them toward the input-token limit on current models), and what a failed call did not use
+goes back. The limits are learned from the API's ``anthropic-ratelimit-*`` headers with no configuration;
+``AGENTPOOL_RATE_LIMITS`` sets or caps them.
+
+A call the budget cannot cover now raises ``WaitForBudget``: the turn is deferred (like a backoff: no
+worker, thread or lease is held while it waits) and comes back when its place in line (the order it
+began to wait in) and the budget allow. A 429 still backs off as before; it also tells the budget the
+API's remaining is 0, so the turns behind it wait instead of meeting 429s of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from agentpool.agent import Agent
+from agentpool.runtime.model import ModelReply, ModelUnavailable, call_model
+from agentpool.store import ratelimit
+from agentpool.store.errors import AgentPoolError
+from agentpool.store.ratelimit import Limits, Need, Reported
+
+if TYPE_CHECKING:
+    from agentpool.runtime.turn import Turn
+
+log = logging.getLogger("agentpool.ratelimit")
+
+CHARS_PER_TOKEN = 3  # cautious: JSON and code run ~3 characters a token; the reservation is corrected after
+MIN_WAIT = 0.05
+_DIMENSIONS = {"requests": "requests", "input-tokens": "input", "output-tokens": "output"}
+
+
+class WaitForBudget(AgentPoolError):
+    """The pool's budget for the model cannot cover this call yet: defer the turn ``seconds``."""
+
+    def __init__(self, model: str, seconds: float) -> None:
+        super().__init__(f"waiting {seconds:.2f} s for {model}'s rate-limit budget")
+        self.model, self.seconds = model, max(MIN_WAIT, seconds)
+
+
+def limits_for(configured: Mapping[str, Limits], model: str) -> Limits:
+    return configured.get(model) or configured.get("*") or Limits()
+
+
+def reported(headers: Mapping[str, str]) -> Reported:
+    """The limits and remaining budget a reply's ``anthropic-ratelimit-*`` headers state."""
+    limits: dict[str, int] = {}
+    remaining: dict[str, int] = {}
+    for api_name, dim in _DIMENSIONS.items():
+        for part, into in (("limit", limits), ("remaining", remaining)):
+            value = headers.get(f"anthropic-ratelimit-{api_name}-{part}")
+            if value is None:
+                continue
+            try:
+                number = int(value)
+            except ValueError:
+                continue  # a gateway's odd header: nothing learned from it
+            if number >= (1 if part == "limit" else 0):
+                into[dim] = number
+    return Reported(limits, remaining)
+
+
+def estimate_input(agent: Agent, messages: list[dict[str, Any]], last_reply: Mapping[str, Any] | None) -> int:
+    """Input tokens the call may count: the last call's context and what came after it, or (no last
+    call, or a summary) the whole request."""
+    if last_reply and last_reply.get("context_tokens"):
+        added = _after_last_reply(messages)
+        return int(last_reply["context_tokens"]) + _tokens(added)
+    tools = [t.to_param() for t in agent.tools]
+    return _tokens([agent.system or "", tools, messages])
+
+
+def _tokens(value: Any) -> int:
+    return max(1, len(json.dumps(value, ensure_ascii=False, default=str)) // CHARS_PER_TOKEN)
+
+
+def _after_last_reply(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i]["role"] == "assistant":
+            return messages[i + 1 :]
+    return messages
+
+
+def limited_call(
+    turn: Turn,
+    agent: Agent,
+    messages: list[dict[str, Any]],
+    *,
+    last_reply: Mapping[str, Any] | None = None,
+    summary: bool = False,
+    **kwargs: Any,
+) -> ModelReply:
+    """``call_model`` inside the pool's budget for ``agent.model``; raises ``WaitForBudget`` instead of
+    calling when the budget cannot cover it yet."""
+    settings = turn.settings
+    if not settings.rate_limiter:
+        return call_model(agent, messages, summary=summary, **kwargs)
+    configured = limits_for(settings.rate_limits, agent.model)
+    minute = settings.rate_limit_minute
+    max_tokens = agent.compaction.summary_max_tokens if summary and agent.compaction else agent.max_tokens
+    need = Need(estimate_input(agent, messages, None if summary else last_reply), int(max_tokens))
+    got = ratelimit.reserve(
+        turn.r,
+        agent.model,
+        ticket=f"{turn.run_id}:{turn.turn}",
+        reservation_id=uuid.uuid4().hex,
+        need=need,
+        limits=configured,
+        minute_s=minute,
+    )
+    if isinstance(got, ratelimit.Wait):
+        raise WaitForBudget(agent.model, got.seconds)
+    used_in = used_out = 0
+    headers: Mapping[str, str] = {}
+    try:
+        reply = call_model(agent, messages, summary=summary, **kwargs)
+        used_in = reply.usage.get("input_tokens", 0) + reply.usage.get("cache_creation_input_tokens", 0)
+        used_out = reply.usage.get("output_tokens", 0)
+        headers = reply.limits
+        return reply
+    except ModelUnavailable as exc:
+        # What a failed call did not use goes back; a cut stream was billed for what it had reported.
+        used_in = exc.spent.get("input_tokens", 0) + exc.spent.get("cache_creation_input_tokens", 0)
+        used_out = exc.spent.get("output_tokens", 0)
+        headers = exc.limits
+        raise
+    finally:
+        try:
+            ratelimit.settle(
+                turn.r,
+                agent.model,
+                reservation=got,
+                used_input=used_in,
+                used_output=used_out,
+                reported=reported(headers),
+                limits=configured,
+                minute_s=minute,
+            )
+        except Exception:
+            # The budget is corrected by its own refill; the call's outcome matters more than this.
+            log.exception("run %s: could not settle the rate-limit reservation", turn.run_id)
