@@ -104,10 +104,14 @@ class Wait:
     seconds: float
 
 
+UNLIMITED = "unlimited"  # what ``reserve`` returns while nothing limits the model (nothing held)
+
+
 def reserve(
     r: Redis, model: str, *, ticket: str, reservation_id: str, need: Need, limits: Limits, minute_s: float
-) -> Reservation | Wait:
-    """The call's budget, taken now, or how long to wait for it (the ticket then holds a place in line)."""
+) -> Reservation | Wait | str:
+    """The call's budget, taken now, or how long to wait for it (the ticket then holds a place in line),
+    or ``UNLIMITED`` when no limit is set or learned for the model yet."""
     keys = LimitKeys.of(model)
     granted, wait_ms = run_script(  # type: ignore[misc]
         "limit_reserve",
@@ -128,6 +132,8 @@ def reserve(
     )
     if int(granted) == 0:
         return Wait(int(wait_ms) / 1000)
+    if int(granted) == 3:
+        return UNLIMITED
     return Reservation(model, reservation_id, need)
 
 
@@ -160,7 +166,7 @@ def settle(
     code = run_script(
         "limit_settle",
         r,
-        [keys.budget, keys.held],
+        [keys.budget, keys.held, LIMIT_MODELS],
         [
             0,  # unused: the scripts read Redis's clock
             int(minute_s * 1000),
@@ -170,6 +176,7 @@ def settle(
             *limits.args(),
             *(int(reported.limits.get(d, 0)) for d in DIMENSIONS),
             *(int(reported.remaining.get(d, -1)) for d in DIMENSIONS),
+            model,
         ],
     )
     return bool(code)

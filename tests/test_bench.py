@@ -56,6 +56,15 @@ SECTIONS = {
         ["request bytes, max", "window ms, mean", "whole ms"],
         6,
     ),
+    "limits": (
+        [
+            *("--limit-runs", "4", "--limit-turns", "2", "--limit-workers", "1", "--limit-concurrency", "2"),
+            *("--limit-minute", "2", "--limit-rpm", "4", "--limit-itpm", "4000"),
+        ],
+        "limits: 4 runs of 2 turns",
+        ["limiter off (today)", "limiter on (learned)"],
+        2,
+    ),
 }
 # Sections that print a second table: (its title, its rows).
 MORE_TABLES = {

@@ -4,6 +4,9 @@ holding no worker) instead of meeting 429s, and every run completes."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from redis import Redis
 
 from agentpool import enqueue_run, wait_for_run
@@ -36,3 +39,34 @@ def test_runs_beyond_the_limit_wait_for_the_budget_instead_of_meeting_429s(r: Re
     assert waits, "no turn ever waited for the budget: the limit was never reached"
     (view,) = ratelimit.show(r)
     assert view.learned == {"requests": 8} and view.waiting == 0 and view.held["calls"] == 0
+    shown = _cli(pool, "limits", "show")
+    assert shown.returncode == 0, shown.stderr
+    assert "claude-sonnet-5-5: 0 call(s) in flight, 0 turn(s) waiting" in shown.stdout
+    (requests_row,) = [line for line in shown.stdout.splitlines() if "requests/min" in line]
+    assert requests_row.split()[1:3] == ["8", "8"]  # learned, in force
+
+
+def test_a_bad_rate_limit_is_refused_in_one_line_at_worker_start(pool) -> None:
+    for bad in ("claude-sonnet-5-5=rpm:-1", "claude-sonnet-5-5=itpm:nan", "*=rpm"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "agentpool", "worker", "--burst"],
+            env={**pool.env, "AGENTPOOL_RATE_LIMITS": bad},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert proc.returncode != 0
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and "AGENTPOOL_RATE_LIMITS" in lines[0], proc.stderr
+
+
+def _cli(pool, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "agentpool", *args],
+        env=pool.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )

@@ -94,13 +94,15 @@ def test_a_resent_reservation_takes_the_budget_once(r: Redis) -> None:
 
 
 def test_limits_and_remaining_are_learned_from_the_api_headers_with_no_configuration(r: Redis) -> None:
-    assert isinstance(take(r, "t", Need(10, 10)), Reservation)  # nothing known: not limited
-    learned = Reported(limits={"requests": 50, "input": 10_000}, remaining={"requests": 0, "input": 9000})
+    assert take(r, "t", Need(10, 10)) == ratelimit.UNLIMITED  # nothing known: not limited, nothing held
+    assert ratelimit.show(r) == []
+    learned = Reported(limits={"requests": 50, "input": 10_000}, remaining={"requests": 1, "input": 9000})
     settle(r, None, reported=learned)
-    assert isinstance(take(r, "u", Need(10, 10)), Wait)  # the API said no request is left
+    assert isinstance(take(r, "u", Need(10, 10)), Reservation)
+    assert isinstance(take(r, "v", Need(10, 10)), Wait)  # the API said one request was left
     (view,) = ratelimit.show(r)
     assert view.model == MODEL and view.learned == {"requests": 50, "input": 10_000}
-    assert view.waiting == 1 and view.held["calls"] == 1
+    assert view.waiting == 1 and view.held == {"calls": 1, "input": 10, "output": 10}
 
 
 def test_an_operator_limit_caps_a_learned_one(r: Redis) -> None:

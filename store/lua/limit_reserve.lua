@@ -12,12 +12,12 @@
 -- ARGV[1] unused  ARGV[2] minute ms  ARGV[3] model  ARGV[4] ticket  ARGV[5] reservation id
 -- ARGV[6..8] needed requests, input tokens, output tokens  ARGV[9..11] operator limits rpm, itpm, otpm
 -- (0: none)  ARGV[12] ticket slack ms
--- Returns {1, 0} granted, {0, wait_ms} wait (the ticket is in line), {2, 0} already granted.
+-- Returns {1, 0} granted, {0, wait_ms} wait (the ticket is in line), {2, 0} already granted,
+-- {3, 0} nothing limits this model yet (no limit set or learned): nothing is held, nothing to settle.
 -- Redis's clock, not the caller's: every worker's refill is measured on one clock.
 local t = redis.call('TIME')
 local now, minute = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), tonumber(ARGV[2])
 if redis.call('HEXISTS', KEYS[2], ARGV[5]) == 1 then return {2, 0} end
-redis.call('SADD', KEYS[5], ARGV[3])
 local dims = {'requests', 'input', 'output'}
 local need = {tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])}
 local state = redis.call('HGETALL', KEYS[1])
@@ -35,6 +35,8 @@ for i, d in ipairs(dims) do
     level[i] = math.min(l, lv + math.max(0, now - at) * l / minute)
   end
 end
+if limit[1] == 0 and limit[2] == 0 and limit[3] == 0 then return {3, 0} end
+redis.call('SADD', KEYS[5], ARGV[3])
 -- What the live tickets ahead of this one need (expired ones leave the line).
 local ahead = {0, 0, 0}
 local members = redis.call('ZRANGE', KEYS[3], 0, -1)

@@ -3,12 +3,12 @@
 -- reported are learned. Once per reservation id: a re-sent call finds it settled and changes nothing.
 -- The headers come first, then the correction: the API's remaining was counted before this call's
 -- own correction too (it holds max_tokens until the reply ends, as the reservation did).
--- KEYS[1] budget hash  KEYS[2] held hash
+-- KEYS[1] budget hash  KEYS[2] held hash  KEYS[3] set of models with a budget
 -- ARGV[1] unused  ARGV[2] minute ms  ARGV[3] reservation id ('' for headers alone)
 -- ARGV[4..5] input, output tokens to give back (negative: taken)
 -- ARGV[6..8] operator limits rpm, itpm, otpm (0: none)
 -- ARGV[9..11] learned limits requests, input, output (0: not reported)
--- ARGV[12..14] remaining requests, input, output as reported (-1: not reported)
+-- ARGV[12..14] remaining requests, input, output as reported (-1: not reported)  ARGV[15] model
 -- Returns 1 settled, 0 nothing held under that id (headers still learned).
 -- Redis's clock, not the caller's: every worker's refill is measured on one clock.
 local t = redis.call('TIME')
@@ -27,6 +27,7 @@ for i, d in ipairs(dims) do
   local learned = tonumber(ARGV[8 + i])
   if learned > 0 then
     table.insert(fields, 'learned:' .. d); table.insert(fields, learned)
+    redis.call('SADD', KEYS[3], ARGV[15])
   else
     learned = tonumber(h['learned:' .. d] or 0)
   end

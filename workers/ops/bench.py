@@ -3,9 +3,10 @@
 Every figure is measured in one invocation against its own redis-server (or an empty database given
 with ``--url``), its own scripted model server and real ``agentpool worker`` processes, with the
 baseline run beside it on the same worker class. It prints figures with their targets and judges
-nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``deferred``, ``durability``, ``long`` (``--only``;
-default all; the long-run figures and streaming's share of the overhead are in ``bench_long.py``, the
-deferred turns' lateness under kills in ``bench_ha.py``).
+nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``deferred``, ``durability``, ``long``, ``limits``
+(``--only``; default all; the long-run figures and streaming's share of the overhead are in
+``bench_long.py``, the deferred turns' lateness under kills in ``bench_ha.py``, the rate limiter's
+429 share and throughput against the limit in ``bench_limits.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from agentpool.context import current_call
 from agentpool.runtime import connections
 from agentpool.tools import tool
 
-SECTIONS = ("overhead", "saves", "memory", "recovery", "deferred", "durability", "long")
+SECTIONS = ("overhead", "saves", "memory", "recovery", "deferred", "durability", "long", "limits")
 AGENT = "agentpool.ops.bench:bench_agent"
 MODEL = "claude-sonnet-5-5"
 GB = 1e9  # figures per GB use 10^9 bytes
@@ -832,6 +833,25 @@ def _lab(url: str | None) -> Iterator[Lab]:
 @click.option(
     "--deltas", type=click.IntRange(min=10), default=200, show_default=True, help="long: deltas watched live."
 )
+@click.option("--limit-runs", type=click.IntRange(min=1), default=300, show_default=True, help="limits: runs.")
+@click.option("--limit-turns", type=click.IntRange(min=1), default=5, show_default=True, help="limits: turns per run.")
+@click.option(
+    "--limit-workers", type=click.IntRange(min=1), default=4, show_default=True, help="limits: threaded workers."
+)
+@click.option(
+    "--limit-concurrency", type=click.IntRange(min=1), default=50, show_default=True, help="limits: --concurrency."
+)
+@click.option(
+    "--limit-minute",
+    type=click.FloatRange(min=0.5),
+    default=30.0,
+    show_default=True,
+    help="limits: seconds a rate-limit minute lasts (the limits are kept: same ratios, faster).",
+)
+@click.option("--limit-rpm", type=click.IntRange(min=1), default=600, show_default=True, help="limits: requests.")
+@click.option(
+    "--limit-itpm", type=click.IntRange(min=1), default=200_000, show_default=True, help="limits: input tokens."
+)
 def bench(
     url: str | None,
     only: tuple[str, ...],
@@ -852,6 +872,13 @@ def bench(
     long_turns: int,
     long_early: int,
     deltas: int,
+    limit_runs: int,
+    limit_turns: int,
+    limit_workers: int,
+    limit_concurrency: int,
+    limit_minute: float,
+    limit_rpm: int,
+    limit_itpm: int,
 ) -> None:
     """Measure agentpool on this machine: per-turn overhead, save cost, memory, crash recovery."""
     from agentpool.runtime.settings import Settings
@@ -887,3 +914,9 @@ def bench(
             from agentpool.ops.bench_long import bench_long
 
             bench_long(lab, long_turns, min(long_early, long_turns), deltas)
+        if "limits" in sections:
+            from agentpool.ops.bench_limits import bench_limits
+
+            bench_limits(
+                lab, limit_runs, limit_turns, limit_workers, limit_concurrency, limit_minute, limit_rpm, limit_itpm
+            )

@@ -70,6 +70,7 @@ class _Commands(OneLineErrors):
         "bench": "agentpool.ops.bench",
         "dashboard": "agentpool.ops.dashboard",
         "demo": "agentpool.ops.demo",
+        "limits": "agentpool.ops.limits",
         "metrics": "agentpool.ops.metrics",
     }
 
@@ -131,6 +132,9 @@ def worker(
     """Run an RQ worker for agent turns."""
     from rq.logutils import setup_loghandlers
 
+    from agentpool.runtime.settings import Settings
+
+    Settings.from_env()  # a bad AGENTPOOL_* setting (a rate limit, a timeout) says so in one line, now
     # agentpool's own lines (events at INFO, takeovers, lost leases) beside RQ's, named by their logger.
     setup_loghandlers(log_level.upper(), name="agentpool", log_format="%(asctime)s %(name)s: %(message)s")
     target = target_url(url)
@@ -270,7 +274,10 @@ def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> 
     count, overdue = deferred.summary(r)
     if count:  # not RQ jobs until due, so `rq info` does not count them
         late = f"; the oldest due one is {overdue:.0f} s overdue: is any worker running?" if overdue > 2 else ""
-        click.echo(f"\n{count} turn(s) deferred after model errors, enqueued by the reaper when due{late}")
+        click.echo(
+            f"\n{count} turn(s) deferred (after model errors, or waiting for a rate-limit budget), "
+            f"enqueued by the reaper when due{late}"
+        )
 
 
 def _short_note(run: Run, now: float) -> str:

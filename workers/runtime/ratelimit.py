@@ -118,6 +118,7 @@ def limited_call(
     )
     if isinstance(got, ratelimit.Wait):
         raise WaitForBudget(agent.model, got.seconds)
+    reservation = got if isinstance(got, ratelimit.Reservation) else None
     used_in = used_out = 0
     headers: Mapping[str, str] = {}
     try:
@@ -133,17 +134,19 @@ def limited_call(
         headers = exc.limits
         raise
     finally:
+        learned = reported(headers)
         try:
-            ratelimit.settle(
-                turn.r,
-                agent.model,
-                reservation=got,
-                used_input=used_in,
-                used_output=used_out,
-                reported=reported(headers),
-                limits=configured,
-                minute_s=minute,
-            )
+            if reservation is not None or learned.limits or learned.remaining:
+                ratelimit.settle(
+                    turn.r,
+                    agent.model,
+                    reservation=reservation,
+                    used_input=used_in,
+                    used_output=used_out,
+                    reported=learned,
+                    limits=configured,
+                    minute_s=minute,
+                )
         except Exception:
             # The budget is corrected by its own refill; the call's outcome matters more than this.
             log.exception("run %s: could not settle the rate-limit reservation", turn.run_id)

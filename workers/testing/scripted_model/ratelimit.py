@@ -99,6 +99,7 @@ class RateLimiter:
             self.limits = limits or RateLimits()
             self._buckets = {name: _Bucket(cap, self.limits.minute) for name, cap in self.limits.by_dimension().items()}
             self.refused = 0
+            self.admitted = {name: 0 for name in DIMENSIONS}  # what the buckets were charged, corrections in
 
     def refill(self) -> None:
         self.configure(self.limits)
@@ -127,12 +128,20 @@ class RateLimiter:
                 )
             for name, bucket in self._buckets.items():
                 bucket.level -= need[name]
-            admission = Admission(self, max_tokens if "output-tokens" in self._buckets else 0)
+            for name in DIMENSIONS:
+                self.admitted[name] += need[name]
+            admission = Admission(self, max_tokens)
             admission.headers = self._headers()
             return admission
 
+    def totals(self) -> dict[str, int]:
+        """Requests and counted tokens admitted since the limits were set, and requests refused."""
+        with self._lock:
+            return {**self.admitted, "refused": self.refused}
+
     def _give_back(self, name: str, amount: float) -> None:
         with self._lock:
+            self.admitted[name] -= int(amount)
             bucket = self._buckets.get(name)
             if bucket is not None:
                 bucket.refill(time.monotonic())

@@ -1,0 +1,65 @@
+"""``agentpool limits``: the pool's shared limits. ``show``: every model's rate-limit budget, what the
+pool learned from the API's headers, what ``AGENTPOOL_RATE_LIMITS`` sets here, what is left and reserved
+now, and how many turns wait in line."""
+
+from __future__ import annotations
+
+import click
+
+from agentpool.ops.redisconn import quick_client
+
+url_option = click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
+_LABELS = {"requests": "requests/min", "input": "input tokens/min", "output": "output tokens/min"}
+
+
+@click.group()
+def limits() -> None:
+    """The pool's shared limits: model rate limits (show)."""
+
+
+@limits.command()
+@url_option
+def show(url: str | None) -> None:
+    """Each model's budget: limits learned and set, what is left now, what calls in flight hold."""
+    from agentpool.runtime.settings import Settings
+    from agentpool.store import ratelimit
+    from agentpool.store.clock import now_ms
+
+    settings = Settings.from_env()
+    r = quick_client(url)
+    views = ratelimit.show(r)
+    if not views:
+        click.echo("no model call has gone through the pool's rate limiter yet")
+    minute = settings.rate_limit_minute
+    for view in views:
+        configured = _configured(settings.rate_limits, view.model)
+        click.echo(f"{view.model}: {view.held['calls']} call(s) in flight, {view.waiting} turn(s) waiting in line")
+        click.echo(f"  {'':<18} {'learned':>10} {'set here':>10} {'in force':>10} {'left now':>10} {'reserved':>10}")
+        for dim in ratelimit.DIMENSIONS:
+            learned = view.learned.get(dim)
+            cap = configured.get(dim)
+            limit = min(v for v in (learned, cap) if v) if (learned or cap) else None
+            left = ""
+            if limit and dim in view.levels:
+                elapsed = max(0.0, (now_ms() - view.at_ms) / 1000)
+                left = f"{min(limit, view.levels[dim] + elapsed * limit / minute):.0f}"
+            reserved = str(view.held.get(dim, view.held["calls"] if dim == "requests" else 0))
+            click.echo(
+                f"  {_LABELS[dim]:<18} {_num(learned):>10} {_num(cap):>10} {_num(limit) or 'none':>10} "
+                f"{left:>10} {reserved:>10}"
+            )
+    if not settings.rate_limiter:
+        click.echo("\nnote: AGENTPOOL_RATE_LIMITER=off here: workers started with it do not use these budgets")
+
+
+def _configured(configured: dict, model: str) -> dict[str, int]:
+    from agentpool.store.ratelimit import Limits
+
+    chosen: Limits = configured.get(model) or configured.get("*") or Limits()
+    return {
+        d: v for d, v in zip(("requests", "input", "output"), (chosen.rpm, chosen.itpm, chosen.otpm), strict=True) if v
+    }
+
+
+def _num(value: int | None) -> str:
+    return f"{value:,}" if value else ""
