@@ -56,10 +56,20 @@ QUEUED_RECHECK_MS = 30_000
 EAGER_TRIES = 20  # a fenced transaction's tries without a pause, while others change what it watches
 
 
-def stage_create(pipe: Pipeline, run_id: str, *, agent: str, task: str, limits: Mapping[str, Any], now: float) -> None:
-    """Add the commands that create a run to ``pipe`` (the caller adds the first turn's enqueue)."""
+def stage_create(
+    pipe: Pipeline,
+    run_id: str,
+    *,
+    agent: str,
+    task: str,
+    limits: Mapping[str, Any],
+    now: float,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Add the commands that create a run to ``pipe`` (the caller adds the first turn's enqueue);
+    ``extra`` header fields (its queue, say) are written with it."""
     keys = RunKeys.of(run_id)
-    pipe.hset(keys.run, mapping=new_header(agent, limits, now))
+    pipe.hset(keys.run, mapping={**new_header(agent, limits, now), **(extra or {})})
     pipe.rpush(keys.messages, pack_message({"role": "user", "content": task}))
     pipe.zadd(RUNS, {run_id: int(now * 1000)})
     pipe.zadd(RUNS_WATCH, {run_id: int(now * 1000) + QUEUED_RECHECK_MS})
@@ -74,6 +84,7 @@ def create_run(
     limits: Mapping[str, Any],
     now: float,
     stage_enqueue: Callable[[Pipeline], None],
+    extra: Mapping[str, Any] | None = None,
 ) -> bool:
     """Create the run and its first turn's job (``stage_enqueue``) in one transaction, unless a run
     with this id exists. Returns True if it was created now, False if it already existed for the very
@@ -94,7 +105,7 @@ def create_run(
             _check_same_request(r, run_id, header, agent=agent, task=task, limits=limits)
             return False
         pipe.multi()
-        stage_create(pipe, run_id, agent=agent, task=task, limits=limits, now=now)
+        stage_create(pipe, run_id, agent=agent, task=task, limits=limits, now=now, extra=extra)
         stage_enqueue(pipe)
         writes.stage_remember(pipe, keys.run, write_id)
         pipe.execute()

@@ -49,7 +49,9 @@ Per model's rate-limit budget (all keys of one budget share the hash tag ``{limi
     ap:{limits:<m>}:needs   hash    ticket -> "<requests> <input> <output> <expires ms>"
     ap:limits:models        set     every model that has a budget (for ``agentpool limits show``)
 
-RQ keeps its own keys under ``rq:``; agentpool's turn jobs go to the queue named by ``TURN_QUEUE``.
+RQ keeps its own keys under ``rq:``; agentpool's turn jobs go to the queue named by ``TURN_QUEUE``
+(the run's queue ``default``), or ``agentpool-<name>`` for a run enqueued on queue ``<name>`` (its
+header's ``queue``): ``rq_queue_name``.
 The global sorted sets are touched by the same scripts as a run's keys, so agentpool needs a single
 Redis (or a primary with replicas), not Redis Cluster.
 """
@@ -68,6 +70,8 @@ TURNS_DEFERRED = f"{PREFIX}:turns:deferred"
 DURABILITY_PROBE = f"{PREFIX}:durability:probe"
 STATS = f"{PREFIX}:stats"
 TURN_QUEUE = "agentpool"
+DEFAULT_QUEUE = "default"  # a run's queue when none is named: RQ's queue TURN_QUEUE, as before queues
+QUEUE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
 LIMIT_MODELS = f"{PREFIX}:limits:models"
 # A model id in a key (and a ticket's text): what the API's ids use, nothing that could break a key.
 MODEL_ID = re.compile(r"^[A-Za-z0-9._@/-]{1,200}$")
@@ -80,6 +84,21 @@ def check_run_id(run_id: str) -> str:
     if not isinstance(run_id, str) or not RUN_ID.match(run_id):
         raise ValueError(f"a run id is 1 to 100 letters, digits, '_' or '-'; got {run_id!r}")
     return run_id
+
+
+def check_queue(queue: str) -> str:
+    """``queue`` if a run may be put on it; a ValueError saying what is allowed otherwise."""
+    if not isinstance(queue, str) or not QUEUE_NAME.match(queue):
+        raise ValueError(
+            f"a queue name is 1 to 40 lowercase letters, digits, '_' or '-' (starting with a letter or digit); "
+            f"got {queue!r}"
+        )
+    return queue
+
+
+def rq_queue_name(queue: str) -> str:
+    """The RQ queue of agentpool's queue ``queue``: ``default`` stays RQ's ``agentpool``."""
+    return TURN_QUEUE if queue == DEFAULT_QUEUE else f"{TURN_QUEUE}-{check_queue(queue)}"
 
 
 @dataclass(frozen=True, slots=True)

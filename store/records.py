@@ -69,6 +69,7 @@ class RunState:
     last_reply: dict[str, Any] = field(default_factory=dict)  # meta of the newest reply in the window, if loaded
     forked_from: str = ""  # the run this one was forked from (``fork_run``), and at which of its turns
     forked_at: int = 0
+    queue: str = "default"  # the queue its turns go to (the header's ``queue``; none: ``default``)
 
     @property
     def current_turn(self) -> int:
@@ -76,10 +77,11 @@ class RunState:
         return self.turns - 1 if self.phase == "tools" else self.turns
 
 
-def new_header(agent: str, limits: Mapping[str, Any], now: float) -> dict[str, Any]:
+def new_header(agent: str, limits: Mapping[str, Any], now: float, queue: str = "default") -> dict[str, Any]:
     header: dict[str, Any] = {
         "v": SCHEMA_VERSION,
         "agent": agent,
+        "queue": queue,
         "status": "queued",
         "turns": 0,
         "phase": "model",
@@ -270,4 +272,5 @@ def load_header(run_id: str, raw: Mapping[bytes, bytes], *, open_sealed: bool = 
         window_hint=_int(raw, "window"),
         forked_from=_text(raw, "forked_from"),
         forked_at=_int(raw, "forked_at"),
+        queue=_text(raw, "queue") or "default",
     )

@@ -34,7 +34,7 @@ from rq.worker import WorkerStatus
 from agentpool import Agent, enqueue_run, get_run, wait_for_run
 from agentpool.runtime.settings import Settings
 from agentpool.store import events
-from agentpool.store.keys import TURN_QUEUE
+from agentpool.store.keys import TURN_QUEUE, rq_queue_name
 from agentpool.testing.localpool import children_of, free_port
 
 from conftest import ROOT, script_task
@@ -830,12 +830,17 @@ def test_k8s_pdb_and_scaledobject_target_the_worker_deployment():
     (scaled,) = _by_kind("ScaledObject")
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
     assert scaled["spec"]["minReplicaCount"] >= 1, "the reaper lives in the workers: never scale to zero"
-    (trigger,) = scaled["spec"]["triggers"]
-    assert trigger["type"] == "redis"
-    assert trigger["metadata"]["listName"] == Queue(TURN_QUEUE, connection=Redis()).key
-    assert int(trigger["metadata"]["listLength"]) >= 1
+    triggers = scaled["spec"]["triggers"]
+    assert triggers[0]["metadata"]["listName"] == Queue(TURN_QUEUE, connection=Redis()).key
     auth = {a["metadata"]["name"]: a for a in _by_kind("TriggerAuthentication")}
-    assert trigger["authenticationRef"]["name"] in auth
+    # One trigger per queue the workers serve, in the Deployment's args: KEDA scales on all of them.
+    served = deployment["spec"]["template"]["spec"]["containers"][0]["args"][1:] or ["default"]
+    lists = {Queue(rq_queue_name(q), connection=Redis()).key for q in served}
+    assert {t["metadata"]["listName"] for t in triggers} == lists
+    for trigger in triggers:
+        assert trigger["type"] == "redis"
+        assert int(trigger["metadata"]["listLength"]) >= 1
+        assert trigger["authenticationRef"]["name"] in auth
 
 
 def test_the_list_keda_watches_is_where_turns_wait(r):

@@ -21,7 +21,7 @@ from agentpool.store import window as run_window
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.events import Event, emit
-from agentpool.store.keys import RunKeys, check_run_id
+from agentpool.store.keys import DEFAULT_QUEUE, RunKeys, check_queue, check_run_id
 from agentpool.store.records import ACTIVE_STATUSES, STATUSES, RunState, load_header
 
 # What enqueues a turn (RQ) or loads an agent (pydantic) is imported by the functions that do: reading
@@ -65,6 +65,7 @@ class Run:
     forked_from: str | None = None  # the run this one was forked from (``fork_run``), at its turn ``forked_at``
     forked_at: int | None = None
     inbox: list[dict[str, Any]] = field(default_factory=list)  # messages sent that wait for delivery: id, content
+    queue: str = "default"  # the queue its turns go to (``enqueue_run(..., queue=...)``)
 
     @property
     def window(self) -> list[dict[str, Any]]:
@@ -93,6 +94,7 @@ class Run:
             awaiting_approval=waiting,
             forked_from=state.forked_from or None,
             forked_at=state.forked_at if state.forked_from else None,
+            queue=state.queue,
         )
 
     @property
@@ -119,6 +121,7 @@ def enqueue_run(
     max_cost_usd: float | None = None,
     run_id: str | None = None,
     check_agent: bool = True,
+    queue: str = DEFAULT_QUEUE,
 ) -> str:
     """Create a run of ``agent`` (an import path ``module:attribute``) on ``task`` and queue its
     first turn, atomically. Returns the run id. The limits, when given, override the agent's.
@@ -126,6 +129,8 @@ def enqueue_run(
     The agent is loaded here first, as a worker will load it, so that a typo or a broken module is
     an ``AgentNotLoadable`` at once rather than a run no worker can take. An app that does not have
     the agents' code (it only enqueues for workers that do) passes ``check_agent=False``.
+    ``queue`` names the queue every turn of the run goes to (``default``: RQ's queue ``agentpool``);
+    ``agentpool worker urgent default`` serves ``urgent`` first. Lowercase letters, digits, ``_``, ``-``.
 
     Idempotent with your own ``run_id``: if that run exists for the same agent, task and limits, its
     id is returned and the run is left as it is (a retried enqueue gets the run it made, never a
@@ -148,6 +153,7 @@ def enqueue_run(
         )
         if value is not None
     }
+    check_queue(queue)
     r = client_for(connection)
     run_id = check_run_id(run_id) if run_id is not None else new_run_id()
     parent = tracing.current_parent()  # the app's span, the parent of the run's trace
@@ -155,10 +161,17 @@ def enqueue_run(
     def stage_enqueue(pipe: Pipeline) -> None:
         if parent:
             pipe.hset(RunKeys.of(run_id).run, tracing.PARENT_FIELD, parent)
-        stage_turn(pipe, r, run_id, 0)  # RQ's enqueue joins the transaction
+        stage_turn(pipe, r, run_id, 0, queue=queue)  # RQ's enqueue joins the transaction
 
     created = checkpoint.create_run(
-        r, run_id, agent=agent, task=task, limits=limits, now=time.time(), stage_enqueue=stage_enqueue
+        r,
+        run_id,
+        agent=agent,
+        task=task,
+        limits=limits,
+        now=time.time(),
+        stage_enqueue=stage_enqueue,
+        extra={"queue": queue},
     )
     if created:
         emit(r, run_id, "status", status="queued", agent=agent)

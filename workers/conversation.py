@@ -244,6 +244,7 @@ def fork_run(
         asked="latest" if at_turn is None else str(at_turn),
         agent=state.agent,
         limits=state.limits,
+        queue=state.queue,
         blobs=blobs[:end],
         window=window,
         result=trailing_text(messages[:end]) if finished else "",
@@ -261,6 +262,7 @@ def _create_fork(
     asked: str,
     agent: str,
     limits: dict[str, Any],
+    queue: str,
     blobs: list[bytes],
     window: int,
     result: str,
@@ -280,7 +282,7 @@ def _create_fork(
             if existing[0] == parent.encode() and (same_turn or existing[2] == asked.encode()):
                 return fork_id  # a retried fork: it was created once
             raise RunExists(fork_id, f"and is not the fork of run {parent} at turn {turn}")
-        header = new_header(agent, limits, now)
+        header = new_header(agent, limits, now, queue)  # the fork's turns go where the parent's went
         header.update(
             turns=turn,
             window=window,
@@ -297,7 +299,7 @@ def _create_fork(
         pipe.zadd(RUNS, {fork_id: int(now * 1000)})
         if not finished:
             pipe.zadd(RUNS_WATCH, {fork_id: int(now * 1000) + checkpoint.QUEUED_RECHECK_MS})
-            stage_turn(pipe, r, fork_id, turn)
+            stage_turn(pipe, r, fork_id, turn, queue=queue)
         Event.of(fork_id, "forked", parent=parent, at_turn=turn, status=header["status"], **held_to).stage(pipe)
         retention = Settings.from_env().retention
         if finished and retention > 0:

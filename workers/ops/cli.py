@@ -90,6 +90,7 @@ def main() -> None:
 
 @main.command()
 @url_option
+@click.argument("queues", nargs=-1)
 @click.option("--name", default=None, help="Worker name (default: random).")
 @click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
 @click.option(
@@ -121,6 +122,7 @@ def main() -> None:
 )
 def worker(
     url: str | None,
+    queues: tuple[str, ...],
     name: str | None,
     burst: bool,
     log_level: str,
@@ -129,12 +131,18 @@ def worker(
     metrics_port: int | None,
     metrics_host: str,
 ) -> None:
-    """Run an RQ worker for agent turns."""
+    """Run an RQ worker for agent turns, serving QUEUES in order (default: the queue default alone):
+    ``agentpool worker urgent default`` takes an urgent turn before any default one."""
     from rq.logutils import setup_loghandlers
 
     from agentpool.runtime.settings import Settings
+    from agentpool.store.keys import DEFAULT_QUEUE, check_queue, rq_queue_name
 
     Settings.from_env()  # a bad AGENTPOOL_* setting (a rate limit, a timeout) says so in one line, now
+    try:
+        rq_queues = [rq_queue_name(check_queue(q)) for q in dict.fromkeys(queues or (DEFAULT_QUEUE,))]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="QUEUES") from None
     # agentpool's own lines (events at INFO, takeovers, lost leases) beside RQ's, named by their logger.
     setup_loghandlers(log_level.upper(), name="agentpool", log_format="%(asctime)s %(name)s: %(message)s")
     target = target_url(url)
@@ -169,13 +177,16 @@ def worker(
             concurrency=concurrency,
             burst=burst,
             logging_level=log_level.upper(),
+            queues=rq_queues,
         )
         return
     from agentpool.worker.forking import AgentWorker
 
     # No RQ scheduler: deferred turns are agentpool's own (agentpool.runtime.deferred), so nothing this
     # worker starts can outlive it holding a lock the pool waits on.
-    AgentWorker(connection=r, name=name).work(burst=burst, logging_level=log_level.upper(), with_scheduler=False)
+    AgentWorker(rq_queues, connection=r, name=name).work(
+        burst=burst, logging_level=log_level.upper(), with_scheduler=False
+    )
 
 
 @main.command()
@@ -187,6 +198,7 @@ def worker(
     "--max-total-tokens", type=LimitParam(whole=True), default=None, help="Overrides the agent's max_total_tokens."
 )
 @click.option("--max-cost-usd", type=LimitParam(whole=False), default=None, help="Overrides the agent's max_cost_usd.")
+@click.option("--queue", default="default", show_default=True, help="The queue every turn of the run goes to.")
 @click.option("--wait", is_flag=True, help="Wait for the run to end and print its result.")
 @click.option("--timeout", type=LimitParam(whole=False), default=None, help="Seconds to --wait (default 600).")
 @click.option(
@@ -202,6 +214,7 @@ def enqueue(
     max_turns: int | None,
     max_total_tokens: int | None,
     max_cost_usd: float | None,
+    queue: str,
     wait: bool,
     timeout: float | None,
     no_check_agent: bool,
@@ -223,6 +236,7 @@ def enqueue(
             max_total_tokens=max_total_tokens,
             max_cost_usd=max_cost_usd,
             check_agent=not no_check_agent,
+            queue=queue,
         )
     except ValueError as exc:
         _refuse(exc)
@@ -264,11 +278,13 @@ def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> 
 
     r = quick_client(url)
     rows = list_runs(connection=r, limit=limit, status=status, agent=agent)
-    click.echo(f"{'ID':<28} {'AGENT':<32} {'STATUS':<17} {'TURNS':>5} {'TOKENS':>9} {'COST':>9} {'AGE':>5}  NOTE")
+    click.echo(
+        f"{'ID':<28} {'AGENT':<32} {'QUEUE':<10} {'STATUS':<17} {'TURNS':>5} {'TOKENS':>9} {'COST':>9} {'AGE':>5}  NOTE"
+    )
     now = time.time()
     for run in rows:
         click.echo(
-            f"{run.id:<28} {run.agent[:32]:<32} {run.status:<17} {run.turns:>5} {run.total_tokens:>9} "
+            f"{run.id:<28} {run.agent[:32]:<32} {run.queue[:10]:<10} {run.status:<17} {run.turns:>5} {run.total_tokens:>9} "
             f"{'$' + format(run.cost_usd, '.4f'):>9} {_age(now - run.created_at):>5}  {_short_note(run, now)}".rstrip()
         )
     count, overdue = deferred.summary(r)
@@ -324,7 +340,7 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
         click.echo(json.dumps(doc, ensure_ascii=False, default=str))
         return
     click.echo(
-        f"run {run.id}  agent {run.agent}  status {run.status}  turns {run.turns}  "
+        f"run {run.id}  agent {run.agent}  queue {run.queue}  status {run.status}  turns {run.turns}  "
         f"tokens {run.total_tokens}  cost ${run.cost_usd:.4f}"
     )
     click.echo("usage " + ", ".join(f"{k}={v}" for k, v in run.usage.items()))

@@ -117,6 +117,7 @@ def _row(run: client.Run, now: float, waiting: handback.HandBack | None = None) 
         "note": _note(waiting, run.status),
         "id": run.id,
         "agent": run.agent,
+        "queue": run.queue,
         "status": run.status,
         "turns": run.turns,
         "tokens": run.total_tokens,

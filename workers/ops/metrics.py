@@ -27,14 +27,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from redis import Redis
 from redis.exceptions import RedisError
+from rq import Queue
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from agentpool.ops.redisconn import quick_client, target_url, warn_if_unreachable
 from agentpool.runtime import deferred
-from agentpool.runtime.jobs import turn_queue
 from agentpool.runtime.settings import redact_url
 from agentpool.store import stats
-from agentpool.store.keys import RUNS, RUNS_WATCH, TURN_QUEUE, RunKeys
+from agentpool.store.keys import DEFAULT_QUEUE, RUNS, RUNS_WATCH, TURN_QUEUE, RunKeys
 from agentpool.store.records import STATUSES
 
 log = logging.getLogger("agentpool.metrics")
@@ -226,26 +226,51 @@ class PoolCollector(Collector):
     # -- RQ ----------------------------------------------------------------------------------
 
     def _queue(self) -> list[Metric]:
-        queue = turn_queue(self.r)
+        names = agentpool_queues(self.r)
         with self.r.pipeline(transaction=False) as pipe:
-            pipe.llen(queue.key)
-            # ZCARD, not registry.count: that runs RQ's cleanup, and a scrape must not change state.
-            for registry in (queue.scheduled_job_registry, queue.started_job_registry, queue.failed_job_registry):
-                pipe.zcard(registry.key)
-            pipe.scard(WORKERS_BY_QUEUE_KEY % TURN_QUEUE)
-            queued, scheduled, started, failed, workers = pipe.execute()
+            for name in names:
+                queue = Queue(name, connection=self.r)
+                pipe.llen(queue.key)
+                # ZCARD, not registry.count: that runs RQ's cleanup, and a scrape must not change state.
+                for registry in (queue.scheduled_job_registry, queue.started_job_registry, queue.failed_job_registry):
+                    pipe.zcard(registry.key)
+                pipe.smembers(WORKERS_BY_QUEUE_KEY % name)
+            replies = pipe.execute()
         depth = GaugeMetricFamily(
             "agentpool_queue_jobs",
-            f"Turn jobs on the RQ queue {TURN_QUEUE!r}: queued (waiting for a worker), scheduled (RQ's scheduled "
-            "registry: agentpool puts nothing there), started (in a worker now), failed (RQ's failed registry).",
+            f"Turn jobs on agentpool's RQ queues ({TURN_QUEUE!r} for the queue default, agentpool-<name> for the "
+            "others), all together: queued (waiting for a worker), scheduled (RQ's scheduled registry: agentpool "
+            "puts nothing there), started (in a worker now), failed (RQ's failed registry).",
             labels=["state"],
         )
-        for state, n in (("queued", queued), ("scheduled", scheduled), ("started", started), ("failed", failed)):
-            depth.add_metric([state], int(n))
+        by_queue = GaugeMetricFamily(
+            "agentpool_queue_jobs_by_queue",
+            "agentpool_queue_jobs per queue (agentpool's name for it: default, urgent, ...).",
+            labels=["queue", "state"],
+        )
+        workers_by_queue = GaugeMetricFamily(
+            "agentpool_workers_by_queue", "RQ workers registered on each of agentpool's queues.", labels=["queue"]
+        )
+        totals = dict.fromkeys(("queued", "scheduled", "started", "failed"), 0)
+        workers: set[bytes] = set()
+        for i, name in enumerate(names):
+            queued, scheduled, started, failed, members = replies[5 * i : 5 * i + 5]
+            label = DEFAULT_QUEUE if name == TURN_QUEUE else name[len(TURN_QUEUE) + 1 :]
+            for state, n in (("queued", queued), ("scheduled", scheduled), ("started", started), ("failed", failed)):
+                totals[state] += int(n)
+                by_queue.add_metric([label, state], int(n))
+            workers_by_queue.add_metric([label], len(members))
+            workers |= set(members)
+        for state, n in totals.items():
+            depth.add_metric([state], n)
         count, overdue = deferred.summary(self.r)
         return [
             depth,
-            GaugeMetricFamily("agentpool_workers", f"RQ workers registered on {TURN_QUEUE!r}.", value=int(workers)),
+            by_queue,
+            GaugeMetricFamily(
+                "agentpool_workers", "RQ workers registered on any of agentpool's queues.", value=len(workers)
+            ),
+            workers_by_queue,
             GaugeMetricFamily(
                 "agentpool_turns_deferred",
                 "Turns deferred to later (a model retry's backoff), not RQ jobs until due (ap:turns:deferred).",
@@ -258,6 +283,18 @@ class PoolCollector(Collector):
                 value=overdue,
             ),
         ]
+
+
+def agentpool_queues(r: Redis) -> list[str]:
+    """The RQ names of agentpool's queues that exist (``agentpool`` always first, then by name)."""
+    prefix = Queue.redis_queue_namespace_prefix
+    found = {
+        key.decode()[len(prefix) :]
+        for key in r.smembers(Queue.redis_queues_keys)
+        if key.decode().startswith(prefix + TURN_QUEUE)
+    }
+    others = sorted(n for n in found if n.startswith(TURN_QUEUE + "-"))
+    return [TURN_QUEUE, *others]
 
 
 def _histogram(metric: str, help_text: str, buckets: Mapping[str, float], total: float) -> Metric:

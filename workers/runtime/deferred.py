@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from redis import Redis
 from redis.exceptions import WatchError
 
-from agentpool.runtime.jobs import deferred_member, enqueue_turn, job_id, parse_deferred_member
+from agentpool.runtime.jobs import deferred_member, enqueue_turn, job_id, learn_queues, parse_deferred_member
 from agentpool.store.clock import now_ms
 from agentpool.store.keys import TURNS_DEFERRED
 
@@ -45,6 +45,8 @@ def promote_due(r: Redis, *, batch: int = 500) -> list[Promoted]:
                 due = pipe.zrangebyscore(TURNS_DEFERRED, "-inf", now, start=0, num=batch, withscores=True)
                 if not due:
                     return []
+                # Each turn goes back to its run's queue: read (once per run and process) before MULTI.
+                learn_queues(r, [m.decode("utf-8", errors="replace").partition(":")[0] for m, _ in due])
                 pipe.multi()
                 moved = []
                 for raw, score in due:

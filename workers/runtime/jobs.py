@@ -22,7 +22,7 @@ from redis.client import Pipeline
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.store.clock import now_ms
-from agentpool.store.keys import TURN_QUEUE, TURNS_DEFERRED, RunKeys
+from agentpool.store.keys import DEFAULT_QUEUE, QUEUE_NAME, TURNS_DEFERRED, RunKeys, rq_queue_name
 from agentpool.store.scripts import run_script
 
 if TYPE_CHECKING:
@@ -33,10 +33,49 @@ RESULT_TTL = 60  # a turn job returns nothing worth keeping
 FAILURE_TTL = 7 * 24 * 3600
 
 
-def turn_queue(r: Redis) -> Queue:
+MAX_QUEUES_REMEMBERED = 10_000
+_queues: dict[str, str] = {}  # run id -> its queue: set when the run is made, never changed
+
+
+def turn_queue(r: Redis, queue: str = DEFAULT_QUEUE) -> Queue:
+    """The RQ queue of agentpool's queue ``queue`` (``default``: RQ's ``agentpool``)."""
     from rq import Queue  # here: reading a run (`agentpool runs`, `show`) needs no RQ
 
-    return Queue(TURN_QUEUE, connection=r, serializer=MsgpackSerializer)
+    return Queue(rq_queue_name(queue), connection=r, serializer=MsgpackSerializer)
+
+
+def queue_of(r: Redis, run_id: str) -> str:
+    """The run's queue (its header's ``queue``; none: ``default``), remembered in this process: a run's
+    queue never changes, so every turn, takeover, hand-back and deferred turn goes back to it."""
+    queue = _queues.get(run_id)
+    if queue is None:
+        raw = (r.hget(RunKeys.of(run_id).run, "queue") or b"").decode("utf-8", errors="replace")
+        queue = raw if QUEUE_NAME.match(raw) else DEFAULT_QUEUE
+        if len(_queues) >= MAX_QUEUES_REMEMBERED:
+            _queues.clear()
+        _queues[run_id] = queue
+    return queue
+
+
+def learn_queues(r: Redis, run_ids: list[str]) -> None:
+    """``queue_of`` for many runs in one round trip (the reaper moving a batch of deferred turns)."""
+    unknown = [run_id for run_id in dict.fromkeys(run_ids) if run_id not in _queues]
+    if not unknown:
+        return
+    with r.pipeline(transaction=False) as pipe:
+        for run_id in unknown:
+            pipe.hget(RunKeys.of(run_id).run, "queue")
+        found = pipe.execute()
+    for run_id, raw in zip(unknown, found, strict=True):
+        queue = (raw or b"").decode("utf-8", errors="replace")
+        remember_queue(run_id, queue if QUEUE_NAME.match(queue) else DEFAULT_QUEUE)
+
+
+def remember_queue(run_id: str, queue: str) -> None:
+    """What the run's header says (it was just read or written): no need to ask Redis for it later."""
+    if len(_queues) >= MAX_QUEUES_REMEMBERED:
+        _queues.clear()
+    _queues[run_id] = queue
 
 
 def job_id(run_id: str, turn: int, attempt: int = 0) -> str:
@@ -58,11 +97,21 @@ def parse_deferred_member(member: str) -> tuple[str, int, int] | None:
     return run_id, int(turn), int(attempt)
 
 
-def enqueue_turn(pipe: Pipeline, r: Redis, run_id: str, turn: int, attempt: int = 0, *, at_front: bool = False) -> str:
-    """Add the turn's RQ job to ``pipe`` (RQ calls ``pipe.multi()`` if the caller has not); ``at_front``
-    pushes it to the head of the queue (RQ's ``LPUSH``), ahead of every turn waiting."""
+def enqueue_turn(
+    pipe: Pipeline,
+    r: Redis,
+    run_id: str,
+    turn: int,
+    attempt: int = 0,
+    *,
+    at_front: bool = False,
+    queue: str | None = None,
+) -> str:
+    """Add the turn's RQ job to ``pipe`` (RQ calls ``pipe.multi()`` if the caller has not), on the run's
+    queue (``queue``, or the one its header names); ``at_front`` pushes it to the head of that queue
+    (RQ's ``LPUSH``), ahead of every turn waiting."""
     jid = job_id(run_id, turn, attempt)
-    turn_queue(r).enqueue(
+    turn_queue(r, queue or queue_of(r, run_id)).enqueue(
         TURN_FUNC,
         run_id,
         turn,
@@ -78,18 +127,28 @@ def enqueue_turn(pipe: Pipeline, r: Redis, run_id: str, turn: int, attempt: int 
 
 
 def stage_turn(
-    pipe: Pipeline, r: Redis, run_id: str, turn: int, attempt: int = 0, *, delay: float = 0.0, at_front: bool = False
+    pipe: Pipeline,
+    r: Redis,
+    run_id: str,
+    turn: int,
+    attempt: int = 0,
+    *,
+    delay: float = 0.0,
+    at_front: bool = False,
+    queue: str | None = None,
 ) -> str:
     """Add the turn's job to ``pipe``, a transaction (already in MULTI) the caller executes with its own
     writes. ``attempt`` names the job as the run's n-th re-enqueue (see ``job_id``). With ``delay``, the
     turn is recorded as due in ``delay`` seconds instead, in the same transaction; the reaper enqueues it
-    then. ``at_front``: ahead of every turn waiting (see ``enqueue_turn``)."""
+    then. ``at_front``: ahead of every turn waiting (see ``enqueue_turn``). The job goes on the run's
+    queue: ``queue`` when the caller knows it (a run being made does not have its header yet), else the
+    one its header names."""
     jid = job_id(run_id, turn, attempt)
     pipe.hset(RunKeys.of(run_id).run, "job", jid)  # the reaper checks this job is still alive
     if delay > 0:
         pipe.zadd(TURNS_DEFERRED, {deferred_member(run_id, turn, attempt): now_ms() + int(delay * 1000)})
         return jid
-    return enqueue_turn(pipe, r, run_id, turn, attempt, at_front=at_front)
+    return enqueue_turn(pipe, r, run_id, turn, attempt, at_front=at_front, queue=queue)
 
 
 def give_back(r: Redis, queue: Queue, job_id: str) -> bool:

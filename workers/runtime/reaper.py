@@ -33,7 +33,7 @@ from rq.job import Job, JobStatus
 
 from agentpool.runtime import deferred
 from agentpool.runtime.approvals import expire_due
-from agentpool.runtime.jobs import give_back, turn_queue
+from agentpool.runtime.jobs import give_back, queue_of, turn_queue
 from agentpool.runtime.takeover import fail_corrupt, read_header, requeue_turn
 from agentpool.store import handback, runs_index, watch
 from agentpool.store.checkpoint import QUEUED_RECHECK_MS
@@ -173,7 +173,7 @@ def _why_orphaned(r: Redis, run_id: str, job_id: str) -> tuple[str, str, bool] |
     if due is not None:  # not an RQ job until due: the scan that finds it due enqueues it
         watch.reschedule_active(r, run_id, max(due, now_ms()) + QUEUED_RECHECK_MS)
         return None
-    job_state = _job_state(r, job_id) if job_id else "missing"
+    job_state = _job_state(r, run_id, job_id) if job_id else "missing"
     if job_state == "waiting":
         watch.reschedule_active(r, run_id, now_ms() + QUEUED_RECHECK_MS)
         return None
@@ -182,14 +182,14 @@ def _why_orphaned(r: Redis, run_id: str, job_id: str) -> tuple[str, str, bool] |
     return f"its job is {job_state}", "job_lost", True
 
 
-def _job_state(r: Redis, job_id: str) -> str:
+def _job_state(r: Redis, run_id: str, job_id: str) -> str:
     # Only the status field: a job hash that does not decode must not stop the reaper from acting.
     raw = r.hget(Job.key_for(job_id), "status")
     if raw is None:
         return "missing"
     status = raw.decode("utf-8", errors="replace")
     if status == JobStatus.QUEUED.value:
-        queue = turn_queue(r)
+        queue = turn_queue(r, queue_of(r, run_id))
         if queue.get_job_position(job_id) is None:
             if r.lpos(queue.intermediate_queue_key, job_id) is None:
                 return "lost from the queue"

@@ -39,7 +39,7 @@ from agentpool.runtime.answers import FINISHED_STOPS
 from agentpool.runtime.answers import trailing_text as _trailing_text
 from agentpool.runtime.faults import fault
 from agentpool.runtime.heartbeat import keep_alive
-from agentpool.runtime.jobs import stage_turn
+from agentpool.runtime.jobs import remember_queue, stage_turn
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.loader import AgentNotFound, load_agent
 from agentpool.runtime.model import ContextTooLong, ModelQuotaExhausted, ModelRejected, ModelReply, ModelUnavailable
@@ -253,6 +253,7 @@ class Turn:
     def run(self, header: dict[bytes, bytes], loaded: list[Any], watched: int = 0) -> str:
         """The turn, given the run's header and window (``store.window``) as read with the lease."""
         state = window.decode(self.run_id, header, loaded)
+        remember_queue(self.run_id, state.queue)  # its next turn, or this one deferred, goes back there
         self.watched = bool(watched)
         agent = load_agent(state.agent)
         if state.phase == "tools":

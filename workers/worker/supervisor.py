@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from types import FrameType
 from uuid import uuid4
 
@@ -36,6 +37,7 @@ from rq.utils import as_text, now
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
+from agentpool.store.keys import TURN_QUEUE
 from agentpool.worker.groups import die_with_parent, end_process_group
 from agentpool.worker.threaded import EXIT_COLD, EXIT_RECYCLE, ThreadedWorker
 
@@ -100,9 +102,18 @@ def hand_over_dead_worker(r: Redis, name: str, pid: int, how: str) -> list[str]:
 class Supervisor:
     """Forks the threaded worker, waits on it, hands its turns over when it dies, restarts it."""
 
-    def __init__(self, r: Redis, *, name: str, concurrency: int, burst: bool, logging_level: str) -> None:
+    def __init__(
+        self,
+        r: Redis,
+        *,
+        name: str,
+        concurrency: int,
+        burst: bool,
+        logging_level: str,
+        queues: Sequence[str] = (TURN_QUEUE,),
+    ) -> None:
         self.r, self.name, self.concurrency, self.burst = r, name, concurrency, burst
-        self.logging_level = logging_level
+        self.logging_level, self.queues = logging_level, tuple(queues)
         self.pid = os.getpid()
         self.child = 0
         self.stopping = threading.Event()
@@ -163,6 +174,7 @@ class Supervisor:
                 concurrency=self.concurrency,
                 burst=self.burst,
                 logging_level=self.logging_level,
+                queues=self.queues,
             )
         except BaseException:
             log.exception("worker process failed")
@@ -240,12 +252,21 @@ def _describe_exit(status: int) -> str:
     return f"exited with status {os.waitstatus_to_exitcode(status)}"
 
 
-def run_worker_process(r: Redis, *, name: str, concurrency: int, burst: bool, logging_level: str) -> int:
-    """The threaded worker itself, in the current process. Returns its exit status."""
+def run_worker_process(
+    r: Redis,
+    *,
+    name: str,
+    concurrency: int,
+    burst: bool,
+    logging_level: str,
+    queues: Sequence[str] = (TURN_QUEUE,),
+) -> int:
+    """The threaded worker itself, in the current process, serving ``queues`` (RQ names) in order.
+    Returns its exit status."""
     os.environ["RQ_WORKER_ID"] = name  # lease tokens read "<fence>:<name>.<pid>" (agentpool.runtime.turn)
     import agentpool.runtime.turn  # noqa: F401  (loaded before the first turn, not inside it)
 
-    worker = ThreadedWorker(connection=r, name=name, concurrency=concurrency)
+    worker = ThreadedWorker(queues, connection=r, name=name, concurrency=concurrency)
     try:
         # No RQ scheduler: the reaper enqueues deferred turns (agentpool.runtime.deferred).
         worker.work(burst=burst, logging_level=logging_level, with_scheduler=False)
@@ -261,14 +282,18 @@ def run_threaded_worker(
     concurrency: int,
     burst: bool = False,
     logging_level: str = "INFO",
+    queues: Sequence[str] = (TURN_QUEUE,),
 ) -> None:
-    """``agentpool worker --concurrency N``: the supervisor in this process, the worker in a child."""
+    """``agentpool worker --concurrency N``: the supervisor in this process, the worker in a child,
+    serving ``queues`` (RQ names) in order."""
     name = name or uuid4().hex
     os.environ["RQ_WORKER_ID"] = name
     # Imported once here, every worker process forked later starts ready (anthropic takes ~1 s to import):
     # a worker restarted after an OOM kill is dequeuing again within milliseconds.
     import agentpool.runtime.turn  # noqa: F401
 
-    code = Supervisor(r, name=name, concurrency=concurrency, burst=burst, logging_level=logging_level).run()
+    code = Supervisor(
+        r, name=name, concurrency=concurrency, burst=burst, logging_level=logging_level, queues=queues
+    ).run()
     if code:
         raise SystemExit(code)

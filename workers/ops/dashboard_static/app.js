@@ -215,7 +215,7 @@ function listPage(app) {
   const tbody = h("tbody");
   const table = h("table", { id: "runs-table", class: "runs" },
     h("thead", {}, h("tr", {},
-      h("th", {}, "Run"), h("th", {}, "Agent"), h("th", {}, "Status"), h("th", { class: "num" }, "Turns"),
+      h("th", {}, "Run"), h("th", {}, "Agent"), h("th", {}, "Queue"), h("th", {}, "Status"), h("th", { class: "num" }, "Turns"),
       h("th", { class: "num" }, "Tokens"), h("th", { class: "num" }, "Cost"), h("th", { class: "num" }, "Age"),
       h("th", {}, "Note"))),
     tbody);
@@ -255,6 +255,7 @@ function listPage(app) {
     } },
       h("td", { class: "mono" }, h("a", { href: runHref(run.id) }, run.id)),
       h("td", { class: "agent" }, run.agent),
+      h("td", { class: "queue mono" }, run.queue || "default"),
       h("td", { class: "status" }, badge(run.status)),
       h("td", { class: "num turns" }, run.turns),
       h("td", { class: "num tokens" }, fmtNum(run.tokens)),
@@ -350,6 +351,7 @@ function runHeader(run, now) {
       h("span", { id: "run-status", class: "status" }, badge(run.status))),
     h("dl", { class: "facts" },
       fact("Agent", h("span", { class: "mono" }, run.agent)),
+      fact("Queue", h("span", { class: "mono", id: "run-queue" }, run.queue || "default")),
       run.forked_from ? fact("Forked from", h("a", { class: "mono", id: "forked-from", href: "/runs/" + encodeURIComponent(run.forked_from) },
         run.forked_from), " at turn " + run.forked_at) : null,
       fact("Turns", String(run.turns) + (maxTurns ? " / " + (maxTurns + ((run.limits || {}).extra_turns || 0)) : "")),
