@@ -49,6 +49,17 @@ Per model's rate-limit budget (all keys of one budget share the hash tag ``{limi
     ap:{limits:<m>}:needs   hash    ticket -> "<requests> <input> <output> <expires ms>"
     ap:limits:models        set     every model that has a budget (for ``agentpool limits show``)
 
+Per concurrency key (``enqueue_run(..., concurrency_key=...)``; hash tag ``{ckey:<key>}``)::
+
+    ap:{ckey:<k>}:slots     zset    run id -> since (ms): the runs of the key with a turn in flight; a
+                                    member whose run holds no lease any more is free again
+    ap:{ckey:<k>}:waiting   zset    run id -> when it began to wait (ms): the line for a slot
+    ap:{ckey:<k>}:wake      hash    run id -> "<expires ms>|<deferred entry>": the waiting turn's entry
+                                    in ap:turns:deferred, made due at once when a slot frees
+    ap:concurrency:limits   hash    key -> the limit an operator set (``agentpool limits set``): it wins
+                                    over the runs' own max_concurrency
+    ap:concurrency:keys     set     every concurrency key seen (for ``agentpool limits show``)
+
 RQ keeps its own keys under ``rq:``; agentpool's turn jobs go to the queue named by ``TURN_QUEUE``
 (the run's queue ``default``), or ``agentpool-<name>`` for a run enqueued on queue ``<name>`` (its
 header's ``queue``): ``rq_queue_name``.
@@ -73,6 +84,9 @@ TURN_QUEUE = "agentpool"
 DEFAULT_QUEUE = "default"  # a run's queue when none is named: RQ's queue TURN_QUEUE, as before queues
 QUEUE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
 LIMIT_MODELS = f"{PREFIX}:limits:models"
+CONCURRENCY_LIMITS = f"{PREFIX}:concurrency:limits"
+CONCURRENCY_KEYS = f"{PREFIX}:concurrency:keys"
+CONCURRENCY_KEY = re.compile(r"^[A-Za-z0-9._@-]{1,100}$")
 # A model id in a key (and a ticket's text): what the API's ids use, nothing that could break a key.
 MODEL_ID = re.compile(r"^[A-Za-z0-9._@/-]{1,200}$")
 # A run id is part of RQ job ids (letters, digits, "_" and "-" only) and of the dashboard's URLs.
@@ -180,3 +194,22 @@ class LimitKeys:
 
     def all(self) -> tuple[str, ...]:
         return (self.budget, self.held, self.waiting, self.needs)
+
+
+def check_concurrency_key(key: str) -> str:
+    if not isinstance(key, str) or not CONCURRENCY_KEY.match(key):
+        raise ValueError(f"a concurrency key is 1 to 100 letters, digits or ._@-; got {key!r}")
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class ConcurrencyKeys:
+    key: str
+    slots: str
+    waiting: str
+    wake: str
+
+    @classmethod
+    def of(cls, key: str) -> ConcurrencyKeys:
+        base = f"{PREFIX}:{{ckey:{check_concurrency_key(key)}}}"
+        return cls(key, f"{base}:slots", f"{base}:waiting", f"{base}:wake")

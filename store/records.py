@@ -70,6 +70,8 @@ class RunState:
     forked_from: str = ""  # the run this one was forked from (``fork_run``), and at which of its turns
     forked_at: int = 0
     queue: str = "default"  # the queue its turns go to (the header's ``queue``; none: ``default``)
+    concurrency_key: str = ""  # its fair-share key (the header's ``ckey``) and the run's own limit (``cmax``)
+    max_concurrency: int = 0
 
     @property
     def current_turn(self) -> int:
@@ -273,4 +275,6 @@ def load_header(run_id: str, raw: Mapping[bytes, bytes], *, open_sealed: bool = 
         forked_from=_text(raw, "forked_from"),
         forked_at=_int(raw, "forked_at"),
         queue=_text(raw, "queue") or "default",
+        concurrency_key=_text(raw, "ckey"),
+        max_concurrency=_int(raw, "cmax"),
     )

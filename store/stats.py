@@ -41,6 +41,8 @@ def counters_for(kind: str, fields: Mapping[str, Any]) -> dict[str, float]:
         return {f"takeovers|cause={fields.get('cause_kind', '?')}": 1}
     if kind == "waiting_for_budget":  # no turn happened: its turn_started is taken back
         return {f"budget_waits|model={fields.get('model', '?')}": 1, "turns": -1}
+    if kind == "waiting_for_slot":
+        return {f"concurrency_waits|key={fields.get('key', '?')}": 1, "turns": -1}
     if kind == "model_error":
         return {f"model_errors|type={fields.get('error_type', '?')}": 1}
     if kind in SPEND_EVENTS:

@@ -77,6 +77,15 @@ def slow_read(seconds: float) -> str:
 
 
 @tool(effect="read")
+def timed_work(seconds: float) -> str:
+    """Work for a while; when it ran is recorded (to see how many ran at once)."""
+    started = time.time()
+    time.sleep(seconds)
+    record("timed_work", started=started, ended=time.time())
+    return "worked"
+
+
+@tool(effect="read")
 def flaky_lookup(item: str) -> str:
     """Look something up; raises for item 'boom'."""
     record("flaky_lookup", item=item)
@@ -99,7 +108,17 @@ def odd_result(item: str) -> object:
     return object()
 
 
-ALL_TOOLS = [read_notes, create_ticket, send_email, charge_card, slow_read, flaky_lookup, hanging_lookup, odd_result]
+ALL_TOOLS = [
+    read_notes,
+    create_ticket,
+    send_email,
+    charge_card,
+    slow_read,
+    timed_work,
+    flaky_lookup,
+    hanging_lookup,
+    odd_result,
+]
 
 support = Agent(
     model="claude-sonnet-5-5",

@@ -21,7 +21,7 @@ from agentpool.store import window as run_window
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.events import Event, emit
-from agentpool.store.keys import DEFAULT_QUEUE, RunKeys, check_queue, check_run_id
+from agentpool.store.keys import DEFAULT_QUEUE, RunKeys, check_concurrency_key, check_queue, check_run_id
 from agentpool.store.records import ACTIVE_STATUSES, STATUSES, RunState, load_header
 
 # What enqueues a turn (RQ) or loads an agent (pydantic) is imported by the functions that do: reading
@@ -122,6 +122,8 @@ def enqueue_run(
     run_id: str | None = None,
     check_agent: bool = True,
     queue: str = DEFAULT_QUEUE,
+    concurrency_key: str | None = None,
+    max_concurrency: int | None = None,
 ) -> str:
     """Create a run of ``agent`` (an import path ``module:attribute``) on ``task`` and queue its
     first turn, atomically. Returns the run id. The limits, when given, override the agent's.
@@ -131,6 +133,10 @@ def enqueue_run(
     the agents' code (it only enqueues for workers that do) passes ``check_agent=False``.
     ``queue`` names the queue every turn of the run goes to (``default``: RQ's queue ``agentpool``);
     ``agentpool worker urgent default`` serves ``urgent`` first. Lowercase letters, digits, ``_``, ``-``.
+
+    ``concurrency_key`` (a tenant, say) with ``max_concurrency``: at most that many turns of the runs of
+    that key are in flight across the pool at once; the others wait, holding no worker. A limit an
+    operator set for the key (``agentpool limits set acme 5``) wins over ``max_concurrency``.
 
     Idempotent with your own ``run_id``: if that run exists for the same agent, task and limits, its
     id is returned and the run is left as it is (a retried enqueue gets the run it made, never a
@@ -154,6 +160,13 @@ def enqueue_run(
         if value is not None
     }
     check_queue(queue)
+    extra: dict[str, Any] = {"queue": queue}
+    if concurrency_key is not None:
+        extra["ckey"] = check_concurrency_key(concurrency_key)
+        if max_concurrency is not None:
+            extra["cmax"] = limit_value("max_concurrency", max_concurrency, whole=True)
+    elif max_concurrency is not None:
+        raise ValueError("max_concurrency needs a concurrency_key: the runs it limits together")
     r = client_for(connection)
     run_id = check_run_id(run_id) if run_id is not None else new_run_id()
     parent = tracing.current_parent()  # the app's span, the parent of the run's trace
@@ -171,7 +184,7 @@ def enqueue_run(
         limits=limits,
         now=time.time(),
         stage_enqueue=stage_enqueue,
-        extra={"queue": queue},
+        extra=extra,
     )
     if created:
         emit(r, run_id, "status", status="queued", agent=agent)

@@ -1,6 +1,8 @@
 """``agentpool limits``: the pool's shared limits. ``show``: every model's rate-limit budget, what the
 pool learned from the API's headers, what ``AGENTPOOL_RATE_LIMITS`` sets here, what is left and reserved
-now, and how many turns wait in line."""
+now, and how many turns wait in line; every concurrency key's turns in flight, waiting and limit.
+``set KEY N`` / ``unset KEY``: an operator's limit for a concurrency key, which wins over the runs' own
+``max_concurrency``."""
 
 from __future__ import annotations
 
@@ -14,7 +16,36 @@ _LABELS = {"requests": "requests/min", "input": "input tokens/min", "output": "o
 
 @click.group()
 def limits() -> None:
-    """The pool's shared limits: model rate limits (show)."""
+    """The pool's shared limits: model rate limits and concurrency keys (show, set, unset)."""
+
+
+@limits.command("set")
+@url_option
+@click.argument("key")
+@click.argument("limit", type=click.IntRange(min=1))
+def set_limit(url: str | None, key: str, limit: int) -> None:
+    """At most LIMIT turns of concurrency key KEY in flight across the pool (wins over max_concurrency)."""
+    from agentpool.store import concurrency
+
+    try:
+        concurrency.set_limit(quick_client(url), key, limit)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="KEY") from None
+    click.echo(f"{key}: at most {limit} turn(s) in flight")
+
+
+@limits.command("unset")
+@url_option
+@click.argument("key")
+def unset_limit(url: str | None, key: str) -> None:
+    """Drop the operator's limit for KEY: the runs' own max_concurrency holds again."""
+    from agentpool.store import concurrency
+
+    try:
+        concurrency.set_limit(quick_client(url), key, None)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="KEY") from None
+    click.echo(f"{key}: the runs' own max_concurrency holds")
 
 
 @limits.command()
@@ -50,6 +81,14 @@ def show(url: str | None) -> None:
             )
     if not settings.rate_limiter:
         click.echo("\nnote: AGENTPOOL_RATE_LIMITER=off here: workers started with it do not use these budgets")
+    from agentpool.store import concurrency
+
+    keys = concurrency.show(r)
+    if keys:
+        click.echo(f"\n{'CONCURRENCY KEY':<30} {'LIMIT SET':>9} {'IN FLIGHT':>9} {'WAITING':>8}")
+    for view in keys:
+        limit = str(view.operator_limit) if view.operator_limit else "-"
+        click.echo(f"{view.key:<30} {limit:>9} {view.in_flight:>9} {view.waiting:>8}")
 
 
 def _configured(configured: dict, model: str) -> dict[str, int]:

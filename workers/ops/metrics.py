@@ -89,6 +89,12 @@ COUNTERS: tuple[tuple[str, str | None, str, tuple[str, ...]], ...] = (
         "Turns deferred because the pool's rate-limit budget for the model could not cover their call yet.",
         (),
     ),
+    (
+        "concurrency_waits",
+        "key",
+        "Turns deferred because their concurrency key had max_concurrency turns in flight already.",
+        (),
+    ),
     ("tokens", "kind", "Tokens of every model call paid for, by kind.", stats.TOKEN_FIELDS),
     (
         "compactions",

@@ -30,6 +30,7 @@ import uuid
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import RedisError
 from rq import get_current_job
 
 from agentpool.agent import Agent
@@ -39,7 +40,7 @@ from agentpool.runtime.answers import FINISHED_STOPS
 from agentpool.runtime.answers import trailing_text as _trailing_text
 from agentpool.runtime.faults import fault
 from agentpool.runtime.heartbeat import keep_alive
-from agentpool.runtime.jobs import remember_queue, stage_turn
+from agentpool.runtime.jobs import deferred_member, remember_queue, stage_turn
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.loader import AgentNotFound, load_agent
 from agentpool.runtime.model import ContextTooLong, ModelQuotaExhausted, ModelRejected, ModelReply, ModelUnavailable
@@ -47,7 +48,8 @@ from agentpool.runtime.ratelimit import WaitForBudget
 from agentpool.runtime.settings import Settings, connect
 from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
 from agentpool.runtime.stream import LiveOutput
-from agentpool.store import checkpoint, handback, live, spend, window
+from agentpool.store import checkpoint, concurrency, handback, live, spend, window
+from agentpool.store.clock import now_ms
 from agentpool.store.crypto import EncryptionKeyMissing, KeyNotHeld
 from agentpool.store.durability import NotReplicated
 from agentpool.store.errors import (
@@ -76,6 +78,9 @@ FAILED_STOPS = {
 # The reply ran into the context window: kept like max_tokens; the next request compacts first, and with
 # compaction off the run stops (resumable) instead.
 OVERFLOW = "model_context_window_exceeded"
+# A turn waiting for a slot of its concurrency key is woken when one frees; this is the fallback.
+SLOT_POLL = 30.0
+SLOT_GRACE = 30.0  # how long past its poll a waiter keeps its place in line
 # After an unexpected error, the turn is re-enqueued by the reaper after this pause.
 CRASH_RECHECK_MS = 5_000
 # What this worker cannot do but another may: the turn is handed back, never failed.
@@ -160,6 +165,8 @@ def run_turn(run_id: str, turn: int) -> str:
             # A bug, a lost Redis, a shutdown: give the turn back; the reaper re-enqueues it shortly.
             release(r, keys, token, recheck_in_ms=CRASH_RECHECK_MS)
             raise
+        finally:
+            work.release_slot()
 
 
 def _hand_back(
@@ -249,12 +256,18 @@ class Turn:
         self.tools = Settlement(r, keys, token, turn, settings)
         self.watched = False  # somebody watches the run live (looked up with the lease)
         self.responded = False  # save point A committed this turn's model reply
+        self.slot_key = ""  # the concurrency key whose slot this turn holds
 
     def run(self, header: dict[bytes, bytes], loaded: list[Any], watched: int = 0) -> str:
         """The turn, given the run's header and window (``store.window``) as read with the lease."""
         state = window.decode(self.run_id, header, loaded)
         remember_queue(self.run_id, state.queue)  # its next turn, or this one deferred, goes back there
         self.watched = bool(watched)
+        if state.concurrency_key:
+            slot = concurrency.acquire(self.r, state.concurrency_key, self.run_id, state.max_concurrency, self.token)
+            if not slot.granted:
+                return self.wait_for_slot(state, slot)
+            self.slot_key = state.concurrency_key if slot.limited else ""
         agent = load_agent(state.agent)
         if state.phase == "tools":
             emit(self.r, self.run_id, "resumed", turn=self.turn, pending=len(state.pending))
@@ -483,6 +496,37 @@ class Turn:
             reason=f"rate_limit_budget: {wait}"[:500],
         )
         return "deferred"
+
+    def wait_for_slot(self, state: RunState, slot: concurrency.Slot) -> str:
+        """Defer the turn until its concurrency key has a free slot: the turn that frees one wakes the
+        first in line (its deferred entry made due now); ``SLOT_POLL`` is only the fallback."""
+        key = state.concurrency_key
+        emit(self.r, self.run_id, "waiting_for_slot", turn=self.turn, key=key, in_flight=slot.held, ahead=slot.ahead)
+
+        def later(pipe: Any, n: int) -> None:
+            stage_turn(pipe, self.r, self.run_id, self.turn, n, delay=SLOT_POLL)
+            expires = now_ms() + int((SLOT_POLL + SLOT_GRACE) * 1000)
+            concurrency.stage_wake(pipe, key, self.run_id, deferred_member(self.run_id, self.turn, n), expires)
+
+        checkpoint.defer_turn(
+            self.r,
+            self.keys,
+            self.token,
+            model_errors=state.model_errors,
+            delay_ms=int(SLOT_POLL * 1000),
+            enqueue_later=later,
+            reason=f"concurrency: {key} has {slot.held} turn(s) in flight, {slot.ahead} waiting ahead",
+        )
+        return "deferred"
+
+    def release_slot(self) -> None:
+        if not self.slot_key:
+            return
+        key, self.slot_key = self.slot_key, ""
+        try:
+            concurrency.release(self.r, key, self.run_id, self.token)
+        except RedisError as exc:  # the slot frees itself once the lease is gone; the waiter's poll wakes it
+            log.warning("%s: could not free its %s slot: %s", self.where, key, exc)
 
     def stop(self, reason: str, limits: Limits | None = None) -> str:
         # The limits it was held to go in the status event: resume checks what it adds against them.

@@ -1,0 +1,91 @@
+"""Fair shares: at most N turns of a concurrency key in flight across the pool (``store/lua/slot_acquire.lua``,
+``slot_release.lua``). A turn takes a slot once it holds its run's lease and gives it back when it ends;
+a slot whose run holds no lease any more (a dead worker) is free again. A turn that finds none waits in
+line, holding nothing (its turn is deferred), and the turn that frees a slot wakes the first in line.
+
+Why not RQ 3's ``RateLimit``: it cannot join a caller's transaction ("rate-limited jobs cannot be enqueued
+with a pipeline"), and every turn of agentpool is enqueued inside the fenced transaction of the save
+point that makes it; it holds a slot from enqueue to job end (a queued turn holds one too), frees a
+killed worker's slot only in RQ's maintenance (every 10 minutes), and stores the limit from each
+enqueue's own argument, so an operator's setting cannot win.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis import Redis
+from redis.client import Pipeline
+
+from agentpool.store.keys import CONCURRENCY_KEYS, CONCURRENCY_LIMITS, TURNS_DEFERRED, ConcurrencyKeys, RunKeys
+from agentpool.store.scripts import run_script
+
+WAITER_GRACE_MS = 60_000  # a waiter whose deferral never landed keeps its place this long
+
+
+@dataclass(frozen=True)
+class Slot:
+    granted: bool
+    held: int  # turns of the key in flight (with this one, when granted)
+    ahead: int  # live waiters ahead of this run
+    limited: bool = True
+
+
+def acquire(r: Redis, key: str, run_id: str, max_concurrency: int, token: str) -> Slot:
+    """A slot for the turn that holds the run's lease ``token``, or its place in line."""
+    keys = ConcurrencyKeys.of(key)
+    holders = [m.decode() for m in r.zrange(keys.slots, 0, -1)]
+    code, held, ahead = run_script(  # type: ignore[misc]
+        "slot_acquire",
+        r,
+        [keys.slots, keys.waiting, keys.wake, CONCURRENCY_LIMITS, CONCURRENCY_KEYS]
+        + [RunKeys.of(h.partition("|")[0]).lease for h in holders],
+        [key, run_id, int(max_concurrency or 0), WAITER_GRACE_MS, token, *holders],
+    )
+    if int(code) == 2:
+        return Slot(True, 0, 0, limited=False)
+    return Slot(int(code) == 1, int(held), int(ahead))
+
+
+def release(r: Redis, key: str, run_id: str, token: str) -> bool:
+    """Free the slot of the run's turn that held ``token``, waking the first waiter. True if one was woken."""
+    keys = ConcurrencyKeys.of(key)
+    slot = f"{run_id}|{token}"
+    return bool(run_script("slot_release", r, [keys.slots, keys.waiting, keys.wake, TURNS_DEFERRED], [slot]))
+
+
+def stage_wake(pipe: Pipeline, key: str, run_id: str, deferred_member: str, expires_ms: int) -> None:
+    """In the transaction that defers a waiting turn: where to find it when a slot frees."""
+    pipe.hset(ConcurrencyKeys.of(key).wake, run_id, f"{expires_ms}|{deferred_member}")
+
+
+def set_limit(r: Redis, key: str, limit: int | None) -> None:
+    """The operator's limit for ``key`` (None: the runs' own max_concurrency again)."""
+    ConcurrencyKeys.of(key)  # a clear error for a bad key
+    if limit is None:
+        r.hdel(CONCURRENCY_LIMITS, key)
+    else:
+        r.hset(CONCURRENCY_LIMITS, key, int(limit))
+        r.sadd(CONCURRENCY_KEYS, key)
+
+
+@dataclass(frozen=True)
+class KeyView:
+    key: str
+    operator_limit: int | None
+    in_flight: int
+    waiting: int
+
+
+def show(r: Redis) -> list[KeyView]:
+    out = []
+    limits = {k.decode(): int(v) for k, v in r.hgetall(CONCURRENCY_LIMITS).items()}
+    for raw in sorted(r.smembers(CONCURRENCY_KEYS)):
+        key = raw.decode()
+        keys = ConcurrencyKeys.of(key)
+        with r.pipeline(transaction=False) as pipe:
+            pipe.zcard(keys.slots)
+            pipe.zcard(keys.waiting)
+            in_flight, waiting = pipe.execute()
+        out.append(KeyView(key, limits.get(key), int(in_flight), int(waiting)))
+    return out

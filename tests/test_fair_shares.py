@@ -1,0 +1,119 @@
+"""Fair shares: ``enqueue_run(..., concurrency_key="acme", max_concurrency=N)`` keeps at most N turns of
+the key in flight across the pool; the others wait holding no worker, in line, and the turn that frees a
+slot wakes the first waiter. An operator's ``agentpool limits set acme N`` wins over the runs' own."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from redis import Redis
+
+from agentpool import enqueue_run, wait_for_run
+from agentpool.store import concurrency, events
+from agentpool.store.keys import RUNS, TURNS_DEFERRED, ConcurrencyKeys, RunKeys
+from agentpool.testing.localpool import WorkerProcesses
+
+from conftest import assert_valid_conversation, script_task
+
+WORK = {"name": "timed_work", "input": {"seconds": 0.4}}
+STEPS = [{"tool_calls": [WORK]}, {"tool_calls": [WORK]}, {"text": "All done."}]
+
+
+def _hold(r: Redis, run_id: str, token: str) -> None:
+    r.set(RunKeys.of(run_id).lease, token)  # the turn holding the run's lease
+
+
+def test_slots_are_granted_up_to_the_limit_then_in_line_and_a_dead_holders_slot_frees(r: Redis) -> None:
+    for run_id in ("a", "b", "c", "d"):
+        _hold(r, run_id, f"1:{run_id}")
+    assert concurrency.acquire(r, "acme", "a", 2, "1:a").granted
+    assert concurrency.acquire(r, "acme", "b", 2, "1:b").granted
+    assert not concurrency.acquire(r, "acme", "c", 2, "1:c").granted
+    assert not concurrency.acquire(r, "acme", "d", 2, "1:d").granted
+    keys = ConcurrencyKeys.of("acme")
+    concurrency.stage_wake(r, "acme", "c", "c:1:1", 10**13)  # type: ignore[arg-type]
+    r.zadd(TURNS_DEFERRED, {"c:1:1": 10**13})
+    # a's turn ends: its slot frees and c, first in line, is woken (its deferred turn is due now).
+    assert concurrency.release(r, "acme", "a", "1:a")
+    assert r.zscore(TURNS_DEFERRED, "c:1:1") < 10**13
+    assert not concurrency.acquire(r, "acme", "d", 2, "1:d").granted  # c is ahead of d
+    assert concurrency.acquire(r, "acme", "c", 2, "1:c").granted
+    # b's worker dies: once b's lease is gone (or taken by the next owner) its slot is free.
+    r.set(RunKeys.of("b").lease, "2:other-worker")
+    assert concurrency.acquire(r, "acme", "d", 2, "1:d").granted
+    assert r.zcard(keys.waiting) == 0
+
+
+def test_an_operator_limit_wins_over_the_runs_own(r: Redis) -> None:
+    for run_id in ("a", "b"):
+        _hold(r, run_id, f"1:{run_id}")
+    concurrency.set_limit(r, "acme", 1)
+    assert concurrency.acquire(r, "acme", "a", 5, "1:a").granted
+    assert not concurrency.acquire(r, "acme", "b", 5, "1:b").granted
+    concurrency.set_limit(r, "acme", None)
+    assert concurrency.acquire(r, "acme", "b", 5, "1:b").granted
+
+
+def _most_at_once(intervals: list[tuple[float, float]]) -> int:
+    edges = sorted([(start, 1) for start, _ in intervals] + [(end, -1) for _, end in intervals])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def test_a_key_never_has_more_turns_in_flight_than_its_limit_and_a_small_tenant_is_not_starved(
+    r: Redis, pool, model
+) -> None:
+    model.set_scripts({"steps": STEPS})
+    big = [
+        enqueue_run(
+            "pool_agents:support",
+            script_task("steps", f"big {i}"),
+            connection=r,
+            concurrency_key="big",
+            max_concurrency=2,
+        )
+        for i in range(6)
+    ]
+    small = enqueue_run(
+        "pool_agents:support", script_task("steps", "small"), connection=r, concurrency_key="small", max_concurrency=2
+    )
+    WorkerProcesses.start(pool, 1, "--concurrency", "6", "--log-level", "INFO")
+    runs = {run_id: wait_for_run(run_id, timeout=120, connection=r) for run_id in [*big, small]}
+    assert {run.status for run in runs.values()} == {"completed"}, pool.logs()
+    for run in runs.values():
+        assert run.turns == 3
+        assert_valid_conversation(run.messages)
+    worked = [e for e in pool.effects() if e["tool"] == "timed_work"]
+    by_big = [(e["started"], e["ended"]) for e in worked if e["run"] in big]
+    # Six threads, six runs: without the key's limit the six would work at once.
+    assert _most_at_once(by_big) <= 2
+    waits = [f for run_id in big for _, f in events.read(r, run_id) if f["kind"] == "waiting_for_slot"]
+    assert waits, "no turn of the big tenant ever waited"
+    # The small tenant's run did not wait behind the big one's: it was done before the big one was.
+    small_done = max(e["ended"] for e in worked if e["run"] == small)
+    assert small_done < max(end for _, end in by_big)
+
+
+def test_bad_concurrency_arguments_are_refused_in_one_line_and_make_nothing(r: Redis, pool) -> None:
+    for kwargs, words in [
+        ({"concurrency_key": "acme", "max_concurrency": 0}, "max_concurrency"),
+        ({"concurrency_key": "acme", "max_concurrency": float("nan")}, "max_concurrency"),
+        ({"max_concurrency": 3}, "concurrency_key"),
+        ({"concurrency_key": "a b", "max_concurrency": 3}, "concurrency key"),
+    ]:
+        with pytest.raises(ValueError) as caught:
+            enqueue_run("pool_agents:support", "task", connection=r, **kwargs)  # type: ignore[arg-type]
+        assert words in str(caught.value) and "\n" not in str(caught.value)
+    assert r.zcard(RUNS) == 0
+    cli = [sys.executable, "-m", "agentpool", "limits"]
+    done = subprocess.run([*cli, "set", "acme", "3"], env=pool.env, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    shown = subprocess.run([*cli, "show"], env=pool.env, capture_output=True, text=True, check=False)
+    assert [line.split() for line in shown.stdout.splitlines() if line.startswith("acme")] == [["acme", "3", "0", "0"]]
+    bad = subprocess.run([*cli, "set", "acme", "-1"], env=pool.env, capture_output=True, text=True, check=False)
+    assert bad.returncode != 0 and "-1" in bad.stderr
