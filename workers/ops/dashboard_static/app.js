@@ -273,7 +273,7 @@ function listPage(app) {
     for (const a of doc.agents) knownAgents.add(a);
     fillSelect(agentSelect, [...knownAgents].sort(), filters.agent);
     if (doc.runs.length === 0) {
-      tbody.replaceChildren(h("tr", {}, h("td", { colspan: "8", class: "empty" },
+      tbody.replaceChildren(h("tr", {}, h("td", { colspan: "9", class: "empty" },
         filters.status || filters.agent ? "No runs match these filters." :
           "No runs yet. Enqueue one with: agentpool enqueue module:agent \"task\"")));
     } else {
