@@ -29,7 +29,7 @@ def slug(heading: str) -> str:
 def anchors(page: Path) -> set[str]:
     seen: dict[str, int] = {}
     out = set()
-    for heading in HEADING.findall(prose(page.read_text())):
+    for heading in HEADING.findall(FENCE.sub("", page.read_text())):  # a heading's inline code counts
         base = slug(heading)
         n = seen.get(base, 0)
         seen[base] = n + 1
