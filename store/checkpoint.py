@@ -49,7 +49,7 @@ from agentpool.store.records import (
     pack_result,
     unpack_message,
 )
-from agentpool.store.scripts import run_script
+from agentpool.store.scripts import compact_source, run_script
 
 # How long a committed turn may wait in the queue before the reaper checks that its job still exists.
 QUEUED_RECHECK_MS = 30_000
@@ -164,6 +164,17 @@ def load_run(r: Redis, run_id: str, *, with_messages: bool = True) -> RunState:
     return decode_run(run_id, replies[0], replies[1] if with_messages else None)
 
 
+def parent_keys(r: Redis | Pipeline, run_id: str) -> list[str]:
+    """The keys a child run's terminal write tells its parent through (header, joins, events; see
+    ``store/lua/_join.lua``); [] for a run without a parent. The parent field is written once, with
+    the child, so reading it before the write is safe."""
+    raw = r.hget(RunKeys.of(run_id).run, "parent")
+    if not raw:
+        return []
+    parent = RunKeys.of(raw.decode())
+    return [parent.run, parent.joins, parent.events]
+
+
 def _check(code: int, keys: RunKeys, r: Redis) -> None:
     if code == -5:
         raise MessagesWaiting(f"run {keys.run_id} has messages waiting in its inbox")
@@ -195,7 +206,7 @@ def commit_response(
     closing: Mapping[str, Any] | None = None,
     responded: Event | None = None,
     event: Event | None = None,
-) -> None:
+) -> int:
     """Save point A: count the call's ``usage`` and cost with the ``responded`` event, then commit
     its response with the ``event`` that reports it. The spend counts even when the response can no
     longer be committed (the run was cancelled meanwhile, or this worker lost its lease while the
@@ -207,7 +218,11 @@ def commit_response(
     that takes over can mistake it for a turn to continue.
 
     A reply that would complete the run while messages wait in its inbox (``send_message``) raises
-    ``MessagesWaiting`` having written nothing: the run must answer them first."""
+    ``MessagesWaiting`` having written nothing: the run must answer them first.
+
+    Returns 2 when the run ended here and was the last open child of its parent (which is now due to
+    be woken), 1 otherwise."""
+    parent = parent_keys(r, keys.run_id) if final_status else []
     code = run_script(
         "commit_response",
         r,
@@ -223,6 +238,9 @@ def commit_response(
             keys.approvals,
             keys.inbox,
             keys.received,
+            keys.children,
+            keys.joins,
+            *parent,
         ],
         [
             token,
@@ -240,6 +258,7 @@ def commit_response(
             repr(float(cost_usd)),
             writes.new_id(),
             pack_message(closing) if closing else "",
+            len(parent),
             *script_args(responded, event),
         ],
     )
@@ -248,6 +267,7 @@ def commit_response(
     _check(int(code), keys, r)  # type: ignore[arg-type]
     if event:
         event.log()
+    return int(code)  # type: ignore[arg-type]
 
 
 def header_int(value: bytes | None) -> int:
@@ -409,12 +429,14 @@ def finish(
     retention_s: int = 0,
     watch_at_ms: int | None = None,
     event: Event | None = None,
-) -> None:
+) -> int:
     """Fenced end of a turn without a next one (a limit reached, a failure, a wait for a person),
     with the ``event`` that reports it.
 
     ``retention_s`` applies only to statuses that are final; ``watch_at_ms`` keeps the run in the
-    reaper's watch set until then (an approval that expires)."""
+    reaper's watch set until then (an approval that expires). A child run that ends here tells its
+    parent in the same script; returns 2 when that made the parent due to be woken, 1 otherwise."""
+    parent = parent_keys(r, keys.run_id) if status != "waiting_approval" else []
     code = run_script(
         "finish",
         r,
@@ -430,6 +452,9 @@ def finish(
             keys.approvals,
             keys.inbox,
             keys.received,
+            keys.children,
+            keys.joins,
+            *parent,
         ],
         [
             token,
@@ -444,12 +469,14 @@ def finish(
             "" if watch_at_ms is None else watch_at_ms,
             SCHEMA_VERSION,
             writes.new_id(),
+            len(parent),
             *script_args(event),
         ],
     )
     _check(int(code), keys, r)  # type: ignore[arg-type]
     if event:
         event.log()
+    return int(code)  # type: ignore[arg-type]
 
 
 def _expire(pipe: Pipeline, keys: RunKeys, retention_s: int) -> None:
@@ -465,9 +492,13 @@ def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int) -> bo
     if the run was failed now."""
     keys = RunKeys.of(run_id)
     others = [k for k in keys.kept() if k != keys.run]
+    parent = parent_keys(r, run_id)
     return bool(
         run_script(
-            "fail_unfenced", r, [keys.run, keys.lease, RUNS_WATCH, *others], [reason, now_ms(), run_id, retention_s]
+            "fail_unfenced",
+            r,
+            [keys.run, keys.lease, RUNS_WATCH, *others, *parent],
+            [reason, now_ms(), run_id, retention_s, len(parent)],
         )
     )
 
@@ -489,7 +520,7 @@ def set_status_unfenced(
     keys = RunKeys.of(run_id)
 
     def attempt(pipe: Pipeline, write_id: str) -> str:
-        current, recent = pipe.hmget(keys.run, ["status", writes.OTHERS])
+        current, recent, parent = pipe.hmget(keys.run, ["status", writes.OTHERS, "parent"])
         done = writes.landed(recent, write_id)
         if done is not None:
             pipe.unwatch()
@@ -504,6 +535,20 @@ def set_status_unfenced(
         pipe.hset(keys.run, mapping={"status": status, "error": safe_text(error), "updated_at": now_ms()})
         if status in TERMINAL_STATUSES:
             pipe.zrem(RUNS_WATCH, run_id)
+            if parent:  # a child's end tells its parent in the same step (store/lua/child_ended.lua)
+                up = RunKeys.of(parent.decode())
+                pipe.eval(
+                    compact_source("child_ended"),
+                    5,
+                    keys.run,
+                    RUNS_WATCH,
+                    up.run,
+                    up.joins,
+                    up.events,
+                    run_id,
+                    up.run_id,
+                    now_ms(),
+                )
             _expire(pipe, keys, retention_s)
         writes.stage_remember(pipe, keys.run, write_id, before)
         pipe.execute()

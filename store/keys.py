@@ -16,6 +16,10 @@ Per run (all keys of a run share the hash tag ``{run:<id>}``)::
                                     key, an agent it cannot import...): reason, detail, worker, since,
                                     count, until, job; kept apart from the header so that a worker
                                     handing back a record too new for it leaves that record untouched
+    ap:{run:<id>}:children  list    the run's child runs (sub-agents), in tool_use order, each once
+    ap:{run:<id>}:joins     hash    "<child id>" -> "open" while that child runs, "ended" once it has
+                                    ended: the child's terminal write marks it, and wakes the parent
+                                    (status waiting_children) when it was the last open one
     ap:{run:<id>}:inbox     list    ids of the messages sent to the run (``send_message``) that wait for
                                     delivery at its next turn boundary, oldest first
     ap:{run:<id>}:received  hash    "<message_id>" -> the message as sent (sealed like the conversation),
@@ -129,6 +133,8 @@ class RunKeys:
     handback: str
     inbox: str
     received: str
+    children: str
+    joins: str
 
     @classmethod
     def of(cls, run_id: str) -> RunKeys:
@@ -146,6 +152,8 @@ class RunKeys:
             handback=f"{base}:handback",
             inbox=f"{base}:inbox",
             received=f"{base}:received",
+            children=f"{base}:children",
+            joins=f"{base}:joins",
         )
 
     def all(self) -> tuple[str, ...]:
@@ -161,6 +169,8 @@ class RunKeys:
             self.handback,
             self.inbox,
             self.received,
+            self.children,
+            self.joins,
         )
 
     def kept(self) -> tuple[str, ...]:
@@ -174,6 +184,8 @@ class RunKeys:
             self.handback,
             self.inbox,
             self.received,
+            self.children,
+            self.joins,
         )
 
 

@@ -24,7 +24,11 @@ SCHEMA_VERSION = 3
 
 ACTIVE_STATUSES = frozenset({"queued", "running"})
 TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
-STATUSES = ACTIVE_STATUSES | TERMINAL_STATUSES | {"waiting_approval", "stopped"}
+# waiting_children: the run's turn waits for the child runs (sub-agents) it started; nothing is leased.
+STATUSES = ACTIVE_STATUSES | TERMINAL_STATUSES | {"waiting_approval", "waiting_children", "stopped"}
+# A child run in one of these has ended as far as its parent is concerned: its result (or error) answers
+# the parent's tool_use. A stopped child can be resumed; the parent has gone on without it by then.
+ENDED_FOR_PARENT = TERMINAL_STATUSES | {"stopped"}
 USAGE_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 
@@ -72,6 +76,14 @@ class RunState:
     queue: str = "default"  # the queue its turns go to (the header's ``queue``; none: ``default``)
     concurrency_key: str = ""  # its fair-share key (the header's ``ckey``) and the run's own limit (``cmax``)
     max_concurrency: int = 0
+    # Sub-agents: the parent run's id ("" for a top-level run), the parent's tool_use this run answers,
+    # and how deep in the tree it is (0 at the top). ``usage`` and ``cost_usd`` are the whole tree's (this
+    # run's and its ended children's, rolled up as each ends); ``own_usage`` and ``own_cost_usd`` its own.
+    parent: str = ""
+    parent_call: str = ""
+    depth: int = 0
+    own_usage: dict[str, int] = field(default_factory=dict)
+    own_cost_usd: float = 0.0
 
     @property
     def current_turn(self) -> int:
@@ -255,6 +267,8 @@ def load_header(run_id: str, raw: Mapping[bytes, bytes], *, open_sealed: bool = 
     status = _text(raw, "status")
     if status not in STATUSES:
         raise UnreadableRecord(f"run {run_id}: unknown status {status!r}")
+    own_usage = {name: _int(raw, name) for name in USAGE_FIELDS}
+    own_cost = _float(raw, "cost_usd")
     return RunState(
         id=run_id,
         agent=_text(raw, "agent"),
@@ -262,14 +276,14 @@ def load_header(run_id: str, raw: Mapping[bytes, bytes], *, open_sealed: bool = 
         turns=_int(raw, "turns"),
         phase=_text(raw, "phase"),
         pending=pending,
-        usage={name: _int(raw, name) for name in USAGE_FIELDS},
+        usage={name: own_usage[name] + _int(raw, f"tree_{name}") for name in USAGE_FIELDS},
         limits=limits,
         error=_text(raw, "error"),
         result=unpack_result(_text(raw, "result"), run_id, open_sealed),
         created_at=_seconds(raw, "created_at"),
         updated_at=_seconds(raw, "updated_at"),
         model_errors=_int(raw, "model_errors"),
-        cost_usd=_float(raw, "cost_usd"),
+        cost_usd=own_cost + _float(raw, "tree_cost_usd"),
         version=version,
         window_hint=_int(raw, "window"),
         forked_from=_text(raw, "forked_from"),
@@ -277,4 +291,9 @@ def load_header(run_id: str, raw: Mapping[bytes, bytes], *, open_sealed: bool = 
         queue=_text(raw, "queue") or "default",
         concurrency_key=_text(raw, "ckey"),
         max_concurrency=_int(raw, "cmax"),
+        parent=_text(raw, "parent"),
+        parent_call=_text(raw, "parent_call"),
+        depth=_int(raw, "depth"),
+        own_usage=own_usage,
+        own_cost_usd=own_cost,
     )

@@ -39,3 +39,9 @@ def reschedule_approval(r: Redis, run_id: str, at_ms: int, *, records_seen: int)
 def forget_approval(r: Redis, run_id: str, *, records_seen: int) -> bool:
     """Stop watching a run that waits for a person with no deadline, under the same condition."""
     return _update(r, run_id, "rem", 0, f"approvals:{records_seen}")
+
+
+def reschedule_children(r: Redis, run_id: str, at_ms: int) -> bool:
+    """Look at a run waiting for its children again at ``at_ms``, if it still waits (the last child's
+    end makes it due at once, and must not be pushed back by a reaper that read it a moment before)."""
+    return _update(r, run_id, "add", at_ms, "children")

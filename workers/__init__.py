@@ -17,7 +17,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agentpool.agent import Agent, Compaction
+    from agentpool.agent import Agent, Compaction, Subagent
     from agentpool.checks import InvalidLimit
     from agentpool.client import (
         ResumeRefused,
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 # Where each public name lives.
 _HOMES = {
-    "agentpool.agent": ("Agent", "Compaction"),
+    "agentpool.agent": ("Agent", "Compaction", "Subagent"),
     "agentpool.checks": ("InvalidLimit",),
     "agentpool.client": (
         "ResumeRefused",
@@ -116,6 +116,7 @@ __all__ = [
     "RunTimeout",
     "SchemaTooNew",
     "StoreError",
+    "Subagent",
     "Tool",
     "ToolCall",
     "ToolInputError",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,54 @@ class Compaction:
         return self.server_side if self.server_side is not None else model.startswith(SERVER_COMPACTION_MODELS)
 
 
+TOOL_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # what the Messages API accepts as a tool's name
+DEFAULT_MAX_DEPTH = 10  # an agent delegating to itself stops within this many levels
+DEFAULT_MAX_FANOUT = 10  # sub-agent calls one response may start
+
+
+@dataclass(frozen=True)
+class Subagent:
+    """A sub-agent an agent may delegate to: ``Agent(subagents={"researcher": Subagent("myapp.agents:researcher",
+    description="Finds sources")})`` (a bare ``"module:attribute"`` string takes the defaults).
+
+    The model gets a tool of that name whose input is ``{"task": "..."}``; each call starts a child run
+    of the agent at ``path`` with that task, and its final text becomes the call's tool_result.
+    ``queue`` and ``concurrency_key`` name where the child runs (None: as its parent does)."""
+
+    path: str
+    description: str | None = None
+    queue: str | None = None
+    concurrency_key: str | None = None
+
+    def __post_init__(self) -> None:
+        check_agent_path(self.path)
+        for name in ("description", "queue", "concurrency_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"Subagent.{name} is a non-empty string or None, got {value!r}")
+
+    def to_param(self, name: str) -> dict[str, Any]:
+        """The tool the model is offered for this sub-agent."""
+        return {
+            "name": name,
+            "description": self.description
+            or (
+                f"Delegate a task to the {name} sub-agent. It works on it on its own, with its own tools, "
+                "and answers with its final text. Several calls in one response run in parallel."
+            ),
+            "input_schema": {
+                "type": "object",
+                "properties": {
+                    "task": {
+                        "type": "string",
+                        "description": "The task, complete in itself: the sub-agent sees nothing else.",
+                    }
+                },
+                "required": ["task"],
+            },
+        }
+
+
 @dataclass
 class Agent:
     model: str
@@ -100,6 +149,10 @@ class Agent:
     mcp_servers: dict[str, dict[str, Any]] = field(default_factory=dict)
     mcp_effects: dict[str, str] = field(default_factory=dict)  # per tool, over what its annotations say
     mcp_requires_approval: Collection[str] = ()  # tools whose calls wait for a person's decision
+    # Sub-agents offered to the model as tools: tool name -> "module:attribute" or Subagent(...).
+    subagents: dict[str, Subagent | str] = field(default_factory=dict)
+    max_depth: int = DEFAULT_MAX_DEPTH  # how deep a tree of sub-agents may go below a top-level run
+    max_fanout: int = DEFAULT_MAX_FANOUT  # sub-agent calls one response may start (the rest get an error)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model.strip():
@@ -116,7 +169,8 @@ class Agent:
                     "(read, idempotent or unsafe) so the model gets its schema and a crash is reconciled safely"
                 )
         self.tools = list(self.tools)
-        names = [t.name for t in self.tools]
+        self.subagents = _subagents(self.subagents)
+        names = [t.name for t in self.tools] + list(self.subagents)
         duplicates = {n for n in names if names.count(n) > 1}
         if duplicates:
             raise ValueError(f"duplicate tool names: {', '.join(sorted(duplicates))}")
@@ -127,6 +181,8 @@ class Agent:
         self.approval_timeout = optional_limit("approval_timeout", self.approval_timeout)
         self.tool_timeout = limit_value("tool_timeout", self.tool_timeout)
         self.max_result_chars = limit_value("max_result_chars", self.max_result_chars, whole=True)
+        self.max_depth = limit_value("max_depth", self.max_depth, whole=True)
+        self.max_fanout = limit_value("max_fanout", self.max_fanout, whole=True)
         if self.compaction is True:
             self.compaction = Compaction()
         elif self.compaction is False:
@@ -172,12 +228,37 @@ class Agent:
     def use_mcp_tools(self, tools: list[McpTool], listings: dict[str, Any]) -> None:
         self._mcp = (list(tools), {t.name: t for t in tools}, listings)
 
+    def subagent_named(self, name: str) -> Subagent | None:
+        found = self.subagents.get(name)
+        return found if isinstance(found, Subagent) else None
+
+    def tool_params(self) -> list[dict[str, Any]]:
+        """Every tool the model is offered: the agent's tools, its MCP servers' tools, then its sub-agents."""
+        return [t.to_param() for t in self.offered_tools] + [
+            s.to_param(name) for name, s in self.subagents.items() if isinstance(s, Subagent)
+        ]
+
     @property
     def compaction_mode(self) -> str | None:
         """``"server"`` (the API compacts), ``"summary"`` (agentpool asks for a summary) or None (off)."""
         if not isinstance(self.compaction, Compaction):
             return None
         return "server" if self.compaction.uses_server(self.model) else "summary"
+
+
+def _subagents(given: Any) -> dict[str, Subagent | str]:
+    if not isinstance(given, dict):
+        raise TypeError(f"Agent(subagents=...) maps tool names to agent paths, got {type(given).__name__}")
+    out: dict[str, Subagent | str] = {}
+    for name, value in given.items():
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise ValueError(f"sub-agent name {name!r}: a tool name is 1 to 64 letters, digits, '_' or '-'")
+        if isinstance(value, str):
+            value = Subagent(value)
+        if not isinstance(value, Subagent):
+            raise TypeError(f"sub-agent {name!r}: give a 'module:attribute' path or Subagent(...), got {value!r}")
+        out[name] = value
+    return out
 
 
 def check_agent_path(path: object) -> None:

@@ -16,7 +16,7 @@ from agentpool.runtime import tracing
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import Settings, client_for, names_the_server
-from agentpool.store import approvals, checkpoint, events, inbox, runs_index, writes
+from agentpool.store import approvals, checkpoint, children, events, inbox, runs_index, writes
 from agentpool.store import window as run_window
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError, RunNotFound
@@ -66,6 +66,14 @@ class Run:
     forked_at: int | None = None
     inbox: list[dict[str, Any]] = field(default_factory=list)  # messages sent that wait for delivery: id, content
     queue: str = "default"  # the queue its turns go to (``enqueue_run(..., queue=...)``)
+    # Sub-agents: the parent run's id (None at the top of a tree) and the child runs this one started, in
+    # tool_use order (``get_run`` fills them in; ``list_runs`` leaves ``children`` empty). ``usage`` and
+    # ``cost_usd`` are the whole tree's (its ended children's included); ``own_usage``/``own_cost_usd`` its own.
+    parent: str | None = None
+    children: list[str] = field(default_factory=list)
+    own_usage: dict[str, int] = field(default_factory=dict)
+    own_cost_usd: float = 0.0
+    depth: int = 0
 
     @property
     def window(self) -> list[dict[str, Any]]:
@@ -95,6 +103,10 @@ class Run:
             forked_from=state.forked_from or None,
             forked_at=state.forked_at if state.forked_from else None,
             queue=state.queue,
+            parent=state.parent or None,
+            own_usage=dict(state.own_usage),
+            own_cost_usd=state.own_cost_usd,
+            depth=state.depth,
         )
 
     @property
@@ -227,6 +239,7 @@ def get_run(run_id: str, *, connection: Redis | str | None = None, window: bool 
     run.window_start, run.messages_from = start, messages_from
     run.waiting = _waiting(r, run)
     run.inbox = inbox.waiting(r, RunKeys.of(run_id))
+    run.children = children.children(r, RunKeys.of(run_id))
     return run
 
 
@@ -244,7 +257,8 @@ def wait_for_run(
     poll: float = 0.2,
     after_message: str | None = None,
 ) -> Run:
-    """Block until the run is no longer queued or running; raise RunTimeout after ``timeout`` s.
+    """Block until the run is no longer queued, running or waiting for its child runs; raise RunTimeout
+    after ``timeout`` s.
 
     With ``after_message`` (an id ``send_message`` returned), until the run has answered that message:
     it was delivered and the run has taken a turn since, and is no longer queued or running (or it was
@@ -274,7 +288,8 @@ def waited_for(r: Redis, run_id: str, after_message: str | None) -> RunState | N
     """None once the wait is over; else the run's header as it is now."""
     state = checkpoint.load_run(r, run_id, with_messages=False)
     keys = RunKeys.of(run_id)
-    if state.status not in ACTIVE_STATUSES and (after_message is None or _answered(r, keys, after_message, state)):
+    going_on = state.status in ACTIVE_STATUSES or state.status == "waiting_children"  # no person needed
+    if not going_on and (after_message is None or _answered(r, keys, after_message, state)):
         return None
     return state
 
@@ -302,6 +317,12 @@ def cancel_run(run_id: str, *, connection: Redis | str | None = None, reason: st
     )
     if before not in ("completed", "failed", "cancelled"):
         emit(r, run_id, "status", status="cancelled", error=reason)
+    # Its child runs are cancelled too (theirs in turn); a child's cancel tells this run, already ended.
+    for child in children.children(r, RunKeys.of(run_id)):
+        cancel_run(child, connection=r, reason=f"its parent run {run_id} was cancelled")
+    from agentpool.runtime.subagents import wake_parent_of
+
+    wake_parent_of(r, run_id)  # a cancelled child was maybe its parent's last open one
     return before
 
 

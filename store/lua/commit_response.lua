@@ -11,14 +11,15 @@
 -- Safe to deliver twice: a re-delivery of the same write id returns the first result, counting nothing.
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch   KEYS[5] ap:stats
 -- KEYS[6] events   KEYS[7] hand-back record   KEYS[8..] the run's other keys (ledger, approvals, inbox,
--- received messages), for the retention; KEYS[10] is the inbox
+-- received messages, children, joins), for the retention; KEYS[10] is the inbox; then, for a child
+-- run that ends here, its parent's header, joins hash and events (see _join.lua), as many as ARGV[19] says
 -- ARGV[1] token  ARGV[2] turns before this call  ARGV[3] assistant message blob  ARGV[4] pending blob
 -- ARGV[5] now ms  ARGV[6] run id  ARGV[7] final status or ''  ARGV[8] result text  ARGV[9] error text
 -- ARGV[10] schema version  ARGV[11] retention seconds for a finished run (0 keeps it)
 -- ARGV[12..15] input, output, cache-read, cache-write tokens  ARGV[16] cost in USD  ARGV[17] write id
--- ARGV[18] closing message blob or ''  ARGV[19..] two events (see _event.lua): the model_responded
+-- ARGV[18] closing message blob or ''  ARGV[19] parent keys given (0 or 3)  ARGV[20..] two events (see _event.lua): the model_responded
 -- one, then the one reporting the commit
--- Returns 1 ok, -1 lease lost, -2 run not running (status changed under us), -3 stale turn (each of
+-- Returns 1 ok (2: ok, the run ended and was its parent's last open child, now woken), -1 lease lost, -2 run not running (status changed under us), -3 stale turn (each of
 -- these three with the spend counted), -4 no such run (nothing counted), -5 the reply would complete
 -- the run but messages wait in its inbox (nothing counted, nothing changed: the caller commits the
 -- reply as a turn that goes on, and its save point B delivers them).
@@ -27,7 +28,8 @@ if seen then return tonumber(seen) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
 if ARGV[7] == 'completed' and redis.call('LLEN', KEYS[10]) > 0 then return -5 end
 add_spend(KEYS[1], 12)
-local committed_event = record_event(KEYS[6], KEYS[5], 19)
+local committed_event = record_event(KEYS[6], KEYS[5], 20)
+local parent_keys = tonumber(ARGV[19])
 local function refused(code)
   remember(KEYS[1], ARGV[17], code)
   return code
@@ -40,7 +42,13 @@ redis.call('RPUSH', KEYS[3], ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'turns', 1)
 redis.call('HSET', KEYS[1], 'phase', 'tools', 'pending', ARGV[4], 'model_errors', 0, 'updated_at', ARGV[5], 'v', ARGV[10])
 redis.call('DEL', KEYS[7])
-remember(KEYS[1], ARGV[17], 1)
+local joined = 1
+if ARGV[7] ~= '' and parent_keys > 0 then
+  if join_parent(KEYS[1], #KEYS - 2, KEYS[4], ARGV[6], redis.call('HGET', KEYS[1], 'parent'), ARGV[5]) == 2 then
+    joined = 2
+  end
+end
+remember(KEYS[1], ARGV[17], joined)
 record_event(KEYS[6], KEYS[5], committed_event)  -- before the retention's EXPIRE, which it must not outlive
 if ARGV[7] ~= '' then
   if ARGV[18] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[18]) end
@@ -52,7 +60,7 @@ if ARGV[7] ~= '' then
   local ttl = tonumber(ARGV[11])
   if ttl > 0 then
     for i = 1, 3, 2 do redis.call('EXPIRE', KEYS[i], ttl) end
-    for i = 6, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
+    for i = 6, #KEYS - parent_keys do redis.call('EXPIRE', KEYS[i], ttl) end
   end
 end
-return 1
+return joined

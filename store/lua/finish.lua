@@ -6,12 +6,15 @@
 -- event with it. Safe to deliver twice: a re-delivery of the same write id returns the first result.
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch   KEYS[5] ap:stats
 -- KEYS[6] events   KEYS[7] hand-back record   KEYS[8..] the run's other keys (ledger, approvals, inbox,
--- received messages), for the retention
+-- received messages, children, joins), for the retention; then, for a child run, its parent's header,
+-- joins hash and events (see _join.lua), as many as ARGV[13] says
 -- ARGV[1] token  ARGV[2] status  ARGV[3] error text  ARGV[4] now ms  ARGV[5] run id
 -- ARGV[6] message blob or ''  ARGV[7] phase after ('' keeps it)  ARGV[8] result text or ''
 -- ARGV[9] retention seconds (0 keeps it)  ARGV[10] watch score ('' removes the run from the watch set)
--- ARGV[11] schema version of the message  ARGV[12] write id  ARGV[13..] the event (see _event.lua)
--- Returns 1 ok, -1 lease lost, -2 run not running.
+-- ARGV[11] schema version of the message  ARGV[12] write id  ARGV[13] parent keys given (0 or 3)
+-- ARGV[14..] the event (see _event.lua)
+-- Returns 1 ok (2: ok, and it was the parent's last open child, which is now woken), -1 lease lost,
+-- -2 run not running.
 local seen = replayed(KEYS[1], ARGV[12])
 if seen then return tonumber(seen) end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
@@ -30,11 +33,18 @@ if ARGV[10] == '' then
 else
   redis.call('ZADD', KEYS[4], ARGV[10], ARGV[5])
 end
-remember(KEYS[1], ARGV[12], 1)
-record_event(KEYS[6], KEYS[5], 13)  -- before the retention's EXPIRE, which it must not outlive
+local joined = 1
+local parent_keys = tonumber(ARGV[13])
+if parent_keys > 0 and ARGV[2] ~= 'waiting_approval' and ARGV[2] ~= 'waiting_children' then
+  if join_parent(KEYS[1], #KEYS - 2, KEYS[4], ARGV[5], redis.call('HGET', KEYS[1], 'parent'), ARGV[4]) == 2 then
+    joined = 2
+  end
+end
+remember(KEYS[1], ARGV[12], joined)
+record_event(KEYS[6], KEYS[5], 14)  -- before the retention's EXPIRE, which it must not outlive
 local ttl = tonumber(ARGV[9])
 if ttl > 0 then
   for i = 1, 3, 2 do redis.call('EXPIRE', KEYS[i], ttl) end
-  for i = 6, #KEYS do redis.call('EXPIRE', KEYS[i], ttl) end
+  for i = 6, #KEYS - parent_keys do redis.call('EXPIRE', KEYS[i], ttl) end
 end
-return 1
+return joined

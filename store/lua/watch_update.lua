@@ -5,14 +5,17 @@
 -- ARGV[1] run id  ARGV[2] 'add' (ARGV[3] is the score) or 'rem'
 -- ARGV[4] the condition: 'active' (status queued or running), 'inactive' (no header, or a status that
 -- is never watched: stopped, completed, failed, cancelled), or 'approvals:<n>' (status
--- waiting_approval with exactly n approval records, as read)
+-- waiting_approval with exactly n approval records, as read), or 'children' (status waiting_children)
 -- Returns 1 changed, 0 the state moved on (nothing done).
 local status = redis.call('HGET', KEYS[1], 'status')
 local ok
 if ARGV[4] == 'active' then
   ok = status == 'queued' or status == 'running'
 elseif ARGV[4] == 'inactive' then
-  ok = not status or not (status == 'queued' or status == 'running' or status == 'waiting_approval')
+  ok = not status or not (status == 'queued' or status == 'running' or status == 'waiting_approval'
+    or status == 'waiting_children')
+elseif ARGV[4] == 'children' then
+  ok = status == 'waiting_children'
 else
   local n = tonumber(string.match(ARGV[4], '^approvals:(%d+)$'))
   ok = status == 'waiting_approval' and n ~= nil and redis.call('HLEN', KEYS[3]) == n

@@ -34,6 +34,7 @@ POINTS = (
     "after_summary_reply",  # the summary call answered (and billed us); the summary not saved
     "after_compaction_save",  # the summary is the new compaction point; the turn's model call not yet made
     "after_delivery_refused",  # save point A would have completed the run but messages wait: nothing saved
+    "after_last_child_end",  # a child run's end is written and woke its parent; the parent's turn not queued
     # In the process that calls send_message / fork_run (an app), around its one transaction:
     "before_message_commit",
     "after_message_commit",

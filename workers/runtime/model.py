@@ -236,7 +236,7 @@ def build_request(
     agentpool's own compaction: the same prefix (read from the cache), the summary prompt after the
     window, no tool to call, no thinking, none of the API's context edits.
     """
-    tools = [t.to_param() for t in agent.offered_tools]
+    tools = agent.tool_params()
     tools += withdrawn_tools(messages, {t["name"] for t in tools})
     if tools:
         tools[-1] = {**tools[-1], "cache_control": CACHE}

@@ -7,7 +7,8 @@ a committed turn whose job vanished (a flushed queue, a failover that lost the p
 a turn that was handed back on purpose once its backoff ends (not a takeover: no attempt is counted).
 It moves deferred turns (a model retry's backoff) onto the queue once due (``agentpool.runtime.deferred``):
 that is agentpool's only scheduler. It also denies approvals whose deadline passed, which continues
-the waiting run. A run whose header is damaged is failed with the reason, once, and the scan goes on.
+the waiting run, and queues the turn of a run whose last child run ended (``agentpool.runtime.subagents``).
+A run whose header is damaged is failed with the reason, once, and the scan goes on.
 Each scan also takes one step of the sweep that drops expired runs from the run index
 (``agentpool.store.runs_index``), and gives back to the head of the queue a turn job left in RQ's
 intermediate queue (moved there by a BLMOVE whose worker then died, or whose reply a silent connection
@@ -31,7 +32,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 from rq.job import Job, JobStatus
 
-from agentpool.runtime import deferred
+from agentpool.runtime import deferred, subagents
 from agentpool.runtime.approvals import expire_due
 from agentpool.runtime.jobs import give_back, queue_of, turn_queue
 from agentpool.runtime.takeover import fail_corrupt, read_header, requeue_turn
@@ -137,6 +138,9 @@ def _reap(r: Redis, run_id: str, report: Callable[[str, str], None] | None = Non
         if denied and report:
             report(run_id, f"denied {', '.join(denied)}: the approval expired")
         return False
+    if header.status == "waiting_children":
+        subagents.check_waiting(r, run_id)  # a backstop: the last child's end wakes it
+        return False
     if header.status not in ACTIVE_STATUSES:
         watch.forget_inactive(r, run_id)
         return False
@@ -144,6 +148,11 @@ def _reap(r: Redis, run_id: str, report: Callable[[str, str], None] | None = Non
     if ttl > 0:
         watch.reschedule_active(r, run_id, now_ms() + ttl)
         return False
+    if r.hget(keys.run, "wake") == b"1":  # its last child ended: its turn goes on (no takeover, no attempt)
+        jid = subagents.wake(r, run_id)
+        if jid and report:
+            report(run_id, f"children ended; turn queued as {jid}")
+        return bool(jid)
     found = _why_orphaned(r, run_id, header.job)
     if found is None:
         return False

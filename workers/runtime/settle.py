@@ -23,8 +23,9 @@ from agentpool.runtime import durability, tracing
 from agentpool.runtime.faults import fault
 from agentpool.runtime.reconcile import Action, idempotency_key, plan, running_until, unknown_outcome
 from agentpool.runtime.settings import Settings
+from agentpool.runtime.subagents import Delegation, waiting_event
 from agentpool.runtime.toolcall import Ownership, bounded, result_text, run_tool, run_verify
-from agentpool.store import approvals, checkpoint, ledger
+from agentpool.store import approvals, checkpoint, children, ledger
 from agentpool.store.clock import now_ms
 from agentpool.store.codec import pack
 from agentpool.store.durability import NotReplicated, Proof, wait_durable
@@ -32,6 +33,7 @@ from agentpool.store.errors import LedgerMismatch
 from agentpool.store.events import Event, emit
 from agentpool.store.keys import RunKeys
 from agentpool.store.ledger import Entry, Outcome
+from agentpool.store.records import RunState
 from agentpool.tools import Tool, ToolInputError
 
 log = logging.getLogger("agentpool.turn")
@@ -60,6 +62,8 @@ class Settlement:
         # Where the run is while its tools settle (turns counted, "tools"): every ledger write lands only
         # there, so none lands on a server that lacks the save point A that asked for the call.
         self.at: ledger.At | None = None
+        self.state: RunState | None = None  # the run as the turn loaded it (sub-agent calls need it)
+        self.waiting = "waiting_approval"  # what settle() returning None means the run waits for
 
     def settle(
         self, agent: Agent, pending: list[dict[str, Any]], *, turns: int, fresh: bool = False
@@ -80,13 +84,24 @@ class Settlement:
             for call in pending:
                 ledger.check_same_call(entries[call["id"]], call)
             self.wait_for_earlier_attempts(agent, pending, entries)
+        delegated = self.delegate(agent, pending, entries)  # children first: they run while the rest settles
         gated = any((tool := agent.tool_named(call["name"])) and tool.requires_approval for call in pending)
         decisions = approvals.read(self.r, self.keys)[1] if gated else {}
         undecided = [call for call in pending if self.needs_decision(agent, call, entries[call["id"]], decisions)]
         if undecided:
             self.wait_for_approval(agent, undecided)
             return None
-        return [self.traced(agent, call, entries[call["id"]], decisions.get(call["id"])) for call in pending]
+        settled = {
+            call["id"]: self.traced(agent, call, entries[call["id"]], decisions.get(call["id"]))
+            for call in pending
+            if call["id"] not in delegated
+        }
+        if delegated:
+            joined = self.join(pending, delegated)
+            if joined is None:
+                return None
+            settled.update({call_id: outcome.as_tool_result(call_id) for call_id, outcome in joined.items()})
+        return [settled[call["id"]] for call in pending]
 
     def traced(
         self, agent: Agent, call: dict[str, Any], entry: Entry, decision: approvals.Decision | None
@@ -115,6 +130,60 @@ class Settlement:
                 },
             )
             return outcome.as_tool_result(call["id"])
+
+    def delegate(self, agent: Agent, pending: list[dict[str, Any]], entries: dict[str, Entry]) -> dict[str, Any]:
+        """The sub-agent calls: call id -> the child run answering it (still to be joined), or the outcome
+        already settled (on record, refused, not run)."""
+        calls = [call for call in pending if agent.subagent_named(call["name"])]
+        if not calls:
+            return {}
+        assert self.state is not None, "a turn gives its run's state before settling sub-agent calls"
+        self.delegation = Delegation(self.r, self.keys, self.token, agent, self.state)
+        out: dict[str, Any] = {}
+        for index, call in enumerate(calls):
+            entry = entries[call["id"]]
+            if entry.outcome is not None:
+                out[call["id"]] = self.settle_one(agent, call, entry)
+            elif "not_run" in call:
+                out[call["id"]] = self.record(call, Outcome(call["not_run"], True), how="not_run")
+            elif (refusal := self.delegation.refusal(call, index)) is not None:
+                out[call["id"]] = self.record(call, refusal, how="refused")
+            else:
+                out[call["id"]] = self.delegation.start(call)
+        return out
+
+    def join(self, pending: list[dict[str, Any]], delegated: dict[str, Any]) -> dict[str, Outcome] | None:
+        """Every delegated call's outcome once its child has ended; None when the run now waits for
+        children still running (``waiting_children``: nothing is leased; the last one's end wakes it)."""
+        by_id = {call["id"]: call for call in pending}
+        while True:
+            running = []
+            for call_id, child in delegated.items():
+                if isinstance(child, Outcome):
+                    continue
+                outcome = self.delegation.outcome(by_id[call_id], child)
+                if outcome is None:
+                    running.append(by_id[call_id])
+                    continue
+                delegated[call_id] = self.record(
+                    by_id[call_id],
+                    outcome,
+                    how="subagent",
+                    event=Event.of(
+                        self.run_id,
+                        "child_joined",
+                        tool=by_id[call_id]["name"],
+                        tool_use_id=call_id,
+                        child=child,
+                        is_error=outcome.is_error,
+                    ),
+                )
+            if not running:
+                return delegated
+            if children.wait(self.r, self.keys, self.token, event=waiting_event(self.run_id, running)):
+                self.waiting = "waiting_children"
+                return None
+            # Every child ended between the look and the wait: read their ends and go on.
 
     def wait_for_earlier_attempts(self, agent: Agent, pending: list[dict[str, Any]], entries: dict[str, Entry]) -> None:
         """Before anything is asked or run: an attempt started by a worker that lost its lease (frozen

@@ -27,6 +27,7 @@ import random
 import socket
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from redis import Redis
@@ -48,6 +49,7 @@ from agentpool.runtime.ratelimit import WaitForBudget
 from agentpool.runtime.settings import Settings, connect
 from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
 from agentpool.runtime.stream import LiveOutput
+from agentpool.runtime.subagents import wake_parent_of
 from agentpool.store import checkpoint, concurrency, handback, live, spend, window
 from agentpool.store.clock import now_ms
 from agentpool.store.crypto import EncryptionKeyMissing, KeyNotHeld
@@ -269,6 +271,7 @@ class Turn:
                 return self.wait_for_slot(state, slot)
             self.slot_key = state.concurrency_key if slot.limited else ""
         agent = load_agent(state.agent)
+        self.tools.state = state
         if state.phase == "tools":
             emit(self.r, self.run_id, "resumed", turn=self.turn, pending=len(state.pending))
             with tracing.span(
@@ -276,7 +279,7 @@ class Turn:
             ):
                 results = self.tools.settle(agent, state.pending, turns=state.turns)  # may raise EarlierAttemptMayRun
             if results is None:
-                return "waiting_approval"
+                return self.tools.waiting
             return self.after_tools(results, turns=state.turns, window_at=compaction.window_hint(state))
         limits = Limits.of(agent, state.limits)
         reason = limits.reached(agent, state)
@@ -363,35 +366,40 @@ class Turn:
         held_to = Limits.of(agent, state.limits).limit_fields() if final == "completed" else {}
 
         def commit(final: str) -> None:
-            checkpoint.commit_response(
-                self.r,
-                self.keys,
-                self.token,
-                turns_before=state.turns,
-                message=reply.message,
-                meta=reply.meta,
-                pending=pending,
-                final_status=final,
-                result=result,
-                error=failure or "",
-                retention_s=self.settings.retention if final in TERMINAL_STATUSES else 0,
-                usage=reply.usage,
-                cost_usd=cost,
-                closing=closing,
-                responded=Event.of(
-                    self.run_id,
-                    "model_responded",
-                    turn=self.turn,
-                    stop_reason=reply.stop_reason,
-                    seconds=round(seconds, 4),
-                    cost_usd=round(cost, 8),
-                    compacted="server" if reply.compacted else None,
-                    **reply.usage,
-                ),
-                event=Event.of(self.run_id, "status", status=final, error=failure, **held_to)
-                if final
-                else Event.of(self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending)),
-            )
+            if (
+                checkpoint.commit_response(
+                    self.r,
+                    self.keys,
+                    self.token,
+                    turns_before=state.turns,
+                    message=reply.message,
+                    meta=reply.meta,
+                    pending=pending,
+                    final_status=final,
+                    result=result,
+                    error=failure or "",
+                    retention_s=self.settings.retention if final in TERMINAL_STATUSES else 0,
+                    usage=reply.usage,
+                    cost_usd=cost,
+                    closing=closing,
+                    responded=Event.of(
+                        self.run_id,
+                        "model_responded",
+                        turn=self.turn,
+                        stop_reason=reply.stop_reason,
+                        seconds=round(seconds, 4),
+                        cost_usd=round(cost, 8),
+                        compacted="server" if reply.compacted else None,
+                        **reply.usage,
+                    ),
+                    event=Event.of(self.run_id, "status", status=final, error=failure, **held_to)
+                    if final
+                    else Event.of(self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending)),
+                )
+                == 2
+            ):
+                fault("after_last_child_end", self.run_id, self.turn)
+                wake_parent_of(self.r, self.run_id)  # this child run was its parent's last open one
 
         try:
             with tracing.span("agentpool.save_point A", **{"agentpool.run.id": self.run_id, "agentpool.status": final}):
@@ -407,9 +415,15 @@ class Turn:
         if final:
             return final
         tracing.tools_phase()  # the model call and save point A exported before a tool can kill the horse
+        # A child started now gets what is left after this very call (save point A counted it).
+        self.tools.state = replace(
+            state,
+            usage={k: v + int(reply.usage.get(k) or 0) for k, v in state.usage.items()},
+            cost_usd=state.cost_usd + cost,
+        )
         results = self.tools.settle(agent, pending, turns=state.turns + 1, fresh=True) if pending else []
         if results is None:
-            return "waiting_approval"
+            return self.tools.waiting
         return self.after_tools(results, turns=state.turns + 1, window_at=compaction.window_hint(state, reply))
 
     # -- ends of a turn ----------------------------------------------------------------------
@@ -535,7 +549,7 @@ class Turn:
     def end(
         self, status: str, reason: str, message: dict[str, Any] | None = None, detail: dict[str, Any] | None = None
     ) -> str:
-        checkpoint.finish(
+        woke = checkpoint.finish(
             self.r,
             self.keys,
             self.token,
@@ -546,6 +560,9 @@ class Turn:
             retention_s=self.settings.retention,
             event=Event.of(self.run_id, "status", status=status, error=reason, **(detail or {})),
         )
+        if woke == 2:
+            fault("after_last_child_end", self.run_id, self.turn)
+            wake_parent_of(self.r, self.run_id)
         log.info("%s: %s: %s", self.where, status, reason)
         return status
 
