@@ -8,8 +8,11 @@ import random
 import time
 
 import pytest
+from click.testing import CliRunner
 
 from agentpool import Agent, Subagent, cancel_run, enqueue_run, get_run, wait_for_run
+from agentpool.ops.cli import main
+from agentpool.ops.dashboard import run_detail
 from agentpool.store import events
 from agentpool.store.children import child_id
 from agentpool.store.keys import RUNS, RunKeys, check_run_id
@@ -104,7 +107,9 @@ def test_an_orchestrator_waits_for_its_children_without_a_lease_and_gets_their_a
     wait_for_status(r, parent, "waiting_children", timeout=120)
     waiting = get_run(parent, connection=r)
     assert not r.exists(RunKeys.of(parent).lease), "nothing is leased while the run waits for its children"
-    assert len(waiting.children) == 3
+    assert len(waiting.children) == 3 and "child runs" in waiting.waiting["note"]
+    listed = CliRunner().invoke(main, ["runs", "--url", pool.env["REDIS_URL"], "--status", "waiting_children"])
+    assert parent in listed.output and "waiting_children" in listed.output, listed.output
 
     done = wait_for_run(parent, timeout=180, connection=r)
     assert done.status == "completed" and done.result == "combined"
@@ -121,6 +126,13 @@ def test_an_orchestrator_waits_for_its_children_without_a_lease_and_gets_their_a
         assert_valid_conversation(run.messages)
     assert_valid_conversation(done.messages)
     assert len(kinds(r, parent, "children_joined")) == 1
+    shown = CliRunner().invoke(main, ["show", "--url", pool.env["REDIS_URL"], parent])
+    assert shown.exit_code == 0, shown.output
+    tree = shown.output.split("child runs:\n", 1)[1].splitlines()[:3]
+    assert [line.split()[:2] for line in tree] == [[child, "completed"] for child in done.children]
+    page = run_detail(r, parent, 0)["run"]
+    assert [(n["id"], n["status"]) for n in page["tree"]] == [(c, "completed") for c in done.children]
+    assert all(n["cost_usd"] > 0 for n in page["tree"]) and page["children"] == done.children
 
 
 @pytest.mark.crash

@@ -240,7 +240,50 @@ def get_run(run_id: str, *, connection: Redis | str | None = None, window: bool 
     run.waiting = _waiting(r, run)
     run.inbox = inbox.waiting(r, RunKeys.of(run_id))
     run.children = children.children(r, RunKeys.of(run_id))
+    if run.status == "waiting_children":
+        run.waiting = _waiting_children(r, run)
     return run
+
+
+def _waiting_children(r: Redis, run: Run) -> dict[str, Any]:
+    """What a run waiting for its child runs waits on: how many still run, and which wait for a person."""
+    joins = children.joins(r, RunKeys.of(run.id))
+    open_ = [c for c in run.children if joins.get(c) == "open"]
+    with r.pipeline(transaction=False) as pipe:
+        for child in open_:
+            pipe.hget(RunKeys.of(child).run, "status")
+        statuses = [(s or b"").decode() for s in pipe.execute()]
+    asking = [c for c, s in zip(open_, statuses) if s == "waiting_approval"]
+    note = f"waiting for {len(open_)} of {len(run.children)} child runs"
+    if asking:
+        note += f"; waiting for approval: {', '.join(asking)}"
+    return {"kind": "children", "note": note, "open": open_, "waiting_approval": asking}
+
+
+def run_tree(run_id: str, *, connection: Redis | None = None, depth_limit: int = 12) -> dict[str, Any]:
+    """The run and its child runs, recursively: ``{"id", "agent", "status", "cost_usd", "own_cost_usd",
+    "error", "children": [...]}``, children in tool_use order. Headers only (no conversation), so it reads
+    without the encryption key; a child whose record expired shows with status ``expired``."""
+    r = client_for(connection)
+
+    def node(run_id: str, depth: int) -> dict[str, Any]:
+        raw = r.hgetall(RunKeys.of(run_id).run)
+        if not raw:
+            return {"id": run_id, "status": "expired", "children": []}
+        state = load_header(run_id, raw, open_sealed=False)
+        kids = children.children(r, RunKeys.of(run_id)) if depth < depth_limit else []
+        return {
+            "id": run_id,
+            "agent": state.agent,
+            "status": state.status,
+            "cost_usd": state.cost_usd,
+            "own_cost_usd": state.own_cost_usd,
+            "tokens": sum(state.usage.values()),
+            "error": state.error or None,
+            "children": [node(kid, depth + 1) for kid in kids],
+        }
+
+    return node(run_id, 0)
 
 
 def _waiting(r: Redis, run: Run) -> dict[str, Any] | None:

@@ -296,6 +296,16 @@ def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> 
         )
 
 
+def _tree_lines(nodes: list[dict[str, Any]], level: int) -> list[str]:
+    """One line per child run, indented by depth: its full id (ids made together share a prefix), status, cost."""
+    lines = []
+    for node in nodes:
+        cost = f"${node['cost_usd']:.4f}" if "cost_usd" in node else ""
+        lines.append(f"{'    ' * level}{node['id']}  {node['status']}  {node.get('agent', '')}  {cost}".rstrip())
+        lines += _tree_lines(node["children"], level + 1)
+    return lines
+
+
 def _short_note(run: Run, now: float) -> str:
     """Why a queued or running run is not moving, in a few words (``show`` gives the whole story)."""
     waiting = run.waiting or {}
@@ -317,6 +327,8 @@ def _short_note(run: Run, now: float) -> str:
         return waiting["note"]
     if run.status == "waiting_approval":
         return f"waiting for a person's decision: agentpool approve {run.id} [--deny]"
+    if run.status == "waiting_children":
+        return "waiting for its child runs (agentpool show lists them)"
     return (run.error or "")[:80] if run.status not in ("completed", "running", "queued") else ""
 
 
@@ -325,8 +337,8 @@ def _short_note(run: Run, now: float) -> str:
 @click.argument("run_id")
 @click.option("--json", "as_json", is_flag=True, help="One JSON document.")
 def show(url: str | None, run_id: str, as_json: bool) -> None:
-    """A run's header, conversation, pending tool_uses and ledger."""
-    from agentpool.client import get_run
+    """A run's header, its child runs, conversation, pending tool_uses and ledger."""
+    from agentpool.client import get_run, run_tree
 
     r = quick_client(url)
     try:
@@ -344,6 +356,18 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
         f"tokens {run.total_tokens}  cost ${run.cost_usd:.4f}"
     )
     click.echo("usage " + ", ".join(f"{k}={v}" for k, v in run.usage.items()))
+    if run.parent or run.children:
+        click.echo(
+            "own usage (without child runs) "
+            + ", ".join(f"{k}={v}" for k, v in run.own_usage.items())
+            + f"  own cost ${run.own_cost_usd:.4f}"
+        )
+    if run.parent:
+        click.echo(f"child of {run.parent} (depth {run.depth})")
+    if run.children:
+        click.echo("child runs:")
+        for line in _tree_lines(run_tree(run.id, connection=r)["children"], 1):
+            click.echo(line)
     if run.forked_from:
         click.echo(f"forked from {run.forked_from} at turn {run.forked_at}")
     if run.waiting:

@@ -55,7 +55,7 @@ from agentpool.ops.redisconn import quick_client, target_url, warn_if_unreachabl
 from agentpool.ops.timeline import timeline
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import redact_url
-from agentpool.store import events, handback, inbox, ledger, live, runs_index
+from agentpool.store import children, events, handback, inbox, ledger, live, runs_index
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import STATUSES, load_header, unpack_message
@@ -225,6 +225,9 @@ def run_detail(r: Redis, run_id: str, start: int) -> dict[str, Any]:
     header.pop("messages")
     now = time.time()
     header.update(tokens=run.total_tokens, age=max(0.0, now - run.created_at))
+    header["children"] = children.children(r, keys)
+    if header["children"]:  # each child run's status and cost, recursively (a child waiting for approval shows here)
+        header["tree"] = client.run_tree(run_id, connection=r)["children"]
     if run.status == "stopped":  # the least a resume must add (the page prefills at least that)
         header["resume_needs"] = client.resume_needs(r, run_id)
     return {

@@ -365,7 +365,26 @@ function runHeader(run, now) {
     run.error ? h("div", { class: "callout " + (run.status === "stopped" ? "warn" : "bad"), id: "run-error" },
       h("strong", {}, run.status === "stopped" ? "Stopped: " : "Error: "), run.error) : null,
     run.result ? h("div", { class: "callout good", id: "run-result" }, h("strong", {}, "Result: "), run.result) : null,
+    run.parent ? h("p", { class: "small", id: "run-parent" }, "Child run of ",
+      h("a", { class: "mono", href: "/runs/" + encodeURIComponent(run.parent) }, run.parent), " (depth " + run.depth + ")") : null,
+    run.tree && run.tree.length ? childTree(run.tree) : null,
   ];
+}
+
+// The run's child runs (sub-agents), nested, each with its status and cost (a child waiting for approval shows here).
+function childTree(nodes) {
+  const rows = (list, level) => list.flatMap((n) => [
+    h("tr", { class: "child-run", dataset: { runId: n.id, status: n.status } },
+      h("td", { class: "mono", style: "padding-left:" + (0.5 + level * 1.2) + "em" },
+        h("a", { href: "/runs/" + encodeURIComponent(n.id) }, n.id)),
+      h("td", {}, badge(n.status)),
+      h("td", { class: "mono small" }, n.agent || ""),
+      h("td", { class: "num cost" }, n.cost_usd === undefined ? "—" : fmtUsd(n.cost_usd))),
+    ...rows(n.children || [], level + 1),
+  ]);
+  return h("section", { id: "child-runs" }, h("h2", {}, "Child runs"),
+    h("table", {}, h("thead", {}, h("tr", {}, h("th", {}, "Run"), h("th", {}, "Status"), h("th", {}, "Agent"), h("th", {}, "Cost"))),
+      h("tbody", {}, rows(nodes, 0))));
 }
 
 // Why a queued or running run is not moving, and since when (agentpool.runtime.progress).
