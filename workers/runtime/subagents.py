@@ -19,6 +19,7 @@ from redis.client import Pipeline
 from agentpool.agent import Agent
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.limits import Limits
+from agentpool.runtime.loader import AgentNotFound, load_agent
 from agentpool.runtime.takeover import read_header, stage_restart
 from agentpool.store import checkpoint, children, watch, writes
 from agentpool.store.clock import now_ms
@@ -71,7 +72,7 @@ class Delegation:
             child,
             agent=sub.path,
             task=call["input"]["task"],
-            limits=self.budget(),
+            limits=self.budget(sub.path),
             fields={"parent": self.keys.run_id, "parent_call": call["id"], "depth": self.state.depth + 1},
             stage_enqueue=lambda pipe: stage_turn(pipe, self.r, child, 0),
             now=time.time(),
@@ -81,14 +82,21 @@ class Delegation:
             emit(self.r, self.keys.run_id, "child_started", tool_use_id=call["id"], child=child, agent=sub.path)
         return child
 
-    def budget(self) -> dict[str, Any]:
-        """What the parent has left (its tree's usage so far against its limits): the child's limits."""
+    def budget(self, path: str) -> dict[str, Any]:
+        """The child's limits: what the parent has left (its tree's usage so far against its limits), or
+        the sub-agent's own limit where that is lower."""
         limits = Limits.of(self.agent, self.state.limits)
+        try:
+            own: Agent | None = load_agent(path)
+        except AgentNotFound:
+            own = None  # its worker will say so; the parent's remainder still caps it
         out: dict[str, Any] = {}
         if limits.max_total_tokens is not None:
-            out["max_total_tokens"] = max(1, limits.max_total_tokens - sum(self.state.usage.values()))
+            left = max(1, limits.max_total_tokens - sum(self.state.usage.values()))
+            out["max_total_tokens"] = min(left, own.max_total_tokens or left) if own else left
         if limits.max_cost_usd is not None:
-            out["max_cost_usd"] = max(1e-9, limits.max_cost_usd - self.state.cost_usd)
+            left_usd = max(1e-9, limits.max_cost_usd - self.state.cost_usd)
+            out["max_cost_usd"] = min(left_usd, own.max_cost_usd or left_usd) if own else left_usd
         return out
 
     def outcome(self, call: dict[str, Any], child: str) -> Outcome | None:
