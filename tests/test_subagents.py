@@ -276,3 +276,35 @@ def test_cancelling_a_parent_mid_fan_out_cancels_every_child(r, pool, model):
         kid = wait_for_run(child, timeout=30, connection=r)
         assert kid.status == "cancelled" and kid.turns <= 1
     assert get_run(parent, connection=r).status == "cancelled"
+
+
+# -- the join, in the store ----------------------------------------------------------------------
+
+
+def test_the_last_childs_end_wakes_its_parent_exactly_once_whichever_way_it_ends(r):
+    from agentpool.runtime.subagents import wake
+    from agentpool.store import checkpoint
+
+    parent = enqueue_run("subagent_agents:orchestrator", "Split it", connection=r)
+    kids = [enqueue_run("subagent_agents:researcher", f"Part {i}", connection=r) for i in range(2)]
+    keys = RunKeys.of(parent)
+    r.hset(keys.run, mapping={"status": "waiting_children", "turns": 1, "phase": "tools"})
+    for kid in kids:
+        r.hset(RunKeys.of(kid).run, mapping={"parent": parent, "output_tokens": 7})
+        r.hset(keys.joins, kid, "open")
+        r.rpush(keys.children, kid)
+
+    checkpoint.fail_unfenced(r, kids[0], "its records are unreadable", retention_s=0)
+    assert r.hget(keys.run, "status") == b"waiting_children", "one child is still open"
+    cancel_run(kids[1], connection=r)  # the last one ends by a cancel: its MULTI tells the parent...
+    assert r.hget(keys.run, "status") == b"running" and len(kinds(r, parent, "children_joined")) == 1
+    assert get_run(parent, connection=r).usage["output_tokens"] == 14, "both children's usage rolled up"
+    # ...and cancel_run queues the parent's turn from the wake marker at once, which it consumes.
+    assert r.hget(keys.run, "wake") is None and r.hget(keys.run, "job").decode().endswith("-r1")
+    assert wake(r, parent) is None, "the wake marker is acted on once"
+    woken = [e for e in kinds(r, parent, "status") if e.get("reason") == "children ended"]
+    assert len(woken) == 1
+    checkpoint.fail_unfenced(r, kids[1], "again", retention_s=0)  # an ended child ending again changes nothing
+    cancel_run(kids[0], connection=r)
+    assert len(kinds(r, parent, "children_joined")) == 1
+    assert get_run(parent, connection=r).usage["output_tokens"] == 14
