@@ -265,7 +265,11 @@ def test_watch_says_when_a_run_is_handed_back(r, pool, model, joins):
         event = out.wait_for(lambda line: event_kind(line) == "handed_back", "with the handed_back event")
         assert "reason=agent_not_loadable" in event and "not_deployed_here" in event
         said = out.wait_for(
-            lambda line: event_kind(line) == "waiting" and "note=handed back" in line, "saying the run waits"
+            lambda line: (
+                event_kind(line) == "waiting"
+                and "note=waiting for a worker that can load its agent: handed back" in line
+            ),
+            "saying the run waits",
         )
         assert "cannot load the run's agent" in said and "not_deployed_here" in said
     finally:
