@@ -30,9 +30,9 @@ print(json.dumps(sorted(m for m in heavy if m in sys.modules)), file=sys.stderr)
 NEVER = ["agentpool.ops.dashboard", "agentpool.testing", "anthropic", "httpx", "prometheus_client", "pydantic"]
 
 
-def _loaded(url: str, *args: str, stdin: str = "") -> tuple[list[str], subprocess.CompletedProcess[str]]:
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE, *args],
+def _run(argv: list[str], url: str, stdin: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv,
         env={**_env(), "REDIS_URL": url},
         cwd=str(TESTS),
         input=stdin,
@@ -41,6 +41,10 @@ def _loaded(url: str, *args: str, stdin: str = "") -> tuple[list[str], subproces
         timeout=120,
         check=False,
     )
+
+
+def _loaded(url: str, *args: str, stdin: str = "") -> tuple[list[str], subprocess.CompletedProcess[str]]:
+    out = _run([sys.executable, "-c", PROBE, *args], url, stdin)
     return json.loads(out.stderr.strip().splitlines()[-1]), out
 
 
@@ -100,16 +104,7 @@ def test_the_servers_commands_are_still_there_when_named(redis_server):
 
 
 def _cli(url: str, *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agentpool", *args],
-        env={**_env(), "REDIS_URL": url},
-        cwd=str(TESTS),
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return _run([sys.executable, "-m", "agentpool", *args], url, stdin)
 
 
 def test_approve_all_of_an_agent_asks_first_and_decides_exactly_what_it_showed(r, redis_server, pool, model):
