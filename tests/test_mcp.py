@@ -68,7 +68,9 @@ class HttpServer:
         raise AssertionError("the MCP HTTP server did not start")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
         self.log.close()
@@ -387,6 +389,26 @@ def test_tools_are_listed_named_classified_and_their_input_checked_strictly(mcp_
     assert search.fn(query="billing") == "3 pages about billing: setup, billing, limits"
     with pytest.raises(McpToolFailed, match="export backend is down"):
         agent.tool_named("mcp__crm__failing_export").fn(customer="acme")
+
+
+def test_a_server_that_refused_a_moment_ago_is_tried_again_at_once_when_called(mcp_env, tmp_path):
+    """A refused connection costs nothing to retry: the call right after the server is back reaches it
+    (only a connect attempt that hung keeps a server untried for a moment)."""
+    from agentpool.mcp_tools import ServerConfig
+    from agentpool.runtime.mcp_hub import Hub, McpUnavailable
+
+    server = HttpServer(mcp_env, tmp_path)
+    config = ServerConfig.of("crm", {"type": "http", "url": server.url})
+    hub = Hub()
+    try:
+        with pytest.raises(McpUnavailable, match="MCP server crm is unavailable"):
+            hub.call(config, "tag_customer", {"customer": "acme", "tag": "vip", "idempotency_key": "k1"}, 30)
+        server.start()
+        reply = hub.call(config, "tag_customer", {"customer": "acme", "tag": "vip", "idempotency_key": "k1"}, 30)
+        assert not reply["is_error"], reply
+    finally:
+        hub.close()
+        server.stop()
 
 
 def _stdio(kind: str, env: dict[str, str]) -> dict:

@@ -37,7 +37,11 @@ from agentpool.mcp_tools import McpTool, ServerConfig, build_tool
 
 log = logging.getLogger("agentpool.mcp")
 CONNECT_TIMEOUT = 30.0  # seconds to start (or reach) a server, initialize the session and list its tools
-RETRY_AFTER = 1.0  # a server that just failed to connect is not tried again sooner (each turn would wait)
+# A server whose connect attempt hung (no answer for SLOW_FAILURE seconds or more) is not tried again
+# for RETRY_AFTER seconds, so that each turn does not wait on it in turn. One that refused at once (its
+# process is down, nothing listens) costs nothing to try again, and is: it may be back already.
+RETRY_AFTER = 1.0
+SLOW_FAILURE = 0.5
 MAX_LINE = 64 * 1024 * 1024  # one request or reply between a work horse and its worker's hub
 
 
@@ -79,7 +83,7 @@ class _Connection:
         self._holder: asyncio.Task[None] | None = None
         self._stop: asyncio.Event | None = None
         self._lock = asyncio.Lock()
-        self._failed_at = 0.0
+        self._failed_at = 0.0  # when the last connect attempt that hung gave up
         self._failure = ""
 
     def _transport(self) -> Any:
@@ -131,13 +135,15 @@ class _Connection:
             if time.monotonic() - self._failed_at < RETRY_AFTER:
                 raise McpUnavailable(self._failure)
             ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            attempt = time.monotonic()
             self._stop = asyncio.Event()
             self._holder = asyncio.ensure_future(self._hold(ready))
             try:
                 await asyncio.wait_for(asyncio.shield(ready), CONNECT_TIMEOUT)
             except BaseException as exc:  # noqa: BLE001 - a cancelled connect fails the same way
                 await self._close_holder()
-                self._failed_at = time.monotonic()
+                if time.monotonic() - attempt >= SLOW_FAILURE:
+                    self._failed_at = time.monotonic()
                 self._failure = f"MCP server {self.config.name} is unavailable: {_describe(exc)}"
                 log.warning("%s", self._failure)
                 raise McpUnavailable(self._failure) from None
@@ -213,9 +219,12 @@ class Hub:
 
     def _run(self, started: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(asyncio.start_unix_server(self._serve, self.socket_path, limit=MAX_LINE))
+        self._server = self.loop.run_until_complete(
+            asyncio.start_unix_server(self._serve, self.socket_path, limit=MAX_LINE)
+        )
         started.set()
         self.loop.run_forever()
+        self.loop.close()
 
     def _submit(self, coroutine: Coroutine[Any, Any, Any], timeout: float | None) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
@@ -290,12 +299,14 @@ class Hub:
 
     def close(self) -> None:
         async def close_all() -> None:
+            self._server.close()
             for conn in self._connections.values():
                 await conn._close_holder()
 
         with contextlib.suppress(Exception):
             self._submit(close_all(), 15)
         self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(15)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
