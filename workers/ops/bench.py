@@ -3,10 +3,11 @@
 Every figure is measured in one invocation against its own redis-server (or an empty database given
 with ``--url``), its own scripted model server and real ``agentpool worker`` processes, with the
 baseline run beside it on the same worker class. It prints figures with their targets and judges
-nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``deferred``, ``durability``, ``long``, ``limits``
-(``--only``; default all; the long-run figures and streaming's share of the overhead are in
+nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``deferred``, ``durability``, ``long``, ``limits``,
+``redis`` (``--only``; default all; the long-run figures and streaming's share of the overhead are in
 ``bench_long.py``, the deferred turns' lateness under kills in ``bench_ha.py``, the rate limiter's
-429 share and throughput against the limit in ``bench_limits.py``).
+429 share and throughput against the limit in ``bench_limits.py``, Redis's commands and CPU per turn in
+``bench_redis.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from agentpool.context import current_call
 from agentpool.runtime import connections
 from agentpool.tools import tool
 
-SECTIONS = ("overhead", "saves", "memory", "recovery", "deferred", "durability", "long", "limits")
+SECTIONS = ("overhead", "saves", "memory", "recovery", "deferred", "durability", "long", "limits", "redis")
 AGENT = "agentpool.ops.bench:bench_agent"
 MODEL = "claude-sonnet-5-5"
 GB = 1e9  # figures per GB use 10^9 bytes
@@ -852,6 +853,9 @@ def _lab(url: str | None) -> Iterator[Lab]:
 @click.option(
     "--limit-itpm", type=click.IntRange(min=1), default=200_000, show_default=True, help="limits: input tokens."
 )
+@click.option(
+    "--redis-turns", type=click.IntRange(min=20), default=400, show_default=True, help="redis: turns measured."
+)
 def bench(
     url: str | None,
     only: tuple[str, ...],
@@ -879,6 +883,7 @@ def bench(
     limit_minute: float,
     limit_rpm: int,
     limit_itpm: int,
+    redis_turns: int,
 ) -> None:
     """Measure agentpool on this machine: per-turn overhead, save cost, memory, crash recovery."""
     from agentpool.runtime.settings import Settings
@@ -920,3 +925,7 @@ def bench(
             bench_limits(
                 lab, limit_runs, limit_turns, limit_workers, limit_concurrency, limit_minute, limit_rpm, limit_itpm
             )
+        if "redis" in sections:
+            from agentpool.ops.bench_redis import bench_redis
+
+            bench_redis(lab, redis_turns, threads)

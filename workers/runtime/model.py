@@ -506,12 +506,14 @@ def _streamed(
             data = stream.get_final_message().to_dict(mode="json")
         outcome = "complete"
         return data
-    except httpx2.TimeoutException as exc:
+    # The SDK (2.17 and later) wraps a failure to read the body in APITimeoutError or APIConnectionError;
+    # earlier ones let httpx's own error through. Either way the tokens message_start reported were billed.
+    except (httpx2.TimeoutException, anthropic.APITimeoutError) as exc:
         raise ModelUnavailable(
-            f"the stream went silent past AGENTPOOL_MODEL_TIMEOUT ({type(exc).__name__})", kind="timeout", spent=spent
+            f"the stream went silent past AGENTPOOL_MODEL_TIMEOUT ({_cause_name(exc)})", kind="timeout", spent=spent
         ) from exc
-    except (httpx2.TransportError, httpx2.DecodingError) as exc:
-        raise ModelUnavailable(f"the stream was cut: {type(exc).__name__}: {exc}", spent=spent) from exc
+    except (httpx2.TransportError, httpx2.DecodingError, anthropic.APIConnectionError) as exc:
+        raise ModelUnavailable(f"the stream was cut: {_cause_name(exc)}: {exc}", spent=spent) from exc
     except anthropic.APIStatusError as exc:
         if exc.status_code < 400:  # an `error` event after the 200
             kind, message = _error_parts(exc)
@@ -522,6 +524,11 @@ def _streamed(
     finally:
         if live is not None:
             live.close(outcome)
+
+
+def _cause_name(exc: BaseException) -> str:
+    """The transport error's own name under the SDK's wrapper (``RemoteProtocolError``, ``ReadTimeout``)."""
+    return type(exc.__cause__ or exc).__name__
 
 
 def _forward(live: DeltaSink, event: Any) -> None:
