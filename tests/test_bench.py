@@ -65,6 +65,12 @@ SECTIONS = {
         ["limiter off (today)", "limiter on (learned)"],
         2,
     ),
+    "redis": (
+        ["--redis-turns", "20", "--threads", "2"],
+        "redis: Redis commands and Redis CPU per turn",
+        ["bare RQ job (no-op)", "agentpool turn"],
+        4,
+    ),
 }
 # Sections that print a second table: (its title, its rows).
 MORE_TABLES = {

@@ -1,0 +1,187 @@
+"""``agentpool bench --only redis``: what one turn costs Redis, beside a bare RQ job on the same worker.
+
+Redis, not the workers, is what every turn of the pool goes through, so its cost per turn sets the
+pool's ceiling. Around a few hundred turns (enqueue to the last turn's end) this reads Redis's own
+``INFO commandstats`` (calls by command) and ``INFO cpu`` (the server's user + system CPU), and divides
+by the turns. The bench's own polling is counted and taken out; the pool's background (idle workers'
+dequeue waits, the reaper's scans, heartbeats) is measured alone for a few seconds and shown apart,
+since it costs per second, not per turn.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from redis import Redis
+
+from agentpool.ops.bench import AGENT, TURNS_PER_RUN, Lab, table, task, tool_steps, until
+
+POLL = 0.1  # the bench's own wait: one ZCARD a tenth of a second, counted and taken out
+IDLE = 4.0  # seconds of an idle pool measured for its background rate
+
+
+@dataclass
+class Sample:
+    commands: Counter[str]
+    cpu_s: float
+    seconds: float
+
+    @property
+    def total(self) -> int:
+        return sum(self.commands.values())
+
+
+def _stats(r: Redis) -> tuple[Counter[str], float]:
+    calls: Counter[str] = Counter()
+    for name, stat in r.info("commandstats").items():
+        calls[name.removeprefix("cmdstat_")] = int(stat["calls"])
+    cpu = r.info("cpu")
+    return calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
+def _measure(lab: Lab, work: Callable[[], object], done: Callable[[], bool]) -> Sample:
+    """Redis's calls by command and CPU from before ``work()`` until ``done()``, without the bench's own."""
+    r = lab.r
+    r.config_resetstat()
+    calls_before, cpu_before = _stats(r)
+    own: Counter[str] = Counter({"info": 2})  # the two INFO of the first _stats
+    started = time.perf_counter()
+    work()
+    while not done():
+        own["zcard"] += 1  # done() is one ZCARD or ZCOUNT (see below)
+        time.sleep(POLL)
+    own["zcard"] += 1
+    seconds = time.perf_counter() - started
+    calls_after, cpu_after = _stats(r)
+    calls = calls_after - calls_before
+    calls.subtract(own)
+    calls.pop("config|resetstat", None)
+    return Sample(+calls, cpu_after - cpu_before, seconds)
+
+
+def _idle(lab: Lab) -> Sample:
+    return _measure(lab, lambda: time.sleep(IDLE), lambda: True)
+
+
+def _runs(lab: Lab, turns: int) -> Sample:
+    from agentpool.client import enqueue_run
+    from agentpool.store.keys import RUNS_WATCH
+
+    runs = math.ceil(turns / TURNS_PER_RUN)
+
+    def work() -> None:
+        for i in range(runs):
+            enqueue_run(AGENT, task("redis", i), connection=lab.r, check_agent=False)
+
+    deadline = time.monotonic() + 120 + 5 * turns
+
+    def done() -> bool:
+        if time.monotonic() > deadline:
+            until(lambda: False, 0, f"{runs} runs", lab)
+        return lab.r.zcard(RUNS_WATCH) == 0  # ended runs leave the watch set
+
+    return _measure(lab, work, done)
+
+
+def _bare(lab: Lab, jobs: int) -> Sample:
+    """Bare RQ jobs (a no-op function) enqueued as agentpool enqueues a turn: one pipeline each."""
+    from agentpool.runtime.jobs import turn_queue
+
+    queue = turn_queue(lab.r)
+    finished = queue.finished_job_registry.key
+    before = lab.r.zcard(finished)
+
+    def work() -> None:
+        for i in range(jobs):
+            with lab.r.pipeline() as pipe:
+                pipe.multi()
+                queue.enqueue("agentpool.ops.bench.bare_noop", i, pipeline=pipe, description="bench baseline")
+                pipe.execute()
+
+    deadline = time.monotonic() + 60 + jobs
+
+    def done() -> bool:
+        if time.monotonic() > deadline:
+            until(lambda: False, 0, f"{jobs} bare jobs", lab)
+        return lab.r.zcard(finished) - before >= jobs
+
+    return _measure(lab, work, done)
+
+
+def _per_turn(sample: Sample, idle: Sample, n: int) -> tuple[float, float, float, float]:
+    """Commands and CPU µs per turn, as measured and net of the idle pool's background for as long."""
+    share = sample.seconds / idle.seconds
+    commands = sample.total / n
+    cpu_us = sample.cpu_s * 1e6 / n
+    net_commands = (sample.total - idle.total * share) / n
+    net_cpu_us = (sample.cpu_s - idle.cpu_s * share) * 1e6 / n
+    return commands, cpu_us, net_commands, net_cpu_us
+
+
+def _top(sample: Sample, n: int, k: int = 8) -> str:
+    return ", ".join(f"{name.upper()} {calls / n:.1f}" for name, calls in sample.commands.most_common(k))
+
+
+def bench_redis(lab: Lab, turns: int, threads: int) -> None:
+    rows, details = [], []
+    for kind, args in (
+        ("forking (--concurrency 1)", ()),
+        (f"threaded (--concurrency {threads})", ("--concurrency", str(threads))),
+    ):
+        lab.reset({"redis": tool_steps(TURNS_PER_RUN)})
+        lab.start(*args)
+        _runs(lab, TURNS_PER_RUN)  # warm: imports, connections, scripts loaded
+        _bare(lab, 5)
+        idle = _idle(lab)
+        bare = _bare(lab, turns)
+        ours = _runs(lab, turns)
+        for job, sample in (("bare RQ job (no-op)", bare), ("agentpool turn", ours)):
+            commands, cpu_us, net_commands, net_cpu_us = _per_turn(sample, idle, turns)
+            target = ("<= 40" if "threaded" in kind else "") if job == "agentpool turn" else ""
+            cpu_target = ("<= 250" if "threaded" in kind else "") if job == "agentpool turn" else ""
+            rows.append(
+                [
+                    kind,
+                    job,
+                    f"{commands:.1f}",
+                    f"{net_commands:.1f}",
+                    target,
+                    f"{cpu_us:.0f}",
+                    f"{net_cpu_us:.0f}",
+                    cpu_target,
+                    f"{1e6 / max(net_cpu_us, 1e-9):,.0f}",
+                ]
+            )
+            details.append(f"{kind}, {job}: {_top(sample, turns)}")
+        details.append(
+            f"{kind}, idle pool: {idle.total / idle.seconds:.1f} commands/s, "
+            f"{idle.cpu_s * 1e6 / idle.seconds:.0f} µs CPU/s ({_top(idle, 1, 5)} over {idle.seconds:.1f} s)"
+        )
+    table(
+        f"redis: Redis commands and Redis CPU per turn ({turns} turns, {TURNS_PER_RUN} per run; bare RQ: {turns} jobs)",
+        [
+            "worker",
+            "job",
+            "commands",
+            "net of idle",
+            "target",
+            "CPU µs",
+            "net of idle",
+            "target",
+            "turns/s per Redis core",
+        ],
+        rows,
+        (
+            (
+                "measured by Redis itself (INFO commandstats, INFO cpu: the server's user + system CPU) from the "
+                "first enqueue to the last turn's end; the bench's own polls are taken out"
+            ),
+            "net of idle: less what the idle pool (dequeue waits, reaper, heartbeats) costs per second, for as long",
+            "turns/s per Redis core = 1,000,000 / net CPU µs per turn",
+            *details,
+        ),
+    )
