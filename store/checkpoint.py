@@ -1,9 +1,10 @@
 """Loading a run and the save points that change it.
 
 Save point A (``commit_response``) and the fenced status changes (``finish``) are Lua scripts. Save
-point B (``commit_tool_results``) is one WATCH/MULTI transaction, because the enqueue of the next turn
-(RQ's own commands, given to us as a callback) must land in the same EXEC as the tool results: a crash
-leaves either the old turn pending or the new one committed *with its job queued*.
+point B (``commit_tool_results``) is one script too when nothing waits in the run's inbox: the enqueue
+of the next turn (RQ's writes, described by ``agentpool.store.staged_job``) lands in the same call as
+the tool results, so a crash leaves either the old turn pending or the new one committed *with its job
+queued*; with messages to deliver, it is one WATCH/MULTI transaction that merges them in.
 
 Every write here is safe to deliver twice (``store/writes.py``): the scripts carry a write id and
 answer a re-delivery with the first delivery's result; the transactions record their write id and,
@@ -14,7 +15,7 @@ before deciding whether to try again.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from redis import Redis
@@ -50,6 +51,7 @@ from agentpool.store.records import (
     unpack_message,
 )
 from agentpool.store.scripts import compact_source, run_script
+from agentpool.store.staged_job import StagedJob, flat
 
 # How long a committed turn may wait in the queue before the reaper checks that its job still exists.
 QUEUED_RECHECK_MS = 30_000
@@ -263,10 +265,10 @@ def commit_response(
         ],
     )
     if int(code) not in (-4, -5) and responded:  # type: ignore[arg-type]
-        responded.log()
+        responded.landed()
     _check(int(code), keys, r)  # type: ignore[arg-type]
     if event:
-        event.log()
+        event.landed()
     return int(code)  # type: ignore[arg-type]
 
 
@@ -338,20 +340,33 @@ def commit_tool_results(
     token: str,
     *,
     message: Mapping[str, Any] | None,
-    enqueue_next: Callable[[Pipeline], None],
     turns: int,
+    enqueue_next: Callable[[Pipeline], None] | None = None,
+    next_job: StagedJob | None = None,
     outcomes: dict[str, Outcome] | None = None,
     event: Event | None = None,
+    tool_events: Sequence[Event] = (),
 ) -> None:
     """Save point B: the tool results message (if any), phase back to "model", the lease dropped,
-    the next turn's job and the ``event`` that reports it, all in one EXEC, only if the run is still
-    at the ``turns`` its save point A counted (``TurnMoved`` otherwise). The ledger keeps only
-    notes of ``outcomes`` from now on. The header is stamped with the schema version the message
-    was written in, as save point A does.
+    the next turn's job and the events that report it (``tool_events``, then ``event``), all at once,
+    only if the run is still at the ``turns`` its save point A counted (``TurnMoved`` otherwise). The
+    ledger keeps only notes of ``outcomes`` from now on. The header is stamped with the schema version
+    the message was written in, as save point A does.
 
-    Messages waiting in the run's inbox join that user message after its tool_results and leave the
-    inbox in the same EXEC (the inbox is watched: one sent meanwhile makes the transaction read
-    again), each marked delivered at ``turns`` with a ``message_delivered`` event. A turn with neither results nor messages appends nothing."""
+    The next turn is ``next_job`` (its writes, made by the commit itself) or what ``enqueue_next``
+    stages. With ``next_job`` and no message waiting in the run's inbox, it is one script call
+    (``commit_results.lua``). Otherwise one WATCH/MULTI transaction: messages waiting in the inbox join
+    that user message after its tool_results and leave the inbox in the same EXEC (the inbox is
+    watched: one sent meanwhile makes the transaction read again), each marked delivered at ``turns``
+    with a ``message_delivered`` event. A turn with neither results nor messages appends nothing."""
+    recorded = [*tool_events, *([event] if event else [])]
+    if next_job is not None and enqueue_next is None:
+        if _commit_results_at_once(r, keys, token, message, turns, next_job, outcomes or {}, recorded):
+            for one in recorded:
+                one.landed()
+            return
+        enqueue_next = next_job.stage  # messages wait in the inbox: the transaction below merges them
+    assert enqueue_next is not None, "commit_tool_results needs next_job or enqueue_next"
 
     def read(pipe: Pipeline) -> tuple[list[tuple[str, Any]], int]:
         waiting = inbox.read_waiting(pipe, keys)  # one LRANGE in the common case: nothing waits
@@ -373,14 +388,70 @@ def commit_tool_results(
         pipe.hset(keys.run, mapping=fields)
         pipe.zadd(RUNS_WATCH, {keys.run_id: now_ms() + QUEUED_RECHECK_MS})
         enqueue_next(pipe)
-        if event:
-            event.stage(pipe)
+        for one in recorded:
+            one.stage(pipe)
 
     # Only on the save point A it follows: a promoted replica may hold the lease but not that A, and
     # tool_results appended there would answer tool_uses its conversation does not have.
     _fenced_transaction(r, keys, token, stage, read=read, watch_also=(keys.inbox,), at=(turns, "tools"))
-    if event:
-        event.log()
+    for one in recorded:
+        one.landed()
+
+
+def _commit_results_at_once(
+    r: Redis,
+    keys: RunKeys,
+    token: str,
+    message: Mapping[str, Any] | None,
+    turns: int,
+    job: StagedJob,
+    outcomes: dict[str, Outcome],
+    events: list[Event],
+) -> bool:
+    """Save point B as one script call (``commit_results.lua``); False, having done nothing, when
+    messages wait in the inbox. Safe to deliver twice (its write id is in the header's ring)."""
+    now = now_ms()
+    header = {**job.header, "v": SCHEMA_VERSION}
+    reply = run_script(
+        "commit_results",
+        r,
+        [
+            *(keys.lease, keys.run, keys.inbox, keys.messages, keys.ledger, RUNS_WATCH, keys.events, STATS),
+            *(keys.handback, job.job_key, job.queue_key, job.queues_key),
+        ],
+        [
+            token,
+            writes.new_id(),
+            turns,
+            pack_message(message) if message else "",
+            now,
+            now + QUEUED_RECHECK_MS,
+            keys.run_id,
+            job.job_id,
+            int(job.at_front),
+            int(job.register),
+            *flat(ledger.compaction_notes(outcomes, now / 1000)),
+            *flat(header),
+            *flat(job.job_fields),
+            len(events),
+            *script_args(*events),
+        ],
+    )
+    code, *detail = reply  # type: ignore[misc]
+    if code == -9:
+        return False
+    if code == -1:
+        raise LeaseLost(keys.run_id)
+    if code == -2:
+        raise RunNotActive(keys.run_id, _text(detail[0]) or "?")
+    if code == -3:
+        found_at = f"turn count {_text(detail[0]) or '?'}, phase {_text(detail[1]) or '?'}"
+        raise TurnMoved(keys.run_id, f"save point B follows turn count {turns}, the run is at {found_at}")
+    return True
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
 
 
 def defer_turn(
@@ -475,7 +546,7 @@ def finish(
     )
     _check(int(code), keys, r)  # type: ignore[arg-type]
     if event:
-        event.log()
+        event.landed()
     return int(code)  # type: ignore[arg-type]
 
 

@@ -95,7 +95,7 @@ def wait(r: Redis, keys: RunKeys, token: str, *, event: Event | None = None) -> 
     )
     _check(code, keys, r)
     if code == 1 and event:
-        event.log()
+        event.landed()
     return code == 1
 
 

@@ -5,7 +5,9 @@ recorded by that write itself, in the same Lua script or MULTI (``script_args``,
 it exists exactly when the write does, a fenced-out zombie leaves none, and it costs no round trip
 of its own. ``emit`` records the others, best effort: it never fails a turn. Either way an event is
 safe to deliver twice (it rides in a write that is, or carries a write id of its own): the pool-wide
-counters never count a re-sent event again.
+counters never count a re-sent event again. In a worker process the counters are added to the
+process's tally once the write has landed (``Event.landed``) and flushed about once a second
+(``agentpool.store.stats``); elsewhere the write adds them itself.
 """
 
 from __future__ import annotations
@@ -48,15 +50,22 @@ class Event:
 
     def _script_args(self) -> list[str | int | float]:
         pairs = [x for item in {"kind": self.kind, **self.fields}.items() for x in item]
-        counted = [x for item in self.counters.items() for x in item]
+        counted = [] if stats.local() else [x for item in self.counters.items() for x in item]
         return [MAX_EVENTS, len(pairs) // 2, *pairs, len(counted) // 2, *counted]
 
     def stage(self, pipe: Any) -> None:
-        """Add the event to a pipeline or MULTI the caller executes."""
+        """Add the event to a pipeline or MULTI the caller executes; once it has, ``landed()``."""
         pipe.xadd(
             RunKeys.of(self.run_id).events, {"kind": self.kind, **self.fields}, maxlen=MAX_EVENTS, approximate=True
         )
-        stats.stage(pipe, self.counters)
+        if not stats.local():
+            stats.stage(pipe, self.counters)
+
+    def landed(self) -> None:
+        """The write that records the event has landed: its counters go into this process's tally (a
+        worker's; elsewhere the write added them) and its log line is written."""
+        stats.count(self.counters)
+        self.log()
 
     def log(self) -> None:
         """One structured line on the ``agentpool.events`` logger."""
@@ -78,9 +87,12 @@ def emit(r: Redis, run_id: str, kind: str, **fields: Any) -> None:
     event.log()  # the log line does not depend on Redis being there
     keys = RunKeys.of(run_id)
     try:
-        run_script("emit_event", r, [keys.run, keys.events, STATS], [writes.new_id(), *script_args(event)])
+        recorded = run_script("emit_event", r, [keys.run, keys.events, STATS], [writes.new_id(), *script_args(event)])
     except RedisError as exc:
         log.warning("could not record event %s for run %s: %s", kind, run_id, exc)
+        return
+    if recorded:
+        stats.count(event.counters)
 
 
 def read(

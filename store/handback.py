@@ -97,7 +97,7 @@ def hand_back(
         return None
     until, since, count = (int(x) for x in text.split(":"))
     if event:
-        event.log()
+        event.landed()
     return HandBack(reason, detail[:2000], worker, since / 1000, until / 1000, count, job)
 
 

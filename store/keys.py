@@ -41,7 +41,10 @@ Global::
     ap:reaper:lock          string  held by the one worker that scans this second
     ap:durability:probe     string  a counter the durability guard increments before WAIT, so that
                                     WAIT has a write of its own connection to wait for
-    ap:stats                hash    pool-wide counters behind /metrics (see store/stats.py)
+    ap:stats                hash    pool-wide counters behind /metrics (see store/stats.py); a worker
+                                    process adds what it counted about once a second
+    ap:stats:flush:<id>     string  marks one such flush as added (so a re-sent flush adds nothing);
+                                    expires after a minute
 
 Per model's rate-limit budget (all keys of one budget share the hash tag ``{limits:<model>}``)::
 
@@ -112,6 +115,11 @@ def check_queue(queue: str) -> str:
             f"got {queue!r}"
         )
     return queue
+
+
+def stats_flush_key(flush_id: str) -> str:
+    """Marks one flush of a process's counters into ``STATS`` as added (``store/lua/stats_flush.lua``)."""
+    return f"{STATS}:flush:{flush_id}"
 
 
 def rq_queue_name(queue: str) -> str:

@@ -145,7 +145,7 @@ def fenced_hset(
     if code == -3 and at:
         raise TurnMoved(keys.run_id, f"{field} was to be written at turn count {at[0]}, phase {at[1]}")
     if event:
-        event.log()
+        event.landed()
 
 
 def write_intent(
@@ -240,9 +240,11 @@ def mark_ended(r: Redis, keys: RunKeys, holder: str, now: float) -> int:
     return writes.watched(r, [keys.ledger], attempt)
 
 
-def stage_compaction(pipe: Any, keys: RunKeys, outcomes: dict[str, Outcome], now: float) -> None:
-    """At save point B the results move into the conversation: keep only a note of each outcome in the
-    ledger, so a large tool result is stored once. Reconcile never needs it again: the turn is over."""
+def compaction_notes(outcomes: dict[str, Outcome], now: float) -> dict[str, bytes]:
+    """At save point B the results move into the conversation: the ledger keeps only a note of each
+    outcome (these ledger fields), so a large tool result is stored once. Reconcile never needs it
+    again: the turn is over."""
+    notes = {}
     for tool_use_id, outcome in outcomes.items():
         note = {
             "v": SCHEMA_VERSION,
@@ -254,7 +256,15 @@ def stage_compaction(pipe: Any, keys: RunKeys, outcomes: dict[str, Outcome], now
         }
         if outcome.tool:
             note["name"] = outcome.tool
-        pipe.hset(keys.ledger, f"{tool_use_id}:out", pack(note))
+        notes[f"{tool_use_id}:out"] = pack(note)
+    return notes
+
+
+def stage_compaction(pipe: Any, keys: RunKeys, outcomes: dict[str, Outcome], now: float) -> None:
+    """``compaction_notes`` in the caller's MULTI."""
+    notes = compaction_notes(outcomes, now)
+    if notes:
+        pipe.hset(keys.ledger, mapping=notes)
 
 
 def read_all(r: Redis, keys: RunKeys) -> dict[str, dict[str, Any]]:

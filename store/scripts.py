@@ -26,6 +26,8 @@ _HELPERS = (
     ("_event", "record_event("),
     ("_once", "remember("),
     ("_once", "replayed("),
+    ("_once", "replayed_in("),
+    ("_once", "ring_with("),
     ("_spend", "add_spend("),
     ("_join", "join_parent("),
 )

@@ -47,6 +47,6 @@ def count_spend(
         )
     )
     if code == 1:
-        event.log()
+        event.landed()
     _check(code, keys, r)
     return code == 1

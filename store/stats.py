@@ -1,6 +1,12 @@
 """Pool-wide counters, kept in one Redis hash so any process (``agentpool metrics``, a worker's
 ``--metrics-port``) can export them. Derived from events, so every event source counts the same way.
 
+Where they are added up: a worker process (``accumulate()``) adds an event's counters to a tally of its
+own once the write that records the event has landed, and flushes the tally into the hash about once
+a second (``flush``, one script call, safe to deliver twice): a turn's dozen counters cost Redis no
+command of their own, and a process killed outright loses at most the last second's counts. Any other
+process (an app, the CLI, a test driving the store) adds them inside the write itself, as before.
+
 Field names are ``<metric>|<label>=<value>`` (or just ``<metric>``); latency histograms use
 ``<metric>|le=<bound>`` for the one bucket an observation falls in (not cumulative: one write per
 observation instead of thirteen; the exporter adds them up), plus ``<metric>_sum`` and ``<metric>_count``.
@@ -8,10 +14,13 @@ observation instead of thirteen; the exporter adds them up), plus ``<metric>_sum
 
 from __future__ import annotations
 
+import secrets
+import threading
 from collections.abc import Mapping
 from typing import Any
 
-from agentpool.store.keys import STATS
+from agentpool.store.keys import STATS, stats_flush_key
+from agentpool.store.scripts import run_script
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
 TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
@@ -70,3 +79,76 @@ def stage(pipe: Any, counters: Mapping[str, float]) -> None:
 
 def read_all(r: Any) -> dict[str, float]:
     return {k.decode(): float(v) for k, v in r.hgetall(STATS).items()}
+
+
+class Tally:
+    """Counters added up in this process until the next flush."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flushing = threading.Lock()  # one flush at a time (the flush thread, a last one at exit)
+        self._pending: dict[str, float] = {}
+        # A flush sent but not known to have landed, with its id: sent again as it was, so it adds once.
+        self._inflight: dict[str, float] | None = None
+        self._flush_id = ""
+
+    def add(self, counters: Mapping[str, float]) -> None:
+        with self._lock:
+            for field, amount in counters.items():
+                if amount:
+                    self._pending[field] = self._pending.get(field, 0.0) + amount
+
+    def take(self) -> dict[str, float]:
+        """Everything counted and not yet flushed (a forked work horse hands it to its worker)."""
+        with self._lock:
+            taken, self._pending = self._pending, {}
+            if self._inflight is not None:  # never the case in a horse, which does not flush
+                for field, amount in self._inflight.items():
+                    taken[field] = taken.get(field, 0.0) + amount
+                self._inflight = None
+            return taken
+
+    def flush(self, r: Any) -> None:
+        """Add what was counted to ``ap:stats``. On a Redis error the flush is kept and sent again, as it
+        was and under the same id, by the next call: whether its first delivery landed or not, it adds once."""
+        with self._flushing:
+            with self._lock:
+                if self._inflight is None:
+                    if not self._pending:
+                        return
+                    self._inflight, self._pending = self._pending, {}
+                    self._flush_id = secrets.token_hex(8)
+                counted, flush_id = self._inflight, self._flush_id
+            args = [x for item in counted.items() for x in item]
+            run_script("stats_flush", r, [STATS, stats_flush_key(flush_id)], args)
+            with self._lock:
+                self._inflight = None
+
+
+_tally: Tally | None = None
+
+
+def accumulate() -> Tally:
+    """Count in this process from now on (a worker's); the caller flushes the tally regularly."""
+    global _tally
+    if _tally is None:
+        _tally = Tally()
+    return _tally
+
+
+def stop_accumulating() -> None:
+    """Count inside each write again (a forked process whose parent's tally it must not share)."""
+    global _tally
+    _tally = None
+
+
+def local() -> bool:
+    """Whether this process adds counters up itself (not inside the writes)."""
+    return _tally is not None
+
+
+def count(counters: Mapping[str, float]) -> None:
+    """Counters of an event whose write has landed: into this process's tally (no-op elsewhere, where the
+    write itself added them)."""
+    if _tally is not None and counters:
+        _tally.add(counters)

@@ -134,5 +134,5 @@ def commit_summary(
         ],
     )
     if int(code) != -4:  # type: ignore[arg-type]
-        event.log()
+        event.landed()
     _check(int(code), keys, r)  # type: ignore[arg-type]

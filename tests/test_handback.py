@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from agentpool.store.crypto import Cipher, generate_key
 from agentpool.store.events import read as read_events
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import SCHEMA_VERSION
+from agentpool.testing import settled_stats
 from agentpool.testing.localpool import WorkerProcesses
 
 from conftest import TESTS, OutputLines, Pool, assert_valid_conversation, event_kind, script_task, wait_for_status
@@ -78,8 +80,9 @@ def test_a_worker_without_the_key_hands_the_turn_to_one_with_it(r, pool, model, 
     assert run.status == "completed", (run.error, pool.logs())
     assert_valid_conversation(run.messages)
     assert no_failed_jobs(r), "a hand-back is not a failed job"
-    assert stats.read_all(r)["turns"] == 2, "hand-backs are not counted as turns"
-    assert stats.read_all(r)["handbacks|reason=key_missing"] >= 1
+    counted = settled_stats(r)
+    assert counted["turns"] == 2, "hand-backs are not counted as turns"
+    assert counted["handbacks|reason=key_missing"] >= 1
     assert handback.read(r, RunKeys.of(run_id)) is None, "the record is gone once a worker made progress"
 
 
@@ -303,7 +306,7 @@ def test_a_tool_the_guard_refuses_never_runs_and_is_not_counted_as_a_call(r, poo
 
 
 def _turns_and_calls(r: Redis) -> tuple[float, float]:
-    counted = stats.read_all(r)
+    counted = settled_stats(r)
     return counted.get("turns", 0.0), counted.get("model_call_seconds_count", 0.0)
 
 
@@ -316,7 +319,7 @@ def test_turns_keep_up_with_model_calls_after_a_not_replicated_hand_back(r, pool
     pool.start(1, AGENTPOOL_REPLICA_ACKS="1", AGENTPOOL_REPLICA_ACK_TIMEOUT="0.2")
     run_id = enqueue_run("pool_agents:support", script_task("mail"), connection=r)
     wait_for_handback(r, run_id, "not_replicated")
-    pool.stop()
+    pool.stop(signal.SIGTERM)  # warm: a worker flushes its counters as it stops (a SIGKILL loses its last second)
     pool.start(1, AGENTPOOL_REPLICA_ACKS="0")  # an operator lowers the guard, knowingly
     run = wait_for_run(run_id, timeout=60, connection=r)
     assert run.status == "completed", (run.error, pool.logs())
@@ -337,7 +340,7 @@ def test_turns_keep_up_with_model_calls_after_a_key_not_held_hand_back_at_save_p
     key_in_this_process(new, old)  # the app rotated first: what it sends now is sealed with the new key
     send_message(run_id, "one more thing", connection=r)
     wait_for_handback(r, run_id, "key_not_held")
-    pool.stop()
+    pool.stop(signal.SIGTERM)  # warm: a worker flushes its counters as it stops (a SIGKILL loses its last second)
     pool.start(1, AGENTPOOL_ENCRYPTION_KEY=new, AGENTPOOL_ENCRYPTION_OLD_KEYS=old)
     run = wait_for_run(run_id, timeout=60, connection=r)
     assert run.status == "completed", (run.error, pool.logs())

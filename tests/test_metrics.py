@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agentpool import enqueue_run, get_run, wait_for_run
 from agentpool.runtime.jobs import stage_turn
+from agentpool.testing import settled_stats
 from agentpool.testing.localpool import RedisServer, WorkerProcesses, free_port
 
 from conftest import ROOT, script_task
@@ -93,7 +94,7 @@ def test_metrics_command_exports_runs_tools_tokens_latency_and_queue_depth(r, po
     stopped = enqueue_run("pool_agents:support", script_task("loop"), connection=r, max_turns=2)
     runs = [wait_for_run(i, timeout=60, connection=r) for i in [*done, stopped]]
     assert [run.status for run in runs] == ["completed", "completed", "stopped"]
-    pool.stop()
+    pool.stop(signal.SIGTERM)  # warm: the worker flushes its counters as it stops (a SIGKILL loses its last second)
     # A SIGKILLed worker's BLPOP can outlive it for a moment inside Redis and swallow the next job.
     deadline = time.monotonic() + 60
     while r.info("clients")["blocked_clients"] and time.monotonic() < deadline:
@@ -104,6 +105,7 @@ def test_metrics_command_exports_runs_tools_tokens_latency_and_queue_depth(r, po
         stage_turn(pipe, r, waiting[0], 0, attempt=1, delay=600)
         pipe.execute()
 
+    settled_stats(r)  # the workers add their counters about once a second
     m = scrape(metrics_server)
 
     assert sample(m, "agentpool_redis_up") == 1
@@ -153,6 +155,7 @@ def test_worker_metrics_port_serves_the_same_pool_wide_numbers(r, pool, model):
     )
     assert run.status == "completed", pool.logs()
 
+    settled_stats(r)
     m = scrape(port)
 
     assert sample(m, "agentpool_runs", status="completed") == 1

@@ -9,23 +9,30 @@
 -- app's messages, approvals, cancels; the reaper; events), so that a burst of those can never push a
 -- save point's id out before its re-send arrives (the re-send would count the call's spend twice).
 -- An empty id skips both (a caller that does not need it).
+-- A script that has read the field already (with the header's other fields, one HMGET) uses
+-- replayed_in(recent, id) and ring_with(recent, id, result), the value to write back with its own HSET.
 local WRITES_KEPT = 16
-local function replayed(hash, id, field)
-  if id == '' then return nil end
-  local recent = redis.call('HGET', hash, field or 'writes')
-  if not recent then return nil end
+local function replayed_in(recent, id)
+  if id == '' or not recent then return nil end
   local at = string.find(';' .. recent, ';' .. id .. '=', 1, true)
   if not at then return nil end
   return string.match(recent, '^([^;]*)', at + string.len(id) + 1)
 end
+local function replayed(hash, id, field)
+  if id == '' then return nil end
+  return replayed_in(redis.call('HGET', hash, field or 'writes'), id)
+end
+local function ring_with(recent, id, result)
+  local ring = id .. '=' .. tostring(result) .. ';' .. (recent or '')
+  local n = 0
+  for pos in string.gmatch(ring, '();') do
+    n = n + 1
+    if n == WRITES_KEPT then return string.sub(ring, 1, pos) end
+  end
+  return ring
+end
 local function remember(hash, id, result, field)
   if id == '' then return end
   field = field or 'writes'
-  local recent = id .. '=' .. tostring(result) .. ';' .. (redis.call('HGET', hash, field) or '')
-  local n = 0
-  for pos in string.gmatch(recent, '();') do
-    n = n + 1
-    if n == WRITES_KEPT then recent = string.sub(recent, 1, pos); break end
-  end
-  redis.call('HSET', hash, field, recent)
+  redis.call('HSET', hash, field, ring_with(redis.call('HGET', hash, field), id, result))
 end

@@ -23,32 +23,32 @@
 -- these three with the spend counted), -4 no such run (nothing counted), -5 the reply would complete
 -- the run but messages wait in its inbox (nothing counted, nothing changed: the caller commits the
 -- reply as a turn that goes on, and its save point B delivers them).
-local seen = replayed(KEYS[1], ARGV[17])
+local h = redis.call('HMGET', KEYS[1], 'status', 'turns', 'phase', 'writes')
+local seen = replayed_in(h[4], ARGV[17])
 if seen then return tonumber(seen) end
-if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
+if not h[1] then return -4 end
 if ARGV[7] == 'completed' and redis.call('LLEN', KEYS[10]) > 0 then return -5 end
 add_spend(KEYS[1], 12)
 local committed_event = record_event(KEYS[6], KEYS[5], 20)
 local parent_keys = tonumber(ARGV[19])
 local function refused(code)
-  remember(KEYS[1], ARGV[17], code)
+  redis.call('HSET', KEYS[1], 'writes', ring_with(h[4], ARGV[17], code))
   return code
 end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return refused(-1) end
-local h = redis.call('HMGET', KEYS[1], 'status', 'turns', 'phase')
 if h[1] ~= 'running' then return refused(-2) end
 if h[2] ~= ARGV[2] or h[3] ~= 'model' then return refused(-3) end
 redis.call('RPUSH', KEYS[3], ARGV[3])
-redis.call('HINCRBY', KEYS[1], 'turns', 1)
-redis.call('HSET', KEYS[1], 'phase', 'tools', 'pending', ARGV[4], 'model_errors', 0, 'updated_at', ARGV[5], 'v', ARGV[10])
-redis.call('DEL', KEYS[7])
 local joined = 1
 if ARGV[7] ~= '' and parent_keys > 0 then
   if join_parent(KEYS[1], #KEYS - 2, KEYS[4], ARGV[6], redis.call('HGET', KEYS[1], 'parent'), ARGV[5]) == 2 then
     joined = 2
   end
 end
-remember(KEYS[1], ARGV[17], joined)
+-- One HSET: the turn counted, the reply's tool_uses pending, the schema stamped, this write's id kept.
+redis.call('HSET', KEYS[1], 'turns', tonumber(h[2]) + 1, 'phase', 'tools', 'pending', ARGV[4], 'model_errors', 0,
+  'updated_at', ARGV[5], 'v', ARGV[10], 'writes', ring_with(h[4], ARGV[17], joined))
+redis.call('DEL', KEYS[7])
 record_event(KEYS[6], KEYS[5], committed_event)  -- before the retention's EXPIRE, which it must not outlive
 if ARGV[7] ~= '' then
   if ARGV[18] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[18]) end

@@ -14,6 +14,7 @@ holder would stall every deferred turn of the pool.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from redis import Redis
@@ -24,14 +25,18 @@ from agentpool.runtime.settings import Settings
 from agentpool.store.clock import now_ms
 from agentpool.store.keys import DEFAULT_QUEUE, QUEUE_NAME, TURNS_DEFERRED, RunKeys, rq_queue_name
 from agentpool.store.scripts import run_script
+from agentpool.store.staged_job import StagedJob
 
 if TYPE_CHECKING:
     from rq import Queue
 
 TURN_FUNC = "agentpool.runtime.turn.run_turn"
-RESULT_TTL = 60  # a turn job returns nothing worth keeping
+RESULT_TTL = 0  # a turn job returns nothing worth keeping (and its job hash is deleted as it ends)
 FAILURE_TTL = 7 * 24 * 3600
 
+
+QUEUE_REGISTERED_EVERY = 60.0  # seconds between re-adding a queue to RQ's set of queues (``rq info`` lists it)
+_registered: dict[str, float] = {}  # queue key -> when this process last added it to RQ's set
 
 MAX_QUEUES_REMEMBERED = 10_000
 _queues: dict[str, str] = {}  # run id -> its queue: set when the run is made, never changed
@@ -97,6 +102,45 @@ def parse_deferred_member(member: str) -> tuple[str, int, int] | None:
     return run_id, int(turn), int(attempt)
 
 
+def turn_job(
+    r: Redis, run_id: str, turn: int, attempt: int = 0, *, at_front: bool = False, queue: str | None = None
+) -> StagedJob:
+    """The turn's RQ job on the run's queue (``queue``, or the one its header names), as the writes that
+    enqueue it: its hash as RQ writes it (one HSET; its result is not kept) and the push, ``at_front``
+    at the head of the queue (RQ's ``LPUSH``), ahead of every turn waiting; the queue is added to RQ's
+    set of queues when this process has not lately (``keep_queues_registered``). The run's header
+    names the job (``job``): the reaper checks that job is still alive."""
+    from rq.job import JobStatus
+    from rq.utils import now
+
+    jid = job_id(run_id, turn, attempt)
+    rq_queue = turn_queue(r, queue or queue_of(r, run_id))
+    job = rq_queue.create_job(
+        TURN_FUNC,
+        args=(run_id, turn),
+        job_id=jid,
+        timeout=int(Settings.from_env().turn_timeout),
+        result_ttl=RESULT_TTL,
+        failure_ttl=FAILURE_TTL,
+        description=f"agentpool turn {turn} of {run_id}",
+    )
+    job.origin, job.enqueued_at, job._status = rq_queue.name, now(), JobStatus.QUEUED
+    register = time.monotonic() - _registered.get(rq_queue.key, -QUEUE_REGISTERED_EVERY) >= QUEUE_REGISTERED_EVERY
+    if register:
+        _registered[rq_queue.key] = time.monotonic()
+    return StagedJob(
+        job_id=jid,
+        job_key=job.key,
+        job_fields=job.to_dict(),
+        queue_key=rq_queue.key,
+        queues_key=rq_queue.redis_queues_keys,
+        register=register,
+        at_front=at_front,
+        header={"job": jid},
+        header_key=RunKeys.of(run_id).run,
+    )
+
+
 def enqueue_turn(
     pipe: Pipeline,
     r: Redis,
@@ -107,23 +151,25 @@ def enqueue_turn(
     at_front: bool = False,
     queue: str | None = None,
 ) -> str:
-    """Add the turn's RQ job to ``pipe`` (RQ calls ``pipe.multi()`` if the caller has not), on the run's
-    queue (``queue``, or the one its header names); ``at_front`` pushes it to the head of that queue
-    (RQ's ``LPUSH``), ahead of every turn waiting."""
-    jid = job_id(run_id, turn, attempt)
-    turn_queue(r, queue or queue_of(r, run_id)).enqueue(
-        TURN_FUNC,
-        run_id,
-        turn,
-        job_id=jid,
-        pipeline=pipe,
-        job_timeout=int(Settings.from_env().turn_timeout),
-        result_ttl=RESULT_TTL,
-        failure_ttl=FAILURE_TTL,
-        description=f"agentpool turn {turn} of {run_id}",
-        at_front=at_front,
-    )
-    return jid
+    """Add the turn's RQ job (``turn_job``) to ``pipe``, a MULTI (``pipe.multi()`` is called if the
+    caller watches keys and has not, as RQ's own enqueue does). The run's header is left as it is."""
+    return _stage(pipe, turn_job(r, run_id, turn, attempt, at_front=at_front, queue=queue), with_header=False)
+
+
+def _stage(pipe: Pipeline, job: StagedJob, *, with_header: bool) -> str:
+    if getattr(pipe, "watching", False) and not pipe.explicit_transaction:
+        pipe.multi()
+    job.stage(pipe, with_header=with_header)
+    return job.job_id
+
+
+def keep_queues_registered(pipe: Pipeline, queues: list[Queue]) -> None:
+    """Add ``queues`` to RQ's set of queues if this process has not for a while (a worker's heartbeat:
+    its forked horses inherit the note, so the turns they enqueue register nothing)."""
+    for queue in queues:
+        if time.monotonic() - _registered.get(queue.key, -QUEUE_REGISTERED_EVERY) >= QUEUE_REGISTERED_EVERY / 2:
+            pipe.sadd(queue.redis_queues_keys, queue.key)
+            _registered[queue.key] = time.monotonic()
 
 
 def stage_turn(
@@ -143,12 +189,12 @@ def stage_turn(
     then. ``at_front``: ahead of every turn waiting (see ``enqueue_turn``). The job goes on the run's
     queue: ``queue`` when the caller knows it (a run being made does not have its header yet), else the
     one its header names."""
-    jid = job_id(run_id, turn, attempt)
-    pipe.hset(RunKeys.of(run_id).run, "job", jid)  # the reaper checks this job is still alive
     if delay > 0:
+        jid = job_id(run_id, turn, attempt)
+        pipe.hset(RunKeys.of(run_id).run, "job", jid)  # the reaper checks this job is still alive
         pipe.zadd(TURNS_DEFERRED, {deferred_member(run_id, turn, attempt): now_ms() + int(delay * 1000)})
         return jid
-    return enqueue_turn(pipe, r, run_id, turn, attempt, at_front=at_front, queue=queue)
+    return _stage(pipe, turn_job(r, run_id, turn, attempt, at_front=at_front, queue=queue), with_header=True)
 
 
 def give_back(r: Redis, queue: Queue, job_id: str) -> bool:

@@ -59,6 +59,11 @@ class Settlement:
         self.where = f"run {self.run_id} turn {turn}"
         self.limit = 100_000  # the agent's max_result_chars, once settle() is given the agent
         self.outcomes: dict[str, Outcome] = {}  # settled this turn, compacted in the ledger at save point B
+        # A read tool's outcome is not written on its own: it goes into the ledger, with its tool_finished
+        # event (these), in save point B's one call. A worker dying before then leaves the call started
+        # with no outcome, and a read tool is run again then (DESIGN.md's table): no effect is repeated.
+        self.with_save_b: list[Event] = []
+        self._unwritten: dict[str, tuple[dict[str, Any], Outcome, Event]] = {}
         # Where the run is while its tools settle (turns counted, "tools"): every ledger write lands only
         # there, so none lands on a server that lacks the save point A that asked for the call.
         self.at: ledger.At | None = None
@@ -180,6 +185,7 @@ class Settlement:
                 )
             if not running:
                 return delegated
+            self.write_held_outcomes()  # the turn stops here (no save point B): the lease goes with the wait
             if children.wait(self.r, self.keys, self.token, event=waiting_event(self.run_id, running)):
                 self.waiting = "waiting_children"
                 return None
@@ -352,6 +358,7 @@ class Settlement:
             try:
                 wait_durable(self.r, durability.guard(self.r), proof)
             except NotReplicated:
+                self.write_held_outcomes()  # the turn is handed back: what already ran is kept
                 withdrawn = tool_event("tool_withdrawn", attempt=attempt, reason="not_replicated")
                 ledger.withdraw_intent(self.r, self.keys, self.token, call["id"], intent, withdrawn, self.at)
                 raise
@@ -371,6 +378,7 @@ class Settlement:
             outcome,
             how="ran",
             event=tool_event("tool_finished", is_error=outcome.is_error),
+            with_save_b=tool.effect == "read",
         )
         fault("after_tool_outcome", self.run_id, self.turn, tool=call["name"])
         return outcome
@@ -398,8 +406,17 @@ class Settlement:
             where=self.where,
         )
 
-    def record(self, call: dict[str, Any], outcome: Outcome, *, how: str, event: Event | None = None) -> Outcome:
-        """The outcome in the ledger, with ``event`` (by default: how the call was settled without running).
+    def record(
+        self,
+        call: dict[str, Any],
+        outcome: Outcome,
+        *,
+        how: str,
+        event: Event | None = None,
+        with_save_b: bool = False,
+    ) -> Outcome:
+        """The outcome in the ledger, with ``event`` (by default: how the call was settled without running),
+        or, ``with_save_b``, held for save point B (a read tool's: see ``with_save_b`` in ``__init__``).
         Returns it as recorded: made safe to encode and cut to the agent's ``max_result_chars``."""
         outcome = replace(bounded(outcome, self.limit), tool=call["name"])
         event = event or Event.of(
@@ -409,8 +426,23 @@ class Settlement:
             tool_use_id=call["id"],
             outcome=how,
         )
+        self.outcomes[call["id"]] = replace(outcome, how=how)
+        if with_save_b:
+            self._unwritten[call["id"]] = (call, outcome, event)
+            self.with_save_b.append(event)
+            return outcome
+        self._write(call, outcome, how, event)
+        return outcome
+
+    def _write(self, call: dict[str, Any], outcome: Outcome, how: str, event: Event) -> None:
         ledger.write_outcome(
             self.r, self.keys, self.token, call["id"], outcome, how=how, now=now_ms() / 1000, event=event, at=self.at
         )
-        self.outcomes[call["id"]] = replace(outcome, how=how)
-        return outcome
+
+    def write_held_outcomes(self) -> None:
+        """The turn ends without a save point B (it waits, or is handed back): the outcomes held for it
+        are written now, each with its event, so what ran is on record."""
+        for call, outcome, event in self._unwritten.values():
+            self._write(call, outcome, self.outcomes[call["id"]].how, event)
+        self._unwritten.clear()
+        self.with_save_b.clear()

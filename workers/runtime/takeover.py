@@ -17,6 +17,7 @@ must all go on serving other runs.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from redis import Redis
@@ -161,8 +162,8 @@ def requeue_turn(
     """
     keys = RunKeys.of(run_id)
 
-    def attempt(pipe: Pipeline, write_id: str) -> tuple[Header, str] | None:
-        """The header read and the new job's id; None when nothing was enqueued."""
+    def attempt(pipe: Pipeline, write_id: str) -> tuple[Header, str, float | None] | None:
+        """The header read, the new job's id and when it was queued; None when nothing was enqueued."""
         try:
             header = read_header(pipe, run_id)
         except UnreadableRecord as exc:
@@ -171,7 +172,7 @@ def requeue_turn(
             return None
         if header is not None and writes.landed(header.writes, write_id):
             pipe.unwatch()
-            return header, header.job  # an earlier try's EXEC landed; its reply was lost
+            return header, header.job, None  # an earlier try's EXEC landed; its reply was lost
         moved_on = header is not None and dead_job is not None and header.job != dead_job
         if header is None or header.status not in ACTIVE_STATUSES or moved_on or pipe.exists(keys.lease):
             pipe.unwatch()
@@ -196,16 +197,18 @@ def requeue_turn(
             pipe, r, run_id, turn=header.turn, attempt=next_attempt, requeues=header.requeues, at_front=True
         )
         writes.stage_remember(pipe, keys.run, write_id)
+        queued_at = time.time()  # no later than the job is on the queue, for another worker to take
         pipe.execute()
-        return header, jid
+        return header, jid, queued_at
 
     requeued = writes.watched(r, [keys.run, keys.lease], attempt)
     if requeued is None:
         return None
-    header, jid = requeued
+    header, jid, queued_at = requeued
+    queued = None if queued_at is None else round(queued_at, 3)
     if count_attempt:
         log.warning("run %s: turn %s re-enqueued as %s (%s)", run_id, header.turn, jid, cause)
-        emit(r, run_id, "takeover", turn=header.turn, cause=cause, cause_kind=cause_kind, job=jid)
+        emit(r, run_id, "takeover", turn=header.turn, cause=cause, cause_kind=cause_kind, job=jid, queued_at=queued)
         tracing.record_takeover(r, run_id, header.turn, cause, cause_kind, jid)
     else:
         log.info("run %s: turn %s re-enqueued as %s (%s)", run_id, header.turn, jid, cause)
@@ -230,7 +233,14 @@ def forget_turn_job(r: Redis, job_id: str) -> None:
     id), with its registry entries: otherwise ``rq info`` shows it started for minutes, then RQ's cleanup
     counts it ``failed`` although the run goes on. Best effort: it is bookkeeping, not the run's state."""
     try:
-        Job.fetch(job_id, connection=r, serializer=MsgpackSerializer).delete()
+        job = Job.fetch(job_id, connection=r, serializer=MsgpackSerializer)
+        # A turn job's executions are in no per-job index (agentpool.worker.lean): its entry in the
+        # started registry is found by its id. Rare (a takeover), so a scan of the registry is affordable.
+        registry = job.started_job_registry
+        stale = list(r.zscan_iter(registry.key, match=f"{job_id}:*", count=500))
+        job.delete()
+        if stale:
+            r.zrem(registry.key, *(member for member, _score in stale))
     except NoSuchJobError:
         pass
     except RedisError as exc:

@@ -41,7 +41,7 @@ from agentpool.runtime.answers import FINISHED_STOPS
 from agentpool.runtime.answers import trailing_text as _trailing_text
 from agentpool.runtime.faults import fault
 from agentpool.runtime.heartbeat import keep_alive
-from agentpool.runtime.jobs import deferred_member, remember_queue, stage_turn
+from agentpool.runtime.jobs import deferred_member, remember_queue, stage_turn, turn_job
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.loader import AgentNotFound, load_agent
 from agentpool.runtime.model import ContextTooLong, ModelQuotaExhausted, ModelRejected, ModelReply, ModelUnavailable
@@ -50,7 +50,7 @@ from agentpool.runtime.settings import Settings, connect
 from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
 from agentpool.runtime.stream import LiveOutput
 from agentpool.runtime.subagents import wake_parent_of
-from agentpool.store import checkpoint, concurrency, handback, live, spend, window
+from agentpool.store import checkpoint, concurrency, handback, spend, window
 from agentpool.store.clock import now_ms
 from agentpool.store.crypto import EncryptionKeyMissing, KeyNotHeld
 from agentpool.store.durability import NotReplicated
@@ -114,7 +114,7 @@ def run_turn(run_id: str, turn: int) -> str:
         worker_id=worker_identity(),
         ttl_ms=settings.lease_ttl_ms,
         event=Event.of(run_id, "turn_started", turn=turn),
-        then=lambda pipe: (window.stage_load(pipe, keys), live.stage_watched(pipe, keys)),
+        load=True,  # the header, the window of messages and whether it is watched, in the same call
     )
     job_id = job.id if job is not None else ""
     if got.code is Acquire.TOO_NEW:
@@ -431,37 +431,32 @@ class Turn:
     def after_tools(self, results: list[dict[str, Any]], *, turns: int, window_at: int | None = None) -> str:
         """Save point B, then the next turn (numbered by the turns counted so far) is queued; ``window_at``
         moves the run's window to a compaction block this turn's reply brought."""
-
-        def enqueue_next(pipe: Any) -> None:
-            stage_turn(pipe, self.r, self.run_id, turns)
-            if window_at is not None:
-                window.stage_hint(pipe, self.keys, window_at)
-
+        job = turn_job(self.r, self.run_id, turns)
+        if window_at is not None:
+            job = replace(job, header={**job.header, "window": window_at})
         with tracing.span(
             "agentpool.save_point B", **{"agentpool.run.id": self.run_id, "agentpool.tool_results": len(results)}
         ):
-            self._commit_tool_results(results, turns, enqueue_next)
+            checkpoint.commit_tool_results(
+                self.r,
+                self.keys,
+                self.token,
+                message=_results_message(results),
+                next_job=job,
+                outcomes=self.tools.outcomes,
+                tool_events=self.tools.with_save_b,
+                turns=turns,
+                event=Event.of(
+                    self.run_id,
+                    "turn_committed",
+                    turn=self.turn,
+                    next_turn=turns,
+                    tool_results=len(results),
+                    seconds=round(time.monotonic() - self.started, 4),
+                ),
+            )
         fault("after_save_b", self.run_id, self.turn)
         return "committed"
-
-    def _commit_tool_results(self, results: list[dict[str, Any]], turns: int, enqueue_next: Any) -> None:
-        checkpoint.commit_tool_results(
-            self.r,
-            self.keys,
-            self.token,
-            message=_results_message(results),
-            enqueue_next=enqueue_next,
-            outcomes=self.tools.outcomes,
-            turns=turns,
-            event=Event.of(
-                self.run_id,
-                "turn_committed",
-                turn=self.turn,
-                next_turn=turns,
-                tool_results=len(results),
-                seconds=round(time.monotonic() - self.started, 4),
-            ),
-        )
 
     def defer(self, state: RunState, exc: ModelUnavailable) -> str:
         errors = state.model_errors + 1

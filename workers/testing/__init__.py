@@ -8,6 +8,7 @@
   the last tool results, or Python functions of a ``ScriptRequest``);
 - ``call_tool`` / ``tool_result`` / ``tool_context``: one tool called as a worker calls it;
 - ``assert_valid_conversation``: what the API demands of tool_use and tool_result pairs;
+- ``settled_stats``: the pool-wide counters behind ``/metrics`` once the workers have flushed them;
 - ``agentpool.testing.pytest_plugin``: fixtures, opted into with
   ``pytest_plugins = ["agentpool.testing.pytest_plugin"]`` in a conftest.py.
 
@@ -17,6 +18,7 @@ Nothing in agentpool imports it outside the tests, the demo and the bench.
 from agentpool.testing.conversation import assert_valid_conversation
 from agentpool.testing.pool import Kill, LocalPool, NothingKilled, local_pool
 from agentpool.testing.scripted_model import ScriptedModel, ScriptRequest, ToolResult
+from agentpool.testing.stats import settled_stats
 from agentpool.testing.tools import call_tool, tool_context, tool_result
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "assert_valid_conversation",
     "call_tool",
     "local_pool",
+    "settled_stats",
     "tool_context",
     "tool_result",
 ]

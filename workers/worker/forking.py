@@ -13,6 +13,9 @@
   agent: every horse inherits them, so agent code is loaded once per worker process, as in the threaded
   worker (``agentpool.runtime.loader``), and new code arrives when the worker restarts.
 - The durability guard is decided here too, before each fork (at most every 10 s), and inherited.
+- Pool-wide counters are added up in this process and flushed about once a second
+  (``agentpool.runtime.stats_flush``); a horse hands what its turn counted to its worker through a pipe
+  as it ends (a horse killed outright loses its turn's counts).
 - It never runs RQ's scheduler: a deferred turn is enqueued by the reaper (``agentpool.runtime.deferred``).
 - Jobs are msgpack; warm shutdown on SIGTERM lets the current turn finish, as RQ does. An idle worker's
   SIGTERM never strands a turn in RQ's intermediate queue: a turn dequeued as the stop came is given
@@ -21,6 +24,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -40,9 +44,12 @@ from agentpool.runtime.loader import load_agent
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
+from agentpool.runtime.stats_flush import StatsFlusher
 from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
+from agentpool.store import stats
 from agentpool.store.keys import TURN_QUEUE, RunKeys
 from agentpool.worker.groups import GroupWatcher, die_with_parent, end_process_group
+from agentpool.worker.lean import LeanTurnJobs
 
 log = logging.getLogger("agentpool.worker")
 AGENTS_REMEMBERED = 10_000  # run id -> agent path, so a turn costs no extra read to preload its agent
@@ -58,7 +65,9 @@ def _end_mcp_calls(horse: int, grace: float) -> None:
         hub.end_calls_of(horse, grace)
 
 
-class AgentWorker(Worker):
+class AgentWorker(LeanTurnJobs, Worker):
+    index_executions = False  # this process watches its horse: nobody reads its execution index
+
     def __init__(
         self, queues: Any = (TURN_QUEUE,), *, connection: Redis, reaper_interval: float | None = None, **kwargs: Any
     ) -> None:
@@ -73,6 +82,7 @@ class AgentWorker(Worker):
         self.group_grace = min(3.0, settings.lease_ttl / 3)
         self._agents: dict[str, str] = {}
         self._group_watcher = GroupWatcher()
+        self._counts_pipe: tuple[int, int] | None = None  # the horse's counters come back through it
 
     @property
     def dequeue_timeout(self) -> int:
@@ -114,6 +124,7 @@ class AgentWorker(Worker):
             if result is None and timeout is None:
                 return None  # burst mode: nothing queued
             if result is None:
+                self.write_idle()
                 continue
             job, queue = result
             if is_turn_job(job):
@@ -160,6 +171,7 @@ class AgentWorker(Worker):
         try:
             super().monitor_work_horse(job, queue, execution)
         finally:
+            self._take_horse_counts()
             if horse:
                 end_process_group(horse, self.group_grace)  # no-op (one failed killpg) when nothing is left
                 _end_mcp_calls(horse, self.group_grace)
@@ -169,10 +181,55 @@ class AgentWorker(Worker):
         self._preload_agent(job)
         durability.before_fork(self.connection)  # decided here, inherited by the horse: not once per horse
         self._worker_pid = os.getpid()  # the horse, forked next, dies with this process
+        self._counts_pipe = os.pipe()
         super().fork_work_horse(job, queue)
-        self._group_watcher.watch(self._horse_pid)  # only the worker gets here: the horse exits in RQ's code
+        os.close(self._counts_pipe[1])  # only the worker gets here: the horse exits in RQ's code
+        self._group_watcher.watch(self._horse_pid)
+
+    def perform_job(self, job: Any, queue: Any, execution: Any) -> bool:
+        """In the horse: the turn, then what it counted goes back to the worker (``_take_horse_counts``)."""
+        try:
+            return super().perform_job(job, queue, execution)  # type: ignore[no-any-return]
+        finally:
+            self._send_counts()
+
+    def _send_counts(self) -> None:
+        if self._counts_pipe is None:
+            return
+        done, seconds = self.take_job_counts()
+        counted = {"stats": stats.accumulate().take(), "jobs": [done, seconds]}
+        try:
+            # A few dozen counters: far below a pipe's buffer, so the write never waits for the worker.
+            os.write(self._counts_pipe[1], json.dumps(counted).encode())
+        except OSError as exc:
+            log.warning("work horse: could not hand its counters to its worker: %s", exc)
+
+    def _take_horse_counts(self) -> None:
+        """The ended horse's counters into this process's tally (nothing if it was killed first)."""
+        if self._counts_pipe is None:
+            return
+        reader, self._counts_pipe = self._counts_pipe[0], None
+        chunks = []
+        try:
+            while chunk := os.read(reader, 1 << 16):
+                chunks.append(chunk)
+            if chunks:
+                counted = json.loads(b"".join(chunks))
+                stats.count(counted["stats"])
+                self.count_jobs(*counted["jobs"])
+        except (OSError, ValueError) as exc:
+            log.warning("worker %s: could not read its work horse's counters: %s", self.name, exc)
+        finally:
+            os.close(reader)
 
     def setup_work_horse_signals(self) -> None:
+        # The horse counts its own turn from nothing (its copy of the worker's tally is the worker's to
+        # flush) and hands the counts back through the pipe's write end (``perform_job``).
+        stats.stop_accumulating()
+        stats.accumulate()
+        self.take_job_counts()  # the worker's own, not yet sent with its heartbeat: not the horse's to send
+        if self._counts_pipe is not None:
+            os.close(self._counts_pipe[0])
         super().setup_work_horse_signals()
         # A horse whose worker was SIGKILLed would run on unwatched (nobody ends its process group or
         # reports its job): it is killed instead, and its turn is taken over once its lease expires.
@@ -205,6 +262,8 @@ class AgentWorker(Worker):
         from agentpool.runtime.model import warm_up
 
         warm_up()
+        counters = StatsFlusher(connections.derive(self.connection))  # before any event can land
+        counters.start()
         # The reaper gets its own connection pool: it runs beside the worker's blocking dequeue.
         reaper = ReaperThread(connections.derive(self.connection), owner=self.name, interval=self.reaper_interval)
         if self.reaper_interval > 0:
@@ -216,3 +275,4 @@ class AgentWorker(Worker):
             return super().work(*args, **kwargs)
         finally:
             reaper.stop()
+            counters.stop()

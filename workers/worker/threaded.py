@@ -43,8 +43,10 @@ from agentpool.runtime.jobs import give_back
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
+from agentpool.runtime.stats_flush import StatsFlusher
 from agentpool.runtime.toolcall import abandoned_threads
 from agentpool.store.keys import TURN_QUEUE
+from agentpool.worker.lean import LeanTurnJobs
 
 log = logging.getLogger("agentpool.threaded")
 
@@ -137,7 +139,7 @@ class TurnSlots:
             return len(self._in_flight)
 
 
-class ThreadedWorker(BaseWorker):
+class ThreadedWorker(LeanTurnJobs, BaseWorker):
     death_penalty_class = NoDeathPenalty
 
     def __init__(
@@ -186,6 +188,8 @@ class ThreadedWorker(BaseWorker):
         # its lock; deferred turns are enqueued by the reaper (agentpool.runtime.deferred).
         self._install_signal_handlers()
         # The connection pool is thread-safe, and a blocking dequeue holds only one of its connections.
+        counters = StatsFlusher(self.connection)  # before any turn counts: events land in its tally
+        counters.start()
         reaper = ReaperThread(self.connection, owner=self.name, interval=self.reaper_interval)
         if self.reaper_interval > 0:
             reaper.start()
@@ -200,6 +204,7 @@ class ThreadedWorker(BaseWorker):
             finally:
                 self._beating.set()
                 reaper.stop()
+                counters.stop()
                 self.teardown()
         return bool(started)
 
@@ -224,6 +229,7 @@ class ThreadedWorker(BaseWorker):
                 connection_wait = min(connection_wait * 2, self.max_connection_wait_time)
                 continue
             if got is None:
+                self.write_idle()  # only if no turn is in flight (its state is idle)
                 if self._slots.busy():
                     idle_since = time.monotonic()
                     if burst:

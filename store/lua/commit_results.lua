@@ -1,0 +1,49 @@
+-- Save point B in one call, when no message waits in the run's inbox (the common case; otherwise the
+-- caller commits with its WATCH/MULTI transaction, which merges the messages into the results): the
+-- tool results message, the ledger's notes of the outcomes, phase back to "model", the next turn's
+-- RQ job (as the writes RQ would make, given by the caller), its events, the lease dropped. Only on the
+-- save point A it follows (the run at that turn count, in phase "tools") and only for the lease's holder.
+-- Safe to deliver twice: the write id goes into the header's `writes` ring with the rest; a re-delivery
+-- finds it there and does nothing.
+-- KEYS[1] lease   KEYS[2] run header   KEYS[3] inbox   KEYS[4] messages   KEYS[5] ledger
+-- KEYS[6] ap:runs:watch   KEYS[7] events   KEYS[8] ap:stats   KEYS[9] hand-back record
+-- KEYS[10] the next job's hash   KEYS[11] its RQ queue   KEYS[12] RQ's set of queues
+-- ARGV[1] token   ARGV[2] write id   ARGV[3] turn count save point A left   ARGV[4] results message blob or ''
+-- ARGV[5] now ms   ARGV[6] when the reaper looks at the run next (ms)   ARGV[7] run id   ARGV[8] next job id
+-- ARGV[9] 1: push the job at the head of its queue   ARGV[10] 1: add the queue to RQ's set of queues
+-- then three lists, each a count and its field/value pairs: the ledger's notes, more header fields
+-- (the job id, a window hint...), the job's hash; then a count of events and the events (see _event.lua)
+-- Returns 1 committed, 0 committed by an earlier delivery, -1 lease lost, -2 not running (status),
+-- -3 turn moved (turns, phase), -9 messages wait in the inbox (nothing done).
+local h = redis.call('HMGET', KEYS[2], 'status', 'turns', 'phase', 'writes')
+if replayed_in(h[4], ARGV[2]) then return {0} end
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return {-1} end
+if h[1] ~= 'running' then return {-2, h[1] or ''} end
+if h[2] ~= ARGV[3] or h[3] ~= 'tools' then return {-3, h[2] or '', h[3] or ''} end
+if redis.call('LLEN', KEYS[3]) > 0 then return {-9} end
+
+local at = 11
+local function pairs_at()
+  local n = tonumber(ARGV[at])
+  local list = {}
+  for i = at + 1, at + 2 * n do list[#list + 1] = ARGV[i] end
+  at = at + 1 + 2 * n
+  return list
+end
+local notes = pairs_at()
+local header = pairs_at()
+local job = pairs_at()
+
+if ARGV[4] ~= '' then redis.call('RPUSH', KEYS[4], ARGV[4]) end
+if #notes > 0 then redis.call('HSET', KEYS[5], unpack(notes)) end
+redis.call('HSET', KEYS[2], 'phase', 'model', 'pending', '', 'attempt', 0, 'updated_at', ARGV[5],
+  'writes', ring_with(h[4], ARGV[2], 1), unpack(header))
+redis.call('ZADD', KEYS[6], ARGV[6], ARGV[7])
+if ARGV[10] == '1' then redis.call('SADD', KEYS[12], KEYS[11]) end
+redis.call('HSET', KEYS[10], unpack(job))
+if ARGV[9] == '1' then redis.call('LPUSH', KEYS[11], ARGV[8]) else redis.call('RPUSH', KEYS[11], ARGV[8]) end
+local events = tonumber(ARGV[at])
+at = at + 1
+for _ = 1, events do at = record_event(KEYS[7], KEYS[8], at) end
+redis.call('DEL', KEYS[1], KEYS[9])
+return {1}

@@ -1,0 +1,27 @@
+"""Reading the pool-wide counters in a test: workers add theirs to Redis about once a second
+(``agentpool.runtime.stats_flush``), so a test that checks them right after a run ends waits for the
+last flush first."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from agentpool.runtime.stats_flush import FLUSH_EVERY
+from agentpool.store import stats
+
+
+def settled_stats(r: Any, *, timeout: float = 120.0) -> dict[str, float]:
+    """The counters behind ``/metrics`` once no worker has added anything for more than two flush
+    periods: call it when the runs you count have ended (and nothing else is running)."""
+    quiet = 2 * FLUSH_EVERY + 0.5
+    deadline = time.monotonic() + timeout
+    seen, since = stats.read_all(r), time.monotonic()
+    while time.monotonic() - since < quiet:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the pool's counters still changed after {timeout:g} s")
+        time.sleep(0.1)
+        now = stats.read_all(r)
+        if now != seen:
+            seen, since = now, time.monotonic()
+    return seen

@@ -1,0 +1,203 @@
+"""RQ's per-job bookkeeping, cut to what agentpool's turn jobs use.
+
+A turn is one RQ job, and RQ's own bookkeeping for a job (measured by ``agentpool bench --only redis``)
+costs Redis 52 commands on the threaded worker and 66 on the forking one, more than agentpool's own
+durable work. Most of it keeps records agentpool never reads: an execution hash and its per-job index,
+a result stream, the finished registry, the job hash kept for a minute after it ended, the worker's
+heartbeat and state re-sent several times per job. For a **turn job** (``is_turn_job``) the workers
+here do instead:
+
+- start (one round trip, when the worker prepares the execution): the job hash says ``started``, the
+  execution joins the queue's started registry (``rq:wip:<queue>``, what ``rq info`` counts as
+  executing and RQ's cleanup reads) and the worker's execution index (what the supervisor reads to hand
+  a dead threaded worker's turns over), and leaves RQ's intermediate queue; the worker's state becomes
+  ``busy`` only if it was not;
+- end (one round trip): the job hash and its registry entries are deleted. Its result is not kept (a
+  turn's job returns a one-word summary; the run's checkpoint is the truth), so ``rq info`` counts no
+  turn job as ``finished``; the worker's ``successful_job_count`` and ``total_working_time`` are added
+  with its next heartbeat (every few seconds);
+- nothing else per job: the worker's heartbeat and the ``rq suspend`` check are sent at most every
+  ``HEARTBEAT_EVERY`` / ``SUSPENSION_EVERY`` seconds, not around every dequeue, and its state only when it
+  changes (``idle`` once a dequeue found nothing: a worker going from one turn to the next stays ``busy``). The heartbeat also keeps the worker's queues in RQ's set of queues (what ``rq info`` lists),
+  so the turns its horses enqueue need not.
+
+What a crash needs is unchanged: a killed horse's job is ``started`` in the started registry (RQ's
+failure path runs on it as before), the supervisor finds a dead threaded worker's executions in its
+index, and agentpool's lease and reaper take the run over as always. A job that is not a turn (a bench
+baseline, anything else on the queue) gets RQ's whole bookkeeping.
+
+Turn jobs are enqueued leanly too (``agentpool.runtime.jobs.enqueue_turn``): the job hash in one HSET
+and the push, instead of RQ's registration of the queue, the status and the job in separate writes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+from redis.client import Pipeline
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.queue import Queue
+from rq.utils import now, utcformat
+from rq.worker import WorkerStatus
+
+from agentpool.runtime.jobs import keep_queues_registered
+from agentpool.runtime.takeover import is_turn_job
+
+HEARTBEAT_EVERY = 5.0  # seconds between the worker's own heartbeats (RQ's worker TTL is 420 s)
+SUSPENSION_EVERY = 1.0  # seconds between looks at `rq suspend`'s flag
+_counts_lock = threading.Lock()  # a threaded worker's turn threads count their jobs concurrently
+
+
+class LeanTurnJobs:
+    """Mixin for RQ worker classes (before the RQ class in the bases). See the module docstring."""
+
+    connection: Any
+    name: str
+    key: str
+    executions_key: str
+    executions: dict[str, Execution]
+    job_monitoring_interval: int
+    worker_ttl: int
+    _state: str
+    _beat_at = 0.0  # monotonic time of the last heartbeat
+    _suspension_at = 0.0  # and of the last look at `rq suspend`
+    _jobs_done = 0  # turn jobs ended since the last heartbeat, and their working time
+    _jobs_time = 0.0
+    # Whether a turn's execution goes into the worker's execution index: the supervisor above a threaded
+    # worker reads it to hand a dead child's turns over; a forking worker watches its own horse.
+    index_executions = True
+    _written_state: str | None = None  # the state Redis has for this worker
+
+    # -- the worker's own records ----------------------------------------------------------------
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Pipeline | None = None) -> None:
+        """RQ calls this around every dequeue and job; it is sent at most every ``HEARTBEAT_EVERY``
+        seconds (RQ's worker TTL is minutes), with the turn jobs counted since the last one."""
+        if pipeline is None and timeout is None and time.monotonic() - self._beat_at < HEARTBEAT_EVERY:
+            return
+        if pipeline is not None:
+            super().heartbeat(timeout, pipeline=pipeline)  # type: ignore[misc]
+            self._stage_beat_extras(pipeline)
+            self._beat_at = time.monotonic()
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            super().heartbeat(timeout, pipeline=pipe)  # type: ignore[misc]
+            self._stage_beat_extras(pipe)
+            pipe.execute()
+        self._beat_at = time.monotonic()
+
+    def _stage_beat_extras(self, pipe: Pipeline) -> None:
+        self._stage_job_counts(pipe)
+        keep_queues_registered(pipe, self.queues)  # type: ignore[attr-defined]
+
+    def _stage_job_counts(self, pipe: Pipeline) -> None:
+        with _counts_lock:
+            done, seconds, self._jobs_done, self._jobs_time = self._jobs_done, self._jobs_time, 0, 0.0
+        if done:
+            pipe.hincrby(self.key, "successful_job_count", done)
+            pipe.hincrbyfloat(self.key, "total_working_time", seconds)
+
+    def count_jobs(self, done: int, seconds: float) -> None:
+        with _counts_lock:
+            self._jobs_done += done
+            self._jobs_time += seconds
+
+    def take_job_counts(self) -> tuple[int, float]:
+        """A work horse's counts, handed to its worker (``agentpool.worker.forking``)."""
+        with _counts_lock:
+            counted = (self._jobs_done, self._jobs_time)
+            self._jobs_done, self._jobs_time = 0, 0.0
+            return counted
+
+    def set_state(self, state: str, pipeline: Pipeline | None = None) -> None:
+        """Only a change of state is written, and ``idle`` only once the worker waits for work
+        (``write_idle``, from the dequeue that found nothing): RQ sets ``idle`` after every job and
+        before every dequeue, two writes a turn when turns follow each other."""
+        self._state = state
+        if pipeline is None and (state == self._written_state or state == WorkerStatus.IDLE):
+            return
+        super().set_state(state, pipeline=pipeline)  # type: ignore[misc]
+        self._written_state = state
+
+    def write_idle(self) -> None:
+        """The worker waited for a turn and found none: ``idle`` is written if it is not already."""
+        if self._state == WorkerStatus.IDLE and self._written_state != WorkerStatus.IDLE:
+            super().set_state(WorkerStatus.IDLE)  # type: ignore[misc]
+            self._written_state = WorkerStatus.IDLE
+
+    def check_for_suspension(self, burst: bool) -> None:
+        """``rq suspend`` is looked at once a second, not before every dequeue."""
+        if time.monotonic() - self._suspension_at < SUSPENSION_EVERY:
+            return
+        super().check_for_suspension(burst)  # type: ignore[misc]
+        self._suspension_at = time.monotonic()
+
+    # -- a turn job's execution -------------------------------------------------------------------
+
+    def prepare_execution(self, job: Job) -> Execution:
+        if not is_turn_job(job):
+            return super().prepare_execution(job)  # type: ignore[misc,no-any-return]
+        execution = Execution(id=uuid.uuid4().hex, job_id=job.id, connection=self.connection, worker_name=self.name)
+        execution._job = job
+        started = now()
+        ttl = self.get_heartbeat_ttl(job)  # type: ignore[attr-defined]
+        registry = job.started_job_registry
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.hset(
+                job.key,
+                mapping={"status": JobStatus.STARTED.value, "started_at": utcformat(started), "worker_name": self.name},
+            )
+            pipe.zadd(registry.key, {execution.composite_key: time.time() + ttl})
+            if self.index_executions:
+                pipe.sadd(self.executions_key, execution.composite_key)
+            pipe.lrem(Queue(job.origin, connection=self.connection).intermediate_queue_key, 1, job.id)
+            if self._written_state != WorkerStatus.BUSY:
+                super().set_state(WorkerStatus.BUSY, pipeline=pipe)  # type: ignore[misc]
+            pipe.execute()
+        self._state = self._written_state = WorkerStatus.BUSY
+        job._status = JobStatus.STARTED
+        job.started_at, job.worker_name = started, self.name
+        self.executions[execution.id] = execution
+        return execution
+
+    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
+        if not is_turn_job(job):
+            super().prepare_job_execution(job, remove_from_intermediate_queue)  # type: ignore[misc]
+            return
+        self.procline(f"Processing {job.func_name} from {job.origin} since {time.time()}")  # type: ignore[attr-defined]
+
+    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int) -> None:
+        if not is_turn_job(job):
+            super().handle_execution_ended(job, queue, heartbeat_ttl)  # type: ignore[misc]
+            return
+        job.ended_at = now()
+
+    def handle_job_success(self, job: Job, queue: Queue, started_job_registry: Any, execution: Execution) -> None:
+        if not is_turn_job(job):
+            super().handle_job_success(job, queue, started_job_registry, execution)  # type: ignore[misc]
+            return
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.delete(job.key)
+            pipe.zrem(started_job_registry.key, execution.composite_key)
+            if self.index_executions:
+                pipe.srem(self.executions_key, execution.composite_key)
+            pipe.execute()
+        self.executions.pop(execution.id, None)
+        took = (job.ended_at or now()) - (job.started_at or now())
+        self.count_jobs(1, took.total_seconds())
+        self.log.info("Successfully completed %s job in %ss on worker %s", job.description, took, self.name)  # type: ignore[attr-defined]
+
+    def maintain_heartbeats(self, job: Job, execution: Execution) -> None:
+        if not is_turn_job(job):
+            super().maintain_heartbeats(job, execution)  # type: ignore[misc]
+            return
+        working = (now() - job.started_at).total_seconds() if job.started_at else 0.0
+        ttl = self.get_heartbeat_ttl(job, working_time=working)  # type: ignore[attr-defined]
+        with self.connection.pipeline(transaction=False) as pipe:
+            self.heartbeat(self.job_monitoring_interval + 60, pipeline=pipe)
+            pipe.zadd(job.started_job_registry.key, {execution.composite_key: time.time() + ttl}, xx=True)
+            pipe.execute()
