@@ -116,3 +116,53 @@ def test_a_worker_killed_mid_stream_or_after_counting_a_cut_stream(point, r, poo
     assert Counter(e["tool"] for e in pool.effects()) == {"read_notes": 1, "send_email": 1}
     assert model.stats()["rejected"] == 0, model.stats()["rejections"]
     assert_valid_conversation(run.messages)
+
+
+def _without_ids(message: dict) -> dict:
+    return {**message, "content": [{k: v for k, v in b.items() if k != "id"} for b in message["content"]]}
+
+
+@pytest.mark.parametrize("compaction", [False, True])
+def test_a_streamed_reply_is_the_message_a_create_returns_field_for_field(model, monkeypatch, compaction):
+    """The worker reads a stream's events itself (agentpool.runtime.reply_stream): what it accumulates
+    must be the message the API's non-streaming answer is, block for block (thinking with its signature,
+    text, a tool's input joined from its JSON deltas, a compaction block), and its usage."""
+    from agentpool import Agent, Compaction, tool
+    from agentpool.runtime import model as adapter
+
+    @tool(effect="read")
+    def fetch(url: str) -> str:
+        """Fetch a page."""
+        return url
+
+    step = {
+        "thinking": "The user wants a page.",
+        "text": "Fetching it now, one moment.",
+        "tool_calls": [{"name": "fetch", "input": {"url": "https://example.com/a", "tries": [1, 2]}}],
+        "stream": {"chunk": 3, "pings": 2},
+    }
+    model.set_scripts({"rich": [step]})
+    agent = Agent(
+        model="claude-sonnet-5-5",
+        tools=[fetch],
+        compaction=Compaction(trigger=50_000, server_side=True) if compaction else None,
+    )
+    messages = [{"role": "user", "content": "[script:rich] " + "x" * (240_000 if compaction else 10)}]
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", model.base_url)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test")
+    replies = {}
+    for streaming in ("1", "0"):
+        monkeypatch.setenv("AGENTPOOL_MODEL_STREAMING", streaming)
+        adapter._clients.clear()
+        replies[streaming] = adapter.call_model(agent, messages)
+    adapter._clients.clear()
+    streamed, created = replies["1"], replies["0"]
+    assert _without_ids(streamed.message) == _without_ids(created.message)
+    assert [b["type"] for b in streamed.message["content"]][-3:] == ["thinking", "text", "tool_use"]
+    assert streamed.message["content"][-1]["input"] == {"url": "https://example.com/a", "tries": [1, 2]}
+    # The second call reads the prompt cache the first one wrote: the same input, counted differently.
+    prompt = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert sum(streamed.usage[k] for k in prompt) == sum(created.usage[k] for k in prompt) > 0
+    assert streamed.usage["output_tokens"] == created.usage["output_tokens"] > 0
+    assert streamed.stop_reason == created.stop_reason == "tool_use"
+    assert streamed.compacted == created.compacted == compaction
