@@ -459,7 +459,7 @@ def resume(
             pipe.watch(keys.joins)
             top = tree.resumed(pipe, state)
             try:
-                below = tree.plan(pipe, state, adds, short_of)
+                below = tree.plan(pipe, state, short_of)
             except ValueError as exc:
                 raise ResumeRefused(f"run {run_id} cannot go on: {exc}") from None
             pipe.multi()

@@ -23,7 +23,7 @@ its tree, or by itself), its answer reaches the parent as a message (``subagents
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -169,12 +169,12 @@ def resumed(pipe: Pipeline, state: RunState) -> Resumed:
     return Resumed(state, header.requeues, caps, waits)
 
 
-def plan(pipe: Pipeline, top: RunState, adds: Mapping[str, int | float], short_of: Any) -> Plan:
+def plan(pipe: Pipeline, top: RunState, short_of: Callable[[RunState], str | None]) -> Plan:
     """Under WATCH (each run read is watched as it is read): the stopped runs below ``top`` that go on
     with it, found through every run that has not ended for good (a subtree under a completed, failed
     or cancelled run is left: nobody waits for it). ``short_of(state)`` says what a run would lack to
-    take a turn with ``adds``: a held run lacking it makes the whole resume refused (``ValueError``
-    with the reason; the tree cannot go on without it), another is left stopped."""
+    take a turn with what the resume adds: a held run lacking it makes the whole resume refused
+    (``ValueError`` with the reason: the tree cannot go on without it), another is left stopped."""
     out = Plan()
     todo = [top.id]
     while todo:
