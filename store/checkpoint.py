@@ -166,6 +166,23 @@ def load_run(r: Redis, run_id: str, *, with_messages: bool = True) -> RunState:
     return decode_run(run_id, replies[0], replies[1] if with_messages else None)
 
 
+def ancestors_of(r: Redis | Pipeline, run_id: str) -> list[str]:
+    """The runs above ``run_id``, its parent first (for a caller that has not loaded the run); a child
+    made before ancestors were recorded has its parent alone."""
+    ancestors, parent = r.hmget(RunKeys.of(run_id).run, ["ancestors", "parent"])
+    return (ancestors or b"").decode().split() or ([parent.decode()] if parent else [])
+
+
+def tree_keys(ancestors: Sequence[str]) -> list[str]:
+    """A child run's keys for save point A beyond its own: its parent's header, joins hash, events, inbox
+    and received hash (the join and a late answer: ``_join.lua``), then the headers of the ancestors
+    above the parent (each call's spend is added to every ancestor's tree counters: ``_tree.lua``)."""
+    if not ancestors:
+        return []
+    up = RunKeys.of(ancestors[0])
+    return [up.run, up.joins, up.events, up.inbox, up.received, *(RunKeys.of(a).run for a in ancestors[1:])]
+
+
 def parent_keys(r: Redis | Pipeline, run_id: str) -> list[str]:
     """The keys a child run's terminal write tells its parent through (header, joins, events; see
     ``store/lua/_join.lua``); [] for a run without a parent. The parent field is written once, with
@@ -208,6 +225,8 @@ def commit_response(
     closing: Mapping[str, Any] | None = None,
     responded: Event | None = None,
     event: Event | None = None,
+    ancestors: Sequence[str] | None = None,
+    late: tuple[str, bytes] | None = None,
 ) -> int:
     """Save point A: count the call's ``usage`` and cost with the ``responded`` event, then commit
     its response with the ``event`` that reports it. The spend counts even when the response can no
@@ -222,9 +241,14 @@ def commit_response(
     A reply that would complete the run while messages wait in its inbox (``send_message``) raises
     ``MessagesWaiting`` having written nothing: the run must answer them first.
 
+    A child run's spend is added to its ``ancestors``' tree counters in the same step (the run's
+    ancestors, its parent first, as its turn loaded them; None: read here). ``late`` is the id and
+    packed content of its answer for its parent, given when the reply completes a child run: queued
+    in the parent's inbox if the parent's join had already ended (the child stopped and was resumed).
+
     Returns 2 when the run ended here and was the last open child of its parent (which is now due to
     be woken), 1 otherwise."""
-    parent = parent_keys(r, keys.run_id) if final_status else []
+    parent = tree_keys(ancestors_of(r, keys.run_id) if ancestors is None else ancestors)
     code = run_script(
         "commit_response",
         r,
@@ -261,6 +285,7 @@ def commit_response(
             writes.new_id(),
             pack_message(closing) if closing else "",
             len(parent),
+            *(late or ("", "")),
             *script_args(responded, event),
         ],
     )

@@ -9,15 +9,22 @@ crash finds the children it started instead of starting new ones.
 The parent then waits (``wait``: status ``waiting_children``, nothing leased or queued) unless every
 child has ended already. Every write that ends a child run (save point A, ``finish``,
 ``fail_unfenced``, a cancel) tells the parent in the same script (``store/lua/_join.lua``): the child
-is marked ended, its usage rolls up into the parent's tree counters, and the last one to end wakes the
-parent with a durable ``wake`` marker that the reaper (or the child's own worker, at once) turns into
-the parent's next job, exactly once.
+is marked ended and the last one to end wakes the parent with a durable ``wake`` marker that the
+reaper (or the child's own worker, at once) turns into the parent's next job, exactly once.
+
+One budget for the tree: each model call's spend is added to every ancestor's tree counters in the
+script that counts it (``store/lua/_tree.lua``), and a run that starts children records its own limits
+as its tree's caps (``cap_tokens``, ``cap_usd``, ``cap_turns``). A run whose ancestor's cap is used up
+stops before its next model call, held (``hold``): its parent's join stays open, and it goes on when
+that ancestor is resumed; the ancestor stops with it if it waits for its children (or instead of
+waiting: ``wait``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
@@ -26,9 +33,10 @@ from redis.client import Pipeline
 from agentpool.store import writes
 from agentpool.store.checkpoint import _check, stage_create
 from agentpool.store.clock import now_ms
-from agentpool.store.errors import LeaseLost
+from agentpool.store.errors import LeaseLost, RunNotActive
 from agentpool.store.events import Event, script_args
 from agentpool.store.keys import RUNS_WATCH, STATS, RunKeys
+from agentpool.store.records import USAGE_FIELDS
 from agentpool.store.scripts import run_script
 
 # How often the reaper looks at a run waiting for its children (a backstop: a child's end wakes it).
@@ -52,23 +60,37 @@ def spawn(
     task: str,
     limits: Mapping[str, Any],
     fields: Mapping[str, Any],
+    caps: Mapping[str, Any],
     stage_enqueue: Callable[[Pipeline], None],
     now: float,
 ) -> bool:
     """Start ``child`` for the parent's turn holding ``token``, unless it was started already. Returns
-    True if it was created now. Raises LeaseLost (nothing written) when the turn lost the lease."""
+    True if it was created now. Raises LeaseLost (nothing written) when the turn lost the lease, and
+    RunNotActive when the parent is no longer running (a cancel that has already read its children
+    list must not miss one started after it). ``caps`` (the parent's limits: ``cap_tokens``,
+    ``cap_usd``, ``cap_turns``; None where unset) go on the parent's header: its budget for the tree."""
     keys = RunKeys.of(child)
 
     def attempt(pipe: Pipeline, write_id: str) -> bool:
         if pipe.get(parent.lease) != token.encode():
             pipe.unwatch()
             raise LeaseLost(parent.run_id)
+        status = pipe.hget(parent.run, "status")
+        if status != b"running":
+            pipe.unwatch()
+            raise RunNotActive(parent.run_id, (status or b"?").decode("utf-8", errors="replace"))
         known = pipe.hexists(parent.joins, child)
         exists = pipe.exists(keys.run)
         if known and exists:
             pipe.unwatch()
             return False
         pipe.multi()
+        set_caps = {name: value for name, value in caps.items() if value is not None}
+        if set_caps:
+            pipe.hset(parent.run, mapping=set_caps)
+        unset = [name for name, value in caps.items() if value is None]
+        if unset:
+            pipe.hdel(parent.run, *unset)
         if not known:
             pipe.hset(parent.joins, child, "open")
             pipe.rpush(parent.children, child)
@@ -79,24 +101,163 @@ def spawn(
         pipe.execute()
         return not exists
 
-    return writes.watched(r, [parent.lease, parent.joins, keys.run], attempt)
+    return writes.watched(r, [parent.lease, parent.run, parent.joins, keys.run], attempt)
 
 
-def wait(r: Redis, keys: RunKeys, token: str, *, event: Event | None = None) -> bool:
-    """Fenced: the turn stops holding the run, which waits for its open children. False (nothing
-    changed) when every child has ended already: the turn goes on."""
+def wait(
+    r: Redis,
+    keys: RunKeys,
+    token: str,
+    *,
+    parent: str = "",
+    event: Event | None = None,
+    stopped: tuple[str, Event] | None = None,
+) -> int:
+    """Fenced: the turn stops holding the run, which waits for its open children (1). 0 (nothing
+    changed) when every child has ended already: the turn goes on. When the run's budget for its
+    tree is used up, it stops instead (2; 3 when that woke its ``parent``), with the reason and the
+    event ``stopped`` gives."""
+    up = RunKeys.of(parent) if parent else None
+    why, stop_event = stopped or ("", None)
     code = int(
         run_script(  # type: ignore[arg-type]
             "wait_children",
             r,
-            [keys.run, keys.lease, keys.joins, RUNS_WATCH, STATS, keys.events, keys.handback],
-            [token, now_ms(), now_ms() + WAITING_RECHECK_MS, keys.run_id, *script_args(event)],
+            [keys.run, keys.lease, keys.joins, RUNS_WATCH, STATS, keys.events, keys.handback]
+            + ([up.run, up.joins, up.events] if up else []),
+            [
+                token,
+                now_ms(),
+                now_ms() + WAITING_RECHECK_MS,
+                keys.run_id,
+                why,
+                *script_args(event, stop_event),
+            ],
         )
     )
     _check(code, keys, r)
-    if code == 1 and event:
-        event.landed()
-    return code == 1
+    logged = event if code == 1 else stop_event if code in (2, 3) else None
+    if logged:
+        logged.landed()
+    return code
+
+
+@dataclass(frozen=True)
+class Budget:
+    """An ancestor's budget for its tree as its header holds it: its caps (None where unset) and what
+    it and every run below it have spent."""
+
+    run_id: str
+    parent: str
+    status: str
+    cap_turns: int | None
+    cap_tokens: int | None
+    cap_usd: float | None
+    tokens: int
+    cost_usd: float
+
+    @property
+    def exhausted(self) -> str | None:
+        """``"max_total_tokens"`` or ``"max_cost_usd"`` when that cap is used up (as ``_tree.lua`` decides)."""
+        if self.cap_tokens is not None and self.tokens >= self.cap_tokens:
+            return "max_total_tokens"
+        if self.cap_usd is not None and self.cost_usd >= self.cap_usd:
+            return "max_cost_usd"
+        return None
+
+
+_BUDGET_FIELDS = [
+    "status",
+    "parent",
+    "cap_turns",
+    "cap_tokens",
+    "cap_usd",
+    "cost_usd",
+    "tree_cost_usd",
+    *USAGE_FIELDS,
+    *(f"tree_{name}" for name in USAGE_FIELDS),
+]
+
+
+def _number(raw: bytes | None, kind: type[int | float] = int) -> Any:
+    """A counter or cap of an ancestor's header; a damaged one reads as unset here (its own run's reads
+    fail it with the reason)."""
+    try:
+        return kind(raw) if raw not in (None, b"") else None
+    except ValueError:
+        return None
+
+
+def budgets(r: Redis, ancestors: Sequence[str]) -> list[Budget]:
+    """The ancestors' budgets for their trees, in the order given (one round trip); an ancestor whose
+    record is gone is left out."""
+    with r.pipeline(transaction=False) as pipe:
+        for run_id in ancestors:
+            pipe.hmget(RunKeys.of(run_id).run, _BUDGET_FIELDS)
+        rows = pipe.execute()
+    out = []
+    for run_id, row in zip(ancestors, rows, strict=True):
+        raw = dict(zip(_BUDGET_FIELDS, row))
+        if raw["status"] is None:
+            continue
+        usage = [_number(raw[name]) or 0 for name in USAGE_FIELDS] + [
+            _number(raw[f"tree_{name}"]) or 0 for name in USAGE_FIELDS
+        ]
+        out.append(
+            Budget(
+                run_id=run_id,
+                parent=(raw["parent"] or b"").decode(),
+                status=raw["status"].decode("utf-8", errors="replace"),
+                cap_turns=_number(raw["cap_turns"]),
+                cap_tokens=_number(raw["cap_tokens"]),
+                cap_usd=_number(raw["cap_usd"], float),
+                tokens=sum(usage),
+                cost_usd=(_number(raw["cost_usd"], float) or 0.0) + (_number(raw["tree_cost_usd"], float) or 0.0),
+            )
+        )
+    return out
+
+
+def hold(
+    r: Redis,
+    keys: RunKeys,
+    token: str,
+    *,
+    holder: Budget,
+    reason: str,
+    holder_reason: str,
+    event: Event,
+    holder_event: Event,
+) -> int:
+    """Fenced: stop the run, held by ``holder``'s used-up budget (``store/lua/hold.lua``). Returns 1 held,
+    2 held with the holder stopped too, 3 that and the holder's parent woken, 0 the holder's budget is
+    not used up after all (resumed meanwhile: nothing changed, go on)."""
+    up = RunKeys.of(holder.run_id)
+    grand = RunKeys.of(holder.parent) if holder.parent else None
+    code = int(
+        run_script(  # type: ignore[arg-type]
+            "hold",
+            r,
+            [keys.run, keys.lease, RUNS_WATCH, STATS, keys.events, keys.handback, up.run, up.events]
+            + ([grand.run, grand.joins, grand.events] if grand else []),
+            [
+                token,
+                now_ms(),
+                keys.run_id,
+                reason,
+                holder.run_id,
+                holder_reason,
+                writes.new_id(),
+                *script_args(event, holder_event),
+            ],
+        )
+    )
+    _check(code, keys, r)
+    if code >= 1:
+        event.log()
+    if code >= 2:
+        holder_event.log()
+    return code
 
 
 def children(r: Redis | Pipeline, keys: RunKeys) -> list[str]:
@@ -105,8 +266,8 @@ def children(r: Redis | Pipeline, keys: RunKeys) -> list[str]:
 
 
 def joins(r: Redis | Pipeline, keys: RunKeys) -> dict[str, str]:
-    """child id -> "open" or "ended"."""
-    return {k.decode(): v.decode() for k, v in r.hgetall(keys.joins).items()}
+    """child id -> "open" or "ended" (how each ended, kept under "<child id>:end", is left out)."""
+    return {k.decode(): v.decode() for k, v in r.hgetall(keys.joins).items() if b":" not in k}
 
 
 def child_ended(r: Redis, child: str, parent_id: str) -> int:

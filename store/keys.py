@@ -3,7 +3,9 @@
 Per run (all keys of a run share the hash tag ``{run:<id>}``)::
 
     ap:{run:<id>}:run       hash    header: v (schema), agent, status, turns, phase, pending,
-                                    fence, attempt, token counters, limits, error, result, times
+                                    fence, attempt, token counters, limits, error, result, times;
+                                    a sub-agent's parent, ancestors and depth; tree_* counters (the
+                                    spend of the runs below, added live) and cap_* (its tree's budget)
     ap:{run:<id>}:messages  list    one msgpack blob per message, append-only
     ap:{run:<id>}:lease     string  owner token "<fence>:<worker>", with a TTL
     ap:{run:<id>}:ledger    hash    "<tool_use_id>" -> intent record, "<tool_use_id>:out" -> outcome record
@@ -17,9 +19,10 @@ Per run (all keys of a run share the hash tag ``{run:<id>}``)::
                                     count, until, job; kept apart from the header so that a worker
                                     handing back a record too new for it leaves that record untouched
     ap:{run:<id>}:children  list    the run's child runs (sub-agents), in tool_use order, each once
-    ap:{run:<id>}:joins     hash    "<child id>" -> "open" while that child runs, "ended" once it has
-                                    ended: the child's terminal write marks it, and wakes the parent
-                                    (status waiting_children) when it was the last open one
+    ap:{run:<id>}:joins     hash    "<child id>" -> "open" while that child runs (or is held by its
+                                    tree's budget), "ended" once it has ended, and "<child id>:end" ->
+                                    its status then: the child's terminal write marks it, and wakes the
+                                    parent (status waiting_children) when it was the last open one
     ap:{run:<id>}:inbox     list    ids of the messages sent to the run (``send_message``) that wait for
                                     delivery at its next turn boundary, oldest first
     ap:{run:<id>}:received  hash    "<message_id>" -> the message as sent (sealed like the conversation),

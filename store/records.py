@@ -27,7 +27,8 @@ TERMINAL_STATUSES = frozenset({"completed", "failed", "cancelled"})
 # waiting_children: the run's turn waits for the child runs (sub-agents) it started; nothing is leased.
 STATUSES = ACTIVE_STATUSES | TERMINAL_STATUSES | {"waiting_approval", "waiting_children", "stopped"}
 # A child run in one of these has ended as far as its parent is concerned: its result (or error) answers
-# the parent's tool_use. A stopped child can be resumed; the parent has gone on without it by then.
+# the parent's tool_use. Not a child stopped because the tree's budget ran out (``held``): its parent's
+# join stays open, and it goes on when the tree is resumed (``agentpool.runtime.tree``).
 ENDED_FOR_PARENT = TERMINAL_STATUSES | {"stopped"}
 USAGE_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 
@@ -84,6 +85,15 @@ class RunState:
     depth: int = 0
     own_usage: dict[str, int] = field(default_factory=dict)
     own_cost_usd: float = 0.0
+    # Every run above it, the parent first: each call's spend is added to their tree counters as it is
+    # counted, and each one's budget is checked before this run's model calls. ``parent_tool`` and
+    # ``parent_chars`` (the parent's tool name and max_result_chars) shape an answer that reaches the
+    # parent late (``agentpool.runtime.subagents.late_answer``). ``held``: the ancestor whose budget for
+    # the tree stopped this run (only meaningful while it is stopped with its parent's join open).
+    ancestors: list[str] = field(default_factory=list)
+    parent_tool: str = ""
+    parent_chars: int = 0
+    held: str = ""
 
     @property
     def current_turn(self) -> int:
@@ -296,4 +306,9 @@ def load_header(run_id: str, raw: Mapping[bytes, bytes], *, open_sealed: bool = 
         depth=_int(raw, "depth"),
         own_usage=own_usage,
         own_cost_usd=own_cost,
+        # A child made before ancestors were recorded has its parent alone (joined, not rolled up live).
+        ancestors=_text(raw, "ancestors").split() or ([_text(raw, "parent")] if raw.get(b"parent") else []),
+        parent_tool=_text(raw, "parent_tool"),
+        parent_chars=_int(raw, "parent_chars"),
+        held=_text(raw, "held"),
     )

@@ -2,7 +2,8 @@
 
 A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended, one that calls
 ``remember``/``replayed`` gets ``store/lua/_once.lua``, one that calls ``add_spend`` gets
-``store/lua/_spend.lua``, one that calls ``join_parent`` gets ``store/lua/_join.lua``: Redis has no includes.
+``store/lua/_spend.lua``, one that calls ``join_parent`` gets ``store/lua/_join.lua``, one that calls
+``roll_up_spend`` or ``tree_exhausted`` gets ``store/lua/_tree.lua``: Redis has no includes.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ _HELPERS = (
     ("_once", "ring_with("),
     ("_spend", "add_spend("),
     ("_join", "join_parent("),
+    ("_tree", "roll_up_spend("),
+    ("_tree", "tree_exhausted("),
 )
 
 

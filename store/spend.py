@@ -8,7 +8,7 @@ never committed, its spend is counted here, once, under the turn's lease.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from redis import Redis
 
@@ -28,15 +28,17 @@ def count_spend(
     usage: Mapping[str, int],
     cost_usd: float,
     event: Event,
+    ancestors: Sequence[str] = (),
 ) -> bool:
     """Add ``usage`` and ``cost_usd`` to the run's counters with ``event``. ``spend_id`` names the call:
     delivered twice, it counts once. Returns False when it had been counted already. A worker fenced out
-    meanwhile still counts it (the call was paid for), then gets ``LeaseLost``."""
+    meanwhile still counts it (the call was paid for), then gets ``LeaseLost``. A child run's spend counts
+    in its ``ancestors``' tree counters too, in the same step."""
     code = int(
         run_script(  # type: ignore[arg-type]
             "count_spend",
             r,
-            [keys.run, keys.lease, STATS, keys.events],
+            [keys.run, keys.lease, STATS, keys.events, *(RunKeys.of(a).run for a in ancestors)],
             [
                 token,
                 spend_id,

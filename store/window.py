@@ -15,7 +15,7 @@ is right either way.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from redis import Redis
@@ -112,15 +112,17 @@ def commit_summary(
     usage: Mapping[str, int],
     cost_usd: float,
     event: Event,
+    ancestors: Sequence[str] = (),
 ) -> None:
     """Save a summary as the run's new compaction point at ``index`` (the end of the message list),
     with the spend of the call that wrote it and the ``event`` that reports it. Fenced; a crash leaves
     the old window or the new one. The call's spend counts even when the summary can no longer be saved
-    (the lease was lost or the run ended meanwhile): it was paid for."""
+    (the lease was lost or the run ended meanwhile): it was paid for. A child run's spend counts in its
+    ``ancestors``' tree counters too, in the same step."""
     code = run_script(
         "commit_summary",
         r,
-        [keys.run, keys.lease, keys.messages, STATS, keys.events],
+        [keys.run, keys.lease, keys.messages, STATS, keys.events, *(RunKeys.of(a).run for a in ancestors)],
         [
             token,
             turns_before,

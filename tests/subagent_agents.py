@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from agentpool import Agent, Subagent, tool
 
-from pool_agents import read_notes, record, send_email
+from pool_agents import deploy, read_notes, record, send_email
 
 MODEL = "claude-sonnet-5-5"
 
@@ -35,5 +35,27 @@ terse = Agent(
     system="Delegate.",
     subagents={"researcher": "subagent_agents:researcher"},
     max_result_chars=200,
+    max_turns=4,
+)
+# Stops on its own max_turns after one turn: its parent gets an error result and goes on.
+brief = Agent(model=MODEL, system="Research one topic.", tools=[read_notes], max_turns=1)
+# Delegates to the brief researcher; stops on its own max_turns; deploy asks a person first.
+patient = Agent(
+    model=MODEL,
+    system="Delegate, then check and deploy.",
+    tools=[read_notes, deploy],
+    subagents={"researcher": "subagent_agents:brief"},
+    max_turns=2,
+)
+# At most two sub-agents started by one response.
+narrow = Agent(model=MODEL, system="Delegate.", subagents={"researcher": "subagent_agents:researcher"}, max_fanout=2)
+# One sub-agent on the parent's queue and key, one on a queue and key of its own.
+router = Agent(
+    model=MODEL,
+    system="Delegate.",
+    subagents={
+        "researcher": "subagent_agents:researcher",
+        "escalate": Subagent("subagent_agents:researcher", queue="urgent", concurrency_key="vip", max_concurrency=3),
+    },
     max_turns=4,
 )

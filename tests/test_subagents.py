@@ -10,13 +10,17 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from agentpool import Agent, Subagent, cancel_run, enqueue_run, get_run, wait_for_run
+from agentpool import Agent, Subagent, approve, cancel_run, enqueue_run, get_run, resume, wait_for_run
+from agentpool.client import ResumeRefused
 from agentpool.ops.cli import main
 from agentpool.ops.dashboard import run_detail
-from agentpool.store import events
+from agentpool.runtime.jobs import turn_queue
+from agentpool.store import checkpoint, events
 from agentpool.store.children import child_id
+from agentpool.store.errors import RunNotActive
 from agentpool.store.keys import RUNS, RunKeys, check_run_id
 from agentpool.testing import assert_valid_conversation
+from agentpool.testing.localpool import WorkerProcesses
 
 from conftest import script_task, wait_for_status
 
@@ -222,12 +226,13 @@ def test_an_agent_delegating_to_itself_stops_at_the_depth_limit_with_an_error_re
     assert all(run.status == "completed" for run in chain)
 
 
-def test_a_child_cannot_outspend_what_its_parent_has_left_and_the_parent_stops_on_the_tree_budget(r, pool, model):
+def test_a_child_that_spends_the_trees_budget_stops_the_tree_and_resume_goes_on_with_it(r, pool, model):
     model.set_scripts(
         {
-            "orchestrate": [fan_out(1), {"text": "never"}],
+            "orchestrate": [fan_out(1), {"text": "combined"}],
             "research0": [
-                {"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}], "usage": {"output_tokens": 30_000}}
+                {"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}], "usage": {"output_tokens": 30_000}},
+                {"text": "answer 0"},
             ],
         }
     )
@@ -238,13 +243,226 @@ def test_a_child_cannot_outspend_what_its_parent_has_left_and_the_parent_stops_o
     done = wait_for_run(parent, timeout=180, connection=r)
     (child,) = done.children
     kid = get_run(child, connection=r)
-    assert kid.status == "stopped" and "max_total_tokens" in (kid.error or "")
-    assert kid.limits["max_total_tokens"] < 20_000, "the child's budget is what the parent had left"
-    result = tool_results(done)[0]
-    assert result["is_error"] and "stopped" in result["content"]
+    # The child is held before its next call: its parent gets no error result, the whole tree stops.
+    assert kid.status == "stopped" and f"run {parent}" in (kid.error or "") and "max_total_tokens" in kid.error
     assert done.status == "stopped" and "max_total_tokens=20000" in (done.error or ""), "the tree's budget holds"
-    assert done.usage["output_tokens"] >= 30_000 and done.own_usage["output_tokens"] < 30_000
+    assert [m["role"] for m in done.messages] == ["user", "assistant"], "no tool_result: the join stays open"
+    assert done.usage["output_tokens"] >= 30_000 and done.own_usage["output_tokens"] < 30_000, "the tree's usage, live"
+    assert run_detail(r, parent, 0)["run"]["tree"][0]["held_by"] == parent
+    shown = CliRunner().invoke(main, ["show", "--url", pool.env["REDIS_URL"], parent])
+    assert f"{child}  stopped" in shown.output and f"(held by the budget of {parent})" in shown.output, shown.output
+    with pytest.raises(ResumeRefused, match=f"resume run {parent}"):
+        resume(child, add_tokens=100_000, connection=r)  # held by its parent's budget: resume the parent
+    with pytest.raises(ResumeRefused, match="add_tokens>="):
+        resume(parent, add_tokens=1, connection=r)
+
+    resumed = CliRunner().invoke(main, ["resume", "--url", pool.env["REDIS_URL"], parent, "--add-tokens", "100000"])
+    assert resumed.exit_code == 0 and f"sub-agent runs resumed with it: {child}" in resumed.output, resumed.output
+    assert get_run(child, connection=r).status in ("queued", "running", "completed"), "the child goes on with it"
+    done = wait_for_run(parent, timeout=180, connection=r)
+    assert done.status == "completed" and done.result == "combined", (done.error, pool.logs())
+    result = tool_results(done)[0]
+    assert result["content"] == "answer 0" and not result.get("is_error"), "its real answer, not an error"
+    assert get_run(child, connection=r).status == "completed"
+    for name in done.usage:
+        assert done.usage[name] == done.own_usage[name] + get_run(child, connection=r).usage[name], "counted once"
     assert_valid_conversation(done.messages)
+
+
+def calls_spent(r, run_ids: list[str]) -> list[int]:
+    """The tokens of each model call the runs made, as their model_responded events report them."""
+    fields = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    return [sum(int(e.get(f) or 0) for f in fields) for run in run_ids for e in kinds(r, run, "model_responded")]
+
+
+@pytest.mark.crash
+def test_parallel_children_stop_within_a_call_each_of_their_parents_budget_and_resume_together(r, pool, model):
+    def busy(i: int) -> list:  # five calls of 3,000 output tokens each, then the answer
+        steps = [{"tool_calls": [{"name": "read_notes", "input": {"topic": f"t{i}.{k}"}}]} for k in range(5)]
+        return [{**step, "usage": {"output_tokens": 3000}} for step in steps] + [{"text": f"answer {i}"}]
+
+    model.set_scripts(
+        {"orchestrate": [fan_out(3), {"text": "combined"}], **{f"research{i}": busy(i) for i in range(3)}}
+    )
+    # Every turn's horse is killed once right after its save point A: spend is counted once, whatever dies.
+    pool.start(2, AGENTPOOL_FAULTS="after_save_a")
+    cap = 20_000  # the three children would spend about 50,000 together
+    parent = enqueue_run("subagent_agents:orchestrator", script_task("orchestrate"), connection=r, max_total_tokens=cap)
+    done = wait_for_run(parent, timeout=240, connection=r)
+    assert done.status == "stopped" and f"max_total_tokens={cap}" in (done.error or ""), (done.error, pool.logs())
+    for child in done.children:  # a child's turn in flight when the tree stopped stops at its next guard
+        wait_for_status(r, child, "stopped")
+    done = get_run(parent, connection=r)
+    kids = [get_run(child, connection=r) for child in done.children]
+    assert all(f"run {parent}" in (kid.error or "") for kid in kids), "each held by its parent's budget"
+    biggest = max(calls_spent(r, done.children))
+    assert list(pool.tmp.glob("fault-after_save_a-sub_*")), "children's workers were killed"
+    assert cap <= done.total_tokens <= cap + 3 * biggest, "each child stops within one call of the tree's budget"
+    for name in done.usage:
+        assert done.usage[name] == done.own_usage[name] + sum(kid.usage[name] for kid in kids), "counted once"
+
+    resume(parent, add_tokens=100_000, connection=r)
+    done = wait_for_run(parent, timeout=300, connection=r)
+    assert done.status == "completed" and done.result == "combined", (done.error, tree_state(r, parent))
+    assert [b["content"] for b in tool_results(done)] == ["answer 0", "answer 1", "answer 2"]
+    assert not any(b.get("is_error") for b in tool_results(done)), "held children answer as if nothing had stopped"
+    kids = [get_run(child, connection=r) for child in done.children]
+    assert all(kid.status == "completed" for kid in kids)
+    for name in done.usage:
+        assert done.usage[name] == done.own_usage[name] + sum(kid.usage[name] for kid in kids), "counted once"
+    assert r.zcard(RUNS) == 4 and len(kinds(r, parent, "children_joined")) == 1
+    for kid in kids:
+        assert_valid_conversation(kid.messages)
+    assert_valid_conversation(done.messages)
+
+
+def test_a_grandchild_held_by_the_top_runs_budget_goes_on_when_the_top_run_is_resumed(r, pool, model):
+    model.set_scripts(
+        {
+            "lead": [
+                {"tool_calls": [{"name": "manager", "input": {"task": "Manage it [script:manage]"}}]},
+                {"text": "led"},
+            ],
+            "manage": [fan_out(2), {"text": "managed"}],
+            "research0": [
+                {"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}], "usage": {"output_tokens": 30_000}},
+                {"text": "answer 0"},
+            ],
+            "research1": [{"tool_calls": [{"name": "read_notes", "input": {"topic": "y"}}]}, {"text": "answer 1"}],
+        }
+    )
+    pool.start(2)
+    lead = enqueue_run("subagent_agents:lead", script_task("lead"), connection=r, max_total_tokens=20_000)
+    done = wait_for_run(lead, timeout=180, connection=r)
+    assert done.status == "stopped" and "max_total_tokens=20000" in (done.error or ""), (done.error, pool.logs())
+    (manager,) = done.children
+    assert get_run(manager, connection=r).status == "waiting_children", "the middle run still waits for its children"
+    spender = get_run(manager, connection=r).children[0]
+    wait_for_status(r, spender, "stopped")  # (its turn in flight when the tree stopped goes to its next guard)
+    held = get_run(spender, connection=r)
+    assert f"run {lead}" in (held.error or ""), "held by the top run's budget, two levels up"
+    assert get_run(manager, connection=r).status == "waiting_children"
+
+    resume(lead, add_tokens=100_000, connection=r)
+    done = wait_for_run(lead, timeout=180, connection=r)
+    assert done.status == "completed" and done.result == "led", (done.error, tree_state(r, lead))
+    middle = get_run(manager, connection=r)
+    assert middle.status == "completed" and [b["content"] for b in tool_results(middle)] == ["answer 0", "answer 1"]
+    leaves = [get_run(c, connection=r) for c in middle.children]
+    for name in done.usage:
+        assert middle.usage[name] == middle.own_usage[name] + sum(leaf.usage[name] for leaf in leaves)
+        assert done.usage[name] == done.own_usage[name] + middle.usage[name]
+
+
+def test_a_child_stopped_by_its_own_limit_answers_with_an_error_and_later_as_a_message_once_resumed(r, pool, model):
+    model.set_scripts(
+        {
+            "orchestrate": [
+                fan_out(1),
+                {"tool_calls": [{"name": "read_notes", "input": {"topic": "what is left"}}]},
+                {"tool_calls": [{"name": "deploy", "input": {"version": "1.2"}}]},
+                {"text": "deployed"},
+            ],
+            "research0": [{"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}]}, {"text": "answer 0"}],
+        }
+    )
+    pool.start(2)
+    parent = enqueue_run("subagent_agents:patient", script_task("orchestrate"), connection=r)
+    done = wait_for_run(parent, timeout=180, connection=r)
+    (child,) = done.children
+    # The child stopped on its own max_turns=1: its parent got an error result at once and went on, until
+    # its own max_turns=2 stopped it.
+    assert get_run(child, connection=r).status == "stopped"
+    first = tool_results(done, 0)[0]
+    assert first["is_error"] and "stopped without an answer" in first["content"] and "max_turns=1" in first["content"]
+    assert done.status == "stopped" and "max_turns=2" in (done.error or "")
+
+    resume(parent, add_turns=2, connection=r)  # the stopped child goes on with it
+    assert [e.get("resumed") for e in kinds(r, parent, "tree_resumed")] == [child]
+    wait_for_status(r, child, "completed")
+    wait_for_status(r, parent, "waiting_approval")  # (a person holds it at a turn boundary meanwhile)
+    waiting = get_run(parent, connection=r).inbox
+    assert [m["id"] for m in waiting] == [f"{child}.t2"] and "answer 0" in waiting[0]["content"]
+    approve(parent, connection=r)
+    done = wait_for_run(parent, timeout=180, connection=r)
+    assert done.status == "completed" and done.result == "deployed", (done.error, pool.logs())
+    late = [
+        b["text"]
+        for m in done.messages
+        if m["role"] == "user" and isinstance(m["content"], list)
+        for b in m["content"]
+        if b.get("type") == "text" and child in b.get("text", "")
+    ]
+    assert len(late) == 1 and "answer 0" in late[0] and tool_uses(done, "researcher")[0]["id"] in late[0], "once"
+    assert [e["messages"] for e in kinds(r, parent, "message_delivered")] == [f"{child}.t2"]
+    assert not get_run(parent, connection=r).inbox
+    assert_valid_conversation(done.messages)
+
+
+def test_calls_past_the_fanout_limit_get_an_error_result_and_start_nothing(r, pool, model):
+    model.set_scripts({"orchestrate": [fan_out(3), {"text": "done"}], **research_scripts(3)})
+    pool.start(1)
+    parent = enqueue_run("subagent_agents:narrow", script_task("orchestrate"), connection=r)
+    done = wait_for_run(parent, timeout=180, connection=r)
+    assert done.status == "completed" and len(done.children) == 2 and r.zcard(RUNS) == 3
+    results = tool_results(done)
+    assert [b["content"] for b in results[:2]] == ["answer 0", "answer 1"]
+    assert results[2]["is_error"] and "at most 2 sub-agents" in results[2]["content"]
+
+
+def test_a_child_runs_on_its_parents_queue_and_key_unless_its_sub_agent_names_its_own(r, pool, model):
+    calls = [
+        {"name": "researcher", "input": {"task": "Topic 0 [script:research0]"}},
+        {"name": "researcher", "input": {"task": "Topic 1 [script:research1]"}},
+        {"name": "escalate", "input": {"task": "Topic 2 [script:research2]"}},
+    ]
+    model.set_scripts({"route": [{"tool_calls": calls}, {"text": "routed"}], **research_scripts(3, delay=1.0)})
+    # Nobody serves the default queue: children left there would never run.
+    for queues in (["batch"], ["batch"], ["urgent"]):
+        WorkerProcesses.start(pool, 1, *queues, "--log-level", "INFO")
+    parent = enqueue_run(
+        "subagent_agents:router",
+        script_task("route"),
+        connection=r,
+        queue="batch",
+        concurrency_key="acme",
+        max_concurrency=1,
+    )
+    done = wait_for_run(parent, timeout=180, connection=r)
+    assert done.status == "completed", (done.error, tree_state(r, parent), pool.logs())
+    assert [b["content"] for b in tool_results(done)] == ["answer 0", "answer 1", "answer 2"]
+    kids = [checkpoint.load_run(r, child, with_messages=False) for child in done.children]
+    assert [kid.queue for kid in kids] == ["batch", "batch", "urgent"]
+    assert [(kid.concurrency_key, kid.max_concurrency) for kid in kids] == [("acme", 1), ("acme", 1), ("vip", 3)]
+    slots = [e for kid in kids[:2] for e in kinds(r, kid.id, "waiting_for_slot")]
+    assert slots and {e["key"] for e in slots} == {"acme"}, "the parent's key holds its children to its limit"
+    assert turn_queue(r).count == 0
+
+
+def test_a_child_is_never_started_for_a_parent_cancelled_meanwhile(r):
+    from agentpool.store import children
+
+    parent = enqueue_run("subagent_agents:orchestrator", "Split it", connection=r)
+    keys = RunKeys.of(parent)
+    r.set(keys.lease, "1:worker")  # its turn holds the lease and is about to start a child...
+    r.hset(keys.run, "status", "running")
+    cancel_run(parent, connection=r)  # ...when it is cancelled, and the cancel has read its (empty) children
+    child = child_id(parent, "toolu_1")
+    with pytest.raises(RunNotActive):
+        children.spawn(
+            r,
+            keys,
+            "1:worker",
+            child,
+            agent="subagent_agents:researcher",
+            task="Look into it",
+            limits={},
+            fields={"parent": parent},
+            caps={},
+            stage_enqueue=lambda pipe: None,
+            now=time.time(),
+        )
+    assert not r.exists(RunKeys.of(child).run) and children.children(r, keys) == []
 
 
 def test_a_long_child_answer_is_cut_to_the_parents_max_result_chars(r, pool, model):

@@ -10,6 +10,7 @@ from typing import Any
 
 from agentpool.checks import limit_value, optional_limit
 from agentpool.mcp_tools import PREFIX, McpTool, ServerConfig, parse_servers, require_mcp
+from agentpool.store.keys import check_concurrency_key, check_queue
 from agentpool.tools import Tool
 
 # The models that take the API's server-side compaction (the `compact_20260112` edit): the docs name
@@ -93,19 +94,31 @@ class Subagent:
 
     The model gets a tool of that name whose input is ``{"task": "..."}``; each call starts a child run
     of the agent at ``path`` with that task, and its final text becomes the call's tool_result.
-    ``queue`` and ``concurrency_key`` name where the child runs (None: as its parent does)."""
+    ``queue`` and ``concurrency_key`` name where the child runs (None: as its parent does, on its
+    parent's queue, under its parent's key and limit); a key of its own is limited by
+    ``max_concurrency`` or by an operator's ``agentpool limits set KEY N``."""
 
     path: str
     description: str | None = None
     queue: str | None = None
     concurrency_key: str | None = None
+    max_concurrency: int | None = None
 
     def __post_init__(self) -> None:
         check_agent_path(self.path)
-        for name in ("description", "queue", "concurrency_key"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ValueError(f"Subagent.{name} is a non-empty string or None, got {value!r}")
+        value = self.description
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ValueError(f"Subagent.description is a non-empty string or None, got {value!r}")
+        if self.queue is not None:
+            check_queue(self.queue)
+        if self.concurrency_key is not None:
+            check_concurrency_key(self.concurrency_key)
+        if self.max_concurrency is not None:
+            if self.concurrency_key is None:
+                raise ValueError("Subagent.max_concurrency needs a concurrency_key: the runs it limits together")
+            object.__setattr__(
+                self, "max_concurrency", limit_value("max_concurrency", self.max_concurrency, whole=True)
+            )
 
     def to_param(self, name: str) -> dict[str, Any]:
         """The tool the model is offered for this sub-agent."""

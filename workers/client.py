@@ -254,24 +254,29 @@ def _waiting_children(r: Redis, run: Run) -> dict[str, Any]:
             pipe.hget(RunKeys.of(child).run, "status")
         statuses = [(s or b"").decode() for s in pipe.execute()]
     asking = [c for c, s in zip(open_, statuses) if s == "waiting_approval"]
+    held = [c for c, s in zip(open_, statuses) if s == "stopped"]  # an open join: held by a tree's budget
     note = f"waiting for {len(open_)} of {len(run.children)} child runs"
     if asking:
         note += f"; waiting for approval: {', '.join(asking)}"
-    return {"kind": "children", "note": note, "open": open_, "waiting_approval": asking}
+    if held:
+        note += f"; stopped until the tree's budget is raised (resume the run whose budget it is): {', '.join(held)}"
+    return {"kind": "children", "note": note, "open": open_, "waiting_approval": asking, "held": held}
 
 
 def run_tree(run_id: str, *, connection: Redis | None = None, depth_limit: int = 12) -> dict[str, Any]:
     """The run and its child runs, recursively: ``{"id", "agent", "status", "cost_usd", "own_cost_usd",
-    "error", "children": [...]}``, children in tool_use order. Headers only (no conversation), so it reads
+    "tokens", "error", "held_by", "children": [...]}``, children in tool_use order; ``held_by`` names the
+    run whose used-up budget holds a stopped child (resuming that run resumes it). Headers only (no conversation), so it reads
     without the encryption key; a child whose record expired shows with status ``expired``."""
     r = client_for(connection)
 
-    def node(run_id: str, depth: int) -> dict[str, Any]:
+    def node(run_id: str, depth: int, joined: str | None = None) -> dict[str, Any]:
         raw = r.hgetall(RunKeys.of(run_id).run)
         if not raw:
             return {"id": run_id, "status": "expired", "children": []}
         state = load_header(run_id, raw, open_sealed=False)
         kids = children.children(r, RunKeys.of(run_id)) if depth < depth_limit else []
+        joins = children.joins(r, RunKeys.of(run_id)) if kids else {}
         return {
             "id": run_id,
             "agent": state.agent,
@@ -280,7 +285,9 @@ def run_tree(run_id: str, *, connection: Redis | None = None, depth_limit: int =
             "own_cost_usd": state.own_cost_usd,
             "tokens": sum(state.usage.values()),
             "error": state.error or None,
-            "children": [node(kid, depth + 1) for kid in kids],
+            # Stopped with its parent's join open: held until the run whose budget ran out is resumed.
+            "held_by": state.held if state.status == "stopped" and joined == "open" and state.held else None,
+            "children": [node(kid, depth + 1, joins.get(kid)) for kid in kids],
         }
 
     return node(run_id, 0)
@@ -385,16 +392,31 @@ def resume(
     :class:`ResumeRefused` saying what is needed otherwise, and changes nothing. The check uses the
     limits the run was held to when it stopped (recorded by the worker).
 
+    A run with sub-agents goes on with its tree, in the same step (``agentpool.runtime.tree``): every
+    stopped run below it (through runs that have not ended for good) is resumed with the same amounts,
+    so what is added to the parent is what the tree may spend. A child held because the tree's budget
+    ran out goes on as if nothing had stopped (its answer becomes its parent's tool_result); a child
+    that had stopped on a limit of its own (its parent got an error result) sends its answer to its
+    parent as a message when it finishes, unless the parent has ended. A stopped child that would stop
+    again at once on a limit of its own is left stopped (the ``tree_resumed`` event names it); one its
+    parent still waits for makes ``resume`` refuse. A run held by an ancestor's budget is resumed by
+    resuming that ancestor: ``resume`` of the held run alone is refused, saying which.
+
     A run that ``completed`` at a limit (its last turn used the last of its turns, tokens or money)
     refuses messages until its limits are raised: ``resume`` raises them the same way (enough for one
     more turn) and the run stays completed, with nothing to do until a message is sent to it."""
-    from agentpool.runtime.takeover import read_header, stage_restart
+    from agentpool.runtime import tree
+    from agentpool.runtime.takeover import read_header
 
     add_turns = limit_value("add_turns", add_turns, whole=True, zero_ok=True)
     add_tokens = limit_value("add_tokens", add_tokens, whole=True, zero_ok=True)
     add_usd = limit_value("add_usd", add_usd, zero_ok=True)
     r = client_for(connection)
     keys = RunKeys.of(run_id)
+
+    def short_of(state: RunState) -> str | None:
+        held_to = limits_held_to(r, state.id)
+        return held_to.short_of(state, adds) if held_to else None
 
     def attempt(pipe: Pipeline, write_id: str) -> bool:
         header = read_header(pipe, run_id)
@@ -410,41 +432,60 @@ def resume(
             raise AgentPoolError(
                 f"run {run_id} is {state.status}; only a stopped run (or one completed at a limit) can be resumed"
             )
+        holder = tree.held_by(pipe, state)
+        if holder and tree.spent_ancestor(r, [holder]):
+            raise ResumeRefused(
+                f"run {run_id} was stopped because the budget of run {holder} for itself and its sub-agents is "
+                f"used up: resume run {holder}, and this run goes on with it"
+            )
         short = held_to and held_to.short_of(state, adds)
         if short:
             raise ResumeRefused(f"run {run_id} would stop again at once: {short}")
-        limits = dict(state.limits)
-        for name, amount in (("extra_turns", add_turns), ("extra_tokens", add_tokens), ("extra_usd", add_usd)):
-            if amount:
-                before = limits.get(name, 0)
-                # A NaN an older version let in is replaced, not added to (NaN + x is NaN).
-                limits[name] = (before if math.isfinite(before) else 0) + amount
-        pipe.multi()
-        if held_to is not None and at_limit:
+        if at_limit:
+            assert held_to is not None
+            limits = dict(state.limits)
+            for name, extra in tree.EXTRA_OF.items():
+                if adds[name]:
+                    before = limits.get(extra, 0)
+                    # A NaN an older version let in is replaced, not added to (NaN + x is NaN).
+                    limits[extra] = (before if math.isfinite(before) else 0) + adds[name]
+            pipe.multi()
             # Completed, it stays so: a message sent now becomes its next user message and is answered.
             # The limits it is held to from now on are recorded with the change, for send_message.
             pipe.hset(keys.run, "limits", pack(limits))
             raised = held_to.raised(adds).limit_fields()
             Event.of(run_id, "limits_raised", **adds_given, **raised).stage(pipe)
         else:
-            stage_restart(
-                pipe,
-                r,
-                run_id,
-                turn=state.current_turn,
-                attempt=0,
-                requeues=header.requeues,
-                fields={"status": "running", "error": "", "model_errors": 0, "limits": pack(limits)},
-            )
-            pipe.delete(keys.handback)
+            pipe.watch(keys.joins)
+            top = tree.resumed(pipe, state)
+            try:
+                below = tree.plan(pipe, state, short_of)
+            except ValueError as exc:
+                raise ResumeRefused(f"run {run_id} cannot go on: {exc}") from None
+            pipe.multi()
+
+            def resumed_event(run: tree.Resumed, reason: str) -> Event:
+                status = "waiting_children" if run.waits else "running"
+                return Event.of(run.state.id, "status", status=status, reason=reason, **adds_given)
+
+            tree.stage(pipe, r, top, adds, resumed_event(top, "resumed"))
+            for run in below.runs:
+                tree.stage(pipe, r, run, adds, resumed_event(run, f"resumed with run {run_id}"))
+            if below.runs or below.left:
+                Event.of(
+                    run_id,
+                    "tree_resumed",
+                    resumed=",".join(run.state.id for run in below.runs) or None,
+                    left_stopped=",".join(below.left) or None,
+                    why_left="; ".join(f"{child}: {why}" for child, why in below.left.items()) or None,
+                ).stage(pipe)
         writes.stage_remember(pipe, keys.run, write_id)
         pipe.execute()
         return at_limit
 
     adds = {"add_turns": add_turns, "add_tokens": add_tokens, "add_usd": add_usd}
     adds_given = {name: amount or None for name, amount in adds.items()}
-    if not writes.watched(r, [keys.run], attempt):
-        emit(r, run_id, "status", status="running", reason="resumed", **adds_given)
+    writes.watched(r, [keys.run], attempt)
     return get_run(run_id, connection=r)
 
 

@@ -1,27 +1,52 @@
 -- Prepended to the scripts that end a run (see store/scripts.py and store/children.py).
--- join_parent(child, at, now) is called by a child run's terminal write (completed, failed, stopped,
--- cancelled), inside the script that makes it, so that the parent hears of it exactly once whatever
--- dies afterwards. KEYS[at], KEYS[at + 1], KEYS[at + 2] are the parent's header, its joins hash and
--- its events stream; ARGV gives none of them when the run has no parent (the caller passes no keys).
--- It marks the child ended in the parent's joins hash (once: a later end of a resumed child changes
--- nothing), rolls the child's usage and cost (its own and its children's) into the parent's tree
--- counters, and when no child of the parent is open any more and the parent waits for them, sets the
--- parent running with a `wake` marker and makes it due in the reaper's watch set (KEYS[watch]): the
--- reaper, or the child's own worker at once, queues the parent's turn from that marker, exactly once.
--- Returns 2 if the parent was woken, 1 if only marked, 0 if nothing was to be done.
+-- join_parent(child, at, watch, child_id, parent_id, now[, late_id, late_blob, ended_as]) is called by a child
+-- run's terminal write (completed, failed, stopped, cancelled), inside the script that makes it, so that
+-- the parent hears of it exactly once whatever dies afterwards. KEYS[at], KEYS[at + 1], KEYS[at + 2] are
+-- the parent's header, its joins hash and its events stream (and, read only with a late answer,
+-- KEYS[at + 3], KEYS[at + 4] its inbox and received hash); ARGV gives none of them when the run has no
+-- parent (the caller passes no keys).
+-- It marks the child ended in the parent's joins hash (once), with how it ended ("<child>:end": its
+-- status then, `ended_as` when the caller has not written it yet: the parent's tool_result is that end,
+-- whatever the child does later), and when no child of the parent is open
+-- any more and the parent waits for them, sets the parent running with a `wake` marker and makes it due
+-- in the reaper's watch set (KEYS[watch]): the reaper, or the child's own worker at once, queues the
+-- parent's turn from that marker, exactly once. A child stopped because its tree's budget ran out is not
+-- ended (hold.lua leaves it open): the parent waits for it to be resumed.
+-- Usage is not added here: each call's spend reached the parent's tree counters when it was counted
+-- (_tree.lua), except for a child made before that (no `ancestors` field), whose usage and cost (its
+-- own and its children's) are rolled into the parent's tree counters now.
+-- A child that ends again after its join had ended (it stopped, answered its parent with an error, was
+-- resumed, and has now completed) gives its parent its answer late: `late_blob` (the message content,
+-- packed by the caller) goes to the parent's inbox under `late_id`, once, unless the parent has ended
+-- (completed, failed, cancelled): the answer then stays readable from the child.
+-- Returns 2 if the parent was woken, 1 if only marked, 3 if a late answer was queued, 0 if nothing was done.
 local USAGE = {'input_tokens', 'output_tokens', 'cache_read_input_tokens', 'cache_creation_input_tokens'}
-local function join_parent(child, at, watch, child_id, parent_id, now)
+local function join_parent(child, at, watch, child_id, parent_id, now, late_id, late_blob, ended_as)
   local parent, joins, events = KEYS[at], KEYS[at + 1], KEYS[at + 2]
-  if redis.call('HGET', joins, child_id) ~= 'open' then return 0 end
-  redis.call('HSET', joins, child_id, 'ended')
-  for _, name in ipairs(USAGE) do
-    local h = redis.call('HMGET', child, name, 'tree_' .. name)
-    local n = (tonumber(h[1]) or 0) + (tonumber(h[2]) or 0)
-    if n ~= 0 then redis.call('HINCRBY', parent, 'tree_' .. name, n) end
+  local joined = redis.call('HGET', joins, child_id)
+  if joined ~= 'open' then
+    if not joined or not late_blob or late_blob == '' then return 0 end
+    local status = redis.call('HGET', parent, 'status')
+    if not status or status == 'completed' or status == 'failed' or status == 'cancelled' then return 0 end
+    local inbox, received = KEYS[at + 3], KEYS[at + 4]
+    if redis.call('HEXISTS', received, late_id) == 1 then return 0 end
+    redis.call('HSET', received, late_id, late_blob)
+    redis.call('RPUSH', inbox, late_id)
+    redis.call('XADD', events, 'MAXLEN', '~', 1000, '*', 'kind', 'message_queued', 'message', late_id,
+      'status', status, 'child', child_id)
+    return 3
   end
-  local c = redis.call('HMGET', child, 'cost_usd', 'tree_cost_usd')
-  local cost = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0)
-  if cost ~= 0 then redis.call('HINCRBYFLOAT', parent, 'tree_cost_usd', cost) end
+  redis.call('HSET', joins, child_id, 'ended', child_id .. ':end', ended_as or redis.call('HGET', child, 'status'))
+  if redis.call('HEXISTS', child, 'ancestors') == 0 then
+    for _, name in ipairs(USAGE) do
+      local h = redis.call('HMGET', child, name, 'tree_' .. name)
+      local n = (tonumber(h[1]) or 0) + (tonumber(h[2]) or 0)
+      if n ~= 0 then redis.call('HINCRBY', parent, 'tree_' .. name, n) end
+    end
+    local c = redis.call('HMGET', child, 'cost_usd', 'tree_cost_usd')
+    local cost = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0)
+    if cost ~= 0 then redis.call('HINCRBYFLOAT', parent, 'tree_cost_usd', cost) end
+  end
   for _, state in ipairs(redis.call('HVALS', joins)) do
     if state == 'open' then return 1 end
   end

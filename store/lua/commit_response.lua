@@ -12,13 +12,17 @@
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch   KEYS[5] ap:stats
 -- KEYS[6] events   KEYS[7] hand-back record   KEYS[8..] the run's other keys (ledger, approvals, inbox,
 -- received messages, children, joins), for the retention; KEYS[10] is the inbox; then, for a child
--- run that ends here, its parent's header, joins hash and events (see _join.lua), as many as ARGV[19] says
+-- run, its tree keys, as many as ARGV[19] says: its parent's header, joins hash, events, inbox and
+-- received hash (see _join.lua), then the headers of the ancestors above the parent (see _tree.lua)
 -- ARGV[1] token  ARGV[2] turns before this call  ARGV[3] assistant message blob  ARGV[4] pending blob
 -- ARGV[5] now ms  ARGV[6] run id  ARGV[7] final status or ''  ARGV[8] result text  ARGV[9] error text
 -- ARGV[10] schema version  ARGV[11] retention seconds for a finished run (0 keeps it)
 -- ARGV[12..15] input, output, cache-read, cache-write tokens  ARGV[16] cost in USD  ARGV[17] write id
--- ARGV[18] closing message blob or ''  ARGV[19] parent keys given (0 or 3)  ARGV[20..] two events (see _event.lua): the model_responded
--- one, then the one reporting the commit
+-- ARGV[18] closing message blob or ''  ARGV[19] tree keys given (0 for a run without a parent)
+-- ARGV[20] id and ARGV[21] content blob of the child's answer for its parent, given when the reply
+-- completes a child run ('' otherwise): queued in the parent's inbox if the parent's join had ended
+-- before (see _join.lua)  ARGV[22..] two events (see _event.lua): the model_responded one, then the one
+-- reporting the commit
 -- Returns 1 ok (2: ok, the run ended and was its parent's last open child, now woken), -1 lease lost, -2 run not running (status changed under us), -3 stale turn (each of
 -- these three with the spend counted), -4 no such run (nothing counted), -5 the reply would complete
 -- the run but messages wait in its inbox (nothing counted, nothing changed: the caller commits the
@@ -28,9 +32,10 @@ local seen = replayed_in(h[4], ARGV[17])
 if seen then return tonumber(seen) end
 if not h[1] then return -4 end
 if ARGV[7] == 'completed' and redis.call('LLEN', KEYS[10]) > 0 then return -5 end
-add_spend(KEYS[1], 12)
-local committed_event = record_event(KEYS[6], KEYS[5], 20)
 local parent_keys = tonumber(ARGV[19])
+add_spend(KEYS[1], 12)
+if parent_keys > 0 then roll_up_spend(KEYS[1], ancestor_headers(#KEYS - parent_keys + 1, 5), 12) end
+local committed_event = record_event(KEYS[6], KEYS[5], 22)
 local function refused(code)
   redis.call('HSET', KEYS[1], 'writes', ring_with(h[4], ARGV[17], code))
   return code
@@ -41,7 +46,8 @@ if h[2] ~= ARGV[2] or h[3] ~= 'model' then return refused(-3) end
 redis.call('RPUSH', KEYS[3], ARGV[3])
 local joined = 1
 if ARGV[7] ~= '' and parent_keys > 0 then
-  if join_parent(KEYS[1], #KEYS - 2, KEYS[4], ARGV[6], redis.call('HGET', KEYS[1], 'parent'), ARGV[5]) == 2 then
+  local up = #KEYS - parent_keys + 1
+  if join_parent(KEYS[1], up, KEYS[4], ARGV[6], redis.call('HGET', KEYS[1], 'parent'), ARGV[5], ARGV[20], ARGV[21], ARGV[7]) == 2 then
     joined = 2
   end
 end

@@ -5,6 +5,7 @@
 -- moves the header's window to it, in one step: a crash leaves the old window or the new one, never a mix.
 -- Safe to deliver twice: a re-delivery of the same write id returns the first result, counting nothing.
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:stats   KEYS[5] events
+-- KEYS[6..] the headers of the run's ancestors (a child run's spend counts in its tree's too: _tree.lua)
 -- ARGV[1] token  ARGV[2] turns before this turn's model call  ARGV[3] the index the summary takes
 -- ARGV[4] summary message blob  ARGV[5] now ms  ARGV[6..9] input, output, cache-read, cache-write tokens
 -- ARGV[10] cost in USD  ARGV[11] write id  ARGV[12..] the compacted event (see _event.lua)
@@ -14,6 +15,7 @@ local seen = replayed(KEYS[1], ARGV[11])
 if seen then return tonumber(seen) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
 add_spend(KEYS[1], 6)
+roll_up_spend(KEYS[1], keys_from(6), 6)
 record_event(KEYS[5], KEYS[4], 12)
 local function done(code)
   remember(KEYS[1], ARGV[11], code)

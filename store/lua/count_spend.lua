@@ -4,7 +4,8 @@
 -- model_cut event, exactly once: a spend id already counted (a client retry after a lost reply)
 -- is a no-op. Counted even when this worker was fenced out meanwhile (the call was paid for, as at
 -- save point A), then the lease is checked like every write of a turn.
--- KEYS[1] run header   KEYS[2] lease   KEYS[3] ap:stats   KEYS[4] events
+-- KEYS[1] run header   KEYS[2] lease   KEYS[3] ap:stats   KEYS[4] events   KEYS[5..] the headers of the
+-- run's ancestors (a child run's spend counts in its tree's too: see _tree.lua)
 -- ARGV[1] token  ARGV[2] spend id  ARGV[3..6] input, output, cache-read, cache-write tokens
 -- ARGV[7] cost in USD  ARGV[8..] the model_cut event (see _event.lua)
 -- Returns 1 counted, 0 already counted, -1 counted but the lease is lost, -4 no such run.
@@ -12,6 +13,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
 local counted = 0
 if redis.call('HGET', KEYS[1], 'spent') ~= ARGV[2] then
   add_spend(KEYS[1], 3)
+  roll_up_spend(KEYS[1], keys_from(5), 3)
   redis.call('HSET', KEYS[1], 'spent', ARGV[2])
   record_event(KEYS[4], KEYS[3], 8)
   counted = 1

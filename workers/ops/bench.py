@@ -386,6 +386,7 @@ def _store_calls_of_a_turn(r: Redis, run_id: str, turn: int) -> list[tuple[str, 
                 pending=[call],
                 usage=usage,
                 cost_usd=0.003,
+                ancestors=[],  # a top-level run, as its turn knows from the header it loaded
                 responded=event(
                     "model_responded", turn=turn, stop_reason="tool_use", seconds=0.5, cost_usd=0.003, **usage
                 ),

@@ -301,7 +301,8 @@ def _tree_lines(nodes: list[dict[str, Any]], level: int) -> list[str]:
     lines = []
     for node in nodes:
         cost = f"${node['cost_usd']:.4f}" if "cost_usd" in node else ""
-        lines.append(f"{'    ' * level}{node['id']}  {node['status']}  {node.get('agent', '')}  {cost}".rstrip())
+        held = f"  (held by the budget of {node['held_by']})" if node.get("held_by") else ""
+        lines.append(f"{'    ' * level}{node['id']}  {node['status']}  {node.get('agent', '')}  {cost}{held}".rstrip())
         lines += _tree_lines(node["children"], level + 1)
     return lines
 
@@ -544,16 +545,33 @@ def _decide_all(r: Redis, *, agent: str | None, approved: bool, reason: str | No
 @click.option("--add-usd", type=LimitParam(whole=False, zero_ok=True), default=0.0, help="USD to add to max_cost_usd.")
 def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_usd: float) -> None:
     """Continue a stopped run from its checkpoint, raising its limits (or raise the limits of a run that
-    completed at one, so that a message sent to it is answered)."""
+    completed at one, so that a message sent to it is answered). Its stopped sub-agent runs go on with it."""
     from agentpool.client import resume as resume_run
+    from agentpool.client import run_tree
+
+    r = quick_client(url)
+
+    def stopped_below() -> list[str]:
+        def walk(nodes: list[dict[str, Any]]) -> list[str]:
+            return [n["id"] for n in nodes if n["status"] == "stopped"] + [
+                i for n in nodes for i in walk(n["children"])
+            ]
+
+        return walk(run_tree(run_id, connection=r)["children"])
 
     try:
-        run = resume_run(
-            run_id, add_turns=add_turns, add_tokens=add_tokens, add_usd=add_usd, connection=quick_client(url)
-        )
+        before = stopped_below()
+        run = resume_run(run_id, add_turns=add_turns, add_tokens=add_tokens, add_usd=add_usd, connection=r)
     except AgentPoolError as exc:
         _refuse(exc)
     click.echo(f"{run_id}: {run.status} at turn {run.turns}")
+    if before:  # its stopped sub-agents go on with it, unless a limit of their own still stops them
+        left = stopped_below()
+        resumed = [child for child in before if child not in left]
+        if resumed:
+            click.echo(f"sub-agent runs resumed with it: {', '.join(resumed)}")
+        if left:
+            click.echo(f"left stopped (a limit of their own would stop them again at once): {', '.join(left)}")
 
 
 @main.command()

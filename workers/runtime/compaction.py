@@ -108,6 +108,7 @@ def compact(turn: Turn, agent: Agent, state: RunState, why: str) -> RunState:
         meta={**reply.meta, "compaction": "summary", "covers": [state.window_start, index - 1]},
         usage=reply.usage,
         cost_usd=cost,
+        ancestors=state.ancestors,
         event=Event.of(
             turn.run_id,
             "compacted",

@@ -19,11 +19,12 @@ from redis import Redis
 
 from agentpool.agent import Agent
 from agentpool.context import ToolCall
-from agentpool.runtime import durability, tracing
+from agentpool.runtime import durability, tracing, tree
 from agentpool.runtime.faults import fault
+from agentpool.runtime.limits import Limits
 from agentpool.runtime.reconcile import Action, idempotency_key, plan, running_until, unknown_outcome
 from agentpool.runtime.settings import Settings
-from agentpool.runtime.subagents import Delegation, waiting_event
+from agentpool.runtime.subagents import Delegation, waiting_event, wake_parent_of
 from agentpool.runtime.toolcall import Ownership, bounded, result_text, run_tool, run_verify
 from agentpool.store import approvals, checkpoint, children, ledger
 from agentpool.store.clock import now_ms
@@ -186,8 +187,22 @@ class Settlement:
             if not running:
                 return delegated
             self.write_held_outcomes()  # the turn stops here (no save point B): the lease goes with the wait
-            if children.wait(self.r, self.keys, self.token, event=waiting_event(self.run_id, running)):
+            assert self.state is not None
+            code = children.wait(
+                self.r,
+                self.keys,
+                self.token,
+                parent=self.state.parent,
+                event=waiting_event(self.run_id, running),
+                stopped=tree.wait_stop(self.run_id, Limits.of(self.delegation.agent, self.state.limits)),
+            )
+            if code == 1:
                 self.waiting = "waiting_children"
+                return None
+            if code in (2, 3):  # the tree's budget is used up: stopped with its children's joins kept
+                self.waiting = "stopped"
+                if code == 3:
+                    wake_parent_of(self.r, self.run_id)
                 return None
             # Every child ended between the look and the wait: read their ends and go on.
 

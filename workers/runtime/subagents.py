@@ -3,8 +3,9 @@ without holding anything, and their ends become the tool_results (see ``agentpoo
 
 A call is refused with an ``is_error`` result, never a failed run, when the tree is as deep as the
 agent allows (``max_depth``), when one response asks for more than ``max_fanout`` of them, or when
-its input is not ``{"task": "..."}``. A child gets what its parent has left of its token and USD
-budget when it starts (the parent's own usage and its ended children's): it cannot outspend it.
+its input is not ``{"task": "..."}``. A child is held to its own agent's limits and, live, to every
+ancestor's budget for the tree (``agentpool.runtime.tree``). It runs on its parent's queue and under
+its parent's concurrency key unless the sub-agent names its own.
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ from redis.client import Pipeline
 from agentpool.agent import Agent
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.limits import Limits
-from agentpool.runtime.loader import AgentNotFound, load_agent
 from agentpool.runtime.takeover import read_header, stage_restart
-from agentpool.store import checkpoint, children, watch, writes
+from agentpool.store import checkpoint, children, inbox, watch, writes
 from agentpool.store.clock import now_ms
 from agentpool.store.errors import RunNotFound, UnreadableRecord
 from agentpool.store.events import Event, emit
 from agentpool.store.keys import RunKeys
 from agentpool.store.ledger import Outcome
-from agentpool.store.records import ENDED_FOR_PARENT, RunState
+from agentpool.store.records import ENDED_FOR_PARENT, TERMINAL_STATUSES, RunState
 
 log = logging.getLogger("agentpool.subagents")
 CUT_NOTE = "\n\n[The answer was cut to {limit} characters here; the whole of it is the result of run {run}.]"
@@ -65,6 +65,23 @@ class Delegation:
         sub = self.agent.subagent_named(call["name"])
         assert sub is not None
         child = children.child_id(self.keys.run_id, call["id"])
+        queue = sub.queue or self.state.queue
+        fields: dict[str, Any] = {
+            "parent": self.keys.run_id,
+            "parent_call": call["id"],
+            "parent_tool": call["name"],
+            "parent_chars": self.agent.max_result_chars,
+            "depth": self.state.depth + 1,
+            "ancestors": " ".join([self.keys.run_id, *self.state.ancestors]),
+            "queue": queue,
+        }
+        if sub.concurrency_key:  # its own key, limited by max_concurrency or an operator's setting
+            fields["ckey"] = sub.concurrency_key
+            fields.update({"cmax": sub.max_concurrency} if sub.max_concurrency else {})
+        elif self.state.concurrency_key:  # its parent's key: the tree's turns count as the tenant's
+            fields["ckey"] = self.state.concurrency_key
+            fields.update({"cmax": self.state.max_concurrency} if self.state.max_concurrency else {})
+        limits = Limits.of(self.agent, self.state.limits)
         created = children.spawn(
             self.r,
             self.keys,
@@ -72,42 +89,43 @@ class Delegation:
             child,
             agent=sub.path,
             task=call["input"]["task"],
-            limits=self.budget(sub.path),
-            fields={"parent": self.keys.run_id, "parent_call": call["id"], "depth": self.state.depth + 1},
-            stage_enqueue=lambda pipe: stage_turn(pipe, self.r, child, 0),
+            limits={},  # its own agent's; the tree's budget is checked live (agentpool.runtime.tree)
+            fields=fields,
+            caps={
+                "cap_turns": limits.max_turns,
+                "cap_tokens": limits.max_total_tokens,
+                "cap_usd": None if limits.max_cost_usd is None else repr(float(limits.max_cost_usd)),
+            },
+            stage_enqueue=lambda pipe: stage_turn(pipe, self.r, child, 0, queue=queue),
             now=time.time(),
         )
         if created:
-            emit(self.r, child, "status", status="queued", agent=sub.path, parent=self.keys.run_id)
+            emit(self.r, child, "status", status="queued", agent=sub.path, parent=self.keys.run_id, queue=queue)
             emit(self.r, self.keys.run_id, "child_started", tool_use_id=call["id"], child=child, agent=sub.path)
         return child
 
-    def budget(self, path: str) -> dict[str, Any]:
-        """The child's limits: what the parent has left (its tree's usage so far against its limits), or
-        the sub-agent's own limit where that is lower."""
-        limits = Limits.of(self.agent, self.state.limits)
-        try:
-            own: Agent | None = load_agent(path)
-        except AgentNotFound:
-            own = None  # its worker will say so; the parent's remainder still caps it
-        out: dict[str, Any] = {}
-        if limits.max_total_tokens is not None:
-            left = max(1, limits.max_total_tokens - sum(self.state.usage.values()))
-            out["max_total_tokens"] = min(left, own.max_total_tokens or left) if own else left
-        if limits.max_cost_usd is not None:
-            left_usd = max(1e-9, limits.max_cost_usd - self.state.cost_usd)
-            out["max_cost_usd"] = min(left_usd, own.max_cost_usd or left_usd) if own else left_usd
-        return out
-
     def outcome(self, call: dict[str, Any], child: str) -> Outcome | None:
-        """The tool_result of a child that has ended, or None while it runs."""
+        """The tool_result of a child that has ended, or None while it runs (or is held: stopped
+        because its tree's budget ran out, it goes on when the tree is resumed). Whether it ended is
+        its parent's join's to say: a child that stopped, ended its join, and was resumed since is
+        answered by its stop (its answer comes later, as a message)."""
+        joined, ended = self.r.hmget(self.keys.joins, [child, f"{child}:end"])
         try:
             state = checkpoint.load_run(self.r, child, with_messages=False)
         except RunNotFound:
             return Outcome(f"The {call['name']} sub-agent's run {child} no longer exists (expired?).", True)
-        if state.status not in ENDED_FOR_PARENT:
+        if joined == b"open":
             return None
-        if state.status == "completed":
+        # How it ended when it was joined (a join made before this was recorded: its status, which a
+        # resume may have changed since).
+        ended_as = ended.decode() if ended else state.status
+        if ended_as != "completed" and state.status not in ENDED_FOR_PARENT:
+            return Outcome(
+                f"The {call['name']} sub-agent (run {child}) {ended_as} without an answer and has been resumed "
+                "since; its answer will be sent to you as a message when it finishes.",
+                True,
+            )
+        if ended_as == "completed":
             text = state.result or ""
             limit = self.agent.max_result_chars
             if len(text) > limit:
@@ -115,10 +133,33 @@ class Delegation:
                 text = text[: max(0, limit - len(note))] + note
             return Outcome(text, False)
         return Outcome(
-            f"The {call['name']} sub-agent (run {child}) {state.status} without an answer: "
+            f"The {call['name']} sub-agent (run {child}) {ended_as} without an answer: "
             f"{state.error or 'no reason given'}.",
             True,
         )
+
+
+LATE_NOTE = (
+    "[The {tool} sub-agent you called earlier (tool_use {call}, child run {run}) had stopped without an "
+    "answer and was resumed; it has now finished. Its answer:]\n\n"
+)
+
+
+def late_answer(state: RunState, result: str) -> tuple[str, bytes] | None:
+    """For a reply that completes a child run: the message id and packed content of its answer for its
+    parent, which save point A queues in the parent's inbox if the parent's join had already ended (the
+    child stopped, answered with an error, and was resumed). The id names the completion (the child's
+    turn count then), so a retried save point delivers it once and a later completion (the child sent a
+    message after this) is a new one. None for a top-level run."""
+    if not state.parent:
+        return None
+    note = LATE_NOTE.format(tool=state.parent_tool or "sub-agent", call=state.parent_call, run=state.id)
+    limit = state.parent_chars or 100_000
+    text = note + result
+    if len(text) > limit:
+        cut = CUT_NOTE.format(limit=limit, run=state.id)
+        text = text[: max(0, limit - len(cut))] + cut
+    return f"{state.id}.t{state.turns + 1}", inbox.pack_content(text)
 
 
 def wake(r: Redis, run_id: str) -> str | None:
@@ -169,7 +210,8 @@ def check_waiting(r: Redis, run_id: str) -> None:
     record expired, say) is joined now; then the run is looked at again later, if it still waits."""
     for child, joined in children.joins(r, RunKeys.of(run_id)).items():
         status = r.hget(RunKeys.of(child).run, "status") if joined == "open" else None
-        if joined == "open" and (status is None or status.decode() in ENDED_FOR_PARENT):
+        # A stopped child whose join is open is held (its tree's budget ran out): it is resumed, not joined.
+        if joined == "open" and (status is None or status.decode() in TERMINAL_STATUSES):
             children.child_ended(r, child, run_id)
     watch.reschedule_children(r, run_id, now_ms() + children.WAITING_RECHECK_MS)
 

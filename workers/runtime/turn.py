@@ -36,7 +36,7 @@ from rq import get_current_job
 
 from agentpool.agent import Agent
 from agentpool.pricing import price_of
-from agentpool.runtime import compaction, tracing
+from agentpool.runtime import compaction, tracing, tree
 from agentpool.runtime.answers import FINISHED_STOPS
 from agentpool.runtime.answers import trailing_text as _trailing_text
 from agentpool.runtime.faults import fault
@@ -49,7 +49,7 @@ from agentpool.runtime.ratelimit import WaitForBudget
 from agentpool.runtime.settings import Settings, connect
 from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
 from agentpool.runtime.stream import LiveOutput
-from agentpool.runtime.subagents import wake_parent_of
+from agentpool.runtime.subagents import late_answer, wake_parent_of
 from agentpool.store import checkpoint, concurrency, handback, spend, window
 from agentpool.store.clock import now_ms
 from agentpool.store.crypto import EncryptionKeyMissing, KeyNotHeld
@@ -259,11 +259,13 @@ class Turn:
         self.watched = False  # somebody watches the run live (looked up with the lease)
         self.responded = False  # save point A committed this turn's model reply
         self.slot_key = ""  # the concurrency key whose slot this turn holds
+        self.ancestors: list[str] = []  # a child run's ancestors: its calls' spend counts in their trees
 
     def run(self, header: dict[bytes, bytes], loaded: list[Any], watched: int = 0) -> str:
         """The turn, given the run's header and window (``store.window``) as read with the lease."""
         state = window.decode(self.run_id, header, loaded)
         remember_queue(self.run_id, state.queue)  # its next turn, or this one deferred, goes back there
+        self.ancestors = state.ancestors
         self.watched = bool(watched)
         if state.concurrency_key:
             slot = concurrency.acquire(self.r, state.concurrency_key, self.run_id, state.max_concurrency, self.token)
@@ -285,6 +287,8 @@ class Turn:
         reason = limits.reached(agent, state)
         if reason:
             return self.stop(reason, limits)
+        if state.ancestors and (held := tree.hold_if_spent(self, state, limits)):
+            return held  # an ancestor's budget for the tree is used up: stopped, held, until it is resumed
         fault("before_model_call", self.run_id, self.turn)
         try:
             state, reply = compaction.call(self, agent, state)
@@ -323,6 +327,7 @@ class Turn:
             spend_id=uuid.uuid4().hex,
             usage=usage,
             cost_usd=cost,
+            ancestors=self.ancestors,
             event=Event.of(self.run_id, "model_cut", turn=self.turn, error_type=why, cost_usd=round(cost, 8), **usage),
         )
 
@@ -382,6 +387,8 @@ class Turn:
                     usage=reply.usage,
                     cost_usd=cost,
                     closing=closing,
+                    ancestors=state.ancestors,
+                    late=late_answer(state, result) if final == "completed" else None,
                     responded=Event.of(
                         self.run_id,
                         "model_responded",

@@ -377,7 +377,8 @@ function childTree(nodes) {
     h("tr", { class: "child-run", dataset: { runId: n.id, status: n.status } },
       h("td", { class: "mono", style: "padding-left:" + (0.5 + level * 1.2) + "em" },
         h("a", { href: "/runs/" + encodeURIComponent(n.id) }, n.id)),
-      h("td", {}, badge(n.status)),
+      h("td", {}, badge(n.status), n.held_by ? h("span", { class: "muted small", title: "stopped until run " + n.held_by +
+        " is resumed: its budget for itself and its sub-agents is used up" }, " held") : null),
       h("td", { class: "mono small" }, n.agent || ""),
       h("td", { class: "num cost" }, n.cost_usd === undefined ? "—" : fmtUsd(n.cost_usd))),
     ...rows(n.children || [], level + 1),
