@@ -244,3 +244,30 @@ def test_a_stale_job_handed_back_on_an_ended_run_leaves_no_record_behind(r, redi
     run_turn(run_id, 0)
     assert not r.exists(keys.handback), r.hgetall(keys.handback)
     assert r.ttl(keys.run) > 0
+
+
+@pytest.mark.parametrize("kind", ["forking", "threaded"])
+def test_a_warm_stop_does_not_wait_a_minute_for_the_command_channel(r, kind):
+    """RQ 3 with redis-py 8: a worker's command-channel thread that saw its unsubscribe land waits up to
+    60 s for a subscription, and RQ's unsubscribe then joins it: warm shutdowns hung for a minute under
+    load. The worker's own unsubscribe ends the channel whatever state its thread is in."""
+    import threading
+
+    from agentpool.worker.forking import AgentWorker
+    from agentpool.worker.threaded import ThreadedWorker
+
+    worker = (AgentWorker if kind == "forking" else ThreadedWorker)(connection=r, name=f"channel-{kind}")
+    worker.subscribe()
+    deadline = time.monotonic() + 60
+    while not worker.pubsub.subscribed:  # the subscription landed
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    worker.pubsub.unsubscribe()  # what RQ's unsubscribe sends first: the thread sees it land...
+    while worker.pubsub.subscribed:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)  # ...and goes on to wait for a subscription (RQ's sleep_time: 60 s)
+    stopping = threading.Thread(target=worker.unsubscribe, daemon=True)
+    stopping.start()
+    stopping.join(timeout=20)
+    assert not stopping.is_alive(), "the worker's stop waited for its command channel's minute"

@@ -48,6 +48,7 @@ from agentpool.runtime.stats_flush import StatsFlusher
 from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
 from agentpool.store import stats
 from agentpool.store.keys import TURN_QUEUE, RunKeys
+from agentpool.worker.channel import QuickUnsubscribe
 from agentpool.worker.groups import GroupWatcher, die_with_parent, end_process_group
 from agentpool.worker.lean import LeanTurnJobs
 
@@ -65,7 +66,7 @@ def _end_mcp_calls(horse: int, grace: float) -> None:
         hub.end_calls_of(horse, grace)
 
 
-class AgentWorker(LeanTurnJobs, Worker):
+class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
     index_executions = False  # this process watches its horse: nobody reads its execution index
 
     def __init__(

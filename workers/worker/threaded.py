@@ -46,6 +46,7 @@ from agentpool.runtime.settings import Settings
 from agentpool.runtime.stats_flush import StatsFlusher
 from agentpool.runtime.toolcall import abandoned_threads
 from agentpool.store.keys import TURN_QUEUE
+from agentpool.worker.channel import QuickUnsubscribe
 from agentpool.worker.lean import LeanTurnJobs
 
 log = logging.getLogger("agentpool.threaded")
@@ -139,7 +140,7 @@ class TurnSlots:
             return len(self._in_flight)
 
 
-class ThreadedWorker(LeanTurnJobs, BaseWorker):
+class ThreadedWorker(QuickUnsubscribe, LeanTurnJobs, BaseWorker):
     death_penalty_class = NoDeathPenalty
 
     def __init__(
