@@ -50,7 +50,7 @@ from agentpool.runtime.settings import Settings, connect
 from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
 from agentpool.runtime.stream import LiveOutput
 from agentpool.runtime.subagents import late_answer, wake_parent_of
-from agentpool.store import checkpoint, concurrency, handback, spend, window
+from agentpool.store import checkpoint, concurrency, handback, live, spend, window
 from agentpool.store.clock import now_ms
 from agentpool.store.crypto import EncryptionKeyMissing, KeyNotHeld
 from agentpool.store.durability import NotReplicated
@@ -114,7 +114,7 @@ def run_turn(run_id: str, turn: int) -> str:
         worker_id=worker_identity(),
         ttl_ms=settings.lease_ttl_ms,
         event=Event.of(run_id, "turn_started", turn=turn),
-        load=True,  # the header, the window of messages and whether it is watched, in the same call
+        then=lambda pipe: (window.stage_load(pipe, keys), live.stage_watched(pipe, keys)),
     )
     job_id = job.id if job is not None else ""
     if got.code is Acquire.TOO_NEW:
