@@ -123,6 +123,7 @@ class Lab:
             "PYTHONPATH": root,
         }
         env.pop("AGENTPOOL_FAULTS", None)
+        env.pop("AGENTPOOL_SHARDS", None)  # the workers serve the bench's Redis, never a pool's shards
         self.workers = WorkerProcesses(env, workdir)
         self.names = 0
 
