@@ -147,6 +147,12 @@ def test_runs_spread_over_two_shards_survive_sigkills_and_every_client_reads_the
             shown = cli(env, "show", run_id)
             assert shown.returncode == 0 and "status completed" in shown.stdout, shown.stderr
             assert f"shard {homes[run_id][0]}" in shown.stdout.splitlines()[0]
+            watched = cli(env, "watch", run_id, "--events-only")
+            assert watched.returncode == 0 and "completed after 3 turns" in watched.stdout, watched.stderr
+        checked = cli(env, "check")
+        assert checked.returncode == 0 and checked.stdout.strip() == "ok", checked.stderr
+        limits = cli(env, "limits", "show")
+        assert limits.returncode == 0 and "shard 0 (" in limits.stdout and "shard 1 (" in limits.stdout
         with dashboard_process(env, tmp_path) as board:
             rows = board.get("/api/runs?limit=100")["runs"]
             assert sorted(row["id"] for row in rows) == sorted(every)
