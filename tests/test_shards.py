@@ -197,7 +197,7 @@ def test_a_bad_shard_list_is_refused_in_one_line_without_its_password(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     cases = {
         "redis://:hunter2@a:6379/0,redis://:hunter2@b:6379/0": "separate the shards' URLs with spaces",
-        "redis://:hunter2@a:6379/0 b:6379": "shard 1 is not a Redis URL",
+        "redis://:hunter2@a:6379/0 b:6379": "shard 1 of AGENTPOOL_SHARDS is not a Redis URL",
         "redis://:hunter2@a:6379/0 redis://:hunter2@a:6379/0": "shard 1 is shard 0 again",
     }
     for shards, said in cases.items():

@@ -42,24 +42,30 @@ class BadShards(BadRedisUrl):
 def parse(raw: str, *, origin: str = ENV) -> tuple[str, ...]:
     """The URLs of a shard list (empty: no shards), each checked; a :class:`BadShards` otherwise."""
     urls = tuple(raw.split())
-    for i, url in enumerate(urls):
+    check_urls(dict(enumerate(urls)), origin=origin)
+    return urls
+
+
+def check_urls(urls: dict[int, str], *, origin: str) -> None:
+    """Each shard's URL (shard number -> URL) usable and none twice; a one-line :class:`BadShards` otherwise."""
+    if len(urls) > MAX_SHARDS:
+        raise BadShards(f"{origin}: {len(urls)} shards; at most {MAX_SHARDS}")
+    seen: dict[str, int] = {}
+    for i, url in urls.items():
         if _GLUED.search(url):
             raise BadShards(
                 f"{origin}: separate the shards' URLs with spaces, not commas (a Sentinel URL holds commas of "
                 f"its own); {FORM}"
             )
         try:
-            check_redis_url(url, subject=f"{origin}'s shard {i}")
+            check_redis_url(url, subject=f"shard {i} of {origin}")
         except BadRedisUrl as exc:
             raise BadShards(str(exc)) from None
-        if url in urls[:i]:
+        if url in seen:
             raise BadShards(
-                f"{origin}: shard {i} is shard {urls.index(url)} again ({redact_url(url)}); each shard is a Redis "
-                "of its own"
+                f"{origin}: shard {i} is shard {seen[url]} again ({redact_url(url)}); each shard is a Redis of its own"
             )
-    if len(urls) > MAX_SHARDS:
-        raise BadShards(f"{origin}: {len(urls)} shards; at most {MAX_SHARDS}")
-    return urls
+        seen[url] = i
 
 
 def rendezvous(name: str, n: int) -> int:
@@ -89,9 +95,7 @@ class Shards:
         members = list(shards)
         if not members:
             raise ValueError(f"{origin}: no shard given")
-        urls = [m for m in members if isinstance(m, str)]
-        if urls:
-            parse(" ".join(urls), origin=origin)  # each URL checked, none twice
+        check_urls({i: m for i, m in enumerate(members) if isinstance(m, str)}, origin=origin)
         for i, member in enumerate(members):
             if not isinstance(member, str) and not hasattr(member, "connection_pool"):
                 raise TypeError(f"{origin}: shard {i} is a {type(member).__name__}, not a Redis client or a URL")
