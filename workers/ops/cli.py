@@ -823,19 +823,30 @@ def genkey() -> None:
     help="Also exit non-zero when a server setting puts runs at risk (an evicting maxmemory-policy, cluster mode) "
     "or cannot be checked: for a deploy pipeline, not for probes.",
 )
-def check(url: str | None, strict: bool) -> None:
+@click.option(
+    "--shard",
+    "shard_picks",
+    multiple=True,
+    help="On a sharded pool: check only this shard (repeatable), as a probe of a worker serving it should.",
+)
+def check(url: str | None, strict: bool, shard_picks: tuple[str, ...]) -> None:
     """Exit 0 if Redis answers within 2 s (for liveness/readiness probes), non-zero otherwise. Server
     settings that put runs at risk, and a durability guard that cannot be met (no replica acknowledges),
-    are printed as warnings (and fail the check with --strict)."""
+    are printed as warnings (and fail the check with --strict). On a sharded pool, every shard (or
+    those given with --shard)."""
     from redis.exceptions import RedisError
 
     from agentpool.runtime.durability import unmet
     from agentpool.runtime.redis_checks import hazards
 
+    picked = _shards_served(url, shard_picks)[0] if shard_picks else None
     pool = pool_client(url, socket_timeout=2)
     found: list[str] = []
     unreachable = 0
     for shard, client in each(pool):
+        if picked is not None and shard not in picked:
+            client.close()
+            continue
         said = f"{pool.name(shard)}: " if shard is not None else ""  # type: ignore[union-attr]
         try:
             client.ping()
