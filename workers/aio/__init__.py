@@ -14,7 +14,6 @@ running loop, nothing blocks it, and no thread is used. Sentinel URLs need a cli
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -79,11 +78,11 @@ async def aclose() -> None:
 def _green(connection: aredis.Redis | shards.Shards | None) -> GreenRedis | shards.Shards:
     if isinstance(connection, shards.Shards):
         return _green_pool(connection)
-    if connection is None and shards.parse(os.environ.get(shards.ENV, "")):
+    if connection is None and shards.env_urls():
         loop = asyncio.get_running_loop()
         pool = _default_shards.get(loop)
         if pool is None:
-            urls = shards.parse(os.environ[shards.ENV])
+            urls = shards.env_urls()
             pool = _default_shards[loop] = shards.Shards([GreenRedis(connect(u)) for u in urls], origin=shards.ENV)
         return pool
     if connection is None:

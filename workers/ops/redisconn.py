@@ -13,7 +13,6 @@ one Redis: a shard of its own), and an error names the shard that failed.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 from typing import Any
@@ -71,7 +70,7 @@ def shard_urls(url: str | None, *, param: str = "url") -> tuple[str, ...]:
     given = ctx is not None and param in ctx.params and ctx.get_parameter_source(param) is ParameterSource.COMMANDLINE
     if given and url:
         return ()
-    return shards.parse(os.environ.get(shards.ENV, ""))
+    return shards.env_urls()
 
 
 def pool_client(

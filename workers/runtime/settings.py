@@ -51,17 +51,12 @@ def _rate_limits() -> dict:
 
 
 def _shards() -> tuple[str, ...]:
+    from agentpool.runtime.shards import env_urls
+
     try:
-        return _parsed_shards(os.environ.get("AGENTPOOL_SHARDS", ""))
+        return env_urls()
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-
-
-@functools.lru_cache(maxsize=8)
-def _parsed_shards(raw: str) -> tuple[str, ...]:
-    from agentpool.runtime.shards import parse
-
-    return parse(raw)
 
 
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:

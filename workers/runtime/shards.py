@@ -16,6 +16,7 @@ This module is the routing layer above the store, which stays a one-Redis store.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import os
@@ -44,6 +45,16 @@ def parse(raw: str, *, origin: str = ENV) -> tuple[str, ...]:
     urls = tuple(raw.split())
     check_urls(dict(enumerate(urls)), origin=origin)
     return urls
+
+
+def env_urls() -> tuple[str, ...]:
+    """``AGENTPOOL_SHARDS``'s URLs, checked (empty when it is not set); each value is parsed once."""
+    return _parse_env(os.environ.get(ENV, ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_env(raw: str) -> tuple[str, ...]:
+    return parse(raw)  # a bad list raises each time: lru_cache keeps only results
 
 
 def check_urls(urls: dict[int, str], *, origin: str) -> None:
@@ -144,17 +155,17 @@ class Shards:
         return next(self._next) % len(self)
 
 
-_from_env: dict[str, Shards] = {}
+_from_env: dict[tuple[str, ...], Shards] = {}
 
 
 def from_env() -> Shards | None:
     """The pool ``AGENTPOOL_SHARDS`` names (one per process), or None when it is not set."""
-    raw = os.environ.get(ENV, "")
-    if not raw.strip():
+    urls = env_urls()
+    if not urls:
         return None
-    shards = _from_env.get(raw)
+    shards = _from_env.get(urls)
     if shards is None:
-        shards = _from_env[raw] = Shards(parse(raw), origin=ENV)
+        shards = _from_env[urls] = Shards(urls, origin=ENV)
     return shards
 
 
