@@ -50,11 +50,11 @@ RESEARCH = {
 }
 
 
-def sharded_pool(tmp_path: Path, **options) -> LocalPool:
+def sharded_pool(tmp_path: Path, env: dict[str, str] | None = None, **options) -> LocalPool:
     return LocalPool(
         shards=2,
         cwd=TESTS,
-        env={"AGENTPOOL_TEST_EFFECTS": str(tmp_path / "effects.jsonl")},
+        env={"AGENTPOOL_TEST_EFFECTS": str(tmp_path / "effects.jsonl"), **(env or {})},
         tool_timeout=2,  # a takeover after a lost worker waits this (+ the margin) before it decides
         takeover_margin=0.5,
         **options,
@@ -191,6 +191,23 @@ def test_a_child_run_and_a_fork_stay_on_their_parents_shard(tmp_path):
             given = fork_run(parent, at_turn=0, fork_id=f"fork-of-{parent}", connection=pool.redis)
             assert holder(pool, given) == holder(pool, parent), "a fork with a caller's id: its parent's shard too"
             assert get_run(given, connection=Shards(pool.redis_urls)).forked_from == parent
+
+
+def test_each_shard_holds_an_equal_part_of_the_pools_rate_limit(tmp_path):
+    """Two shards' budgets together make the pool's limit: 600 requests a minute is 300 on each."""
+    from agentpool.store import ratelimit
+
+    limits = {"AGENTPOOL_RATE_LIMITS": "claude-sonnet-5-5=rpm:600"}
+    with sharded_pool(tmp_path, limits, scripts={"default": EMAIL_RUN[2:]}, workers=1) as pool:
+        runs = [pool.enqueue("pool_agents:support", f"t{i}") for i in range(2)]
+        assert {pool.wait(run_id).status for run_id in runs} == {"completed"}
+        assert {holder(pool, run_id)[0] for run_id in runs} == {0, 1}
+        for n in (0, 1):
+            (budget,) = ratelimit.show(pool.shard(n))
+            assert 290 <= budget.levels["requests"] < 300, budget  # a call taken from 300, refilled a little
+        shown = cli({**shard_env(pool), **limits}, "limits", "show")
+        per_shard = [line.split() for line in shown.stdout.splitlines() if line.strip().startswith("requests/min")]
+        assert [row[1] for row in per_shard] == ["300", "300"], shown.stdout
 
 
 def test_a_bad_shard_list_is_refused_in_one_line_without_its_password(tmp_path):
