@@ -35,7 +35,7 @@ from agentpool.store.checkpoint import _check, stage_create
 from agentpool.store.clock import now_ms
 from agentpool.store.errors import LeaseLost, RunNotActive
 from agentpool.store.events import Event, script_args
-from agentpool.store.keys import RUNS_WATCH, STATS, RunKeys
+from agentpool.store.keys import RUNS_WATCH, STATS, RunKeys, shard_tag
 from agentpool.store.records import USAGE_FIELDS
 from agentpool.store.scripts import run_script
 
@@ -45,9 +45,11 @@ WAITING_RECHECK_MS = 30_000
 
 def child_id(parent_id: str, tool_use_id: str) -> str:
     """The id of the child run that answers ``tool_use_id`` of ``parent_id``: the same on every worker
-    and every retry, and a valid RQ job id part (letters, digits, ``_``, ``-``) at any depth."""
+    and every retry, and a valid RQ job id part (letters, digits, ``_``, ``-``) at any depth. It keeps
+    the parent's shard ending (``-s<N>``), if any: the child is created on its parent's shard, and its
+    id says so to every reader."""
     digest = hashlib.blake2b(f"{parent_id}\0{tool_use_id}".encode(), digest_size=12).hexdigest()
-    return f"sub_{digest}"
+    return f"sub_{digest}{shard_tag(parent_id)}"
 
 
 def spawn(

@@ -73,8 +73,11 @@ Per concurrency key (``enqueue_run(..., concurrency_key=...)``; hash tag ``{ckey
 RQ keeps its own keys under ``rq:``; agentpool's turn jobs go to the queue named by ``TURN_QUEUE``
 (the run's queue ``default``), or ``agentpool-<name>`` for a run enqueued on queue ``<name>`` (its
 header's ``queue``): ``rq_queue_name``.
-The global sorted sets are touched by the same scripts as a run's keys, so agentpool needs a single
-Redis (or a primary with replicas), not Redis Cluster.
+The global keys are touched by the same scripts and transactions as a run's keys (and RQ's enqueue
+joins them), so each Redis holding runs is one primary (with replicas, behind Sentinel if you like),
+not Redis Cluster. A pool that outgrows one primary spreads its runs over several, each a complete
+copy of this layout with its own RQ keys (``AGENTPOOL_SHARDS``, docs/sharding.md): a run and all its
+keys live on one shard, which a ``-s<N>`` ending of its id names (``SHARD_TAG``).
 """
 
 from __future__ import annotations
@@ -101,6 +104,28 @@ CONCURRENCY_KEY = re.compile(r"^[A-Za-z0-9._@-]{1,100}$")
 MODEL_ID = re.compile(r"^[A-Za-z0-9._@/-]{1,200}$")
 # A run id is part of RQ job ids (letters, digits, "_" and "-" only) and of the dashboard's URLs.
 RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,100}$")
+
+
+# A run id ending in "-s<N>" lives on shard N of a sharded pool (agentpool.runtime.shards): the ids
+# agentpool makes there carry it, and a child run's id keeps its parent's (store/children.py).
+SHARD_TAG = re.compile(r"-s(\d{1,3})$")
+
+
+def shard_suffix(shard: int) -> str:
+    """The ending of an id made for shard ``shard``: ``-s<N>``."""
+    return f"-s{shard}"
+
+
+def shard_tag(run_id: str) -> str:
+    """The ``-s<N>`` ending of ``run_id``, or "" when it has none."""
+    found = SHARD_TAG.search(run_id)
+    return found.group(0) if found else ""
+
+
+def tagged_shard(run_id: str) -> int | None:
+    """The shard number ``run_id``'s ending names, or None."""
+    found = SHARD_TAG.search(run_id)
+    return int(found.group(1)) if found else None
 
 
 def check_run_id(run_id: str) -> str:

@@ -24,6 +24,9 @@ from agentpool.testing.scripted_model import ScriptedModel
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
+# A shard list in the developer's shell would send the workers and commands the tests start to those
+# shards instead of the suite's redis-server; tests/test_shards.py sets its own.
+os.environ.pop("AGENTPOOL_SHARDS", None)
 
 
 def _redis_server(workdir: Path, durable: bool = False) -> RedisServer:

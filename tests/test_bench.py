@@ -71,6 +71,12 @@ SECTIONS = {
         ["bare RQ job (no-op)", "agentpool turn"],
         4,
     ),
+    "shards": (
+        ["--shard-turns", "20", "--threads", "2"],
+        "shards: the same runs on one Redis and on two shards",
+        ["one shard", "two shards"],
+        3,
+    ),
 }
 # Sections that print a second table: (its title, its rows).
 MORE_TABLES = {

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from agentpool.conversation import fork_run, send_message
     from agentpool.pricing import set_price
     from agentpool.runtime.approvals import ApprovalError
+    from agentpool.runtime.shards import Shards
     from agentpool.store.crypto import EncryptionKeyMissing
     from agentpool.store.errors import (
         AgentPoolError,
@@ -69,6 +70,7 @@ _HOMES = {
     "agentpool.conversation": ("fork_run", "send_message"),
     "agentpool.pricing": ("set_price",),
     "agentpool.runtime.approvals": ("ApprovalError",),
+    "agentpool.runtime.shards": ("Shards",),
     "agentpool.store.crypto": ("EncryptionKeyMissing",),
     "agentpool.store.errors": (
         "AgentPoolError",
@@ -115,6 +117,7 @@ __all__ = [
     "RunNotFound",
     "RunTimeout",
     "SchemaTooNew",
+    "Shards",
     "StoreError",
     "Subagent",
     "Tool",

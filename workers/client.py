@@ -12,7 +12,7 @@ from redis import Redis
 from redis.client import Pipeline
 
 from agentpool.checks import limit_value
-from agentpool.runtime import tracing
+from agentpool.runtime import shards, tracing
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import Settings, client_for, names_the_server
@@ -21,7 +21,14 @@ from agentpool.store import window as run_window
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.events import Event, emit
-from agentpool.store.keys import DEFAULT_QUEUE, RunKeys, check_concurrency_key, check_queue, check_run_id
+from agentpool.store.keys import (
+    DEFAULT_QUEUE,
+    RunKeys,
+    check_concurrency_key,
+    check_queue,
+    check_run_id,
+    shard_suffix,
+)
 from agentpool.store.records import ACTIVE_STATUSES, STATUSES, RunState, load_header
 
 # What enqueues a turn (RQ) or loads an agent (pydantic) is imported by the functions that do: reading
@@ -117,9 +124,11 @@ class Run:
         return asdict(self)
 
 
-def new_run_id() -> str:
-    """Sortable by creation, safe in URLs and RQ job ids (letters, digits, ``_`` and ``-``)."""
-    return f"r_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
+def new_run_id(shard: int | None = None) -> str:
+    """Sortable by creation, safe in URLs and RQ job ids (letters, digits, ``_`` and ``-``); on a sharded
+    pool it ends with the shard the run lives on (``-s1``: ``agentpool.runtime.shards``)."""
+    made = f"r_{int(time.time() * 1000):012x}{secrets.token_hex(5)}"
+    return made if shard is None else made + shard_suffix(shard)
 
 
 @names_the_server
@@ -127,7 +136,7 @@ def enqueue_run(
     agent: str,
     task: str,
     *,
-    connection: Redis | str | None = None,
+    connection: Redis | str | shards.Shards | None = None,
     max_turns: int | None = None,
     max_total_tokens: int | None = None,
     max_cost_usd: float | None = None,
@@ -179,8 +188,10 @@ def enqueue_run(
             extra["cmax"] = limit_value("max_concurrency", max_concurrency, whole=True)
     elif max_concurrency is not None:
         raise ValueError("max_concurrency needs a concurrency_key: the runs it limits together")
-    r = client_for(connection)
-    run_id = check_run_id(run_id) if run_id is not None else new_run_id()
+    if run_id is not None:
+        check_run_id(run_id)
+    r, shard = shards.home(connection, run_id, concurrency_key)  # one Redis, or the run's shard
+    run_id = run_id if run_id is not None else new_run_id(shard)
     parent = tracing.current_parent()  # the app's span, the parent of the run's trace
 
     def stage_enqueue(pipe: Pipeline) -> None:
@@ -221,10 +232,10 @@ def _check_loadable(agent: str) -> None:
 
 
 @names_the_server
-def get_run(run_id: str, *, connection: Redis | str | None = None, window: bool = False) -> Run:
+def get_run(run_id: str, *, connection: Redis | str | shards.Shards | None = None, window: bool = False) -> Run:
     """The run with its whole conversation, or with ``window=True`` only what its next request sends
     (from its latest compaction point: one read that does not grow with the run's history)."""
-    r = client_for(connection)
+    r = shards.route(connection, run_id)
     if window:
         state = run_window.load(r, run_id)
         start = messages_from = state.window_start
@@ -263,12 +274,12 @@ def _waiting_children(r: Redis, run: Run) -> dict[str, Any]:
     return {"kind": "children", "note": note, "open": open_, "waiting_approval": asking, "held": held}
 
 
-def run_tree(run_id: str, *, connection: Redis | None = None, depth_limit: int = 12) -> dict[str, Any]:
+def run_tree(run_id: str, *, connection: Redis | shards.Shards | None = None, depth_limit: int = 12) -> dict[str, Any]:
     """The run and its child runs, recursively: ``{"id", "agent", "status", "cost_usd", "own_cost_usd",
     "tokens", "error", "held_by", "children": [...]}``, children in tool_use order; ``held_by`` names the
     run whose used-up budget holds a stopped child (resuming that run resumes it). Headers only (no conversation), so it reads
     without the encryption key; a child whose record expired shows with status ``expired``."""
-    r = client_for(connection)
+    r = shards.route(connection, run_id)  # child runs live on their parent's shard
 
     def node(run_id: str, depth: int, joined: str | None = None) -> dict[str, Any]:
         raw = r.hgetall(RunKeys.of(run_id).run)
@@ -303,7 +314,7 @@ def wait_for_run(
     run_id: str,
     *,
     timeout: float = 300.0,
-    connection: Redis | str | None = None,
+    connection: Redis | str | shards.Shards | None = None,
     poll: float = 0.2,
     after_message: str | None = None,
 ) -> Run:
@@ -314,7 +325,7 @@ def wait_for_run(
     it was delivered and the run has taken a turn since, and is no longer queued or running (or it was
     stopped, failed or cancelled, which the returned run says). A run that was ``completed`` when the
     message was sent does not count as answered; ``run.result`` is then the answer to the message."""
-    r = client_for(connection)
+    r = shards.route(connection, run_id)
     check_waitable(r, run_id, after_message)
     deadline = time.monotonic() + timeout
     while True:
@@ -357,11 +368,13 @@ def _answered(r: Redis, keys: RunKeys, message_id: str, state: RunState) -> bool
 
 
 @names_the_server
-def cancel_run(run_id: str, *, connection: Redis | str | None = None, reason: str = "cancelled by request") -> str:
+def cancel_run(
+    run_id: str, *, connection: Redis | str | shards.Shards | None = None, reason: str = "cancelled by request"
+) -> str:
     """End a run that has not ended for good. A turn in flight notices at its next write and commits
     nothing further. A run already completed, failed or cancelled is left as it is. Returns the status
     the run had before."""
-    r = client_for(connection)
+    r = shards.route(connection, run_id)  # its child runs are on the same shard
     before = checkpoint.set_status_unfenced(
         r, run_id, "cancelled", error=reason, retention_s=Settings.from_env().retention
     )
@@ -383,7 +396,7 @@ def resume(
     add_turns: int = 0,
     add_tokens: int = 0,
     add_usd: float = 0.0,
-    connection: Redis | str | None = None,
+    connection: Redis | str | shards.Shards | None = None,
 ) -> Run:
     """Continue a ``stopped`` run from its checkpoint, raising its limits by the amounts given (a run
     stopped by repeated model errors or a spend-limit 429 needs none).
@@ -411,7 +424,7 @@ def resume(
     add_turns = limit_value("add_turns", add_turns, whole=True, zero_ok=True)
     add_tokens = limit_value("add_tokens", add_tokens, whole=True, zero_ok=True)
     add_usd = limit_value("add_usd", add_usd, zero_ok=True)
-    r = client_for(connection)
+    r = shards.route(connection, run_id)
     keys = RunKeys.of(run_id)
 
     def short_of(state: RunState) -> str | None:
@@ -520,13 +533,22 @@ def agent_matches(wanted: str, agent: str) -> bool:
 
 @names_the_server
 def list_runs(
-    *, connection: Redis | str | None = None, limit: int = 100, status: str | None = None, agent: str | None = None
+    *,
+    connection: Redis | str | shards.Shards | None = None,
+    limit: int = 100,
+    status: str | None = None,
+    agent: str | None = None,
 ) -> list[Run]:
     """Newest first, headers only (``messages`` left empty). ``agent`` matches as ``agent_matches``
     says; an unknown ``status`` is a ValueError listing the valid ones. With a filter, the whole
-    index is looked through (headers read in pipelined pages) until ``limit`` runs match."""
+    index is looked through (headers read in pipelined pages) until ``limit`` runs match. On a sharded
+    pool, each shard's newest ``limit`` merged by creation time."""
     if status is not None and status not in STATUSES:
         raise ValueError(f"unknown status {status!r}; valid: {', '.join(sorted(STATUSES))}")
+    pool = shards.pool_of(connection)
+    if pool is not None:
+        found = [run for r in pool for run in list_runs(connection=r, limit=limit, status=status, agent=agent)]
+        return sorted(found, key=lambda run: (run.created_at, run.id), reverse=True)[:limit]
     r = client_for(connection)
 
     def wanted(run_status: str, run_agent: str) -> bool:
@@ -559,14 +581,14 @@ def approve(
     *,
     approved: bool = True,
     reason: str | None = None,
-    connection: Redis | str | None = None,
+    connection: Redis | str | shards.Shards | None = None,
 ) -> list[str]:
     """Decide on a call the run waits on (or, without ``tool_use_id``, on every one). A denied call
     gets an ``is_error`` tool_result carrying ``reason``. Returns the tool_use ids decided."""
     from agentpool.runtime.approvals import decide
 
     return decide(
-        client_for(connection),
+        shards.route(connection, run_id),
         run_id,
         None if tool_use_id is None else [tool_use_id],
         approved=approved,

@@ -19,10 +19,11 @@ from redis import Redis
 from redis.client import Pipeline
 
 from agentpool.client import limits_held_to, new_run_id
+from agentpool.runtime import shards
 from agentpool.runtime.answers import FINISHED_STOPS, trailing_text
 from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import stage_turn
-from agentpool.runtime.settings import Settings, client_for, names_the_server
+from agentpool.runtime.settings import Settings, names_the_server
 from agentpool.runtime.takeover import read_header, stage_restart
 from agentpool.store import checkpoint, inbox, writes
 from agentpool.store.errors import MessageRefused, RunExists, RunNotFound
@@ -70,7 +71,7 @@ def send_message(
     content: str | list[dict[str, Any]],
     *,
     message_id: str | None = None,
-    connection: Redis | str | None = None,
+    connection: Redis | str | shards.Shards | None = None,
 ) -> str:
     """Send a user message to a run; returns the message's id.
 
@@ -93,7 +94,7 @@ def send_message(
         message_id = new_message_id()
     elif not isinstance(message_id, str) or not MESSAGE_ID.match(message_id):
         raise ValueError("message_id: 1 to 100 letters, digits or _ . -")
-    r = client_for(connection)
+    r = shards.route(connection, run_id)
     keys = RunKeys.of(run_id)
 
     def attempt(pipe: Pipeline, write_id: str) -> str:
@@ -188,7 +189,7 @@ def fork_run(
     *,
     at_turn: int | None = None,
     fork_id: str | None = None,
-    connection: Redis | str | None = None,
+    connection: Redis | str | shards.Shards | None = None,
 ) -> str:
     """A new run with ``run_id``'s conversation up to the end of its committed turn ``at_turn`` (the
     latest by default; a turn still in flight forks from the one before it), the same agent and
@@ -201,10 +202,15 @@ def fork_run(
     next turn calls the model.
 
     Idempotent with ``fork_id``: a retried fork with the same id returns the run it made; that id
-    used for anything else raises ``RunExists``."""
+    used for anything else raises ``RunExists``. On a sharded pool the fork lives on its parent's shard."""
     if fork_id is not None:
         check_run_id(fork_id)  # before anything is read: a completed fork enqueues nothing to catch it
-    r = client_for(connection)
+    r, shard = shards.located(connection, run_id)
+    pool = shards.pool_of(connection)
+    if fork_id is not None and pool is not None:  # the fork goes to its parent's shard: its id must be free on all
+        elsewhere = pool.locate(fork_id)
+        if elsewhere != shard and pool.clients[elsewhere].exists(RunKeys.of(fork_id).run):
+            raise RunExists(fork_id, f"on {pool.name(elsewhere)} and is not a fork of run {run_id}")
     parent = RunKeys.of(run_id)
     with r.pipeline(transaction=True) as pipe:  # one consistent snapshot of the parent
         pipe.hgetall(parent.run)
@@ -232,7 +238,7 @@ def fork_run(
         + [i for i in range(end) if message_meta(blobs[i], i).get("compaction") == "summary"]
         + [0]
     )
-    fork_id = fork_id or new_run_id()
+    fork_id = fork_id or new_run_id(shard)
     # A fork created completed is held to its parent's limits (the same agent and limits): a message
     # to it is refused when they are used up, as it is for the parent.
     held_to = limits_held_to(r, run_id) if finished else None

@@ -15,8 +15,8 @@ from typing import Any
 
 from redis import Redis
 
+from agentpool.runtime import shards
 from agentpool.runtime.progress import why_waiting
-from agentpool.runtime.settings import client_for
 from agentpool.store import live
 from agentpool.store.errors import RunNotFound
 from agentpool.store.keys import RunKeys
@@ -53,7 +53,7 @@ def live_item(stream_id: str, fields: dict[str, str]) -> dict[str, Any]:
 def watch(
     run_id: str,
     *,
-    connection: Redis | None = None,
+    connection: Redis | shards.Shards | None = None,
     since_start: bool = True,
     live_output: bool = True,
     block_ms: int = 1000,
@@ -81,7 +81,7 @@ def watch(
     its last events are out. Raises RunNotFound for an unknown run. ``live_output=False`` follows the
     events only (and costs the workers nothing).
     """
-    r = client_for(connection)
+    r = shards.route(connection, run_id)
     keys = RunKeys.of(run_id)
     if not r.exists(keys.run):
         raise RunNotFound(run_id)

@@ -3,7 +3,8 @@
 The same calls as ``agentpool`` (``enqueue_run``, ``get_run``, ``wait_for_run``, ``cancel_run``,
 ``approve``, ``resume``, ``send_message``, ``fork_run``, ``watch``), with the same arguments, results
 and errors, as coroutines (``watch`` as an async iterator). ``connection=`` takes a
-``redis.asyncio.Redis``; without it, one is made from ``REDIS_URL`` (one per event loop).
+``redis.asyncio.Redis``, or ``agentpool.Shards`` of them for a sharded pool; without it, one is made from
+``REDIS_URL`` (one per event loop), or one per shard from ``AGENTPOOL_SHARDS`` when that is set.
 
 They run the sync API's own code (``agentpool.aio.bridge``): every Redis command is awaited on the
 running loop, nothing blocks it, and no thread is used. Sentinel URLs need a client of your own
@@ -24,7 +25,7 @@ from redis.asyncio.retry import Retry
 from agentpool import client, conversation, watching
 from agentpool.aio.bridge import GreenRedis, run_sync
 from agentpool.client import Run
-from agentpool.runtime import connections, sentinel
+from agentpool.runtime import connections, sentinel, shards
 from agentpool.runtime.settings import Settings, check_redis_url
 
 __all__ = [
@@ -43,6 +44,9 @@ __all__ = [
 
 _default: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aredis.Redis] = weakref.WeakKeyDictionary()
 _bytes_clients: weakref.WeakKeyDictionary[Any, aredis.Redis] = weakref.WeakKeyDictionary()
+# AGENTPOOL_SHARDS's clients (one Shards per event loop), and the green twin of each Shards an app passes.
+_default_shards: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, shards.Shards] = weakref.WeakKeyDictionary()
+_green_shards: weakref.WeakKeyDictionary[shards.Shards, shards.Shards] = weakref.WeakKeyDictionary()
 
 
 def connect(url: str | None = None) -> aredis.Redis:
@@ -61,14 +65,26 @@ async def aclose() -> None:
     """Close the clients ``agentpool.aio`` made by itself: this loop's client from ``REDIS_URL`` (used when
     no ``connection`` is given) and the bytes twin it keeps beside a ``decode_responses=True`` client. An
     app calls it at shutdown, where it closes its own client (a FastAPI lifespan, say)."""
-    made = [_default.pop(asyncio.get_running_loop(), None), *_bytes_clients.values()]
+    loop = asyncio.get_running_loop()
+    sharded = _default_shards.pop(loop, None)
+    made = [_default.pop(loop, None), *_bytes_clients.values()]
+    made += [green._target for green in sharded.members] if sharded else []  # type: ignore[union-attr]
     _bytes_clients.clear()
     for made_client in made:
         if made_client is not None:
             await made_client.aclose(close_connection_pool=True)  # a twin was given its pool: close it too
 
 
-def _green(connection: aredis.Redis | None) -> GreenRedis:
+def _green(connection: aredis.Redis | shards.Shards | None) -> GreenRedis | shards.Shards:
+    if isinstance(connection, shards.Shards):
+        return _green_pool(connection)
+    if connection is None and shards.env_urls():
+        loop = asyncio.get_running_loop()
+        pool = _default_shards.get(loop)
+        if pool is None:
+            urls = shards.env_urls()
+            pool = _default_shards[loop] = shards.Shards([GreenRedis(connect(u)) for u in urls], origin=shards.ENV)
+        return pool
     if connection is None:
         loop = asyncio.get_running_loop()
         connection = _default.get(loop)
@@ -91,41 +107,63 @@ def _green(connection: aredis.Redis | None) -> GreenRedis:
     return GreenRedis(connection)
 
 
-async def enqueue_run(agent: str, task: str, *, connection: aredis.Redis | None = None, **options: Any) -> str:
+def _green_pool(pool: shards.Shards) -> shards.Shards:
+    """The Shards an app passes, its members seen as sync clients (the first time, checked and kept)."""
+    green = _green_shards.get(pool)
+    if green is None:
+        for i, member in enumerate(pool.members):
+            if not isinstance(member, aredis.Redis):
+                raise TypeError(
+                    f"agentpool.aio takes Shards of redis.asyncio clients; shard {i} is a {type(member).__name__} "
+                    "(make them with agentpool.aio.connect(url), or set AGENTPOOL_SHARDS)"
+                )
+        green = _green_shards[pool] = shards.Shards([_green(m) for m in pool.members], origin=pool.origin)
+    return green
+
+
+async def enqueue_run(
+    agent: str, task: str, *, connection: aredis.Redis | shards.Shards | None = None, **options: Any
+) -> str:
     """``agentpool.enqueue_run``'s options (``max_turns``, ``max_total_tokens``, ``max_cost_usd``, ``run_id``,
     ``check_agent``...). Loading the agent to check it imports its module in the loop's thread: an app
     that has the agent's code imports it at start-up, one that has not passes ``check_agent=False``."""
     return await run_sync(client.enqueue_run, agent, task, connection=_green(connection), **options)
 
 
-async def get_run(run_id: str, *, connection: aredis.Redis | None = None, window: bool = False) -> Run:
+async def get_run(run_id: str, *, connection: aredis.Redis | shards.Shards | None = None, window: bool = False) -> Run:
     return await run_sync(client.get_run, run_id, connection=_green(connection), window=window)
 
 
 async def cancel_run(
-    run_id: str, *, connection: aredis.Redis | None = None, reason: str = "cancelled by request"
+    run_id: str, *, connection: aredis.Redis | shards.Shards | None = None, reason: str = "cancelled by request"
 ) -> str:
     return await run_sync(client.cancel_run, run_id, connection=_green(connection), reason=reason)
 
 
 async def approve(
-    run_id: str, tool_use_id: str | None = None, *, connection: aredis.Redis | None = None, **decision: Any
+    run_id: str,
+    tool_use_id: str | None = None,
+    *,
+    connection: aredis.Redis | shards.Shards | None = None,
+    **decision: Any,
 ) -> list[str]:
     """``agentpool.approve``: ``approved`` (default True) and ``reason``."""
     return await run_sync(client.approve, run_id, tool_use_id, connection=_green(connection), **decision)
 
 
-async def resume(run_id: str, *, connection: aredis.Redis | None = None, **amounts: Any) -> Run:
+async def resume(run_id: str, *, connection: aredis.Redis | shards.Shards | None = None, **amounts: Any) -> Run:
     """``agentpool.resume``: ``add_turns``, ``add_tokens``, ``add_usd``."""
     return await run_sync(client.resume, run_id, connection=_green(connection), **amounts)
 
 
-async def send_message(run_id: str, content: Any, *, connection: aredis.Redis | None = None, **options: Any) -> str:
+async def send_message(
+    run_id: str, content: Any, *, connection: aredis.Redis | shards.Shards | None = None, **options: Any
+) -> str:
     """``agentpool.send_message``."""
     return await run_sync(conversation.send_message, run_id, content, connection=_green(connection), **options)
 
 
-async def fork_run(run_id: str, *, connection: aredis.Redis | None = None, **options: Any) -> str:
+async def fork_run(run_id: str, *, connection: aredis.Redis | shards.Shards | None = None, **options: Any) -> str:
     """``agentpool.fork_run``: ``at_turn``, ``fork_id``."""
     return await run_sync(conversation.fork_run, run_id, connection=_green(connection), **options)
 
@@ -134,12 +172,12 @@ async def wait_for_run(
     run_id: str,
     *,
     timeout: float = 300.0,
-    connection: aredis.Redis | None = None,
+    connection: aredis.Redis | shards.Shards | None = None,
     poll: float = 0.2,
     after_message: str | None = None,
 ) -> Run:
     """``agentpool.wait_for_run``, pausing with ``asyncio.sleep`` between reads."""
-    r = _green(connection)
+    r = await run_sync(shards.route, _green(connection), run_id)  # the run's shard on a sharded pool
     await run_sync(client.check_waitable, r, run_id, after_message)
     deadline = time.monotonic() + timeout
     while (state := await run_sync(client.waited_for, r, run_id, after_message)) is not None:
@@ -150,7 +188,7 @@ async def wait_for_run(
 
 
 async def watch(
-    run_id: str, *, connection: aredis.Redis | None = None, **options: Any
+    run_id: str, *, connection: aredis.Redis | shards.Shards | None = None, **options: Any
 ) -> AsyncIterator[dict[str, Any]]:
     """``agentpool.watch`` as an async iterator: ``since_start``, ``live_output``, ``block_ms``. Its
     blocking reads are awaited on the loop."""

@@ -7,7 +7,7 @@ nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``deferred
 ``redis`` (``--only``; default all; the long-run figures and streaming's share of the overhead are in
 ``bench_long.py``, the deferred turns' lateness under kills in ``bench_ha.py``, the rate limiter's
 429 share and throughput against the limit in ``bench_limits.py``, Redis's commands and CPU per turn in
-``bench_redis.py``).
+``bench_redis.py``, ``shards``: the same runs on one Redis and on two shards in ``bench_shards.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from agentpool.context import current_call
 from agentpool.runtime import connections
 from agentpool.tools import tool
 
-SECTIONS = ("overhead", "saves", "memory", "recovery", "deferred", "durability", "long", "limits", "redis")
+SECTIONS = ("overhead", "saves", "memory", "recovery", "deferred", "durability", "long", "limits", "redis", "shards")
 AGENT = "agentpool.ops.bench:bench_agent"
 MODEL = "claude-sonnet-5-5"
 GB = 1e9  # figures per GB use 10^9 bytes
@@ -123,6 +123,7 @@ class Lab:
             "PYTHONPATH": root,
         }
         env.pop("AGENTPOOL_FAULTS", None)
+        env.pop("AGENTPOOL_SHARDS", None)  # the workers serve the bench's Redis, never a pool's shards
         self.workers = WorkerProcesses(env, workdir)
         self.names = 0
 
@@ -857,6 +858,9 @@ def _lab(url: str | None) -> Iterator[Lab]:
 @click.option(
     "--redis-turns", type=click.IntRange(min=20), default=400, show_default=True, help="redis: turns measured."
 )
+@click.option(
+    "--shard-turns", type=click.IntRange(min=20), default=400, show_default=True, help="shards: turns measured."
+)
 def bench(
     url: str | None,
     only: tuple[str, ...],
@@ -885,6 +889,7 @@ def bench(
     limit_rpm: int,
     limit_itpm: int,
     redis_turns: int,
+    shard_turns: int,
 ) -> None:
     """Measure agentpool on this machine: per-turn overhead, save cost, memory, crash recovery."""
     from agentpool.runtime.settings import Settings
@@ -930,3 +935,7 @@ def bench(
             from agentpool.ops.bench_redis import bench_redis
 
             bench_redis(lab, redis_turns, threads)
+        if "shards" in sections:
+            from agentpool.ops.bench_shards import bench_shards
+
+            bench_shards(lab, shard_turns, threads)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from importlib import import_module
@@ -12,8 +13,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import click
 
 from agentpool.checks import InvalidLimit, limit_value
-from agentpool.ops.redisconn import OneLineErrors, describe, quick_client, target_url
+from agentpool.ops.redisconn import (
+    OneLineErrors,
+    describe,
+    pool_client,
+    quick_client,
+    shard_target,
+    shard_urls,
+    target_url,
+)
 from agentpool.runtime.settings import connect, redact_url
+from agentpool.runtime.shards import each, located, route
 from agentpool.store import ledger
 from agentpool.store.errors import AgentPoolError, RedisUnreachable
 from agentpool.store.keys import RunKeys
@@ -23,6 +33,7 @@ if TYPE_CHECKING:
     from redis import Redis
 
     from agentpool.client import Run
+    from agentpool.runtime.shards import Shards
 
 url_option = click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
 
@@ -120,6 +131,13 @@ def main() -> None:
     show_default=True,
     help="Address --metrics-port binds (0.0.0.0 for a Prometheus on another machine).",
 )
+@click.option(
+    "--shard",
+    "shard_picks",
+    multiple=True,
+    help="On a sharded pool (AGENTPOOL_SHARDS): a shard to serve, by its number, or all (repeatable; "
+    "default all). Several shards are served by a worker process each, under this one.",
+)
 def worker(
     url: str | None,
     queues: tuple[str, ...],
@@ -130,9 +148,11 @@ def worker(
     concurrency: int,
     metrics_port: int | None,
     metrics_host: str,
+    shard_picks: tuple[str, ...],
 ) -> None:
     """Run an RQ worker for agent turns, serving QUEUES in order (default: the queue default alone):
-    ``agentpool worker urgent default`` takes an urgent turn before any default one."""
+    ``agentpool worker urgent default`` takes an urgent turn before any default one. On a sharded pool
+    (AGENTPOOL_SHARDS) it serves every shard, or those given with --shard."""
     from rq.logutils import setup_loghandlers
 
     from agentpool.runtime.settings import Settings
@@ -145,10 +165,22 @@ def worker(
         raise click.BadParameter(str(exc), param_hint="QUEUES") from None
     # agentpool's own lines (events at INFO, takeovers, lost leases) beside RQ's, named by their logger.
     setup_loghandlers(log_level.upper(), name="agentpool", log_format="%(asctime)s %(name)s: %(message)s")
-    target = target_url(url)
+    served, urls = _shards_served(url, shard_picks)
+    if len(served) > 1:
+        _serve_shards(url, urls, served, queues, name, burst, log_level, concurrency, metrics_port, metrics_host)
+        return
+    if served:
+        from agentpool.worker.spread import adopted
+
+        adopted()  # started by a worker serving several shards: end with it
+        target = shard_target(served[0], urls[served[0]])
+        os.environ["REDIS_URL"] = target  # what this process and the ones it starts connect to
+    else:
+        target = target_url(url)
     # A threaded worker's turns, RQ's heartbeat thread, the lease keeper and the reaper share its pool.
     r = connect(target, max_connections=2 * concurrency + 16 if concurrency > 1 else None)
-    click.echo(f"agentpool worker on {redact_url(target)}", err=True)
+    which = f" (shard {served[0]} of {len(urls)})" if served else ""
+    click.echo(f"agentpool worker on {redact_url(target)}{which}", err=True)
     # Say now, in one line, if Redis cannot be reached: at once for a burst worker (a script waits on
     # it), after riding out a restart (the client's ~15 s of retries) for a long-lived one.
     (quick_client(target) if burst else r).ping()
@@ -189,6 +221,55 @@ def worker(
     )
 
 
+def _shards_served(url: str | None, picks: tuple[str, ...]) -> tuple[list[int], tuple[str, ...]]:
+    """The shards this worker serves (none: not a sharded pool, or --url given) and every shard's URL."""
+    urls = shard_urls(url)
+    if not urls:
+        if picks:
+            raise click.UsageError("--shard needs AGENTPOOL_SHARDS (the shards' Redis URLs), and no --url")
+        return [], ()
+    if not picks or "all" in picks:
+        return list(range(len(urls))), urls
+    chosen = []
+    for pick in picks:
+        if not pick.isdigit() or int(pick) >= len(urls):
+            raise click.BadParameter(
+                f"{pick!r}: {len(urls)} shards are listed in AGENTPOOL_SHARDS, 0 to {len(urls) - 1} (or all)",
+                param_hint="--shard",
+            )
+        chosen.append(int(pick))
+    return list(dict.fromkeys(chosen)), urls
+
+
+def _serve_shards(
+    url: str | None,
+    urls: tuple[str, ...],
+    served: list[int],
+    queues: tuple[str, ...],
+    name: str | None,
+    burst: bool,
+    log_level: str,
+    concurrency: int,
+    metrics_port: int | None,
+    metrics_host: str,
+) -> None:
+    """A worker process per shard (``agentpool.worker.spread``), this one watching them."""
+    from agentpool.worker.spread import ShardWorkers
+
+    if metrics_port:
+        from agentpool.ops.metrics import scrape_client, start_metrics_server
+
+        try:
+            start_metrics_server(metrics_port, scrape_client(url), host=metrics_host)
+        except OSError as exc:
+            raise click.ClickException(f"cannot listen on {metrics_host}:{metrics_port}: {exc}") from None
+    click.echo(f"agentpool worker on shards {', '.join(map(str, served))} of {len(urls)}: a process each", err=True)
+    args = ["--log-level", log_level, "--concurrency", str(concurrency), *(["--burst"] if burst else []), *queues]
+    code = ShardWorkers({shard: urls[shard] for shard in served}, args, burst=burst, name=name).run()
+    if code:
+        sys.exit(code)
+
+
 @main.command()
 @url_option
 @click.argument("agent")
@@ -226,7 +307,7 @@ def enqueue(
     _timeout_needs_wait(timeout, wait)
     if "" not in sys.path:  # the agent is looked for where `agentpool worker` looks: the current directory
         sys.path.insert(0, "")
-    r = quick_client(url)
+    r = pool_client(url)
     try:
         run_id = enqueue_run(
             agent,
@@ -276,7 +357,7 @@ def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> 
     from agentpool.client import list_runs
     from agentpool.runtime import deferred
 
-    r = quick_client(url)
+    r = pool_client(url)
     rows = list_runs(connection=r, limit=limit, status=status, agent=agent)
     click.echo(
         f"{'ID':<28} {'AGENT':<32} {'QUEUE':<10} {'STATUS':<17} {'TURNS':>5} {'TOKENS':>9} {'COST':>9} {'AGE':>5}  NOTE"
@@ -287,7 +368,8 @@ def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> 
             f"{run.id:<28} {run.agent[:32]:<32} {run.queue[:10]:<10} {run.status:<17} {run.turns:>5} {run.total_tokens:>9} "
             f"{'$' + format(run.cost_usd, '.4f'):>9} {_age(now - run.created_at):>5}  {_short_note(run, now)}".rstrip()
         )
-    count, overdue = deferred.summary(r)
+    summaries = [deferred.summary(client) for _shard, client in each(r)]
+    count, overdue = sum(n for n, _ in summaries), max(late for _, late in summaries)
     if count:  # not RQ jobs until due, so `rq info` does not count them
         late = f"; the oldest due one is {overdue:.0f} s overdue: is any worker running?" if overdue > 2 else ""
         click.echo(
@@ -341,7 +423,7 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
     """A run's header, its child runs, conversation, pending tool_uses and ledger."""
     from agentpool.client import get_run, run_tree
 
-    r = quick_client(url)
+    r, shard = located(pool_client(url), run_id)  # on a sharded pool, the shard holding it
     try:
         run = get_run(run_id, connection=r)
         entries = _in_call_order(run.messages, ledger.read_all(r, RunKeys.of(run_id)))
@@ -350,11 +432,13 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
     if as_json:
         doc = run.to_dict()
         doc["ledger"] = entries
+        if shard is not None:
+            doc["shard"] = shard
         click.echo(json.dumps(doc, ensure_ascii=False, default=str))
         return
     click.echo(
         f"run {run.id}  agent {run.agent}  queue {run.queue}  status {run.status}  turns {run.turns}  "
-        f"tokens {run.total_tokens}  cost ${run.cost_usd:.4f}"
+        f"tokens {run.total_tokens}  cost ${run.cost_usd:.4f}" + (f"  shard {shard}" if shard is not None else "")
     )
     click.echo("usage " + ", ".join(f"{k}={v}" for k, v in run.usage.items()))
     if run.parent or run.children:
@@ -445,7 +529,7 @@ def cancel(url: str | None, run_id: str) -> None:
     from agentpool.client import cancel_run
 
     try:
-        before = cancel_run(run_id, connection=quick_client(url))
+        before = cancel_run(run_id, connection=pool_client(url))
     except AgentPoolError as exc:
         _refuse(exc)
     click.echo(
@@ -481,20 +565,20 @@ def approve(
     if every_run:
         if run_id is not None:
             raise click.UsageError("give a RUN_ID or --all, not both")
-        _decide_all(quick_client(url), agent=agent, approved=not deny, reason=reason, yes=yes)
+        _decide_all(pool_client(url), agent=agent, approved=not deny, reason=reason, yes=yes)
         return
     if run_id is None:
         raise click.UsageError("give the RUN_ID to decide on, or --all (and --agent) for every run waiting")
     if agent is not None or yes:
         raise click.UsageError("--agent and --yes go with --all")
     try:
-        decided = decide(run_id, tool_use_id, approved=not deny, reason=reason, connection=quick_client(url))
+        decided = decide(run_id, tool_use_id, approved=not deny, reason=reason, connection=pool_client(url))
     except AgentPoolError as exc:
         _refuse(exc)
     click.echo(f"{'denied' if deny else 'approved'}: {', '.join(decided)}")
 
 
-def _decide_all(r: Redis, *, agent: str | None, approved: bool, reason: str | None, yes: bool) -> None:
+def _decide_all(r: Redis | Shards, *, agent: str | None, approved: bool, reason: str | None, yes: bool) -> None:
     """Decide on every call the waiting runs (of ``agent``) wait on: exactly the calls shown before the
     confirmation, so that a call a run asks for meanwhile is never decided unseen."""
     from agentpool.client import get_run, list_runs
@@ -525,7 +609,7 @@ def _decide_all(r: Redis, *, agent: str | None, approved: bool, reason: str | No
     for run in waiting:
         ids = [call["id"] for call in run.awaiting_approval]
         try:  # one transaction per run: all its calls decided, then its turn queued
-            decide(r, run.id, ids, approved=approved, reason=reason or "", by="person")
+            decide(route(r, run.id), run.id, ids, approved=approved, reason=reason or "", by="person")
         except AgentPoolError as exc:
             failed += 1
             click.echo(f"{run.id}: not decided: {exc}", err=True)
@@ -549,7 +633,7 @@ def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_us
     from agentpool.client import resume as resume_run
     from agentpool.client import run_tree
 
-    r = quick_client(url)
+    r = pool_client(url)
 
     def stopped_below() -> list[str]:
         def walk(nodes: list[dict[str, Any]]) -> list[str]:
@@ -588,7 +672,7 @@ def send(url: str | None, run_id: str, text: str, message_id: str | None, wait: 
     from agentpool.conversation import send_message
 
     _timeout_needs_wait(timeout, wait)
-    r = quick_client(url)
+    r = pool_client(url)
     try:
         sent = send_message(run_id, text, message_id=message_id, connection=r)
     except (AgentPoolError, ValueError) as exc:
@@ -612,7 +696,7 @@ def fork(url: str | None, run_id: str, at_turn: int | None, fork_id: str | None)
     from agentpool.client import get_run
     from agentpool.conversation import fork_run
 
-    r = quick_client(url)
+    r = pool_client(url)
     try:
         new_id = fork_run(run_id, at_turn=at_turn, fork_id=fork_id, connection=r)
         run = get_run(new_id, connection=r)
@@ -631,7 +715,7 @@ def watch(url: str | None, run_id: str, events_only: bool) -> None:
     from agentpool.store import checkpoint
     from agentpool.watching import watch as follow
 
-    r = quick_client(url)
+    r = route(pool_client(url), run_id)
     try:
         state = checkpoint.load_run(r, run_id, with_messages=False)
     except AgentPoolError as exc:
@@ -718,20 +802,26 @@ def reap(url: str | None, interval: float, once: bool) -> None:
         done.append(run_id)
         click.echo(f"{time.strftime('%H:%M:%S')} {run_id}: {what}")
 
-    # --once answers now; the loop, like a worker, rides out a Redis restart.
-    r = quick_client(url) if once else connect(target_url(url))
+    # --once answers now; the loop, like a worker, rides out a Redis restart. On a sharded pool, every
+    # shard is reaped in turn (a shard's reaper reads only its shard: it needs no other).
+    urls = shard_urls(url)
+    if once:
+        pool = [r for _shard, r in each(pool_client(url))]
+    else:
+        pool = [connect(u) for u in urls] if urls else [connect(target_url(url))]
     while True:
-        try:
-            reap_once(r, report=report)
-            if once:
-                if not done:
-                    watched = r.zcard(RUNS_WATCH)
-                    click.echo(f"nothing to do: none of the {watched} runs watched is orphaned or past a deadline")
-                return
-        except RedisError as exc:
-            if once:
-                raise
-            click.echo(f"warning: {describe(exc)}; retrying", err=True)
+        for r in pool:
+            try:
+                reap_once(r, report=report)
+            except RedisError as exc:
+                if once:
+                    raise
+                click.echo(f"warning: {describe(exc)}; retrying", err=True)
+        if once:
+            if not done:
+                watched = sum(r.zcard(RUNS_WATCH) for r in pool)
+                click.echo(f"nothing to do: none of the {watched} runs watched is orphaned or past a deadline")
+            return
         time.sleep(interval)
 
 
@@ -751,25 +841,49 @@ def genkey() -> None:
     help="Also exit non-zero when a server setting puts runs at risk (an evicting maxmemory-policy, cluster mode) "
     "or cannot be checked: for a deploy pipeline, not for probes.",
 )
-def check(url: str | None, strict: bool) -> None:
+@click.option(
+    "--shard",
+    "shard_picks",
+    multiple=True,
+    help="On a sharded pool: check only this shard (repeatable), as a probe of a worker serving it should.",
+)
+def check(url: str | None, strict: bool, shard_picks: tuple[str, ...]) -> None:
     """Exit 0 if Redis answers within 2 s (for liveness/readiness probes), non-zero otherwise. Server
     settings that put runs at risk, and a durability guard that cannot be met (no replica acknowledges),
-    are printed as warnings (and fail the check with --strict)."""
+    are printed as warnings (and fail the check with --strict). On a sharded pool, every shard (or
+    those given with --shard)."""
+    from redis.exceptions import RedisError
+
     from agentpool.runtime.durability import unmet
     from agentpool.runtime.redis_checks import hazards
 
-    client = quick_client(url, socket_timeout=2)
-    try:
-        client.ping()
-        found = hazards(client)
-        guard = unmet(client)
-        found += [guard] if guard else []
-    finally:
-        client.close()
+    picked = _shards_served(url, shard_picks)[0] if shard_picks else None
+    pool = pool_client(url, socket_timeout=2)
+    found: list[str] = []
+    unreachable = 0
+    for shard, client in each(pool):
+        if picked is not None and shard not in picked:
+            client.close()
+            continue
+        said = f"{pool.name(shard)}: " if shard is not None else ""  # type: ignore[union-attr]
+        try:
+            client.ping()
+            found += [said + hazard for hazard in hazards(client)]
+            guard = unmet(client)
+            found += [said + guard] if guard else []
+        except RedisError as exc:
+            if shard is None:
+                raise  # one Redis: the group's one line says where
+            click.echo(f"error: {describe(exc)}", err=True)  # every shard is checked and each failure said
+            unreachable += 1
+        finally:
+            client.close()
     for hazard in found:
         click.echo(f"warning: {hazard}", err=True)
     if strict and found:
         raise click.ClickException(f"{len(found)} problem(s) put runs at risk or make them wait (above)")
+    if unreachable:
+        sys.exit(1)
     click.echo("ok")
 
 

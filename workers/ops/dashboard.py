@@ -20,6 +20,8 @@ below, which read Redis through ``agentpool.client`` and ``store``::
 
 Errors are ``{"error": text}``: 400 bad input (NaN, an unknown status), 401, 403, 404, 409 refused by
 the run's state (a resume that cannot help), 415, 503 Redis unavailable. docs/operations.md documents it all.
+On a sharded pool (``AGENTPOOL_SHARDS``) the list merges every shard's runs, newest first, and a run's
+endpoints read the shard that holds it; each run (row and header) then says its ``shard``.
 
 Security. Bound to a loopback address and given no token, anyone on this machine may act, and requests
 naming another Host are refused (a DNS-rebinding page cannot reach it). Bound anywhere else, it refuses
@@ -51,10 +53,11 @@ from redis.exceptions import RedisError
 
 from agentpool import client, conversation
 from agentpool.checks import InvalidLimit, limit_value
-from agentpool.ops.redisconn import quick_client, target_url, warn_if_unreachable
+from agentpool.ops.redisconn import pool_client, target_url, warn_if_unreachable
 from agentpool.ops.timeline import timeline
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import redact_url
+from agentpool.runtime.shards import Shards, each, located
 from agentpool.store import children, events, handback, inbox, ledger, live, runs_index
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.keys import RunKeys
@@ -159,6 +162,17 @@ def list_rows(r: Redis, *, status: str | None, agent: str | None, limit: int) ->
         handbacks = pipe.execute()
     rows = [_row(run, now, handback.decode(raw)) for run, raw in zip(picked, handbacks)]
     return {"now": now, "runs": rows, "agents": sorted(agents), "statuses": sorted(STATUSES)}
+
+
+def pool_rows(pool: Redis | Shards, *, status: str | None, agent: str | None, limit: int) -> dict[str, Any]:
+    """``list_rows`` of one Redis, or of every shard merged newest first (each row saying its shard)."""
+    if not isinstance(pool, Shards):
+        return list_rows(pool, status=status, agent=agent, limit=limit)
+    pages = [list_rows(r, status=status, agent=agent, limit=limit) for _shard, r in each(pool)]
+    rows = [{**row, "shard": shard} for shard, page in enumerate(pages) for row in page["runs"]]
+    rows.sort(key=lambda row: (row["created_at"], row["id"]), reverse=True)
+    agents = sorted({name for page in pages for name in page["agents"]})
+    return {"now": time.time(), "runs": rows[:limit], "agents": agents, "statuses": sorted(STATUSES)}
 
 
 def _slim(block: Any) -> Any:
@@ -317,7 +331,7 @@ def act(r: Redis, run_id: str, action: str, body: dict[str, Any]) -> dict[str, A
 class DashboardServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], r: Redis, token: str | None) -> None:
+    def __init__(self, address: tuple[str, int], r: Redis | Shards, token: str | None) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.r, self.token = r, token
@@ -411,7 +425,7 @@ class Handler(BaseHTTPRequestHandler):
     # -- routes --
 
     def _api(self, path: str, query: dict[str, list[str]]) -> dict[str, Any]:
-        r = self.server.r
+        pool = self.server.r
 
         def arg(name: str) -> str:
             return (query.get(name) or [""])[0]
@@ -430,13 +444,17 @@ class Handler(BaseHTTPRequestHandler):
                 raise HttpError(
                     HTTPStatus.BAD_REQUEST, f"unknown status {arg('status')!r}; valid: {', '.join(sorted(STATUSES))}"
                 )
-            return list_rows(r, status=arg("status") or None, agent=arg("agent") or None, limit=limit)
+            return pool_rows(pool, status=arg("status") or None, agent=arg("agent") or None, limit=limit)
         match = RUN_PATH.match(path)
         if not match:
             raise HttpError(HTTPStatus.NOT_FOUND, "no such endpoint")
         run_id, sub = match.group(1), (match.group(2) or "").lstrip("/")
+        r, shard = located(pool, run_id)  # one Redis, or the shard that holds the run
         if self.command == "GET" and not sub:
-            return run_detail(r, run_id, max(number("from", 0), 0))
+            detail = run_detail(r, run_id, max(number("from", 0), 0))
+            if shard is not None:
+                detail["run"]["shard"] = shard
+            return detail
         if self.command == "GET" and sub == "events":
             after = arg("after") or "0-0"
             if not re.fullmatch(r"\d+-\d+", after):
@@ -481,8 +499,11 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def make_server(r: Redis, host: str = "127.0.0.1", port: int = 8000, token: str | None = None) -> DashboardServer:
-    """The server, bound and ready for ``serve_forever()``. Refuses a non-loopback address without a token."""
+def make_server(
+    r: Redis | Shards, host: str = "127.0.0.1", port: int = 8000, token: str | None = None
+) -> DashboardServer:
+    """The server, bound and ready for ``serve_forever()``, reading one Redis or a sharded pool's
+    ``Shards``. Refuses a non-loopback address without a token."""
     if not token and not is_loopback(host):
         raise ValueError(
             f"the dashboard would listen on {host}, beyond this machine, with no token: set {TOKEN_ENV} "
@@ -506,8 +527,8 @@ def make_server(r: Redis, host: str = "127.0.0.1", port: int = 8000, token: str 
 def dashboard(url: str | None, host: str, port: int, token: str | None) -> None:
     """Serve a web page for watching and steering runs."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    target = target_url(url)
-    r = quick_client(url, health_check_interval=30)
+    r = pool_client(url, health_check_interval=30)
+    source = redact_url(target_url(url)) if not isinstance(r, Shards) else ", ".join(r.names)
     try:
         server = make_server(r, host, port, token)
     except ValueError as exc:
@@ -517,7 +538,7 @@ def dashboard(url: str | None, host: str, port: int, token: str | None) -> None:
     shown = f"[{host}]" if ":" in host else host
     click.echo(
         f"agentpool dashboard on http://{shown}:{server.server_address[1]}/ "
-        f"({'token required' if token else 'no token: localhost only'}) from {redact_url(target)}",
+        f"({'token required' if token else 'no token: localhost only'}) from {source}",
         err=True,
     )
     warn_if_unreachable(r, "the page shows 'Redis unavailable' until it answers")

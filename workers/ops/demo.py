@@ -160,6 +160,7 @@ def demo(n_runs: int, n_workers: int, real: bool, lease_ttl: float, timeout: flo
             "AGENTPOOL_REAPER_INTERVAL": "0.5",
             "AGENTPOOL_DEMO_OUTBOX": str(tmp / "outbox.jsonl"),
         }
+        env.pop("AGENTPOOL_SHARDS", None)  # as REDIS_URL: an app's shards are never the demo's
         if real:
             screen.say("Model: the real Anthropic API")
         else:

@@ -2,13 +2,25 @@
 pool learned from the API's headers, what ``AGENTPOOL_RATE_LIMITS`` sets here, what is left and reserved
 now, and how many turns wait in line; every concurrency key's turns in flight, waiting and limit.
 ``set KEY N`` / ``unset KEY``: an operator's limit for a concurrency key, which wins over the runs' own
-``max_concurrency``."""
+``max_concurrency``.
+
+On a sharded pool (``AGENTPOOL_SHARDS``) each shard keeps its own budgets (an equal part of each limit:
+docs/sharding.md), shown shard by shard; an operator's concurrency limit is set on every shard.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
-from agentpool.ops.redisconn import quick_client
+from agentpool.ops.redisconn import pool_client
+from agentpool.runtime.shards import each
+
+if TYPE_CHECKING:
+    from redis import Redis
+
+    from agentpool.runtime.settings import Settings
 
 url_option = click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
 _LABELS = {"requests": "requests/min", "input": "input tokens/min", "output": "output tokens/min"}
@@ -28,7 +40,8 @@ def set_limit(url: str | None, key: str, limit: int) -> None:
     from agentpool.store import concurrency
 
     try:
-        concurrency.set_limit(quick_client(url), key, limit)
+        for _shard, r in each(pool_client(url)):  # every shard: a key's runs may be on any after a shard is added
+            concurrency.set_limit(r, key, limit)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="KEY") from None
     click.echo(f"{key}: at most {limit} turn(s) in flight")
@@ -42,7 +55,8 @@ def unset_limit(url: str | None, key: str) -> None:
     from agentpool.store import concurrency
 
     try:
-        concurrency.set_limit(quick_client(url), key, None)
+        for _shard, r in each(pool_client(url)):
+            concurrency.set_limit(r, key, None)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="KEY") from None
     click.echo(f"{key}: the runs' own max_concurrency holds")
@@ -53,17 +67,26 @@ def unset_limit(url: str | None, key: str) -> None:
 def show(url: str | None) -> None:
     """Each model's budget: limits learned and set, what is left now, what calls in flight hold."""
     from agentpool.runtime.settings import Settings
+    from agentpool.runtime.shards import Shards
+
+    settings = Settings.from_env()
+    pool = pool_client(url)
+    for shard, r in each(pool):
+        if isinstance(pool, Shards) and shard is not None:
+            click.echo(f"{chr(10) if shard else ''}{pool.name(shard)}: its part (1/{len(pool)}) of each limit")
+        _show(r, settings, shards=len(settings.shards))
+
+
+def _show(r: Redis, settings: Settings, *, shards: int) -> None:
     from agentpool.store import ratelimit
     from agentpool.store.clock import now_ms
 
-    settings = Settings.from_env()
-    r = quick_client(url)
     views = ratelimit.show(r)
     if not views:
         click.echo("no model call has gone through the pool's rate limiter yet")
     minute = settings.rate_limit_minute
     for view in views:
-        configured = _configured(settings.rate_limits, view.model)
+        configured = _configured(settings.rate_limits, view.model, shards)
         click.echo(f"{view.model}: {view.held['calls']} call(s) in flight, {view.waiting} turn(s) waiting in line")
         click.echo(f"  {'':<18} {'learned':>10} {'set here':>10} {'in force':>10} {'left now':>10} {'reserved':>10}")
         for dim in ratelimit.DIMENSIONS:
@@ -91,10 +114,11 @@ def show(url: str | None) -> None:
         click.echo(f"{view.key:<30} {limit:>9} {view.in_flight:>9} {view.waiting:>8}")
 
 
-def _configured(configured: dict, model: str) -> dict[str, int]:
+def _configured(configured: dict, model: str, shards: int) -> dict[str, int]:
+    from agentpool.runtime.ratelimit import shard_part
     from agentpool.store.ratelimit import Limits
 
-    chosen: Limits = configured.get(model) or configured.get("*") or Limits()
+    chosen: Limits = shard_part(configured.get(model) or configured.get("*") or Limits(), shards)
     return {
         d: v for d, v in zip(("requests", "input", "output"), (chosen.rpm, chosen.itpm, chosen.otpm), strict=True) if v
     }

@@ -12,6 +12,13 @@ count. ``ap:runs`` keeps every run ever created, so the status count looks only 
 of HGET status. Runs older than that window are left out of ``agentpool_runs`` and counted in
 ``agentpool_runs_indexed``; runs that are queued or running are also counted exactly, whatever their
 age, by ``agentpool_runs_active`` (the reaper's watch set).
+
+On a sharded pool (``AGENTPOOL_SHARDS``) every family is the sum over the shards (the longest wait for
+the two ``..._seconds`` gauges, ``max_runs`` per shard for ``agentpool_runs``), and what tells a shard
+from another is exported per shard too, with a ``shard`` label: ``agentpool_shard_up``, and
+``agentpool_shard_turns``, ``..._runs_active``, ``..._queue_jobs``, ``..._workers``, ``..._turns_deferred``
+and ``..._turns_deferred_overdue_seconds``. A shard that does not answer makes ``agentpool_redis_up`` 0
+and leaves the sums out of that scrape (a sum missing a shard would look like a counter reset).
 """
 
 from __future__ import annotations
@@ -30,9 +37,10 @@ from redis.exceptions import RedisError
 from rq import Queue
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
-from agentpool.ops.redisconn import quick_client, target_url, warn_if_unreachable
+from agentpool.ops.redisconn import pool_client, target_url, warn_if_unreachable
 from agentpool.runtime import deferred
 from agentpool.runtime.settings import redact_url
+from agentpool.runtime.shards import Shards, each
 from agentpool.store import stats
 from agentpool.store.keys import DEFAULT_QUEUE, RUNS, RUNS_WATCH, TURN_QUEUE, RunKeys
 from agentpool.store.records import STATUSES
@@ -125,14 +133,17 @@ def _split(field_name: str) -> tuple[str, dict[str, str]]:
 class PoolCollector(Collector):
     """Reads the pool's state from Redis on every ``collect()``; holds no state of its own."""
 
-    def __init__(self, r: Redis, *, max_runs: int = DEFAULT_MAX_RUNS) -> None:
+    def __init__(self, r: Redis | Shards, *, max_runs: int = DEFAULT_MAX_RUNS) -> None:
         self.r = r
         self.max_runs = max_runs
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("agentpool_redis_up", "1 if Redis answered this scrape, 0 if it did not.")
+        if isinstance(self.r, Shards):
+            yield from self._sharded(up)
+            return
         try:
-            families = [*self._from_stats(stats.read_all(self.r)), *self._runs(), *self._queue()]
+            families = self.families()
         except RedisError as exc:
             log.warning("metrics scrape: Redis failed: %s", exc)
             up.add_metric([], 0)
@@ -141,6 +152,32 @@ class PoolCollector(Collector):
         up.add_metric([], 1)
         yield up
         yield from families
+
+    def families(self) -> list[Metric]:
+        """Every family but ``agentpool_redis_up``, read from this collector's one Redis."""
+        return [*self._from_stats(stats.read_all(self.r)), *self._runs(), *self._queue()]
+
+    # -- a sharded pool ----------------------------------------------------------------------
+
+    def _sharded(self, up: GaugeMetricFamily) -> Iterator[Metric]:
+        shard_up = GaugeMetricFamily(
+            "agentpool_shard_up", "1 if the shard's Redis answered this scrape, 0 if it did not.", labels=["shard"]
+        )
+        per_shard: list[list[Metric]] = []
+        for shard, client in each(self.r):
+            try:
+                per_shard.append(PoolCollector(client, max_runs=self.max_runs).families())
+                shard_up.add_metric([str(shard)], 1)
+            except RedisError as exc:
+                log.warning("metrics scrape: shard %s's Redis failed: %s", shard, exc)
+                shard_up.add_metric([str(shard)], 0)
+        whole = len(per_shard) == len(self.r)  # type: ignore[arg-type]
+        up.add_metric([], 1 if whole else 0)
+        yield up
+        yield shard_up
+        if whole:
+            yield from merged(per_shard)
+            yield from by_shard(per_shard)
 
     # -- ap:stats ----------------------------------------------------------------------------
 
@@ -291,6 +328,57 @@ class PoolCollector(Collector):
         ]
 
 
+# Families whose pool-wide value is the largest shard's (a wait), not the sum; and those also exported per shard.
+LONGEST = frozenset({"agentpool_turns_deferred_overdue_seconds", "agentpool_replica_wait_seconds"})
+PER_SHARD = (
+    "agentpool_turns",
+    "agentpool_runs_active",
+    "agentpool_queue_jobs",
+    "agentpool_workers",
+    "agentpool_turns_deferred",
+    "agentpool_turns_deferred_overdue_seconds",
+)
+
+
+def merged(per_shard: list[list[Metric]]) -> list[Metric]:
+    """The shards' families as one pool's: each sample summed over the shards (or their largest, LONGEST)."""
+    out: dict[str, Metric] = {}
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for families in per_shard:
+        for family in families:
+            if family.name not in out:
+                out[family.name] = Metric(family.name, family.documentation, family.type)
+                values[family.name] = {}
+            seen = values[family.name]
+            for sample in family.samples:
+                key = (sample.name, tuple(sample.labels.items()))
+                before = seen.get(key)
+                if before is None:
+                    seen[key] = sample.value
+                else:
+                    seen[key] = max(before, sample.value) if family.name in LONGEST else before + sample.value
+    for name, family in out.items():
+        for (sample_name, labels), value in values[name].items():
+            family.add_sample(sample_name, dict(labels), value)
+    return list(out.values())
+
+
+def by_shard(per_shard: list[list[Metric]]) -> list[Metric]:
+    """The PER_SHARD families again, as ``agentpool_shard_<name>`` with a ``shard`` label."""
+    out: dict[str, Metric] = {}
+    for shard, families in enumerate(per_shard):
+        for family in families:
+            if family.name not in PER_SHARD:
+                continue
+            name = family.name.replace("agentpool_", "agentpool_shard_", 1)
+            if name not in out:
+                out[name] = Metric(name, f"{family.documentation} Per shard.", family.type)
+            for sample in family.samples:
+                renamed = sample.name.replace("agentpool_", "agentpool_shard_", 1)
+                out[name].add_sample(renamed, {"shard": str(shard), **sample.labels}, sample.value)
+    return list(out.values())
+
+
 def agentpool_queues(r: Redis) -> list[str]:
     """The RQ names of agentpool's queues that exist (``agentpool`` always first, then by name)."""
     prefix = Queue.redis_queue_namespace_prefix
@@ -316,16 +404,16 @@ def _histogram(metric: str, help_text: str, buckets: Mapping[str, float], total:
     return HistogramMetricFamily(f"agentpool_{metric}", help_text, buckets=rows, sum_value=total)
 
 
-def scrape_client(url: str | None = None) -> Redis:
+def scrape_client(url: str | None = None) -> Redis | Shards:
     """The client a metrics endpoint reads Redis with: short timeouts and no retries (redis-py retries
     three times by default), so with Redis hung or gone a scrape answers ``agentpool_redis_up 0`` within
     Prometheus's scrape timeout instead of hanging, each hung scrape holding a thread and a connection.
     Never a worker's own client: that one retries for ~15 s and has no socket timeout, to ride out a
-    Redis restart without failing a turn."""
-    return quick_client(url, socket_timeout=5, retries=0)
+    Redis restart without failing a turn. On a sharded pool, such a client per shard."""
+    return pool_client(url, socket_timeout=5, retries=0)
 
 
-def registry_for(r: Redis, *, max_runs: int = DEFAULT_MAX_RUNS) -> CollectorRegistry:
+def registry_for(r: Redis | Shards, *, max_runs: int = DEFAULT_MAX_RUNS) -> CollectorRegistry:
     """A registry holding only the pool collector (no process metrics: they would describe the
     exporter, not the pool)."""
     registry = CollectorRegistry(auto_describe=False)
@@ -333,7 +421,9 @@ def registry_for(r: Redis, *, max_runs: int = DEFAULT_MAX_RUNS) -> CollectorRegi
     return registry
 
 
-def start_metrics_server(port: int, r: Redis, *, host: str = "127.0.0.1", max_runs: int = DEFAULT_MAX_RUNS) -> None:
+def start_metrics_server(
+    port: int, r: Redis | Shards, *, host: str = "127.0.0.1", max_runs: int = DEFAULT_MAX_RUNS
+) -> None:
     """Serve ``/metrics`` on ``host:port`` from a daemon thread (it dies with the worker), reading
     Redis through ``r``: give it a ``scrape_client``."""
     start_http_server(port, addr=host, registry=registry_for(r, max_runs=max_runs))
@@ -363,7 +453,8 @@ def metrics(url: str | None, port: int, host: str, max_runs: int) -> None:
         start_metrics_server(port, r, host=host, max_runs=max_runs)
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
-    click.echo(f"agentpool metrics on http://{host}:{port}/metrics from {redact_url(target_url(url))}", err=True)
+    source = ", ".join(r.names) if isinstance(r, Shards) else redact_url(target_url(url))
+    click.echo(f"agentpool metrics on http://{host}:{port}/metrics from {source}", err=True)
     warn_if_unreachable(r, "serving agentpool_redis_up 0 until it answers")
     try:
         threading.Event().wait()

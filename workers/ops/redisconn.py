@@ -5,6 +5,10 @@ typing ``agentpool runs`` wants an answer now. So the interactive commands use :
 (2 s to connect, one quick retry), and :class:`OneLineErrors` turns whatever Redis error escapes a
 command into ``error: Redis unreachable at redis://host:port/0 (from REDIS_URL): Connection refused``
 instead of a traceback. URLs are always shown without their password.
+
+On a sharded pool (``AGENTPOOL_SHARDS``), :func:`pool_client` gives the commands that read the whole pool
+a :class:`~agentpool.runtime.shards.Shards` of such clients (``--url`` on the command line still names
+one Redis: a shard of its own), and an error names the shard that failed.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import re
 import sys
 from typing import Any
+from urllib.parse import urlsplit
 
 import click
 from click.core import ParameterSource
@@ -19,7 +24,7 @@ from redis import Redis
 from redis.exceptions import AuthenticationError, ConnectionError, RedisError, ResponseError, TimeoutError
 from redis.sentinel import MasterNotFoundError
 
-from agentpool.runtime import connections
+from agentpool.runtime import connections, shards
 from agentpool.runtime.settings import BadRedisUrl, Settings, check_redis_url, redact_url
 from agentpool.store.errors import RedisUnreachable
 
@@ -49,13 +54,43 @@ def quick_client(
 ) -> Redis:
     """A client for a command a person waits on: 2 s to connect, one quick retry (also after a
     connection that went silent for ``socket_timeout``), no 15 s ride-out."""
+    return _quick(target_url(url, param=param), socket_timeout=socket_timeout, retries=retries, **options)
+
+
+def _quick(url: str, *, socket_timeout: float = 10.0, retries: int = 1, **options: Any) -> Redis:
     return connections.build(
-        target_url(url, param=param),
-        retry=connections.quick(retries),
-        socket_timeout=socket_timeout,
-        socket_connect_timeout=2,
-        **options,
+        url, retry=connections.quick(retries), socket_timeout=socket_timeout, socket_connect_timeout=2, **options
     )
+
+
+def shard_urls(url: str | None, *, param: str = "url") -> tuple[str, ...]:
+    """The shards a command serves or reads: ``AGENTPOOL_SHARDS``'s, unless ``--url`` was given on the
+    command line (then none: that one Redis); empty when it is not set. A bad list is a BadShards."""
+    ctx = click.get_current_context(silent=True)
+    given = ctx is not None and param in ctx.params and ctx.get_parameter_source(param) is ParameterSource.COMMANDLINE
+    if given and url:
+        return ()
+    return shards.env_urls()
+
+
+def pool_client(
+    url: str | None, *, socket_timeout: float = 10.0, retries: int = 1, param: str = "url", **options: Any
+) -> Redis | shards.Shards:
+    """For a command that reads the whole pool: ``quick_client``'s Redis, or on a sharded pool a
+    ``Shards`` of such clients, one per shard (``shard_urls``)."""
+    urls = shard_urls(url, param=param)
+    if not urls:
+        return quick_client(url, socket_timeout=socket_timeout, retries=retries, param=param, **options)
+    _target.update(url=", ".join(redact_url(u) for u in urls), origin=f"from {shards.ENV}", shards=" ".join(urls))
+    built = [_quick(u, socket_timeout=socket_timeout, retries=retries, **options) for u in urls]
+    return shards.Shards(built, origin=shards.ENV)
+
+
+def shard_target(shard: int, url: str) -> str:
+    """Record that the command talks to shard ``shard`` (``url``), for the error line."""
+    _target.update(url=redact_url(url), origin=f"shard {shard} of {shards.ENV}")
+    _target.pop("shards", None)
+    return url
 
 
 def reason(exc: RedisError) -> str:
@@ -70,6 +105,9 @@ def describe(exc: RedisError) -> str:
     if isinstance(exc, RedisUnreachable) and isinstance(exc.__cause__, RedisError):
         exc = exc.__cause__  # the API's own wording names the server; the command's names where the URL came from
     where = f"{_target.get('url', '?')} ({_target.get('origin', 'from REDIS_URL')})"
+    failed = _failed_shard(str(exc))
+    if failed is not None:
+        where = f"shard {failed[0]}, {redact_url(failed[1])} (from {shards.ENV})"
     if isinstance(exc, MasterNotFoundError):
         return f"Redis unreachable at {where}: {_no_primary(exc)}"
     if isinstance(exc, AuthenticationError) or _refused_credentials(str(exc)):
@@ -79,6 +117,19 @@ def describe(exc: RedisError) -> str:
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return f"Redis unreachable at {where}: {reason(exc)}"
     return f"Redis at {where}: {reason(exc)}"
+
+
+def _failed_shard(text: str) -> tuple[int, str] | None:
+    """On a sharded pool, the shard whose address redis-py's message names ("connecting to host:port")."""
+    for n, url in enumerate(_target.get("shards", "").split()):
+        try:
+            parts = urlsplit(url)
+            address = f"{parts.hostname}:{parts.port or 6379}" if parts.hostname else ""
+        except ValueError:
+            continue
+        if address and re.search(rf" {re.escape(address)}(?!\d)", text):
+            return n, url
+    return None
 
 
 def _no_primary(exc: MasterNotFoundError) -> str:
@@ -104,12 +155,13 @@ def _refused_credentials(text: str) -> bool:
     return any(word in text for word in ("WRONGPASS", "NOAUTH", "AuthenticationError"))
 
 
-def warn_if_unreachable(r: Redis, what: str) -> None:
-    """For a server that keeps serving while Redis is away (metrics, dashboard): one line, not a stop."""
-    try:
-        r.ping()
-    except RedisError as exc:
-        click.echo(f"warning: {describe(exc)}; {what}", err=True)
+def warn_if_unreachable(r: Redis | shards.Shards, what: str) -> None:
+    """For a server that keeps serving while Redis is away (metrics, dashboard): one line (a shard), not a stop."""
+    for _shard, client in shards.each(r):
+        try:
+            client.ping()
+        except RedisError as exc:
+            click.echo(f"warning: {describe(exc)}; {what}", err=True)
 
 
 class OneLineErrors(click.Group):

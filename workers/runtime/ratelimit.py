@@ -12,6 +12,10 @@ A call the budget cannot cover now raises ``WaitForBudget``: the turn is deferre
 worker, thread or lease is held while it waits) and comes back when its place in line (the order it
 began to wait in) and the budget allow. A 429 still backs off as before; it also tells the budget the
 API's remaining is 0, so the turns behind it wait instead of meeting 429s of their own.
+
+On a pool of several shards (``AGENTPOOL_SHARDS``) each shard keeps its own budget, holding an equal
+part of every limit (set, learned and reported remaining, divided by the number of shards): the shards
+together stay within the API's limits with no call to another shard in a turn (docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -48,6 +52,27 @@ class WaitForBudget(AgentPoolError):
 
 def limits_for(configured: Mapping[str, Limits], model: str) -> Limits:
     return configured.get(model) or configured.get("*") or Limits()
+
+
+def shard_part(limits: Limits, shards: int) -> Limits:
+    """One shard's part of the pool's limits (the same limits with one shard or none)."""
+    if shards <= 1:
+        return limits
+
+    def part(value: int | None) -> int | None:
+        return None if value is None else max(1, int(value) // shards)
+
+    return Limits(part(limits.rpm), part(limits.itpm), part(limits.otpm))
+
+
+def shard_reported(said: Reported, shards: int) -> Reported:
+    """One shard's part of what the API's headers reported for the whole organization."""
+    if shards <= 1:
+        return said
+    return Reported(
+        {dim: max(1, value // shards) for dim, value in said.limits.items()},
+        {dim: value // shards for dim, value in said.remaining.items()},
+    )
 
 
 def reported(headers: Mapping[str, str]) -> Reported:
@@ -103,7 +128,8 @@ def limited_call(
     settings = turn.settings
     if not settings.rate_limiter:
         return call_model(agent, messages, summary=summary, **kwargs)
-    configured = limits_for(settings.rate_limits, agent.model)
+    shards = len(settings.shards)
+    configured = shard_part(limits_for(settings.rate_limits, agent.model), shards)
     minute = settings.rate_limit_minute
     max_tokens = agent.compaction.summary_max_tokens if summary and agent.compaction else agent.max_tokens
     need = Need(estimate_input(agent, messages, None if summary else last_reply), int(max_tokens))
@@ -134,7 +160,7 @@ def limited_call(
         headers = exc.limits
         raise
     finally:
-        learned = reported(headers)
+        learned = shard_reported(reported(headers), shards)
         try:
             if reservation is not None or learned.limits or learned.remaining:
                 ratelimit.settle(

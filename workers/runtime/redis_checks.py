@@ -37,6 +37,7 @@ def hazards(r: Redis) -> list[str]:
     if cluster.get("cluster_enabled"):
         found.append(
             "Redis runs in cluster mode, which agentpool does not support (a save touches a run's keys and "
-            "the global indexes in one script); use one primary with replicas (docs/high-availability.md)"
+            "the global indexes in one script); use one primary with replicas (docs/high-availability.md), "
+            "or several primaries as shards (AGENTPOOL_SHARDS, docs/sharding.md)"
         )
     return found

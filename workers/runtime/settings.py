@@ -50,6 +50,15 @@ def _rate_limits() -> dict:
         raise SystemExit(str(exc)) from None
 
 
+def _shards() -> tuple[str, ...]:
+    from agentpool.runtime.shards import env_urls
+
+    try:
+        return env_urls()
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
 def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
     raw = os.environ.get(name, "").strip().lower() or default
     if raw not in allowed:
@@ -91,6 +100,9 @@ class Settings:
     rate_limiter: bool = True
     rate_limits: dict = field(default_factory=dict)  # model (or "*") -> agentpool.store.ratelimit.Limits
     rate_limit_minute: float = 60.0
+    # AGENTPOOL_SHARDS: the Redis URLs of a pool spread over several shards (agentpool.runtime.shards); empty:
+    # one Redis, REDIS_URL's. A worker serves some of them; the pool's rate limits are split among them all.
+    shards: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -116,6 +128,7 @@ class Settings:
             rate_limiter=_choice("AGENTPOOL_RATE_LIMITER", ("on", "off"), "on") == "on",
             rate_limits=_rate_limits(),
             rate_limit_minute=_env_float("AGENTPOOL_RATE_LIMIT_MINUTE", 60.0),
+            shards=_shards(),
         )
 
     @property
@@ -290,7 +303,14 @@ def names_the_server(fn: Callable[P, T]) -> Callable[P, T]:
 
 
 def server_of(connection: Any) -> str:
-    """Where a client (or URL, or None: ``REDIS_URL``) connects, without credentials."""
+    """Where a client (or URL, or None: ``REDIS_URL``, or shards) connects, without credentials."""
+    servers = getattr(connection, "servers", None)  # agentpool.runtime.shards.Shards
+    if callable(servers):
+        return str(servers())
+    if connection is None and os.environ.get("AGENTPOOL_SHARDS", "").strip():
+        from agentpool.runtime.shards import from_env
+
+        return server_of(from_env())
     if connection is None:
         url = os.environ.get("REDIS_URL")
         return (

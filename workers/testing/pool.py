@@ -22,6 +22,9 @@ the work horse) running that run's turn, and ``enqueue(..., kill_at="in_tool", k
 kills whatever process reaches that point of that run (``agentpool.runtime.faults``); both raise
 :class:`NothingKilled` when nothing was killed, so a crash test cannot pass without a crash. The
 scripted model runs in this process, so a script may be a Python function of the request.
+
+``LocalPool(shards=2)`` is a sharded pool (docs/sharding.md): a redis-server per shard, workers started
+per shard (``--shard N``), and ``pool.redis`` an ``agentpool.Shards`` to pass as ``connection=``.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from redis import Redis
 
 from agentpool.client import Run, RunTimeout, approve, enqueue_run, get_run, new_run_id, resume, wait_for_run
 from agentpool.runtime.faults import POINTS, TOOL_POINTS
+from agentpool.runtime.shards import Shards, route
 from agentpool.store.keys import RUNS_WATCH, RunKeys
 from agentpool.store.records import ACTIVE_STATUSES
 from agentpool.testing.localpool import RedisServer, WorkerProcesses, children_of, scratch_dir
@@ -81,6 +85,10 @@ class LocalPool:
     ``cwd``: where workers import agents from (the current directory). ``env``: extra environment for
     the workers. ``lease_ttl``: short, so a killed worker's run is taken over within seconds.
 
+    ``shards`` (2 or more): a sharded pool, a redis-server per shard (or ``redis_urls``, one per shard, which
+    are then not stopped nor flushed); ``start_workers(n)`` starts ``n`` workers per shard (``--shard N``),
+    ``start_workers(n, shard=N)`` on one shard only, and ``redis`` is an ``agentpool.Shards``.
+
     ``tool_timeout`` and ``takeover_margin`` make crash tests of idempotent tools and of ``verify``
     hooks fast: a worker that takes over a call another worker started (and may still be running)
     waits until that attempt's timeout plus the margin has passed before it repeats or verifies it:
@@ -102,12 +110,19 @@ class LocalPool:
         lease_ttl: float = 3.0,
         tool_timeout: float | None = None,
         takeover_margin: float | None = None,
+        shards: int = 1,
+        redis_urls: list[str] | None = None,
     ) -> None:
         self._scripts: dict[str, Any] = dict(scripts or {})
         if script is not None:
             self._scripts["default"] = script
         self._n_workers, self._concurrency = workers, concurrency
         self._redis_url, self._model = redis_url, model
+        if redis_urls is not None and (redis_url is not None or len(redis_urls) < 2):
+            raise ValueError("redis_urls names the shards of a sharded pool: two or more, and no redis_url")
+        self._shard_urls: list[str] = list(redis_urls or [])
+        self._n_shards = len(self._shard_urls) or shards
+        self._owns_servers = not self._shard_urls
         self._owns_model = model is None
         self.cwd = str(cwd or os.getcwd())
         self._env, self._lease_ttl = dict(env or {}), lease_ttl
@@ -120,8 +135,9 @@ class LocalPool:
         self._names = itertools.count(1)
         self._tmp: Path | None = None
         self._redis_server: RedisServer | None = None
+        self._shard_servers: list[RedisServer] = []
         self._workers: WorkerProcesses | None = None
-        self._redis: Redis | None = None
+        self._redis: Redis | Shards | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -129,10 +145,17 @@ class LocalPool:
         self._tmp = scratch_dir("agentpool-test-")
         self._arms.mkdir()
         try:
-            if self._redis_url is None:
-                self._redis_server = RedisServer(self._tmp).start()
-                self._redis_url = self._redis_server.url
-            self._redis = Redis.from_url(self._redis_url)
+            if self.sharded:
+                for n in range(self._n_shards if self._owns_servers else 0):
+                    (self._tmp / f"shard-{n}").mkdir()
+                    self._shard_servers.append(RedisServer(self._tmp / f"shard-{n}").start())
+                    self._shard_urls.append(self._shard_servers[-1].url)
+                self._redis = Shards([Redis.from_url(url) for url in self._shard_urls])
+            else:
+                if self._redis_url is None:
+                    self._redis_server = RedisServer(self._tmp).start()
+                    self._redis_url = self._redis_server.url
+                self._redis = Redis.from_url(self._redis_url)
             if self._model is None:
                 self._model = ScriptedModel().start()
             self._model.set_scripts(self._scripts)
@@ -148,10 +171,11 @@ class LocalPool:
             self._workers.stop()
         if self._model is not None and self._owns_model:
             self._model.stop()
-        if self._redis is not None:
-            self._redis.close()
-        if self._redis_server is not None:
-            self._redis_server.stop()
+        for client in (self._redis,) if isinstance(self._redis, Redis) else (self._redis or ()):
+            client.close()
+        for server in [self._redis_server, *self._shard_servers]:
+            if server is not None:
+                server.stop()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -171,9 +195,11 @@ class LocalPool:
         # The workers import what this process can: the current directory and its sys.path first.
         paths = [self.cwd, *(p for p in sys.path if p and os.path.isdir(p))]
         env = {k: v for k, v in os.environ.items() if k not in ("ANTHROPIC_AUTH_TOKEN", "AGENTPOOL_FAULTS")}
-        assert self._model is not None and self._redis_url is not None
+        assert self._model is not None and (self._redis_url is not None or self.sharded)
+        env.pop("REDIS_URL", None)  # a sharded pool's workers are given their shard (--shard)
+        env.pop("AGENTPOOL_SHARDS", None)
         env.update(
-            REDIS_URL=self._redis_url,
+            **({"AGENTPOOL_SHARDS": " ".join(self._shard_urls)} if self.sharded else {"REDIS_URL": self._redis_url}),
             ANTHROPIC_BASE_URL=self._model.base_url,
             ANTHROPIC_API_KEY=FAKE_KEY,  # a real key in the environment is never sent to the stand-in
             AGENTPOOL_LEASE_TTL=str(self._lease_ttl),
@@ -188,17 +214,39 @@ class LocalPool:
     # -- the parts ---------------------------------------------------------------------------------
 
     @property
-    def redis(self) -> Redis:
-        """A client of the pool's Redis, for ``agentpool`` calls of your own (``connection=pool.redis``)."""
+    def sharded(self) -> bool:
+        return self._n_shards > 1
+
+    @property
+    def redis(self) -> Redis | Shards:
+        """A client of the pool's Redis, for ``agentpool`` calls of your own (``connection=pool.redis``); on
+        a sharded pool, the ``agentpool.Shards`` of its shards (``shard(n)``: one shard's client)."""
         if self._redis is None:
             raise RuntimeError("the LocalPool is not started")
         return self._redis
 
+    def shard(self, n: int) -> Redis:
+        """Shard ``n``'s client (a sharded pool)."""
+        clients: list[Redis] | None = getattr(self._redis, "clients", None)
+        if clients is None:
+            raise RuntimeError("not a started sharded LocalPool (shards=2 or more)")
+        return clients[n]
+
     @property
     def redis_url(self) -> str:
+        if self.sharded:
+            raise RuntimeError("a sharded LocalPool has a Redis per shard: see redis_urls")
         if self._redis_url is None:
             raise RuntimeError("the LocalPool is not started")
         return self._redis_url
+
+    @property
+    def redis_urls(self) -> list[str]:
+        """Each shard's URL, shard 0 first (the pool's one URL when it is not sharded)."""
+        return list(self._shard_urls) if self.sharded else [self.redis_url]
+
+    def _client_of(self, run_id: str) -> Redis:
+        return route(self.redis, run_id)
 
     @property
     def model(self) -> ScriptedModel:
@@ -213,9 +261,16 @@ class LocalPool:
             raise RuntimeError("the LocalPool is not started")
         return self._workers
 
-    def start_workers(self, n: int = 1, **env: str) -> None:
+    def start_workers(self, n: int = 1, *, shard: int | None = None, **env: str) -> None:
+        """``n`` more worker processes (on a sharded pool, ``n`` per shard, or on ``shard`` alone)."""
         args = ["--concurrency", str(self._concurrency)] if self._concurrency > 1 else []
-        self.workers.start(n, "--log-level", "INFO", *args, **env)
+        if not self.sharded:
+            if shard is not None:
+                raise ValueError("shard= is for a sharded pool (LocalPool(shards=2))")
+            self.workers.start(n, "--log-level", "INFO", *args, **env)
+            return
+        for each in range(self._n_shards) if shard is None else (shard,):
+            self.workers.start(n, "--log-level", "INFO", "--shard", str(each), *args, **env)
 
     def kill_worker(self, index: int = 0) -> Kill:
         """SIGKILL the ``index``-th live worker in start order (the first by default) and its work
@@ -323,7 +378,8 @@ class LocalPool:
                 raise ValueError(f"kill_at must be one of {', '.join(KILL_POINTS)}; got {kill_at!r}")
             if kill_tool is not None and kill_at not in TOOL_POINTS:
                 raise ValueError(f"kill_tool goes with a tool's point ({', '.join(TOOL_POINTS)}), not {kill_at!r}")
-            options.setdefault("run_id", new_run_id())
+            pool = self.redis
+            options.setdefault("run_id", new_run_id(pool.for_new_run(None) if isinstance(pool, Shards) else None))
             if whole_worker:
                 self._whole_worker_kills.add(options["run_id"])
             (self._arms / f"{kill_at}-{options['run_id']}").write_text((kill_tool or "") + ("\nworker" * whole_worker))
@@ -399,7 +455,7 @@ class LocalPool:
         return kill
 
     def _status(self, run_id: str) -> str:
-        raw = self.redis.hget(RunKeys.of(run_id).run, "status")
+        raw = self._client_of(run_id).hget(RunKeys.of(run_id).run, "status")
         return raw.decode() if raw else "missing"
 
     def _worker_of(self, *pids: int) -> int:
@@ -408,7 +464,7 @@ class LocalPool:
 
     def _lease_pid(self, run_id: str) -> int | None:
         """The process that holds the run's lease: ``<fence>:<worker name>.<pid>``."""
-        raw = self.redis.get(RunKeys.of(run_id).lease)
+        raw = self._client_of(run_id).get(RunKeys.of(run_id).lease)
         tail = raw.decode(errors="replace").rpartition(".")[2] if raw else ""
         return int(tail) if tail.isdigit() else None
 
@@ -425,7 +481,8 @@ class LocalPool:
 
     def _runs_held_by(self, worker_pid: int) -> list[str]:
         pids = {worker_pid, *children_of(worker_pid)}
-        active = [raw.decode() for raw in self.redis.zrange(RUNS_WATCH, 0, -1)]
+        clients = self.redis.clients if isinstance(self.redis, Shards) else [self.redis]
+        active = [raw.decode() for r in clients for raw in r.zrange(RUNS_WATCH, 0, -1)]
         return [run_id for run_id in active if self._lease_pid(run_id) in pids]
 
     def resume(self, run_id: str, *, timeout: float = 60, **amounts: Any) -> Run:

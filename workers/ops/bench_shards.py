@@ -1,0 +1,179 @@
+"""``agentpool bench --only shards``: the same runs on one Redis and spread over two shards.
+
+A second redis-server beside the bench's own makes a pool of two shards (``AGENTPOOL_SHARDS``), served
+by one ``agentpool worker`` (a worker process per shard, each with the ``--concurrency`` the one-shard
+pool's worker has): nothing else changes. The same runs (the bench agent's trivial tool turns) are
+enqueued through ``agentpool.Shards`` as an app would; each shard's share of the turns is read from the
+run headers it holds, and its Redis CPU (``INFO cpu``: the server's user + system) and commands (``INFO
+commandstats``) per turn from that server alone, net of what it costs while the pool idles (the workers'
+dequeue waits, the reaper, heartbeats), beside one shard's. This machine's CPUs are the workers' long
+before a Redis saturates, so what is measured is what each shard carries, not the pool's total.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from redis import Redis
+
+from agentpool.ops.bench import AGENT, TURNS_PER_RUN, Lab, table, task, tool_steps, until
+
+POLL = 0.1  # the bench's own wait: one ZCARD per shard a tenth of a second, counted and taken out
+IDLE = 4.0  # seconds of an idle pool measured for its background rate
+HASHED_IDS = 10_000  # ids of an app's own placed by hash, for the note on their spread
+
+
+@dataclass
+class Cost:
+    """What one Redis did over ``seconds``: CPU seconds and commands (the bench's own taken out)."""
+
+    cpu_s: float
+    commands: int
+    seconds: float
+
+
+def _snapshot(r: Redis) -> tuple[float, int]:
+    cpu = r.info("cpu")
+    calls = sum(int(stat["calls"]) for stat in r.info("commandstats").values())
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), calls
+
+
+def _measure(shards: list[Redis], work: Callable[[], object], done: Callable[[], bool]) -> list[Cost]:
+    """Each shard's CPU and commands from before ``work()`` until ``done()`` (one ZCARD per shard a poll)."""
+    before = [_snapshot(r) for r in shards]
+    started = time.perf_counter()
+    work()
+    polls = 0
+    while not done():
+        polls += 1
+        time.sleep(POLL)
+    polls += 1
+    seconds = time.perf_counter() - started
+    after = [_snapshot(r) for r in shards]
+    own = 2 + polls  # the first snapshot's two INFO, and a ZCARD a poll
+    return [Cost(a[0] - b[0], a[1] - b[1] - own, seconds) for a, b in zip(after, before)]
+
+
+def _runs(lab: Lab, shards: list[Redis], connection: object, turns: int) -> list[Cost]:
+    from agentpool.client import enqueue_run
+    from agentpool.store.keys import RUNS_WATCH
+
+    runs = math.ceil(turns / TURNS_PER_RUN)
+    deadline = time.monotonic() + 120 + 5 * turns
+
+    def work() -> None:
+        for i in range(runs):
+            enqueue_run(AGENT, task("shards", i), connection=connection, check_agent=False)
+
+    def done() -> bool:
+        if time.monotonic() > deadline:
+            until(lambda: False, 0, f"{runs} runs on {len(shards)} shard(s)", lab)
+        return all(r.zcard(RUNS_WATCH) == 0 for r in shards)  # ended runs leave the watch set
+
+    return _measure(shards, work, done)
+
+
+def _turns(r: Redis) -> int:
+    """The turns the runs on this Redis took, from their headers."""
+    from agentpool.store.keys import RUNS, RunKeys
+
+    ids = [raw.decode() for raw in r.zrange(RUNS, 0, -1)]
+    with r.pipeline(transaction=False) as pipe:
+        for run_id in ids:
+            pipe.hget(RunKeys.of(run_id).run, "turns")
+        return sum(int(n or 0) for n in pipe.execute())
+
+
+def _per_turn(cost: Cost, idle: Cost, turns: int) -> tuple[float, float]:
+    """Commands and CPU µs per turn, net of the idle pool's background for as long."""
+    share = cost.seconds / idle.seconds
+    commands = (cost.commands - idle.commands * share) / max(turns, 1)
+    cpu_us = (cost.cpu_s - idle.cpu_s * share) * 1e6 / max(turns, 1)
+    return commands, cpu_us
+
+
+def _hash_spread(n: int) -> str:
+    from agentpool.runtime.shards import rendezvous
+
+    on_first = sum(1 for i in range(HASHED_IDS) if rendezvous(f"order-{i}", n) == 0)
+    return f"{100 * on_first / HASHED_IDS:.1f} % / {100 - 100 * on_first / HASHED_IDS:.1f} %"
+
+
+def bench_shards(lab: Lab, turns: int, threads: int) -> None:
+    from agentpool.runtime.shards import Shards
+    from agentpool.testing.localpool import RedisServer
+
+    workdir = lab.workers.logdir / "shard-1"
+    workdir.mkdir(exist_ok=True)
+    second = RedisServer(workdir).start()
+    try:
+        other = Redis.from_url(second.url)
+        worker = ("--concurrency", str(threads))
+        # One shard: the pool as it is without AGENTPOOL_SHARDS.
+        lab.reset({"shards": tool_steps(TURNS_PER_RUN)})
+        lab.start(*worker)
+        _runs(lab, [lab.r], lab.r, TURNS_PER_RUN)  # warm: imports, connections, scripts loaded
+        (idle_one,) = _measure([lab.r], lambda: time.sleep(IDLE), lambda: True)
+        lab.r.flushdb()
+        (one,) = _runs(lab, [lab.r], lab.r, turns)
+        one_turns = _turns(lab.r)
+        one_commands, one_cpu = _per_turn(one, idle_one, one_turns)
+
+        # Two shards: one worker serving both (a process per shard, each as above), runs spread by the API.
+        lab.reset({"shards": tool_steps(TURNS_PER_RUN)})
+        other.flushdb()
+        shards = [lab.r, other]
+        pool = Shards(shards)
+        lab.names += 1
+        name = f"bench-{lab.names}"
+        lab.workers.start(
+            1, "--name", name, "--log-level", "WARNING", *worker, AGENTPOOL_SHARDS=f"{lab.url} {second.url}"
+        )
+        for n, r in enumerate(shards):
+            until(lambda r=r, n=n: r.sismember("rq:workers", f"rq:worker:{name}-s{n}"), 60, f"shard {n}'s worker", lab)
+        _runs(lab, shards, pool, 2 * TURNS_PER_RUN)
+        idle_two = _measure(shards, lambda: time.sleep(IDLE), lambda: True)
+        for r in shards:
+            r.flushdb()
+        two = _runs(lab, shards, pool, turns)
+        two_turns = [_turns(r) for r in shards]
+    finally:
+        lab.workers.stop()
+        second.stop()
+
+    rows = [["one shard", "0", str(one_turns), "100.0 %", "", f"{one_commands:.1f}", f"{one_cpu:.0f}", "1.00x", ""]]
+    for n, (cost, idle, got) in enumerate(zip(two, idle_two, two_turns)):
+        commands, cpu_us = _per_turn(cost, idle, got)
+        rows.append(
+            [
+                "two shards",
+                str(n),
+                str(got),
+                f"{100 * got / max(sum(two_turns), 1):.1f} %",
+                "45-55 %",
+                f"{commands:.1f}",
+                f"{cpu_us:.0f}",
+                f"{cpu_us / max(one_cpu, 1e-9):.2f}x",
+                "<= 1.10x",
+            ]
+        )
+    table(
+        f"shards: the same runs on one Redis and on two shards ({turns} turns, {TURNS_PER_RUN} per run, "
+        f"threaded worker --concurrency {threads} per shard)",
+        ["pool", "shard", "turns", "share", "target", "commands/turn", "CPU µs/turn", "vs one shard", "target"],
+        rows,
+        (
+            (
+                "turns: read from the run headers each shard holds; runs enqueued through agentpool.Shards (new ids "
+                "go round the shards in turn)"
+            ),
+            (
+                "commands and CPU: that shard's redis-server alone (INFO commandstats, INFO cpu), net of its idle "
+                "pool's background for as long; the bench's own polls taken out"
+            ),
+            f"ids an app gives (placed by a hash of the id): {HASHED_IDS:,} ids over two shards {_hash_spread(2)}",
+        ),
+    )
