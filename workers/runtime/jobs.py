@@ -131,7 +131,8 @@ def turn_job(
     return StagedJob(
         job_id=jid,
         job_key=job.key,
-        job_fields=job.to_dict(),
+        # RQ writes every field, most of them empty for a job not yet run; it reads a missing one as empty.
+        job_fields={name: value for name, value in job.to_dict().items() if value != ""},
         queue_key=rq_queue.key,
         queues_key=rq_queue.redis_queues_keys,
         register=register,
