@@ -21,7 +21,7 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import WatchError
 
-from agentpool.store import inbox, ledger, writes
+from agentpool.store import inbox, ledger, webhooks, writes
 from agentpool.store.clock import now_ms
 from agentpool.store.codec import safe_text, unpack
 from agentpool.store.errors import (
@@ -206,6 +206,7 @@ def commit_response(
     closing: Mapping[str, Any] | None = None,
     responded: Event | None = None,
     event: Event | None = None,
+    pool_webhook: str = "",
 ) -> int:
     """Save point A: count the call's ``usage`` and cost with the ``responded`` event, then commit
     its response with the ``event`` that reports it. The spend counts even when the response can no
@@ -219,6 +220,10 @@ def commit_response(
 
     A reply that would complete the run while messages wait in its inbox (``send_message``) raises
     ``MessagesWaiting`` having written nothing: the run must answer them first.
+
+    A run that ends here records its webhook delivery in the same script: for its own webhook, or for
+    the pool default when ``pool_webhook`` (the events the worker's ``AGENTPOOL_WEBHOOK_URL`` wants)
+    names the event (``store/lua/_webhook.lua``).
 
     Returns 2 when the run ended here and was the last open child of its parent (which is now due to
     be woken), 1 otherwise."""
@@ -240,7 +245,9 @@ def commit_response(
             keys.received,
             keys.children,
             keys.joins,
+            keys.webhooks,
             *parent,
+            *webhooks.script_keys(keys),
         ],
         [
             token,
@@ -260,6 +267,7 @@ def commit_response(
             pack_message(closing) if closing else "",
             len(parent),
             *script_args(responded, event),
+            pool_webhook,
         ],
     )
     if int(code) not in (-4, -5) and responded:  # type: ignore[arg-type]
@@ -429,9 +437,11 @@ def finish(
     retention_s: int = 0,
     watch_at_ms: int | None = None,
     event: Event | None = None,
+    pool_webhook: str = "",
 ) -> int:
     """Fenced end of a turn without a next one (a limit reached, a failure, a wait for a person),
-    with the ``event`` that reports it.
+    with the ``event`` that reports it, and the webhook delivery the status calls for (see
+    ``commit_response``).
 
     ``retention_s`` applies only to statuses that are final; ``watch_at_ms`` keeps the run in the
     reaper's watch set until then (an approval that expires). A child run that ends here tells its
@@ -454,7 +464,9 @@ def finish(
             keys.received,
             keys.children,
             keys.joins,
+            keys.webhooks,
             *parent,
+            *webhooks.script_keys(keys),
         ],
         [
             token,
@@ -471,6 +483,7 @@ def finish(
             writes.new_id(),
             len(parent),
             *script_args(event),
+            pool_webhook,
         ],
     )
     _check(int(code), keys, r)  # type: ignore[arg-type]
@@ -485,11 +498,11 @@ def _expire(pipe: Pipeline, keys: RunKeys, retention_s: int) -> None:
             pipe.expire(key, retention_s)
 
 
-def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int) -> bool:
+def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int, pool_webhook: str = "") -> bool:
     """Fail a run without holding its lease (its records are unreadable, or its turn keeps dying),
     touching only its status and error fields; its keys expire after ``retention_s`` (0: kept), as
-    every finished run's do. A run already finished (cancelled, say) is left as it is. Returns True
-    if the run was failed now."""
+    every finished run's do, and its webhook delivery is recorded with it (see ``commit_response``). A
+    run already finished (cancelled, say) is left as it is. Returns True if the run was failed now."""
     keys = RunKeys.of(run_id)
     others = [k for k in keys.kept() if k != keys.run]
     parent = parent_keys(r, run_id)
@@ -497,8 +510,8 @@ def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int) -> bo
         run_script(
             "fail_unfenced",
             r,
-            [keys.run, keys.lease, RUNS_WATCH, *others, *parent],
-            [reason, now_ms(), run_id, retention_s, len(parent)],
+            [keys.run, keys.lease, RUNS_WATCH, *others, *parent, *webhooks.script_keys(keys)],
+            [reason, now_ms(), run_id, retention_s, len(parent), pool_webhook],
         )
     )
 
@@ -511,8 +524,11 @@ def set_status_unfenced(
     error: str = "",
     allowed_from: frozenset[str] | None = None,
     retention_s: int = 0,
+    pool_webhook: str = webhooks.MAYBE,
 ) -> str:
     """A status change by a person (cancel): not fenced by a lease, checked against the current status.
+    A final status records the run's webhook delivery in the same transaction (see ``commit_response``;
+    an app does not know the workers' default webhook, hence ``maybe``: see ``store/lua/_webhook.lua``).
 
     Returns the status the run had. A turn in flight notices at its next fenced write. Safe to
     deliver twice: after a lost EXEC reply it finds its write id and returns the status it replaced.
@@ -549,6 +565,7 @@ def set_status_unfenced(
                     up.run_id,
                     now_ms(),
                 )
+            webhooks.stage_record(pipe, keys, status, pool_webhook)
             _expire(pipe, keys, retention_s)
         writes.stage_remember(pipe, keys.run, write_id, before)
         pipe.execute()

@@ -25,6 +25,14 @@ Per run (all keys of a run share the hash tag ``{run:<id>}``)::
     ap:{run:<id>}:received  hash    "<message_id>" -> the message as sent (sealed like the conversation),
                                     "<message_id>:at" -> "<turns>:<index>" once delivered: the run's turn
                                     count then, and the message's index in the conversation
+    ap:{run:<id>}:webhooks  hash    the run's completion webhook deliveries, numbered n = 1, 2... (one per
+                                    end, or wait for a person, that a webhook wants): "<n>" -> the run's
+                                    summary then (msgpack), "<n>:result" -> the start of its result,
+                                    "<n>:state" pending | delivered | undelivered, "<n>:attempts",
+                                    "<n>:claim" (the worker delivering it), "<n>:error" (the last
+                                    failure), "<n>:at" (last attempt, ms), "<n>:next" (next try, ms),
+                                    "<n>:waiting" (why nobody delivers it); written by the status change
+                                    itself (store/lua/_webhook.lua), expires with the run
 
 Global::
 
@@ -42,6 +50,10 @@ Global::
     ap:durability:probe     string  a counter the durability guard increments before WAIT, so that
                                     WAIT has a write of its own connection to wait for
     ap:stats                hash    pool-wide counters behind /metrics (see store/stats.py)
+    ap:webhooks:due         zset    delivery id "<run id>.<created ms>.<n>" -> when it is due (ms): every
+                                    webhook delivery not yet made; a worker claiming one pushes it a lease
+                                    ahead (a worker killed while delivering leaves it due again); dropped
+                                    once delivered, given up or its run expired
 
 Per model's rate-limit budget (all keys of one budget share the hash tag ``{limits:<model>}``)::
 
@@ -84,6 +96,7 @@ REAPER_LOCK = f"{PREFIX}:reaper:lock"
 TURNS_DEFERRED = f"{PREFIX}:turns:deferred"
 DURABILITY_PROBE = f"{PREFIX}:durability:probe"
 STATS = f"{PREFIX}:stats"
+WEBHOOKS_DUE = f"{PREFIX}:webhooks:due"
 TURN_QUEUE = "agentpool"
 DEFAULT_QUEUE = "default"  # a run's queue when none is named: RQ's queue TURN_QUEUE, as before queues
 QUEUE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
@@ -135,6 +148,7 @@ class RunKeys:
     received: str
     children: str
     joins: str
+    webhooks: str
 
     @classmethod
     def of(cls, run_id: str) -> RunKeys:
@@ -154,6 +168,7 @@ class RunKeys:
             received=f"{base}:received",
             children=f"{base}:children",
             joins=f"{base}:joins",
+            webhooks=f"{base}:webhooks",
         )
 
     def all(self) -> tuple[str, ...]:
@@ -171,6 +186,7 @@ class RunKeys:
             self.received,
             self.children,
             self.joins,
+            self.webhooks,
         )
 
     def kept(self) -> tuple[str, ...]:
@@ -186,6 +202,7 @@ class RunKeys:
             self.received,
             self.children,
             self.joins,
+            self.webhooks,
         )
 
 

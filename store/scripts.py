@@ -2,7 +2,8 @@
 
 A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended, one that calls
 ``remember``/``replayed`` gets ``store/lua/_once.lua``, one that calls ``add_spend`` gets
-``store/lua/_spend.lua``, one that calls ``join_parent`` gets ``store/lua/_join.lua``: Redis has no includes.
+``store/lua/_spend.lua``, one that calls ``join_parent`` gets ``store/lua/_join.lua``, one that calls
+``take_webhook`` gets ``store/lua/_webhook.lua``: Redis has no includes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _HELPERS = (
     ("_once", "replayed("),
     ("_spend", "add_spend("),
     ("_join", "join_parent("),
+    ("_webhook", "take_webhook("),
 )
 
 

@@ -12,17 +12,19 @@
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch   KEYS[5] ap:stats
 -- KEYS[6] events   KEYS[7] hand-back record   KEYS[8..] the run's other keys (ledger, approvals, inbox,
 -- received messages, children, joins), for the retention; KEYS[10] is the inbox; then, for a child
--- run that ends here, its parent's header, joins hash and events (see _join.lua), as many as ARGV[19] says
+-- run that ends here, its parent's header, joins hash and events (see _join.lua), as many as ARGV[19] says;
+-- last, the webhook's two keys (see _webhook.lua: taken off first)
 -- ARGV[1] token  ARGV[2] turns before this call  ARGV[3] assistant message blob  ARGV[4] pending blob
 -- ARGV[5] now ms  ARGV[6] run id  ARGV[7] final status or ''  ARGV[8] result text  ARGV[9] error text
 -- ARGV[10] schema version  ARGV[11] retention seconds for a finished run (0 keeps it)
 -- ARGV[12..15] input, output, cache-read, cache-write tokens  ARGV[16] cost in USD  ARGV[17] write id
 -- ARGV[18] closing message blob or ''  ARGV[19] parent keys given (0 or 3)  ARGV[20..] two events (see _event.lua): the model_responded
--- one, then the one reporting the commit
+-- one, then the one reporting the commit; last, the pool default's webhook events (see _webhook.lua)
 -- Returns 1 ok (2: ok, the run ended and was its parent's last open child, now woken), -1 lease lost, -2 run not running (status changed under us), -3 stale turn (each of
 -- these three with the spend counted), -4 no such run (nothing counted), -5 the reply would complete
 -- the run but messages wait in its inbox (nothing counted, nothing changed: the caller commits the
 -- reply as a turn that goes on, and its save point B delivers them).
+local webhook = take_webhook()
 local seen = replayed(KEYS[1], ARGV[17])
 if seen then return tonumber(seen) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
@@ -55,6 +57,7 @@ if ARGV[7] ~= '' then
   -- A stopped run (the context window is full) resumes with a model call; a finished one is done.
   local phase = ARGV[7] == 'stopped' and 'model' or 'done'
   redis.call('HSET', KEYS[1], 'status', ARGV[7], 'phase', phase, 'pending', '', 'result', ARGV[8], 'error', ARGV[9])
+  record_webhook(webhook, KEYS[1], ARGV[6], ARGV[7], ARGV[5])
   redis.call('DEL', KEYS[2])
   redis.call('ZREM', KEYS[4], ARGV[6])
   local ttl = tonumber(ARGV[11])

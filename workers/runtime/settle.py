@@ -276,6 +276,7 @@ class Settlement:
             event=Event.of(
                 self.run_id, "status", status="waiting_approval", tools=",".join(call["name"] for call in calls)
             ),
+            pool_webhook=self.settings.pool_webhook,
         )
 
     def settle_one(

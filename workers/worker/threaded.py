@@ -44,6 +44,7 @@ from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.toolcall import abandoned_threads
+from agentpool.runtime.webhook_delivery import WebhookThread
 from agentpool.store.keys import TURN_QUEUE
 
 log = logging.getLogger("agentpool.threaded")
@@ -187,8 +188,10 @@ class ThreadedWorker(BaseWorker):
         self._install_signal_handlers()
         # The connection pool is thread-safe, and a blocking dequeue holds only one of its connections.
         reaper = ReaperThread(self.connection, owner=self.name, interval=self.reaper_interval)
+        hooks = WebhookThread(self.connection, worker=self.name)
         if self.reaper_interval > 0:
             reaper.start()
+        hooks.start()
         beats = threading.Thread(target=self._keep_heartbeats, name="rq-heartbeats", daemon=True)
         beats.start()
         started = 0
@@ -200,6 +203,7 @@ class ThreadedWorker(BaseWorker):
             finally:
                 self._beating.set()
                 reaper.stop()
+                hooks.stop()
                 self.teardown()
         return bool(started)
 
