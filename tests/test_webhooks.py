@@ -194,6 +194,29 @@ def test_a_failing_receiver_gets_the_same_delivery_again_until_it_answers_2xx(r:
     assert "delivered (4 attempts)" in line and "team=qa" not in line, line  # the query is not shown
 
 
+def test_a_delivery_nobody_accepts_is_given_up_after_its_max_age_and_shown_undelivered(
+    r: Redis, pool, model, receiver
+) -> None:
+    hook = receiver(fail_first=10**6)
+    model.set_scripts({"done": DONE})
+    pool.start(1, AGENTPOOL_WEBHOOK_MAX_AGE="3", **WORKER_ENV)
+    run_id = enqueue_run("pool_agents:support", script_task("done"), connection=r, webhook=hook.url)
+    [given_up] = _delivered(r, run_id)
+    assert given_up["state"] == "undelivered" and given_up["error"] == "HTTP 500: nope"
+    assert given_up["attempts"] == len(hook.received) >= 2 and r.zcard(WEBHOOKS_DUE) == 0
+    show = subprocess.run(
+        [sys.executable, "-m", "agentpool", "show", run_id],
+        env=pool.env,
+        cwd=str(TESTS),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert f"UNDELIVERED, given up after {given_up['attempts']} attempts; last error: HTTP 500: nope" in show.stdout
+    pool.wait_for_log(lambda line: "undelivered after" in line, "about the delivery given up")
+
+
 def test_a_worker_killed_while_delivering_leaves_the_delivery_to_another(r: Redis, pool, model, receiver) -> None:
     hook = receiver()
     model.set_scripts({"done": DONE})
