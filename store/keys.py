@@ -31,7 +31,8 @@ Per run (all keys of a run share the hash tag ``{run:<id>}``)::
                                     "<n>:state" pending | delivered | undelivered, "<n>:attempts",
                                     "<n>:claim" (the worker delivering it), "<n>:error" (the last
                                     failure), "<n>:at" (last attempt, ms), "<n>:next" (next try, ms),
-                                    "<n>:waiting" (why nobody delivers it); written by the status change
+                                    "<n>:done" (delivered or given up, ms), "<n>:waiting" (why nobody
+                                    delivers it); written by the status change
                                     itself (store/lua/_webhook.lua), expires with the run
 
 Global::

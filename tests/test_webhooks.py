@@ -299,6 +299,30 @@ def test_with_encryption_at_rest_the_body_carries_no_result(r: Redis, pool, mode
     assert "Bluebird" in get_run(run_id, connection=r).result  # the result itself is kept, sealed
 
 
+def test_the_status_write_itself_records_the_delivery_and_a_child_runs_names_its_parent(r: Redis) -> None:
+    from agentpool.store import checkpoint
+    from agentpool.webhooks import body_of
+
+    with r.pipeline() as pipe:
+        pipe.multi()
+        checkpoint.stage_create(
+            pipe, "child-1", agent="pool_agents:support", task="t", limits={}, now=time.time(), extra={"parent": "p-1"}
+        )
+        pipe.execute()
+    # No worker runs: the failure's own script records the delivery (for the pool default here), or nothing.
+    assert checkpoint.fail_unfenced(r, "child-1", "its records are unreadable", retention_s=60, pool_webhook="")
+    assert r.zcard(WEBHOOKS_DUE) == 0
+    r.hset(RunKeys.of("child-1").run, "status", "running")
+    assert checkpoint.fail_unfenced(r, "child-1", "its turn keeps dying", retention_s=60, pool_webhook="ended")
+    [due] = deliveries.due(r)
+    claim = deliveries.claim(r, due, lease_ms=10_000, secret=True, default=True)
+    assert isinstance(claim, deliveries.Claim) and claim.attempt == 1
+    body = body_of(claim.delivery_id, claim.run_id, claim.summary, claim.result, with_result=True)
+    assert body["run"] == {**body["run"], "id": "child-1", "status": "failed", "parent": "p-1"}
+    assert body["run"]["error"] == "its turn keeps dying" and body["delivery"] == due
+    assert 0 < r.ttl(RunKeys.of("child-1").webhooks) <= 60, "it expires with the run"
+
+
 def test_verify_refuses_a_forged_a_replayed_and_an_unsigned_delivery() -> None:
     body = json.dumps({"type": "run.ended", "delivery": "r_1.1.1", "run": {"id": "r_1", "status": "completed"}})
     header = sign(body.encode(), SECRET)
