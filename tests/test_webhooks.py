@@ -161,7 +161,9 @@ def test_every_end_status_is_posted_signed_with_the_runs_summary(r: Redis, pool,
     for d in hook.received:
         assert d["delivery"] == d["event"]["delivery"] and d["delivery"].startswith(d["event"]["run"]["id"] + ".")
         assert SECRET.encode() not in d["body"] and b"sk-test" not in d["body"] and b"redis://" not in d["body"]
-    # Recorded as delivered, shown with the run; nothing is left due.
+    # Recorded as delivered (once the worker has heard the answer), shown with the run; nothing is left due.
+    for run_id in (completed, failed, stopped, asks):
+        _delivered(r, run_id)
     shown = get_run(completed, connection=r).webhooks
     assert [(w["event"], w["status"], w["state"], w["attempts"]) for w in shown] == [
         ("ended", "completed", "delivered", 1)
