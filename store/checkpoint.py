@@ -22,7 +22,7 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import WatchError
 
-from agentpool.store import inbox, ledger, writes
+from agentpool.store import inbox, ledger, webhooks, writes
 from agentpool.store.clock import now_ms
 from agentpool.store.codec import safe_text, unpack
 from agentpool.store.errors import (
@@ -227,6 +227,7 @@ def commit_response(
     event: Event | None = None,
     ancestors: Sequence[str] | None = None,
     late: tuple[str, bytes] | None = None,
+    pool_webhook: str = "",
 ) -> int:
     """Save point A: count the call's ``usage`` and cost with the ``responded`` event, then commit
     its response with the ``event`` that reports it. The spend counts even when the response can no
@@ -245,6 +246,9 @@ def commit_response(
     ancestors, its parent first, as its turn loaded them; None: read here). ``late`` is the id and
     packed content of its answer for its parent, given when the reply completes a child run: queued
     in the parent's inbox if the parent's join had already ended (the child stopped and was resumed).
+    A run that ends here records its webhook delivery in the same script: for its own webhook, or for
+    the pool default when ``pool_webhook`` (the events the worker's ``AGENTPOOL_WEBHOOK_URL`` wants)
+    names the event (``store/lua/_webhook.lua``).
 
     Returns 2 when the run ended here and was the last open child of its parent (which is now due to
     be woken), 1 otherwise."""
@@ -266,7 +270,9 @@ def commit_response(
             keys.received,
             keys.children,
             keys.joins,
+            keys.webhooks,
             *parent,
+            *webhooks.script_keys(keys),
         ],
         [
             token,
@@ -287,6 +293,7 @@ def commit_response(
             len(parent),
             *(late or ("", "")),
             *script_args(responded, event),
+            pool_webhook,
         ],
     )
     if int(code) not in (-4, -5) and responded:  # type: ignore[arg-type]
@@ -525,9 +532,11 @@ def finish(
     retention_s: int = 0,
     watch_at_ms: int | None = None,
     event: Event | None = None,
+    pool_webhook: str = "",
 ) -> int:
     """Fenced end of a turn without a next one (a limit reached, a failure, a wait for a person),
-    with the ``event`` that reports it.
+    with the ``event`` that reports it, and the webhook delivery the status calls for (see
+    ``commit_response``).
 
     ``retention_s`` applies only to statuses that are final; ``watch_at_ms`` keeps the run in the
     reaper's watch set until then (an approval that expires). A child run that ends here tells its
@@ -550,7 +559,9 @@ def finish(
             keys.received,
             keys.children,
             keys.joins,
+            keys.webhooks,
             *parent,
+            *webhooks.script_keys(keys),
         ],
         [
             token,
@@ -567,6 +578,7 @@ def finish(
             writes.new_id(),
             len(parent),
             *script_args(event),
+            pool_webhook,
         ],
     )
     _check(int(code), keys, r)  # type: ignore[arg-type]
@@ -581,11 +593,11 @@ def _expire(pipe: Pipeline, keys: RunKeys, retention_s: int) -> None:
             pipe.expire(key, retention_s)
 
 
-def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int) -> bool:
+def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int, pool_webhook: str = "") -> bool:
     """Fail a run without holding its lease (its records are unreadable, or its turn keeps dying),
     touching only its status and error fields; its keys expire after ``retention_s`` (0: kept), as
-    every finished run's do. A run already finished (cancelled, say) is left as it is. Returns True
-    if the run was failed now."""
+    every finished run's do, and its webhook delivery is recorded with it (see ``commit_response``). A
+    run already finished (cancelled, say) is left as it is. Returns True if the run was failed now."""
     keys = RunKeys.of(run_id)
     others = [k for k in keys.kept() if k != keys.run]
     parent = parent_keys(r, run_id)
@@ -593,8 +605,8 @@ def fail_unfenced(r: Redis, run_id: str, reason: str, *, retention_s: int) -> bo
         run_script(
             "fail_unfenced",
             r,
-            [keys.run, keys.lease, RUNS_WATCH, *others, *parent],
-            [reason, now_ms(), run_id, retention_s, len(parent)],
+            [keys.run, keys.lease, RUNS_WATCH, *others, *parent, *webhooks.script_keys(keys)],
+            [reason, now_ms(), run_id, retention_s, len(parent), pool_webhook],
         )
     )
 
@@ -607,8 +619,11 @@ def set_status_unfenced(
     error: str = "",
     allowed_from: frozenset[str] | None = None,
     retention_s: int = 0,
+    pool_webhook: str = webhooks.MAYBE,
 ) -> str:
     """A status change by a person (cancel): not fenced by a lease, checked against the current status.
+    A final status records the run's webhook delivery in the same transaction (see ``commit_response``;
+    an app does not know the workers' default webhook, hence ``maybe``: see ``store/lua/_webhook.lua``).
 
     Returns the status the run had. A turn in flight notices at its next fenced write. Safe to
     deliver twice: after a lost EXEC reply it finds its write id and returns the status it replaced.
@@ -645,6 +660,7 @@ def set_status_unfenced(
                     up.run_id,
                     now_ms(),
                 )
+            webhooks.stage_record(pipe, keys, status, pool_webhook)
             _expire(pipe, keys, retention_s)
         writes.stage_remember(pipe, keys.run, write_id, before)
         pipe.execute()

@@ -30,7 +30,7 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 
-from agentpool.store import writes
+from agentpool.store import webhooks, writes
 from agentpool.store.checkpoint import _check, stage_create
 from agentpool.store.clock import now_ms
 from agentpool.store.errors import LeaseLost, RunNotActive
@@ -114,6 +114,7 @@ def wait(
     parent: str = "",
     event: Event | None = None,
     stopped: tuple[str, Event] | None = None,
+    pool_webhook: str = "",
 ) -> int:
     """Fenced: the turn stops holding the run, which waits for its open children (1). 0 (nothing
     changed) when every child has ended already: the turn goes on. When the run's budget for its
@@ -126,7 +127,8 @@ def wait(
             "wait_children",
             r,
             [keys.run, keys.lease, keys.joins, RUNS_WATCH, STATS, keys.events, keys.handback]
-            + ([up.run, up.joins, up.events] if up else []),
+            + ([up.run, up.joins, up.events] if up else [])
+            + webhooks.script_keys(keys),
             [
                 token,
                 now_ms(),
@@ -134,6 +136,7 @@ def wait(
                 keys.run_id,
                 why,
                 *script_args(event, stop_event),
+                pool_webhook,
             ],
         )
     )
@@ -230,6 +233,7 @@ def hold(
     holder_reason: str,
     event: Event,
     holder_event: Event,
+    pool_webhook: str = "",
 ) -> int:
     """Fenced: stop the run, held by ``holder``'s used-up budget (``store/lua/hold.lua``). Returns 1 held,
     2 held with the holder stopped too, 3 that and the holder's parent woken, 0 the holder's budget is
@@ -241,7 +245,8 @@ def hold(
             "hold",
             r,
             [keys.run, keys.lease, RUNS_WATCH, STATS, keys.events, keys.handback, up.run, up.events]
-            + ([grand.run, grand.joins, grand.events] if grand else []),
+            + ([grand.run, grand.joins, grand.events] if grand else [])
+            + [up.webhooks, *webhooks.script_keys(keys)],
             [
                 token,
                 now_ms(),
@@ -251,14 +256,15 @@ def hold(
                 holder_reason,
                 writes.new_id(),
                 *script_args(event, holder_event),
+                pool_webhook,
             ],
         )
     )
     _check(code, keys, r)
     if code >= 1:
-        event.log()
+        event.landed()
     if code >= 2:
-        holder_event.log()
+        holder_event.landed()
     return code
 
 

@@ -28,6 +28,15 @@ Per run (all keys of a run share the hash tag ``{run:<id>}``)::
     ap:{run:<id>}:received  hash    "<message_id>" -> the message as sent (sealed like the conversation),
                                     "<message_id>:at" -> "<turns>:<index>" once delivered: the run's turn
                                     count then, and the message's index in the conversation
+    ap:{run:<id>}:webhooks  hash    the run's completion webhook deliveries, numbered n = 1, 2... (one per
+                                    end, or wait for a person, that a webhook wants): "<n>" -> the run's
+                                    summary then (msgpack), "<n>:result" -> the start of its result,
+                                    "<n>:state" pending | delivered | undelivered, "<n>:attempts",
+                                    "<n>:claim" (the worker delivering it), "<n>:error" (the last
+                                    failure), "<n>:at" (last attempt, ms), "<n>:next" (next try, ms),
+                                    "<n>:done" (delivered or given up, ms), "<n>:waiting" (why nobody
+                                    delivers it); written by the status change
+                                    itself (store/lua/_webhook.lua), expires with the run
 
 Global::
 
@@ -48,6 +57,10 @@ Global::
                                     process adds what it counted about once a second
     ap:stats:flush:<id>     string  marks one such flush as added (so a re-sent flush adds nothing);
                                     expires after a minute
+    ap:webhooks:due         zset    delivery id "<run id>.<created ms>.<n>" -> when it is due (ms): every
+                                    webhook delivery not yet made; a worker claiming one pushes it a lease
+                                    ahead (a worker killed while delivering leaves it due again); dropped
+                                    once delivered, given up or its run expired
 
 Per model's rate-limit budget (all keys of one budget share the hash tag ``{limits:<model>}``)::
 
@@ -93,6 +106,7 @@ REAPER_LOCK = f"{PREFIX}:reaper:lock"
 TURNS_DEFERRED = f"{PREFIX}:turns:deferred"
 DURABILITY_PROBE = f"{PREFIX}:durability:probe"
 STATS = f"{PREFIX}:stats"
+WEBHOOKS_DUE = f"{PREFIX}:webhooks:due"
 TURN_QUEUE = "agentpool"
 DEFAULT_QUEUE = "default"  # a run's queue when none is named: RQ's queue TURN_QUEUE, as before queues
 QUEUE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,39}$")
@@ -171,6 +185,7 @@ class RunKeys:
     received: str
     children: str
     joins: str
+    webhooks: str
 
     @classmethod
     def of(cls, run_id: str) -> RunKeys:
@@ -190,6 +205,7 @@ class RunKeys:
             received=f"{base}:received",
             children=f"{base}:children",
             joins=f"{base}:joins",
+            webhooks=f"{base}:webhooks",
         )
 
     def all(self) -> tuple[str, ...]:
@@ -207,6 +223,7 @@ class RunKeys:
             self.received,
             self.children,
             self.joins,
+            self.webhooks,
         )
 
     def kept(self) -> tuple[str, ...]:
@@ -222,6 +239,7 @@ class RunKeys:
             self.received,
             self.children,
             self.joins,
+            self.webhooks,
         )
 
 

@@ -3,7 +3,8 @@
 A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended, one that calls
 ``remember``/``replayed`` gets ``store/lua/_once.lua``, one that calls ``add_spend`` gets
 ``store/lua/_spend.lua``, one that calls ``join_parent`` gets ``store/lua/_join.lua``, one that calls
-``roll_up_spend`` or ``tree_exhausted`` gets ``store/lua/_tree.lua``: Redis has no includes.
+``roll_up_spend`` or ``tree_exhausted`` gets ``store/lua/_tree.lua``, one that calls
+``take_webhook`` gets ``store/lua/_webhook.lua``: Redis has no includes.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _HELPERS = (
     ("_join", "join_parent("),
     ("_tree", "roll_up_spend("),
     ("_tree", "tree_exhausted("),
+    ("_webhook", "take_webhook("),
 )
 
 

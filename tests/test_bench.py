@@ -60,6 +60,8 @@ SECTIONS = {
         [
             *("--limit-runs", "4", "--limit-turns", "2", "--limit-workers", "1", "--limit-concurrency", "2"),
             *("--limit-minute", "2", "--limit-rpm", "4", "--limit-itpm", "4000"),
+            *("--tenant-big", "20", "--tenant-small", "2", "--tenant-max", "2", "--tenant-delay", "0.05"),
+            *("--webhook-runs", "3", "--webhook-down", "2"),
         ],
         "limits: 4 runs of 2 turns",
         ["limiter off (today)", "limiter on (learned)"],
@@ -78,14 +80,17 @@ SECTIONS = {
         3,
     ),
 }
-# Sections that print a second table: (its title, its rows).
+# Sections that print more tables: [(its title, its rows)].
 MORE_TABLES = {
-    "overhead": (
-        "overhead: a turn whose model call streams",
-        ["forking (--concurrency 1)", "threaded (--concurrency 2)"],
-    ),
-    "long": ("live: a streamed delta, from the scripted model's socket", []),
-    "recovery": ("recovery under load", ["work horse killed", "whole worker killed (reaper takes over)"]),
+    "overhead": [
+        ("overhead: a turn whose model call streams", ["forking (--concurrency 1)", "threaded (--concurrency 2)"]),
+    ],
+    "long": [("live: a streamed delta, from the scripted model's socket", [])],
+    "recovery": [("recovery under load", ["work horse killed", "whole worker killed (reaper takes over)"])],
+    "limits": [
+        ("tenants: a small tenant's 2 runs", ["alone", "behind 20 queued runs of the big tenant"]),
+        ("webhooks: 3 runs posted to a receiver", ["fails 3, down 2 s"]),
+    ],
 }
 
 
@@ -109,8 +114,7 @@ def test_bench_section_prints_its_table_of_figures(section):
     args, title, rows, at_least = SECTIONS[section]
     out = run_bench("--only", section, *args)
     check_table(out, title, rows, at_least)
-    if section in MORE_TABLES:
-        more_title, more_rows = MORE_TABLES[section]
+    for more_title, more_rows in MORE_TABLES.get(section, []):
         check_table(out, more_title, more_rows, 1)
 
 

@@ -238,10 +238,15 @@ def test_a_child_that_spends_the_trees_budget_stops_the_tree_and_resume_goes_on_
     )
     pool.start(1)
     parent = enqueue_run(
-        "subagent_agents:orchestrator", script_task("orchestrate"), connection=r, max_total_tokens=20_000
+        "subagent_agents:orchestrator",
+        script_task("orchestrate"),
+        connection=r,
+        max_total_tokens=20_000,
+        webhook="http://127.0.0.1:9/hooks",  # nobody listens (and no worker has the secret): recorded, kept
     )
     done = wait_for_run(parent, timeout=180, connection=r)
     (child,) = done.children
+    assert [(w["event"], w["status"]) for w in done.webhooks] == [("ended", "stopped")], "the hold's stop posts"
     kid = get_run(child, connection=r)
     # The child is held before its next call: its parent gets no error result, the whole tree stops.
     assert kid.status == "stopped" and f"run {parent}" in (kid.error or "") and "max_total_tokens" in kid.error

@@ -16,7 +16,7 @@ from agentpool.runtime import shards, tracing
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import Settings, client_for, names_the_server
-from agentpool.store import approvals, checkpoint, children, events, inbox, runs_index, writes
+from agentpool.store import approvals, checkpoint, children, events, inbox, runs_index, webhooks, writes
 from agentpool.store import window as run_window
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError, RunNotFound
@@ -30,6 +30,7 @@ from agentpool.store.keys import (
     shard_suffix,
 )
 from agentpool.store.records import ACTIVE_STATUSES, STATUSES, RunState, load_header
+from agentpool.webhooks import check_events, check_url
 
 # What enqueues a turn (RQ) or loads an agent (pydantic) is imported by the functions that do: reading
 # runs (`agentpool runs`, `show`) must not pay for them.
@@ -81,6 +82,10 @@ class Run:
     own_usage: dict[str, int] = field(default_factory=dict)
     own_cost_usd: float = 0.0
     depth: int = 0
+    # Completion webhook deliveries (``enqueue_run(..., webhook=...)`` or the pool default), oldest first:
+    # id, event, status, state (pending, delivered, undelivered), attempts, error (the last failure),
+    # waiting (why no worker makes it), times; ``get_run`` fills them in (see agentpool.store.webhooks).
+    webhooks: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def window(self) -> list[dict[str, Any]]:
@@ -145,6 +150,8 @@ def enqueue_run(
     queue: str = DEFAULT_QUEUE,
     concurrency_key: str | None = None,
     max_concurrency: int | None = None,
+    webhook: str | None = None,
+    webhook_events: tuple[str, ...] | list[str] = ("ended",),
 ) -> str:
     """Create a run of ``agent`` (an import path ``module:attribute``) on ``task`` and queue its
     first turn, atomically. Returns the run id. The limits, when given, override the agent's.
@@ -158,6 +165,12 @@ def enqueue_run(
     ``concurrency_key`` (a tenant, say) with ``max_concurrency``: at most that many turns of the runs of
     that key are in flight across the pool at once; the others wait, holding no worker. A limit an
     operator set for the key (``agentpool limits set acme 5``) wins over ``max_concurrency``.
+
+    ``webhook`` (an ``http://`` or ``https://`` URL): agentpool POSTs the run's summary there, signed with
+    the workers' ``AGENTPOOL_WEBHOOK_SECRET``, when the run ends (completed, failed, stopped, cancelled;
+    ``webhook_events=("ended", "waiting_approval")`` also when it starts waiting for a person), retried
+    until the receiver answers 2xx, for a day; without it, the workers' pool default
+    (``AGENTPOOL_WEBHOOK_URL``) if they have one. Check deliveries with ``agentpool.webhooks.verify``.
 
     Idempotent with your own ``run_id``: if that run exists for the same agent, task and limits, its
     id is returned and the run is left as it is (a retried enqueue gets the run it made, never a
@@ -188,6 +201,11 @@ def enqueue_run(
             extra["cmax"] = limit_value("max_concurrency", max_concurrency, whole=True)
     elif max_concurrency is not None:
         raise ValueError("max_concurrency needs a concurrency_key: the runs it limits together")
+    if webhook is not None:
+        extra["webhook"] = check_url(webhook)
+        extra["webhook_events"] = ",".join(check_events(webhook_events))
+    elif check_events(webhook_events) != ("ended",):
+        raise ValueError("webhook_events needs a webhook: the URL they are posted to")
     if run_id is not None:
         check_run_id(run_id)
     r, shard = shards.home(connection, run_id, concurrency_key)  # one Redis, or the run's shard
@@ -251,6 +269,7 @@ def get_run(run_id: str, *, connection: Redis | str | shards.Shards | None = Non
     run.waiting = _waiting(r, run)
     run.inbox = inbox.waiting(r, RunKeys.of(run_id))
     run.children = children.children(r, RunKeys.of(run_id))
+    run.webhooks = webhooks.deliveries(r, RunKeys.of(run_id))
     if run.status == "waiting_children":
         run.waiting = _waiting_children(r, run)
     return run
@@ -375,8 +394,16 @@ def cancel_run(
     nothing further. A run already completed, failed or cancelled is left as it is. Returns the status
     the run had before."""
     r = shards.route(connection, run_id)  # its child runs are on the same shard
+    settings = Settings.from_env()
     before = checkpoint.set_status_unfenced(
-        r, run_id, "cancelled", error=reason, retention_s=Settings.from_env().retention
+        r,
+        run_id,
+        "cancelled",
+        error=reason,
+        retention_s=settings.retention,
+        # This process may not have the workers' default webhook: "maybe" records the delivery for
+        # it all the same, and a worker without one drops it (store/lua/_webhook.lua).
+        pool_webhook=settings.pool_webhook or webhooks.MAYBE,
     )
     if before not in ("completed", "failed", "cancelled"):
         emit(r, run_id, "status", status="cancelled", error=reason)

@@ -14,6 +14,7 @@
 -- received messages, children, joins), for the retention; KEYS[10] is the inbox; then, for a child
 -- run, its tree keys, as many as ARGV[19] says: its parent's header, joins hash, events, inbox and
 -- received hash (see _join.lua), then the headers of the ancestors above the parent (see _tree.lua)
+-- last, the webhook's two keys (see _webhook.lua: taken off first)
 -- ARGV[1] token  ARGV[2] turns before this call  ARGV[3] assistant message blob  ARGV[4] pending blob
 -- ARGV[5] now ms  ARGV[6] run id  ARGV[7] final status or ''  ARGV[8] result text  ARGV[9] error text
 -- ARGV[10] schema version  ARGV[11] retention seconds for a finished run (0 keeps it)
@@ -23,10 +24,12 @@
 -- completes a child run ('' otherwise): queued in the parent's inbox if the parent's join had ended
 -- before (see _join.lua)  ARGV[22..] two events (see _event.lua): the model_responded one, then the one
 -- reporting the commit
+-- last, the pool default's webhook events (see _webhook.lua)
 -- Returns 1 ok (2: ok, the run ended and was its parent's last open child, now woken), -1 lease lost, -2 run not running (status changed under us), -3 stale turn (each of
 -- these three with the spend counted), -4 no such run (nothing counted), -5 the reply would complete
 -- the run but messages wait in its inbox (nothing counted, nothing changed: the caller commits the
 -- reply as a turn that goes on, and its save point B delivers them).
+local webhook = take_webhook()
 local h = redis.call('HMGET', KEYS[1], 'status', 'turns', 'phase', 'writes')
 local seen = replayed_in(h[4], ARGV[17])
 if seen then return tonumber(seen) end
@@ -61,6 +64,7 @@ if ARGV[7] ~= '' then
   -- A stopped run (the context window is full) resumes with a model call; a finished one is done.
   local phase = ARGV[7] == 'stopped' and 'model' or 'done'
   redis.call('HSET', KEYS[1], 'status', ARGV[7], 'phase', phase, 'pending', '', 'result', ARGV[8], 'error', ARGV[9])
+  record_webhook(webhook, KEYS[1], ARGV[6], ARGV[7], ARGV[5])
   redis.call('DEL', KEYS[2])
   redis.call('ZREM', KEYS[4], ARGV[6])
   local ttl = tonumber(ARGV[11])

@@ -7,14 +7,16 @@
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch   KEYS[5] ap:stats
 -- KEYS[6] events   KEYS[7] hand-back record   KEYS[8..] the run's other keys (ledger, approvals, inbox,
 -- received messages, children, joins), for the retention; then, for a child run, its parent's header,
--- joins hash and events (see _join.lua), as many as ARGV[13] says
+-- joins hash and events (see _join.lua), as many as ARGV[13] says; last, the webhook's two keys (see
+-- _webhook.lua: taken off first)
 -- ARGV[1] token  ARGV[2] status  ARGV[3] error text  ARGV[4] now ms  ARGV[5] run id
 -- ARGV[6] message blob or ''  ARGV[7] phase after ('' keeps it)  ARGV[8] result text or ''
 -- ARGV[9] retention seconds (0 keeps it)  ARGV[10] watch score ('' removes the run from the watch set)
 -- ARGV[11] schema version of the message  ARGV[12] write id  ARGV[13] parent keys given (0 or 3)
--- ARGV[14..] the event (see _event.lua)
+-- ARGV[14..] the event (see _event.lua); last, the pool default's webhook events (see _webhook.lua)
 -- Returns 1 ok (2: ok, and it was the parent's last open child, which is now woken), -1 lease lost,
 -- -2 run not running.
+local webhook = take_webhook()
 local seen = replayed(KEYS[1], ARGV[12])
 if seen then return tonumber(seen) end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
@@ -41,6 +43,7 @@ if parent_keys > 0 and ARGV[2] ~= 'waiting_approval' and ARGV[2] ~= 'waiting_chi
   end
 end
 remember(KEYS[1], ARGV[12], joined)
+record_webhook(webhook, KEYS[1], ARGV[5], ARGV[2], ARGV[4])
 record_event(KEYS[6], KEYS[5], 14)  -- before the retention's EXPIRE, which it must not outlive
 local ttl = tonumber(ARGV[9])
 if ttl > 0 then

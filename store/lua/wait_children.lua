@@ -12,8 +12,11 @@
 -- ARGV[1] token  ARGV[2] now ms  ARGV[3] watch score  ARGV[4] run id  ARGV[5] why it stops when its
 -- budget is used up  ARGV[6..] two events (see _event.lua): the one reporting the wait, then the one
 -- reporting the stop
+-- Last, the webhook's keys and argument (see _webhook.lua: taken off first): a run that stops here
+-- records its webhook delivery.
 -- Returns 1 waiting, 0 every child has ended (nothing changed: go on), 2 stopped (3: and that woke its
 -- parent), -1 lease lost, -2 not running.
+local webhook = take_webhook()
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return -2 end
 local open = false
@@ -31,6 +34,7 @@ if not spent then
   return 1
 end
 redis.call('HSET', KEYS[1], 'status', 'stopped', 'error', ARGV[5], 'updated_at', ARGV[2])
+record_webhook(webhook, KEYS[1], ARGV[4], 'stopped', ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[4])
 -- Past the first event (cap, n field pairs, m counter pairs), to the second.
 local at = 6

@@ -125,7 +125,7 @@ async def enqueue_run(
     agent: str, task: str, *, connection: aredis.Redis | shards.Shards | None = None, **options: Any
 ) -> str:
     """``agentpool.enqueue_run``'s options (``max_turns``, ``max_total_tokens``, ``max_cost_usd``, ``run_id``,
-    ``check_agent``...). Loading the agent to check it imports its module in the loop's thread: an app
+    ``check_agent``, ``queue``, ``webhook``, ``webhook_events``...). Loading the agent to check it imports its module in the loop's thread: an app
     that has the agent's code imports it at start-up, one that has not passes ``check_agent=False``."""
     return await run_sync(client.enqueue_run, agent, task, connection=_green(connection), **options)
 

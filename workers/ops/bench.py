@@ -6,7 +6,8 @@ baseline run beside it on the same worker class. It prints figures with their ta
 nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``deferred``, ``durability``, ``long``, ``limits``,
 ``redis`` (``--only``; default all; the long-run figures and streaming's share of the overhead are in
 ``bench_long.py``, the deferred turns' lateness under kills in ``bench_ha.py``, the rate limiter's
-429 share and throughput against the limit in ``bench_limits.py``, Redis's commands and CPU per turn in
+429 share and throughput against the limit and two tenants sharing the pool in ``bench_limits.py``,
+webhooks to a failing receiver in ``bench_webhooks.py``, Redis's commands and CPU per turn in
 ``bench_redis.py``, ``shards``: the same runs on one Redis and on two shards in ``bench_shards.py``).
 """
 
@@ -129,6 +130,11 @@ class Lab:
 
     def reset(self, scripts: dict[str, list[dict[str, Any]]]) -> None:
         self.workers.stop()
+        # A SIGKILLed worker may still be blocked in BLMOVE inside Redis for a moment: a job pushed then
+        # is handed to the dead client, and only the reaper's 30 s recheck would find it again.
+        deadline = time.monotonic() + 10
+        while self.r.info("clients")["blocked_clients"] and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.r.flushdb()
         self.model.reset()
         self.model.set_scripts(scripts)
@@ -856,6 +862,36 @@ def _lab(url: str | None) -> Iterator[Lab]:
     "--limit-itpm", type=click.IntRange(min=1), default=200_000, show_default=True, help="limits: input tokens."
 )
 @click.option(
+    "--tenant-big", type=click.IntRange(min=1), default=1000, show_default=True, help="limits: the big tenant's runs."
+)
+@click.option(
+    "--tenant-small", type=click.IntRange(min=1), default=10, show_default=True, help="limits: the small tenant's runs."
+)
+@click.option(
+    "--tenant-max",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="limits: each tenant's max_concurrency.",
+)
+@click.option(
+    "--tenant-delay",
+    type=click.FloatRange(min=0),
+    default=0.2,
+    show_default=True,
+    help="limits: seconds each model call of the tenants' runs takes.",
+)
+@click.option(
+    "--webhook-runs", type=click.IntRange(min=1), default=50, show_default=True, help="limits: runs with a webhook."
+)
+@click.option(
+    "--webhook-down",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="limits: seconds the webhook receiver is down (after failing 3 deliveries).",
+)
+@click.option(
     "--redis-turns", type=click.IntRange(min=20), default=400, show_default=True, help="redis: turns measured."
 )
 @click.option(
@@ -888,6 +924,12 @@ def bench(
     limit_minute: float,
     limit_rpm: int,
     limit_itpm: int,
+    tenant_big: int,
+    tenant_small: int,
+    tenant_max: int,
+    tenant_delay: float,
+    webhook_runs: int,
+    webhook_down: float,
     redis_turns: int,
     shard_turns: int,
 ) -> None:
@@ -926,11 +968,16 @@ def bench(
 
             bench_long(lab, long_turns, min(long_early, long_turns), deltas)
         if "limits" in sections:
-            from agentpool.ops.bench_limits import bench_limits
+            from agentpool.ops.bench_limits import bench_limits, bench_tenants
+            from agentpool.ops.bench_webhooks import bench_webhooks
 
             bench_limits(
                 lab, limit_runs, limit_turns, limit_workers, limit_concurrency, limit_minute, limit_rpm, limit_itpm
             )
+            bench_tenants(
+                lab, tenant_big, tenant_small, limit_turns, limit_workers, 2 * tenant_max + 2, tenant_max, tenant_delay
+            )
+            bench_webhooks(lab, webhook_runs, webhook_down, 2)
         if "redis" in sections:
             from agentpool.ops.bench_redis import bench_redis
 

@@ -1,6 +1,7 @@
 """``agentpool bench --only limits``: a pool against a scripted model limited per minute, with the
 pool's rate limiter on (learned from the headers, nothing configured) and off (today's behaviour: each
-turn backs off alone after its 429), side by side.
+turn backs off alone after its 429), side by side; then two tenants sharing the pool (``bench_tenants``)
+and webhooks to a receiver that fails and goes down (``bench_webhooks.py``).
 
 The minute is scaled down (``--limit-minute``) with the limits kept (600 requests and 200,000 input
 tokens a minute by default), so the ratios are the issue's. Throughput is what the scripted model
@@ -83,6 +84,96 @@ def bench_limits(
             "stopped: runs that met AGENTPOOL_MODEL_RETRIES + 1 model errors in a row",
         ),
     )
+
+
+def bench_tenants(
+    lab: Lab, big: int, small: int, turns: int, workers: int, concurrency: int, cap: int, delay: float
+) -> None:
+    """The small tenant's runs alone, then enqueued behind the big tenant's (each tenant with
+    ``max_concurrency=cap``): how much longer they take beside it (target at most 2x)."""
+    from agentpool.client import enqueue_run
+    from agentpool.ops.bench import table, task, tool_steps
+
+    steps = [{**step, "delay": delay} for step in tool_steps(turns)]
+    rows = []
+    alone = 0.0
+    for label, big_runs in (("alone", 0), (f"behind {big:,} queued runs of the big tenant", big)):
+        lab.reset({"tenants": steps})
+        lab.model.set_rate_limits(None)  # the rows above limited it: here only the tenants' caps hold turns back
+        for _ in range(workers):
+            lab.start("--concurrency", str(concurrency))
+        big_ids = [
+            enqueue_run(
+                LIMITED_AGENT,
+                task("tenants", n),
+                connection=lab.r,
+                concurrency_key="big",
+                max_concurrency=cap,
+                check_agent=False,
+            )
+            for n in range(big_runs)
+        ]
+        started = time.monotonic()
+        small_ids = [
+            enqueue_run(
+                LIMITED_AGENT,
+                task("tenants", big_runs + n),
+                connection=lab.r,
+                concurrency_key="small",
+                max_concurrency=cap,
+                check_agent=False,
+            )
+            for n in range(small)
+        ]
+        statuses = _wait_ended(lab, small_ids, started)
+        seconds = time.monotonic() - started
+        big_ended = sum(1 for s in _statuses(lab, big_ids) if s in ENDED)
+        alone = alone or seconds
+        rows.append(
+            [
+                label,
+                f"{seconds:.2f}",
+                f"{seconds / alone:.2f}x",
+                str(statuses.count("completed")),
+                str(big_ended),
+                "baseline" if not big_runs else "<= 2x",
+            ]
+        )
+        lab.workers.stop()
+    table(
+        f"tenants: a small tenant's {small} runs of {turns} turns alone and behind a big tenant's {big:,}, "
+        f"max_concurrency {cap} each, on {workers} threaded workers at --concurrency {concurrency}",
+        ["small tenant", "seconds", "x alone", "small completed", "big runs ended meanwhile", "target"],
+        rows,
+        (
+            (
+                f"each model call takes {delay:g} s; the big tenant's runs are all queued before the small tenant's "
+                "first is enqueued (the clock starts then) and go on meanwhile"
+            ),
+        ),
+    )
+
+
+ENDED = ("completed", "failed", "stopped", "cancelled")
+
+
+def _statuses(lab: Lab, ids: list[str]) -> list[str]:
+    from agentpool.store.keys import RunKeys
+
+    with lab.r.pipeline(transaction=False) as pipe:
+        for run_id in ids:
+            pipe.hget(RunKeys.of(run_id).run, "status")
+        return [(s or b"").decode() for s in pipe.execute()]
+
+
+def _wait_ended(lab: Lab, ids: list[str], started: float, limit: float = 1800) -> list[str]:
+    while True:
+        statuses = _statuses(lab, ids)
+        if all(s in ENDED for s in statuses):
+            return statuses
+        if time.monotonic() > started + limit:
+            raise click.ClickException(f"{len(ids)} runs did not end; logs:\n{lab.workers.logs(2000)}")
+        time.sleep(0.05)
 
 
 def _run_all(lab: Lab, runs: int, task: object) -> tuple[float, list[str]]:

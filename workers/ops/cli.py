@@ -158,7 +158,9 @@ def worker(
     from agentpool.runtime.settings import Settings
     from agentpool.store.keys import DEFAULT_QUEUE, check_queue, rq_queue_name
 
-    Settings.from_env()  # a bad AGENTPOOL_* setting (a rate limit, a timeout) says so in one line, now
+    # A bad AGENTPOOL_* setting (a rate limit, a timeout, a webhook URL) or a pool default webhook without
+    # its signing secret says so in one line, now.
+    Settings.from_env().check_worker()
     try:
         rq_queues = [rq_queue_name(check_queue(q)) for q in dict.fromkeys(queues or (DEFAULT_QUEUE,))]
     except ValueError as exc:
@@ -280,6 +282,19 @@ def _serve_shards(
 )
 @click.option("--max-cost-usd", type=LimitParam(whole=False), default=None, help="Overrides the agent's max_cost_usd.")
 @click.option("--queue", default="default", show_default=True, help="The queue every turn of the run goes to.")
+@click.option(
+    "--webhook",
+    default=None,
+    metavar="URL",
+    help="POST the run's signed summary to this http(s) URL when it ends (see agentpool.webhooks).",
+)
+@click.option(
+    "--webhook-event",
+    "webhook_events",
+    type=click.Choice(["ended", "waiting_approval"]),
+    multiple=True,
+    help="What --webhook is told (repeatable): ended (default), waiting_approval.",
+)
 @click.option("--wait", is_flag=True, help="Wait for the run to end and print its result.")
 @click.option("--timeout", type=LimitParam(whole=False), default=None, help="Seconds to --wait (default 600).")
 @click.option(
@@ -296,6 +311,8 @@ def enqueue(
     max_total_tokens: int | None,
     max_cost_usd: float | None,
     queue: str,
+    webhook: str | None,
+    webhook_events: tuple[str, ...],
     wait: bool,
     timeout: float | None,
     no_check_agent: bool,
@@ -318,6 +335,8 @@ def enqueue(
             max_cost_usd=max_cost_usd,
             check_agent=not no_check_agent,
             queue=queue,
+            webhook=webhook,
+            webhook_events=webhook_events or ("ended",),
         )
     except ValueError as exc:
         _refuse(exc)
@@ -474,6 +493,10 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
             click.echo(f"    {sent['id']}: {' '.join(_describe(sent['content']))[:200]}")
     if run.status == "waiting_approval":
         click.echo(f"\nwaiting for a decision: agentpool approve {run.id} [TOOL_USE_ID] [--deny --reason TEXT]")
+    if run.webhooks:
+        click.echo("\nwebhooks:")
+        for line in _webhook_lines(run.webhooks):
+            click.echo(f"    {line}")
     if run.pending:
         click.echo("\npending:")
         for call in run.pending:
@@ -491,6 +514,30 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
                 f"    {tool_use_id} {intent.get('name') or (outcome or {}).get('name', '?')} "
                 f"[{intent.get('effect', 'not run' if outcome else '?')}] attempts={intent.get('attempt', 0)} {state}"
             )
+
+
+def _webhook_lines(deliveries: list[dict[str, Any]]) -> list[str]:
+    """One line per webhook delivery: what it reports, where it goes, and how it stands."""
+    from agentpool.webhooks import shown_url
+
+    now = time.time()
+    lines = []
+    for d in deliveries:
+        where = shown_url(d["url"])
+        tries = f"{d['attempts']} attempt{'s' if d['attempts'] != 1 else ''}"
+        if d["state"] == "delivered":
+            state = f"delivered ({tries})"
+        elif d["state"] == "undelivered":
+            state = f"UNDELIVERED, given up after {tries}; last error: {d['error']}"
+        else:
+            state = f"pending ({tries}"
+            if d["next_at"]:
+                state += f", next try in {max(0.0, d['next_at'] - now):.0f} s"
+            state += f"; last error: {d['error']})" if d["error"] else ")"
+            if d["waiting"]:
+                state += f": {d['waiting']}"
+        lines.append(f"{d['id']} {d['event']} ({d['status']}) -> {where}: {state}")
+    return lines
 
 
 def _in_call_order(messages: list[dict[str, Any]], entries: dict[str, Any]) -> dict[str, Any]:

@@ -58,7 +58,7 @@ from agentpool.ops.timeline import timeline
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import redact_url
 from agentpool.runtime.shards import Shards, each, located
-from agentpool.store import children, events, handback, inbox, ledger, live, runs_index
+from agentpool.store import children, events, handback, inbox, ledger, live, runs_index, webhooks
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import STATUSES, load_header, unpack_message
@@ -235,6 +235,7 @@ def run_detail(r: Redis, run_id: str, start: int) -> dict[str, Any]:
     found = why_waiting(r, run_id, run.status)
     run.waiting = found.to_dict() if found else None
     run.inbox = [{"id": m["id"], "content": _slim(m["content"])} for m in inbox.waiting(r, keys)]
+    run.webhooks = webhooks.deliveries(r, keys)
     header = run.to_dict()
     header.pop("messages")
     now = time.time()

@@ -14,6 +14,7 @@ from redis import ConnectionPool, Redis
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
 from redis.exceptions import ConnectionError, TimeoutError
 
+from agentpool import webhooks
 from agentpool.checks import limit_value
 from agentpool.runtime import connections, sentinel
 from agentpool.store import crypto
@@ -46,6 +47,30 @@ def _rate_limits() -> dict:
         return {}
     try:
         return parse_limits(raw)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def _webhook_url() -> str:
+    raw = os.environ.get("AGENTPOOL_WEBHOOK_URL", "").strip()
+    try:
+        return webhooks.check_url(raw, subject="AGENTPOOL_WEBHOOK_URL") if raw else ""
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def _webhook_secret() -> str:
+    raw = os.environ.get("AGENTPOOL_WEBHOOK_SECRET", "").strip()
+    try:
+        return webhooks.check_secret(raw) if raw else ""
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def _webhook_events() -> tuple[str, ...]:
+    raw = os.environ.get("AGENTPOOL_WEBHOOK_EVENTS", "").strip() or "ended"
+    try:
+        return webhooks.check_events([e.strip() for e in raw.split(",")], subject="AGENTPOOL_WEBHOOK_EVENTS")
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
 
@@ -103,6 +128,14 @@ class Settings:
     # AGENTPOOL_SHARDS: the Redis URLs of a pool spread over several shards (agentpool.runtime.shards); empty:
     # one Redis, REDIS_URL's. A worker serves some of them; the pool's rate limits are split among them all.
     shards: tuple[str, ...] = ()
+    # Completion webhooks (agentpool.webhooks, agentpool.runtime.webhook_delivery): the pool's default URL
+    # (every run without a webhook of its own), the events it wants, the signing secret (never shown),
+    # the timeout of one attempt and how long a delivery is retried before it is given up.
+    webhook_url: str = ""
+    webhook_events: tuple[str, ...] = ("ended",)
+    webhook_secret: str = field(default="", repr=False)
+    webhook_timeout: float = 10.0
+    webhook_max_age: float = 86400.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -129,11 +162,31 @@ class Settings:
             rate_limits=_rate_limits(),
             rate_limit_minute=_env_float("AGENTPOOL_RATE_LIMIT_MINUTE", 60.0),
             shards=_shards(),
+            webhook_url=_webhook_url(),
+            webhook_events=_webhook_events(),
+            webhook_secret=_webhook_secret(),
+            webhook_timeout=_env_float("AGENTPOOL_WEBHOOK_TIMEOUT", 10.0),
+            webhook_max_age=_env_float("AGENTPOOL_WEBHOOK_MAX_AGE", 86400.0),
         )
 
     @property
     def lease_ttl_ms(self) -> int:
         return int(self.lease_ttl * 1000)
+
+    @property
+    def pool_webhook(self) -> str:
+        """The events the pool's default webhook wants, as the status-changing scripts take them ('' for
+        no default: only runs with a webhook of their own are posted)."""
+        return ",".join(self.webhook_events) if self.webhook_url else ""
+
+    def check_worker(self) -> None:
+        """A worker refuses to start, in one line, with settings only a worker needs and lacks: a pool
+        default webhook it could not sign."""
+        if self.webhook_url and not self.webhook_secret:
+            raise SystemExit(
+                "AGENTPOOL_WEBHOOK_URL is set but AGENTPOOL_WEBHOOK_SECRET is not: webhooks are signed with "
+                "it; set the same secret on every worker (agentpool genkey prints one)"
+            )
 
 
 def configure_encryption() -> None:

@@ -195,6 +195,7 @@ class Settlement:
                 parent=self.state.parent,
                 event=waiting_event(self.run_id, running),
                 stopped=tree.wait_stop(self.run_id, Limits.of(self.delegation.agent, self.state.limits)),
+                pool_webhook=self.settings.pool_webhook,
             )
             if code == 1:
                 self.waiting = "waiting_children"
@@ -297,6 +298,7 @@ class Settlement:
             event=Event.of(
                 self.run_id, "status", status="waiting_approval", tools=",".join(call["name"] for call in calls)
             ),
+            pool_webhook=self.settings.pool_webhook,
         )
 
     def settle_one(

@@ -112,7 +112,8 @@ def fail_corrupt(r: Redis, run_id: str, exc: UnreadableRecord, where: str) -> No
 
 def _fail(r: Redis, run_id: str, reason: str) -> bool:
     """Fail the run without its lease, with its retention and the status event; True if failed now."""
-    failed = fail_unfenced(r, run_id, reason, retention_s=Settings.from_env().retention)
+    settings = Settings.from_env()
+    failed = fail_unfenced(r, run_id, reason, retention_s=settings.retention, pool_webhook=settings.pool_webhook)
     if failed:
         emit(r, run_id, "status", status="failed", error=reason)
     return failed

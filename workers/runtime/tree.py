@@ -96,6 +96,7 @@ def hold_if_spent(turn: Turn, state: RunState, limits: Limits) -> str | None:
             turn.run_id, "status", status="stopped", error=reason, held_by=budget.run_id, **limits.limit_fields()
         ),
         holder_event=Event.of(budget.run_id, "status", status="stopped", error=holder_reason, **holder_limits(budget)),
+        pool_webhook=turn.settings.pool_webhook,
     )
     if code == 0:
         return None  # resumed meanwhile: its cap is raised

@@ -123,7 +123,7 @@ def run_turn(run_id: str, turn: int) -> str:
         return _hand_back(r, keys, got, "", SchemaTooNew(detail), job_id)
     if got.code is Acquire.UNREADABLE:
         reason = f"run header field {got.detail!r} is unreadable; data left as found"
-        checkpoint.fail_unfenced(r, run_id, reason, retention_s=settings.retention)
+        checkpoint.fail_unfenced(r, run_id, reason, retention_s=settings.retention, pool_webhook=settings.pool_webhook)
         return "unreadable"
     if got.code is not Acquire.ACQUIRED:
         log.info("run %s turn %s: %s (%s); nothing to do", run_id, turn, got.code.name.lower(), got.detail)
@@ -161,6 +161,7 @@ def run_turn(run_id: str, turn: int) -> str:
                 error=str(exc),
                 retention_s=settings.retention,
                 event=Event.of(run_id, "status", status="failed", error=str(exc)),
+                pool_webhook=settings.pool_webhook,
             )
             return "failed"
         except BaseException:
@@ -244,6 +245,7 @@ def _stop_unloadable(r: Redis, keys: RunKeys, token: str, settings: Settings, ex
         status="stopped",
         error=reason,
         event=Event.of(keys.run_id, "status", status="stopped", error=reason),
+        pool_webhook=settings.pool_webhook,
     )
     log.error("run %s: stopped: %s", keys.run_id, reason)
     return "stopped"
@@ -402,6 +404,7 @@ class Turn:
                     event=Event.of(self.run_id, "status", status=final, error=failure, **held_to)
                     if final
                     else Event.of(self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending)),
+                    pool_webhook=self.settings.pool_webhook,
                 )
                 == 2
             ):
@@ -561,6 +564,7 @@ class Turn:
             phase="done" if message else "",
             retention_s=self.settings.retention,
             event=Event.of(self.run_id, "status", status=status, error=reason, **(detail or {})),
+            pool_webhook=self.settings.pool_webhook,
         )
         if woke == 2:
             fault("after_last_child_end", self.run_id, self.turn)

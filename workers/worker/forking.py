@@ -46,6 +46,7 @@ from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.stats_flush import StatsFlusher
 from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
+from agentpool.runtime.webhook_delivery import WebhookThread
 from agentpool.store import stats
 from agentpool.store.keys import TURN_QUEUE, RunKeys
 from agentpool.worker.channel import QuickUnsubscribe
@@ -267,8 +268,11 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         counters.start()
         # The reaper gets its own connection pool: it runs beside the worker's blocking dequeue.
         reaper = ReaperThread(connections.derive(self.connection), owner=self.name, interval=self.reaper_interval)
+        # So does the webhook thread: a receiver that hangs holds its connection to Redis idle meanwhile.
+        hooks = WebhookThread(connections.derive(self.connection), worker=self.name)
         if self.reaper_interval > 0:
             reaper.start()
+        hooks.start()
         # Never RQ's scheduler (not even from `rq worker --with-scheduler -w ...`): its process can outlive
         # this one holding its lock; the reaper enqueues deferred turns instead (agentpool.runtime.deferred).
         kwargs["with_scheduler"] = False
@@ -277,3 +281,4 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         finally:
             reaper.stop()
             counters.stop()
+            hooks.stop()

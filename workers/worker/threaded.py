@@ -45,6 +45,7 @@ from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.stats_flush import StatsFlusher
 from agentpool.runtime.toolcall import abandoned_threads
+from agentpool.runtime.webhook_delivery import WebhookThread
 from agentpool.store.keys import TURN_QUEUE
 from agentpool.worker.channel import QuickUnsubscribe
 from agentpool.worker.lean import LeanTurnJobs
@@ -192,8 +193,10 @@ class ThreadedWorker(QuickUnsubscribe, LeanTurnJobs, BaseWorker):
         counters = StatsFlusher(self.connection)  # before any turn counts: events land in its tally
         counters.start()
         reaper = ReaperThread(self.connection, owner=self.name, interval=self.reaper_interval)
+        hooks = WebhookThread(self.connection, worker=self.name)
         if self.reaper_interval > 0:
             reaper.start()
+        hooks.start()
         beats = threading.Thread(target=self._keep_heartbeats, name="rq-heartbeats", daemon=True)
         beats.start()
         started = 0
@@ -206,6 +209,7 @@ class ThreadedWorker(QuickUnsubscribe, LeanTurnJobs, BaseWorker):
                 self._beating.set()
                 reaper.stop()
                 counters.stop()
+                hooks.stop()
                 self.teardown()
         return bool(started)
 
