@@ -114,12 +114,20 @@ def test_a_tool_checking_ownership_before_its_effect_stops_in_a_worker_frozen_pa
     finally:
         pool.kill(frozen, signal.SIGCONT)  # the old attempt wakes right before its charge
     assert run.status == "completed", (run.error, pool.logs())
-    refused = pool.wait_for_effect("careful_charge_refused", timeout=20)
-
-    assert refused["pid"] in horse and refused["attempt"] == 1, refused
+    # Woken, the old attempt either reaches its effect, where ensure_owned refuses it, or its work horse
+    # exits first (its turn gave up on the call: the horse ends, and the tool's thread with it); which of
+    # the two comes first is a race. Either way it never charges. (ensure_owned's refusal on its own:
+    # tests/test_reconcile.py.)
+    deadline = time.monotonic() + 60
+    while not (refused := [e for e in pool.effects() if e["tool"] == "careful_charge_refused"]):
+        if not any(alive(pid) for pid in horse):
+            break
+        assert time.monotonic() < deadline, "the woken attempt neither refused nor ended"
+        time.sleep(0.02)
     charges = [e for e in pool.effects() if e["tool"] == "careful_charge"]
     assert len(charges) == 1 and charges[0]["pid"] not in horse, charges
-    assert refused["key"] == charges[0]["key"]
+    for one in refused:
+        assert one["pid"] in horse and one["attempt"] == 1 and one["key"] == charges[0]["key"], one
 
 
 @pytest.mark.parametrize("kind", ["threaded", "forking"])

@@ -64,3 +64,34 @@ def test_calls_to_tools_the_agent_no_longer_has_get_is_error_results(r):
     assert [b["tool_use_id"] for b in results] == ["toolu_never", "toolu_started"]
     assert results[0]["is_error"] and "no tool named 'retired_tool'" in results[0]["content"]
     assert results[1]["is_error"] and "status of this retired_tool call is unknown" in results[1]["content"]
+
+
+def test_ensure_owned_refuses_once_the_run_is_another_workers_or_the_turn_gave_up_on_the_call(r):
+    """What a tool calls just before an effect (current_call().ensure_owned()): fine while its worker
+    holds the run; CallNotOwned once another worker took the run over (a worker frozen past its lease
+    wakes inside the tool), and once its own turn gave up on it (a timeout: the turn went on)."""
+    from agentpool.context import CallNotOwned, ToolCall
+    from agentpool.runtime.toolcall import Ownership
+    from agentpool.store.lease import release
+
+    run_id = "r_owned01"
+    keys = RunKeys.of(run_id)
+    with r.pipeline(transaction=True) as pipe:
+        pipe.multi()
+        checkpoint.stage_create(pipe, run_id, agent="pool_agents:short", task="t", limits={}, now=time.time())
+        pipe.execute()
+    first = acquire(r, keys, turn=0, worker_id="frozen.1", ttl_ms=10_000).token
+    ownership = Ownership(r, keys, first)
+    call = ToolCall(run_id, 0, "toolu_pay", idempotency_key(run_id, "toolu_pay"), 1, owner_check=ownership)
+    call.ensure_owned()
+    assert call.still_owned()
+
+    release(r, keys, first)  # its lease lapsed while it was frozen; another worker took the run
+    acquire(r, keys, turn=0, worker_id="other.2", ttl_ms=10_000)
+    with pytest.raises(CallNotOwned, match=f"tool call toolu_pay of run {run_id}"):
+        call.ensure_owned()
+
+    mine = Ownership(r, keys, first)
+    mine.abandon()  # the turn's wait for the tool timed out: it went on without this attempt
+    with pytest.raises(CallNotOwned, match="outlived its timeout"):
+        ToolCall(run_id, 0, "toolu_pay", "k", 1, owner_check=mine).ensure_owned()

@@ -204,7 +204,8 @@ def test_each_shard_holds_an_equal_part_of_the_pools_rate_limit(tmp_path):
         assert {holder(pool, run_id)[0] for run_id in runs} == {0, 1}
         for n in (0, 1):
             (budget,) = ratelimit.show(pool.shard(n))
-            assert 290 <= budget.levels["requests"] < 300, budget  # a call taken from 300, refilled a little
+            # A full bucket is the shard's share: 300 (a call taken from it refills in 0.2 s at 300 a minute).
+            assert 290 <= budget.levels["requests"] <= 300, budget
         shown = cli({**shard_env(pool), **limits}, "limits", "show")
         per_shard = [line.split() for line in shown.stdout.splitlines() if line.strip().startswith("requests/min")]
         assert [row[1] for row in per_shard] == ["300", "300"], shown.stdout

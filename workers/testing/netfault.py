@@ -196,10 +196,12 @@ class NetFault:
     def stop(self) -> None:
         self.heal()
         self.release()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        for link in list(self._links):
+        with self._lock:  # a connection accepted from now on is closed, not linked (_accept)
+            listener, self._listener = self._listener, None
+            links = list(self._links)
+        if listener is not None:
+            listener.close()
+        for link in links:
             link.close()
 
     def __enter__(self) -> Self:
@@ -289,7 +291,12 @@ class NetFault:
                 return
             link = _Link(self, client)
             with self._lock:
-                self._links.add(link)
+                stopped = self._listener is None  # stop() ran while this connection was accepted
+                if not stopped:
+                    self._links.add(link)
+            if stopped:
+                client.close()
+                return
             link.start()
 
     def _maybe_hold(self, data: bytes) -> None:
