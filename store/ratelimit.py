@@ -104,16 +104,22 @@ class Wait:
     seconds: float
 
 
-UNLIMITED = "unlimited"  # what ``reserve`` returns while nothing limits the model (nothing held)
+@dataclass(frozen=True)
+class Unlimited:
+    """Nothing limits the model yet (no limit set or learned): nothing is held. ``started`` counts the
+    requests and tokens started while unlimited, this call's included; ``settle`` takes the ones started
+    after it off the remaining the reply reports (the API counted this call, not those, yet)."""
+
+    started: tuple[int, int, int]
 
 
 def reserve(
     r: Redis, model: str, *, ticket: str, reservation_id: str, need: Need, limits: Limits, minute_s: float
-) -> Reservation | Wait | str:
+) -> Reservation | Wait | Unlimited:
     """The call's budget, taken now, or how long to wait for it (the ticket then holds a place in line),
-    or ``UNLIMITED`` when no limit is set or learned for the model yet."""
+    or ``Unlimited`` when no limit is set or learned for the model yet."""
     keys = LimitKeys.of(model)
-    granted, wait_ms = run_script(  # type: ignore[misc]
+    granted, wait_ms, *started = run_script(  # type: ignore[misc]
         "limit_reserve",
         r,
         [keys.budget, keys.held, keys.waiting, keys.needs, LIMIT_MODELS],
@@ -133,7 +139,7 @@ def reserve(
     if int(granted) == 0:
         return Wait(int(wait_ms) / 1000)
     if int(granted) == 3:
-        return UNLIMITED
+        return Unlimited(tuple(int(n) for n in started))  # type: ignore[arg-type]
     return Reservation(model, reservation_id, need)
 
 
@@ -149,7 +155,7 @@ def settle(
     r: Redis,
     model: str,
     *,
-    reservation: Reservation | None,
+    reservation: Reservation | Unlimited | None,
     used_input: int,
     used_output: int,
     reported: Reported,
@@ -157,9 +163,13 @@ def settle(
     minute_s: float,
 ) -> bool:
     """Correct ``reservation`` to what the call used (a failed call: what it was billed for, often 0)
-    and learn what the API reported. Returns False if the reservation had been settled already."""
+    and learn what the API reported. Returns False if the reservation had been settled already (or
+    there was none: an unlimited call or headers alone)."""
     keys = LimitKeys.of(model)
     back_in = back_out = 0
+    started = reservation.started if isinstance(reservation, Unlimited) else (-1, -1, -1)
+    if isinstance(reservation, Unlimited):
+        reservation = None
     if reservation is not None:
         back_in = reservation.need.input - used_input
         back_out = reservation.need.output - used_output
@@ -177,6 +187,7 @@ def settle(
             *(int(reported.limits.get(d, 0)) for d in DIMENSIONS),
             *(int(reported.remaining.get(d, -1)) for d in DIMENSIONS),
             model,
+            *started,
         ],
     )
     return bool(code)

@@ -94,7 +94,7 @@ def test_a_resent_reservation_takes_the_budget_once(r: Redis) -> None:
 
 
 def test_limits_and_remaining_are_learned_from_the_api_headers_with_no_configuration(r: Redis) -> None:
-    assert take(r, "t", Need(10, 10)) == ratelimit.UNLIMITED  # nothing known: not limited, nothing held
+    assert isinstance(take(r, "t", Need(10, 10)), ratelimit.Unlimited)  # nothing known: not limited, nothing held
     assert ratelimit.show(r) == []
     learned = Reported(limits={"requests": 50, "input": 10_000}, remaining={"requests": 1, "input": 9000})
     settle(r, None, reported=learned)
@@ -103,6 +103,19 @@ def test_limits_and_remaining_are_learned_from_the_api_headers_with_no_configura
     (view,) = ratelimit.show(r)
     assert view.model == MODEL and view.learned == {"requests": 50, "input": 10_000}
     assert view.waiting == 1 and view.held == {"calls": 1, "input": 10, "output": 10}
+
+
+def test_calls_started_before_the_limits_were_learned_count_against_what_the_first_reply_reports(r: Redis) -> None:
+    # A pool's first calls go out before any reply has taught it the limits. The first reply's remaining
+    # was counted when the API admitted that call: the two calls started after it are not in it yet.
+    first, second, third = (take(r, t, Need(10, 10)) for t in ("a", "b", "c"))
+    assert all(isinstance(got, ratelimit.Unlimited) for got in (first, second, third))
+    said = Reported(limits={"requests": 3}, remaining={"requests": 2})
+    assert not settle(r, first, reported=said)  # nothing was held for it
+    assert isinstance(take(r, "d", Need(10, 10)), Wait)  # the API has 0 left, not 2
+    # The last call started has none started after it: its remaining (0) is the level as it stands.
+    settle(r, third, reported=Reported(limits={"requests": 3}, remaining={"requests": 0}))
+    assert isinstance(take(r, "d", Need(10, 10)), Wait)
 
 
 def test_an_operator_limit_caps_a_learned_one(r: Redis) -> None:

@@ -13,7 +13,9 @@
 -- ARGV[6..8] needed requests, input tokens, output tokens  ARGV[9..11] operator limits rpm, itpm, otpm
 -- (0: none)  ARGV[12] ticket slack ms
 -- Returns {1, 0} granted, {0, wait_ms} wait (the ticket is in line), {2, 0} already granted,
--- {3, 0} nothing limits this model yet (no limit set or learned): nothing is held, nothing to settle.
+-- {3, 0, r, i, o} nothing limits this model yet (no limit set or learned): nothing is held. r, i, o are
+-- the requests and tokens started while unlimited, this call's included: when the first reply's headers
+-- teach the limits, what was started after this call is not in the remaining they report (limit_settle).
 -- Redis's clock, not the caller's: every worker's refill is measured on one clock.
 local t = redis.call('TIME')
 local now, minute = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), tonumber(ARGV[2])
@@ -35,7 +37,11 @@ for i, d in ipairs(dims) do
     level[i] = math.min(l, lv + math.max(0, now - at) * l / minute)
   end
 end
-if limit[1] == 0 and limit[2] == 0 and limit[3] == 0 then return {3, 0} end
+if limit[1] == 0 and limit[2] == 0 and limit[3] == 0 then
+  local started = {3, 0}
+  for i, d in ipairs(dims) do table.insert(started, redis.call('HINCRBY', KEYS[1], 'started:' .. d, need[i])) end
+  return started
+end
 redis.call('SADD', KEYS[5], ARGV[3])
 -- What the live tickets ahead of this one need (expired ones leave the line).
 local ahead = {0, 0, 0}

@@ -9,6 +9,11 @@
 -- ARGV[6..8] operator limits rpm, itpm, otpm (0: none)
 -- ARGV[9..11] learned limits requests, input, output (0: not reported)
 -- ARGV[12..14] remaining requests, input, output as reported (-1: not reported)  ARGV[15] model
+-- ARGV[16..18] for a call made while nothing limited the model: the requests and tokens started unlimited
+-- as its reservation counted them (limit_reserve); -1 otherwise. The remaining its headers report was
+-- counted when the API admitted it; the calls started unlimited after it were not counted yet, and no
+-- bucket here took them either, so they come off the remaining (the first calls of a pool that has not
+-- learned its limits yet would otherwise be followed by calls the API refuses).
 -- Returns 1 settled, 0 nothing held under that id (headers still learned).
 -- Redis's clock, not the caller's: every worker's refill is measured on one clock.
 local t = redis.call('TIME')
@@ -38,7 +43,11 @@ for i, d in ipairs(dims) do
     local lv = tonumber(h['level:' .. d] or l)
     lv = math.min(l, lv + math.max(0, now - at) * l / minute)
     local remaining = tonumber(ARGV[11 + i])
-    if remaining >= 0 then lv = math.min(lv, remaining) end
+    if remaining >= 0 then
+      local started_at = tonumber(ARGV[15 + i])
+      if started_at >= 0 then remaining = remaining - (tonumber(h['started:' .. d] or 0) - started_at) end
+      lv = math.min(lv, remaining)
+    end
     lv = math.min(l, lv + back[i])
     table.insert(fields, 'level:' .. d); table.insert(fields, lv)
   end

@@ -144,7 +144,7 @@ def limited_call(
     )
     if isinstance(got, ratelimit.Wait):
         raise WaitForBudget(agent.model, got.seconds)
-    reservation = got if isinstance(got, ratelimit.Reservation) else None
+    reservation = got
     used_in = used_out = 0
     headers: Mapping[str, str] = {}
     try:
@@ -162,7 +162,7 @@ def limited_call(
     finally:
         learned = shard_reported(reported(headers), shards)
         try:
-            if reservation is not None or learned.limits or learned.remaining:
+            if isinstance(reservation, ratelimit.Reservation) or learned.limits or learned.remaining:
                 ratelimit.settle(
                     turn.r,
                     agent.model,
