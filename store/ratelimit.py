@@ -108,9 +108,10 @@ class Wait:
 class Unlimited:
     """Nothing limits the model yet (no limit set or learned): nothing is held. ``started`` counts the
     requests and tokens started while unlimited, this call's included; ``settle`` takes the ones started
-    after it off the remaining the reply reports (the API counted this call, not those, yet)."""
+    after it off the remaining the reply reports (the API counted this call, not those, yet). ``None``
+    once the model's replies were seen to carry no rate-limit headers (``mark_headerless``)."""
 
-    started: tuple[int, int, int]
+    started: tuple[int, int, int] | None
 
 
 def reserve(
@@ -139,7 +140,7 @@ def reserve(
     if int(granted) == 0:
         return Wait(int(wait_ms) / 1000)
     if int(granted) == 3:
-        return Unlimited(tuple(int(n) for n in started))  # type: ignore[arg-type]
+        return Unlimited(tuple(int(n) for n in started) if started else None)  # type: ignore[arg-type]
     return Reservation(model, reservation_id, need)
 
 
@@ -167,7 +168,9 @@ def settle(
     there was none: an unlimited call or headers alone)."""
     keys = LimitKeys.of(model)
     back_in = back_out = 0
-    started = reservation.started if isinstance(reservation, Unlimited) else (-1, -1, -1)
+    started = (-1, -1, -1)
+    if isinstance(reservation, Unlimited) and reservation.started:
+        started = reservation.started
     if isinstance(reservation, Unlimited):
         reservation = None
     if reservation is not None:
@@ -191,6 +194,13 @@ def settle(
         ],
     )
     return bool(code)
+
+
+def mark_headerless(r: Redis, model: str) -> None:
+    """A reply of ``model`` came back with no rate-limit headers (a gateway that strips them, a scripted
+    model without limits): while nothing limits it, its calls stop counting what they start (nothing
+    will be learned). One write per model, once."""
+    r.hset(LimitKeys.of(model).budget, "headerless", 1)
 
 
 @dataclass(frozen=True)

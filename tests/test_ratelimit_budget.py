@@ -118,6 +118,16 @@ def test_calls_started_before_the_limits_were_learned_count_against_what_the_fir
     assert isinstance(take(r, "d", Need(10, 10)), Wait)
 
 
+def test_a_model_whose_replies_carry_no_rate_limit_headers_stops_counting_its_calls(r: Redis) -> None:
+    got = take(r, "a", Need(10, 10))
+    assert isinstance(got, ratelimit.Unlimited) and got.started == (1, 10, 10)
+    ratelimit.mark_headerless(r, MODEL)
+    assert take(r, "b", Need(10, 10)) == ratelimit.Unlimited(None)
+    assert r.hget(LimitKeys.of(MODEL).budget, "started:requests") == b"1"  # nothing more counted
+    # An operator's limit still holds for it.
+    assert isinstance(take(r, "c", Need(10, 10), Limits(rpm=5)), Reservation)
+
+
 def test_an_operator_limit_caps_a_learned_one(r: Redis) -> None:
     settle(r, None, reported=Reported(limits={"requests": 1000}))
     capped = Limits(rpm=2)

@@ -1,11 +1,27 @@
 -- Prepended to the scripts that count a model call's spend (see store/scripts.py):
---   add_spend(header, first) -> adds ARGV[first .. first+3] (input, output, cache-read, cache-write
---                               tokens) and ARGV[first+4] (cost in USD) to the run's counters (a zero
---                               adds nothing, and costs no command)
-local SPEND_FIELDS = {'input_tokens', 'output_tokens', 'cache_read_input_tokens', 'cache_creation_input_tokens'}
-local function add_spend(header, first)
-  for i, field in ipairs(SPEND_FIELDS) do
-    if tonumber(ARGV[first + i - 1]) ~= 0 then redis.call('HINCRBY', header, field, ARGV[first + i - 1]) end
+--   add_spend(header, first, current) -> adds ARGV[first .. first+3] (input, output, cache-read,
+--                               cache-write tokens) and ARGV[first+4] (cost in USD) to the run's counters
+--                               in one HSET (a zero adds nothing; nothing to add costs no command).
+--                               `current` is the counters' values as the caller read them, in
+--                               SPEND_FIELDS' order (nil: read here, one HMGET).
+local SPEND_FIELDS = {'input_tokens', 'output_tokens', 'cache_read_input_tokens', 'cache_creation_input_tokens',
+  'cost_usd'}
+local function add_spend(header, first, current)
+  local adding = false
+  for i = 1, #SPEND_FIELDS do
+    if tonumber(ARGV[first + i - 1]) ~= 0 then adding = true end
   end
-  if tonumber(ARGV[first + 4]) ~= 0 then redis.call('HINCRBYFLOAT', header, 'cost_usd', ARGV[first + 4]) end
+  if not adding then return end
+  current = current or redis.call('HMGET', header, unpack(SPEND_FIELDS))
+  local fields = {}
+  for i, field in ipairs(SPEND_FIELDS) do
+    local add = tonumber(ARGV[first + i - 1])
+    if add ~= 0 then
+      local total = (tonumber(current[i]) or 0) + add
+      -- The tokens stay integers (HINCRBY-compatible); the cost keeps every digit a double has.
+      table.insert(fields, field)
+      table.insert(fields, i < 5 and string.format('%d', total) or string.format('%.17g', total))
+    end
+  end
+  redis.call('HSET', header, unpack(fields))
 end

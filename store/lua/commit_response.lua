@@ -30,13 +30,13 @@
 -- the run but messages wait in its inbox (nothing counted, nothing changed: the caller commits the
 -- reply as a turn that goes on, and its save point B delivers them).
 local webhook = take_webhook()
-local h = redis.call('HMGET', KEYS[1], 'status', 'turns', 'phase', 'writes')
+local h = redis.call('HMGET', KEYS[1], 'status', 'turns', 'phase', 'writes', unpack(SPEND_FIELDS))
 local seen = replayed_in(h[4], ARGV[17])
 if seen then return tonumber(seen) end
 if not h[1] then return -4 end
 if ARGV[7] == 'completed' and redis.call('LLEN', KEYS[10]) > 0 then return -5 end
 local parent_keys = tonumber(ARGV[19])
-add_spend(KEYS[1], 12)
+add_spend(KEYS[1], 12, {h[5], h[6], h[7], h[8], h[9]})
 if parent_keys > 0 then roll_up_spend(KEYS[1], ancestor_headers(#KEYS - parent_keys + 1, 5), 12) end
 local committed_event = record_event(KEYS[6], KEYS[5], 22)
 local function refused(code)

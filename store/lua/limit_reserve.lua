@@ -16,31 +16,38 @@
 -- {3, 0, r, i, o} nothing limits this model yet (no limit set or learned): nothing is held. r, i, o are
 -- the requests and tokens started while unlimited, this call's included: when the first reply's headers
 -- teach the limits, what was started after this call is not in the remaining they report (limit_settle).
--- Redis's clock, not the caller's: every worker's refill is measured on one clock.
-local t = redis.call('TIME')
-local now, minute = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), tonumber(ARGV[2])
-if redis.call('HEXISTS', KEYS[2], ARGV[5]) == 1 then return {2, 0} end
+-- {3, 0} alone once a reply came back with no rate-limit headers at all (field 'headerless': a gateway,
+-- a scripted model without limits): nothing will be learned, so nothing is counted.
 local dims = {'requests', 'input', 'output'}
 local need = {tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])}
 local state = redis.call('HGETALL', KEYS[1])
 local h = {}
 for i = 1, #state, 2 do h[state[i]] = state[i + 1] end
-local at = tonumber(h['at'] or now)
-local limit, level = {}, {}
+local limit = {}
 for i, d in ipairs(dims) do
   local set, learned = tonumber(ARGV[8 + i]), tonumber(h['learned:' .. d] or 0)
-  local l = 0
-  if set > 0 and learned > 0 then l = math.min(set, learned) elseif set > 0 then l = set else l = learned end
-  limit[i] = l
+  if set > 0 and learned > 0 then limit[i] = math.min(set, learned) elseif set > 0 then limit[i] = set else limit[i] = learned end
+end
+-- Nothing limits the model: no clock, no reservation (the common case of a model without limits costs
+-- this script's one read, or one more count while the first replies may still teach limits).
+if limit[1] == 0 and limit[2] == 0 and limit[3] == 0 then
+  if h['headerless'] then return {3, 0} end
+  local started = {3, 0}
+  for i, d in ipairs(dims) do table.insert(started, redis.call('HINCRBY', KEYS[1], 'started:' .. d, need[i])) end
+  return started
+end
+if redis.call('HEXISTS', KEYS[2], ARGV[5]) == 1 then return {2, 0} end
+-- Redis's clock, not the caller's: every worker's refill is measured on one clock.
+local t = redis.call('TIME')
+local now, minute = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), tonumber(ARGV[2])
+local at = tonumber(h['at'] or now)
+local level = {}
+for i, d in ipairs(dims) do
+  local l = limit[i]
   if l > 0 then
     local lv = tonumber(h['level:' .. d] or l)
     level[i] = math.min(l, lv + math.max(0, now - at) * l / minute)
   end
-end
-if limit[1] == 0 and limit[2] == 0 and limit[3] == 0 then
-  local started = {3, 0}
-  for i, d in ipairs(dims) do table.insert(started, redis.call('HINCRBY', KEYS[1], 'started:' .. d, need[i])) end
-  return started
 end
 redis.call('SADD', KEYS[5], ARGV[3])
 -- What the live tickets ahead of this one need (expired ones leave the line).

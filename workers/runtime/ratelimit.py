@@ -152,6 +152,8 @@ def limited_call(
         used_in = reply.usage.get("input_tokens", 0) + reply.usage.get("cache_creation_input_tokens", 0)
         used_out = reply.usage.get("output_tokens", 0)
         headers = reply.limits
+        if isinstance(reservation, ratelimit.Unlimited) and reservation.started and not reported(headers).limits:
+            _headerless(turn, agent.model)
         return reply
     except ModelUnavailable as exc:
         # What a failed call did not use goes back; a cut stream was billed for what it had reported.
@@ -176,3 +178,10 @@ def limited_call(
         except Exception:
             # The budget is corrected by its own refill; the call's outcome matters more than this.
             log.exception("run %s: could not settle the rate-limit reservation", turn.run_id)
+
+
+def _headerless(turn: Turn, model: str) -> None:
+    try:
+        ratelimit.mark_headerless(turn.r, model)
+    except Exception:
+        log.exception("run %s: could not note that %s sends no rate-limit headers", turn.run_id, model)

@@ -68,8 +68,6 @@ def _end_mcp_calls(horse: int, grace: float) -> None:
 
 
 class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
-    index_executions = False  # this process watches its horse: nobody reads its execution index
-
     def __init__(
         self, queues: Any = (TURN_QUEUE,), *, connection: Redis, reaper_interval: float | None = None, **kwargs: Any
     ) -> None:

@@ -9,10 +9,11 @@ here do instead:
 
 - start (one round trip, when the worker prepares the execution): the job hash says ``started``, the
   execution joins the queue's started registry (``rq:wip:<queue>``, what ``rq info`` counts as
-  executing and RQ's cleanup reads) and the worker's execution index (what the supervisor reads to hand
-  a dead threaded worker's turns over), and leaves RQ's intermediate queue; the worker's state becomes
-  ``busy`` only if it was not;
-- end (one round trip): the job hash and its registry entries are deleted. Its result is not kept (a
+  executing and RQ's cleanup reads) and leaves RQ's intermediate queue; the worker's state becomes
+  ``busy`` only if it was not. The execution's id starts with a tag of the worker's name
+  (``execution_tag``): the supervisor finds a dead threaded worker's turns in the started registries by
+  it, so RQ's per-worker execution index is not written twice a turn;
+- end (one round trip): the job hash and its registry entry are deleted. Its result is not kept (a
   turn's job returns a one-word summary; the run's checkpoint is the truth), so ``rq info`` counts no
   turn job as ``finished``; the worker's ``successful_job_count`` and ``total_working_time`` are added
   with its next heartbeat (every few seconds);
@@ -22,8 +23,8 @@ here do instead:
   so the turns its horses enqueue need not.
 
 What a crash needs is unchanged: a killed horse's job is ``started`` in the started registry (RQ's
-failure path runs on it as before), the supervisor finds a dead threaded worker's executions in its
-index, and agentpool's lease and reaper take the run over as always. A job that is not a turn (a bench
+failure path runs on it as before), the supervisor finds a dead threaded worker's executions by their
+tag, and agentpool's lease and reaper take the run over as always. A job that is not a turn (a bench
 baseline, anything else on the queue) gets RQ's whole bookkeeping.
 
 Turn jobs are enqueued leanly too (``agentpool.runtime.jobs.enqueue_turn``): the job hash in one HSET
@@ -32,6 +33,7 @@ and the push, instead of RQ's registration of the queue, the status and the job 
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 import uuid
@@ -52,13 +54,17 @@ SUSPENSION_EVERY = 1.0  # seconds between looks at `rq suspend`'s flag
 _counts_lock = threading.Lock()  # a threaded worker's turn threads count their jobs concurrently
 
 
+def execution_tag(worker_name: str) -> str:
+    """The first characters of the ids of a worker's turn executions: 8 hex digits of its name's hash."""
+    return hashlib.sha1(worker_name.encode(), usedforsecurity=False).hexdigest()[:8]
+
+
 class LeanTurnJobs:
     """Mixin for RQ worker classes (before the RQ class in the bases). See the module docstring."""
 
     connection: Any
     name: str
     key: str
-    executions_key: str
     executions: dict[str, Execution]
     job_monitoring_interval: int
     worker_ttl: int
@@ -67,9 +73,6 @@ class LeanTurnJobs:
     _suspension_at = 0.0  # and of the last look at `rq suspend`
     _jobs_done = 0  # turn jobs ended since the last heartbeat, and their working time
     _jobs_time = 0.0
-    # Whether a turn's execution goes into the worker's execution index: the supervisor above a threaded
-    # worker reads it to hand a dead child's turns over; a forking worker watches its own horse.
-    index_executions = True
     _written_state: str | None = None  # the state Redis has for this worker
 
     # -- the worker's own records ----------------------------------------------------------------
@@ -141,7 +144,8 @@ class LeanTurnJobs:
     def prepare_execution(self, job: Job) -> Execution:
         if not is_turn_job(job):
             return super().prepare_execution(job)  # type: ignore[misc,no-any-return]
-        execution = Execution(id=uuid.uuid4().hex, job_id=job.id, connection=self.connection, worker_name=self.name)
+        execution_id = execution_tag(self.name) + uuid.uuid4().hex[:24]
+        execution = Execution(id=execution_id, job_id=job.id, connection=self.connection, worker_name=self.name)
         execution._job = job
         started = now()
         ttl = self.get_heartbeat_ttl(job)  # type: ignore[attr-defined]
@@ -152,8 +156,6 @@ class LeanTurnJobs:
                 mapping={"status": JobStatus.STARTED.value, "started_at": utcformat(started), "worker_name": self.name},
             )
             pipe.zadd(registry.key, {execution.composite_key: time.time() + ttl})
-            if self.index_executions:
-                pipe.sadd(self.executions_key, execution.composite_key)
             pipe.lrem(Queue(job.origin, connection=self.connection).intermediate_queue_key, 1, job.id)
             if self._written_state != WorkerStatus.BUSY:
                 super().set_state(WorkerStatus.BUSY, pipeline=pipe)  # type: ignore[misc]
@@ -183,8 +185,6 @@ class LeanTurnJobs:
         with self.connection.pipeline(transaction=False) as pipe:
             pipe.delete(job.key)
             pipe.zrem(started_job_registry.key, execution.composite_key)
-            if self.index_executions:
-                pipe.srem(self.executions_key, execution.composite_key)
             pipe.execute()
         self.executions.pop(execution.id, None)
         took = (job.ended_at or now()) - (job.started_at or now())

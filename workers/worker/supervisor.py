@@ -7,12 +7,15 @@ child held and re-enqueues those turns at once (cause_kind ``horse_death``), mar
 executions failed as RQ does for a killed horse, and starts a new child, backing off if children keep
 dying young. A child that exits to recycle itself (too many abandoned tool threads) is replaced at once.
 
-Which runs the dead child held is read from RQ's own per-worker execution index
-(``rq:worker:<name>:executions``, one ``<job id>:<execution id>`` member per running job). RQ adds the
-member when it prepares an execution (before the turn takes its lease) and removes it in the same
-transaction that records the job's end (after the turn's last write), so it covers every lease the
-child can hold, costs no extra write per turn, and the same members are what must be failed in RQ's
-registries. A key of our own would duplicate it; scanning ``ap:runs:watch`` costs O(active runs).
+Which runs the dead child held is read from the queues' started registries (``rq:wip:<queue>``, one
+``<job id>:<execution id>`` member per running job): a turn execution's id starts with a tag of the
+worker's name (``agentpool.worker.lean.execution_tag``), so one ZSCAN per queue served, filtered by Redis,
+finds them. The member is added when the worker prepares an execution (before the turn takes its
+lease) and removed when the job's end is recorded (after the turn's last write), so it covers every
+lease the child can hold, and the same members are what must be failed in RQ's registries. RQ's own
+per-worker execution index (``rq:worker:<name>:executions``) would cost two writes a turn; it is still
+read for a job that is not a turn (RQ writes it for those). The scan costs O(running jobs), once per
+dead child.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
 from agentpool.store.keys import TURN_QUEUE
 from agentpool.worker.groups import die_with_parent, end_process_group
+from agentpool.worker.lean import execution_tag
 from agentpool.worker.threaded import EXIT_COLD, EXIT_RECYCLE, ThreadedWorker
 
 log = logging.getLogger("agentpool.supervisor")
@@ -49,14 +53,26 @@ HEALTHY_UPTIME = 30.0  # a worker process that lived this long was not dying you
 MAX_BACKOFF = 30.0
 
 
-def hand_over_dead_worker(r: Redis, name: str, pid: int, how: str) -> list[str]:
-    """After worker process ``pid`` (RQ name ``name``) died: release the leases it held, re-enqueue
-    those turns, record its executions' end as RQ does for a killed horse's job (then delete the
-    handed-over turn jobs, as the forking worker does), and record its death.
+def executions_of(r: Redis, ghost: ThreadedWorker, queues: Sequence[str]) -> list[Execution]:
+    """What a dead worker was running: its turn jobs' executions, found in the started registries of the
+    queues it served by their ids' tag (``agentpool.worker.lean``; a turn is not written to RQ's
+    per-worker index), and any other job's, in that index."""
+    members = {as_text(m) for m in r.smembers(ghost.executions_key)}
+    pattern = f"*:{execution_tag(ghost.name)}*"
+    for queue in queues:
+        registry = Queue(queue, connection=r).started_job_registry.key
+        members.update(as_text(m) for m, _ in r.zscan_iter(registry, match=pattern, count=1000))
+    return [Execution.from_composite_key(m, connection=r) for m in sorted(members)]
+
+
+def hand_over_dead_worker(r: Redis, name: str, pid: int, how: str, queues: Sequence[str]) -> list[str]:
+    """After worker process ``pid`` (RQ name ``name``, serving ``queues``) died: release the leases it
+    held, re-enqueue those turns, record its executions' end as RQ does for a killed horse's job (then
+    delete the handed-over turn jobs, as the forking worker does), and record its death.
     Returns the run ids re-enqueued. Only for a process known to be gone: nothing it ran can write."""
     ghost = ThreadedWorker(connection=r, name=name, prepare_for_work=False)
     cause = f"threaded worker {pid} died ({how})"
-    executions = [Execution.from_composite_key(as_text(m), connection=r) for m in r.smembers(ghost.executions_key)]
+    executions = executions_of(r, ghost, queues)
     jobs: list[tuple[Job, Execution]] = []
     requeued = []
     for execution in executions:
@@ -207,7 +223,7 @@ class Supervisor:
         if not end_process_group(child, grace, reap=True):
             log.error("supervisor: worker %d's process group did not end; handing its turns over anyway", child)
         try:
-            requeued = hand_over_dead_worker(self.r, self.name, child, how)
+            requeued = hand_over_dead_worker(self.r, self.name, child, how, self.queues)
             if requeued:
                 log.warning(
                     "supervisor: re-enqueued %d turn(s) of worker %d: %s", len(requeued), child, ", ".join(requeued)
