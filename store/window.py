@@ -56,18 +56,28 @@ def latest_point(messages: list[dict[str, Any]]) -> int:
     return 0
 
 
-def stage_load(pipe: Pipeline, keys: RunKeys) -> None:
-    """Add the reads of a run's header and window to ``pipe``; ``decode`` turns their replies into its state."""
+def stage_load(pipe: Pipeline, keys: RunKeys, *, start: int | None = None) -> None:
+    """Add the reads of a run's header and window to ``pipe``; ``decode`` turns their replies into its
+    state. ``start``: read the messages from there (a window start known from the turn before; the list
+    is append-only, so from any index at or before the latest compaction point the window is the same
+    once ``decode`` trims it); None: from the header's ``window`` (one script: the header, then the list)."""
     pipe.hgetall(keys.run)
-    pipe.eval(compact_source("load_window"), 2, keys.run, keys.messages)
+    if start is None:
+        pipe.eval(compact_source("load_window"), 2, keys.run, keys.messages)
+    else:
+        pipe.lrange(keys.messages, start, -1)
 
 
-def decode(run_id: str, header: Mapping[bytes, bytes], reply: list[Any]) -> RunState:
-    """The state from the replies of ``stage_load``: ``messages`` is the window, ``window_start`` its index
-    in the whole conversation, ``last_reply`` the meta of the window's newest reply."""
+def decode(run_id: str, header: Mapping[bytes, bytes], reply: list[Any], *, start: int | None = None) -> RunState:
+    """The state from the replies of ``stage_load`` (given the same ``start``): ``messages`` is the window,
+    ``window_start`` its index in the whole conversation, ``last_reply`` the meta of the window's newest
+    reply."""
     if not header:
         raise RunNotFound(run_id)
-    start, blobs = int(reply[0]), list(reply[1])
+    if start is None:
+        start, blobs = int(reply[0]), list(reply[1])
+    else:
+        blobs = list(reply)
     state = load_header(run_id, header)
     messages = [unpack_message(blob, start + i) for i, blob in enumerate(blobs)]
     cut = latest_point(messages)

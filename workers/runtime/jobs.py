@@ -103,13 +103,22 @@ def parse_deferred_member(member: str) -> tuple[str, int, int] | None:
 
 
 def turn_job(
-    r: Redis, run_id: str, turn: int, attempt: int = 0, *, at_front: bool = False, queue: str | None = None
+    r: Redis,
+    run_id: str,
+    turn: int,
+    attempt: int = 0,
+    *,
+    at_front: bool = False,
+    queue: str | None = None,
+    window: int | None = None,
 ) -> StagedJob:
     """The turn's RQ job on the run's queue (``queue``, or the one its header names), as the writes that
     enqueue it: its hash as RQ writes it (one HSET; its result is not kept) and the push, ``at_front``
     at the head of the queue (RQ's ``LPUSH``), ahead of every turn waiting; the queue is added to RQ's
     set of queues when this process has not lately (``keep_queues_registered``). The run's header
-    names the job (``job``): the reaper checks that job is still alive."""
+    names the job (``job``): the reaper checks that job is still alive. ``window``: where the run's
+    window starts, when the caller knows (the turn before): the turn reads its messages from there with
+    the lease, without reading the header's ``window`` first."""
     from rq.job import JobStatus
     from rq.utils import now
 
@@ -117,7 +126,7 @@ def turn_job(
     rq_queue = turn_queue(r, queue or queue_of(r, run_id))
     job = rq_queue.create_job(
         TURN_FUNC,
-        args=(run_id, turn),
+        args=(run_id, turn) if window is None else (run_id, turn, window),
         job_id=jid,
         timeout=int(Settings.from_env().turn_timeout),
         result_ttl=RESULT_TTL,

@@ -221,12 +221,23 @@ def requeue_turn(
     return jid
 
 
-def is_turn_job(job: Job) -> bool:
+def turn_of(job: Job) -> tuple[str, int] | None:
+    """The run id and turn of an agentpool turn job (its args: run id, turn, and where its window starts
+    when the turn before knew it); None for any other job."""
     try:
-        _run_id, _turn = job.args
+        args = job.args
     except (DeserializationError, ValueError, TypeError):
-        return False
-    return True
+        return None
+    if not isinstance(args, (list, tuple)) or len(args) not in (2, 3):
+        return None
+    run_id, turn = args[0], args[1]
+    if not isinstance(run_id, str) or not isinstance(turn, int) or isinstance(turn, bool):
+        return None
+    return run_id, turn
+
+
+def is_turn_job(job: Job) -> bool:
+    return turn_of(job) is not None
 
 
 def forget_turn_job(r: Redis, job_id: str) -> None:
@@ -254,10 +265,10 @@ def hand_over_dead_holder(r: Redis, job: Job, holder: str, *, cause: str) -> str
     without an outcome can no longer take effect (reconcile then need not wait out their timeout),
     drop its lease on the job's run and re-enqueue the turn at once, without waiting for the lease to
     expire. Returns the run id re-enqueued, or None (not an agentpool turn, or nothing was needed)."""
-    try:
-        run_id, _turn = job.args
-    except (DeserializationError, ValueError, TypeError):
+    turn = turn_of(job)
+    if turn is None:
         return None  # not an agentpool turn
+    run_id = turn[0]
     if not isinstance(run_id, str):
         return None
     ledger.mark_ended(r, RunKeys.of(run_id), holder, now_ms() / 1000)

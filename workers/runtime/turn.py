@@ -100,12 +100,16 @@ def worker_identity() -> str:
     return f"{os.environ.get('RQ_WORKER_ID') or socket.gethostname()}.{os.getpid()}"
 
 
-def run_turn(run_id: str, turn: int) -> str:
-    """The RQ job function. Returns a one-word summary RQ keeps briefly; the checkpoint is the truth."""
+def run_turn(run_id: str, turn: int, window_start: int | None = None) -> str:
+    """The RQ job function. Returns a one-word summary RQ keeps briefly; the checkpoint is the truth.
+    ``window_start``: where the run's window started when the turn before queued this one (``store.window``),
+    so the lease's round trip reads the messages from there with no look at the header first."""
     job = get_current_job()
     r = job.connection if job is not None else connect()
     settings = Settings.from_env()
     keys = RunKeys.of(run_id)
+    known = isinstance(window_start, int) and not isinstance(window_start, bool) and window_start >= 0
+    window_from = window_start if known else None
     # One round trip takes the lease (recording turn_started) and reads the run it now owns.
     got = acquire(
         r,
@@ -114,7 +118,7 @@ def run_turn(run_id: str, turn: int) -> str:
         worker_id=worker_identity(),
         ttl_ms=settings.lease_ttl_ms,
         event=Event.of(run_id, "turn_started", turn=turn),
-        then=lambda pipe: (window.stage_load(pipe, keys), live.stage_watched(pipe, keys)),
+        then=lambda pipe: (window.stage_load(pipe, keys, start=window_from), live.stage_watched(pipe, keys)),
     )
     job_id = job.id if job is not None else ""
     if got.code is Acquire.TOO_NEW:
@@ -129,7 +133,7 @@ def run_turn(run_id: str, turn: int) -> str:
         log.info("run %s turn %s: %s (%s); nothing to do", run_id, turn, got.code.name.lower(), got.detail)
         return got.code.name.lower()
     token = got.token
-    work = Turn(r, keys, token, turn, settings)
+    work = Turn(r, keys, token, turn, settings, window_from=window_from)
     with keep_alive(r, keys, token, settings.lease_ttl_ms), tracing.turn_span(r, keys, turn, got.then[0]) as span:
         try:
             outcome = work.run(*got.then)
@@ -252,8 +256,11 @@ def _stop_unloadable(r: Redis, keys: RunKeys, token: str, settings: Settings, ex
 
 
 class Turn:
-    def __init__(self, r: Redis, keys: RunKeys, token: str, turn: int, settings: Settings) -> None:
+    def __init__(
+        self, r: Redis, keys: RunKeys, token: str, turn: int, settings: Settings, *, window_from: int | None = None
+    ) -> None:
         self.r, self.keys, self.token, self.turn, self.settings = r, keys, token, turn, settings
+        self.window_from = window_from  # where the messages were read from with the lease (None: the header's)
         self.run_id = keys.run_id
         self.where = f"run {self.run_id} turn {turn}"
         self.started = time.monotonic()
@@ -265,7 +272,7 @@ class Turn:
 
     def run(self, header: dict[bytes, bytes], loaded: list[Any], watched: int = 0) -> str:
         """The turn, given the run's header and window (``store.window``) as read with the lease."""
-        state = window.decode(self.run_id, header, loaded)
+        state = window.decode(self.run_id, header, loaded, start=self.window_from)
         remember_queue(self.run_id, state.queue)  # its next turn, or this one deferred, goes back there
         self.ancestors = state.ancestors
         self.watched = bool(watched)
@@ -284,7 +291,9 @@ class Turn:
                 results = self.tools.settle(agent, state.pending, turns=state.turns)  # may raise EarlierAttemptMayRun
             if results is None:
                 return self.tools.waiting
-            return self.after_tools(results, turns=state.turns, window_at=compaction.window_hint(state))
+            return self.after_tools(
+                results, turns=state.turns, window_at=compaction.window_hint(state), window_from=state.window_start
+            )
         limits = Limits.of(agent, state.limits)
         reason = limits.reached(agent, state)
         if reason:
@@ -434,14 +443,22 @@ class Turn:
         results = self.tools.settle(agent, pending, turns=state.turns + 1, fresh=True) if pending else []
         if results is None:
             return self.tools.waiting
-        return self.after_tools(results, turns=state.turns + 1, window_at=compaction.window_hint(state, reply))
+        return self.after_tools(
+            results,
+            turns=state.turns + 1,
+            window_at=compaction.window_hint(state, reply),
+            window_from=state.window_start,
+        )
 
     # -- ends of a turn ----------------------------------------------------------------------
 
-    def after_tools(self, results: list[dict[str, Any]], *, turns: int, window_at: int | None = None) -> str:
+    def after_tools(
+        self, results: list[dict[str, Any]], *, turns: int, window_at: int | None = None, window_from: int = 0
+    ) -> str:
         """Save point B, then the next turn (numbered by the turns counted so far) is queued; ``window_at``
-        moves the run's window to a compaction block this turn's reply brought."""
-        job = turn_job(self.r, self.run_id, turns)
+        moves the run's window to a compaction block this turn's reply brought. The next turn's job
+        carries where its window starts (``window_at``, or this turn's ``window_from``)."""
+        job = turn_job(self.r, self.run_id, turns, window=window_from if window_at is None else window_at)
         if window_at is not None:
             job = replace(job, header={**job.header, "window": window_at})
         with tracing.span(

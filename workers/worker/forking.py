@@ -45,7 +45,7 @@ from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.stats_flush import StatsFlusher
-from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
+from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job, turn_of
 from agentpool.runtime.webhook_delivery import WebhookThread
 from agentpool.store import stats
 from agentpool.store.keys import TURN_QUEUE, RunKeys
@@ -127,9 +127,10 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
                 self.write_idle()
                 continue
             job, queue = result
-            if is_turn_job(job):
-                fault("after_dequeue", *job.args)
-                fault("after_dequeue_killed", *job.args)
+            turn = turn_of(job)
+            if turn is not None:
+                fault("after_dequeue", *turn)
+                fault("after_dequeue_killed", *turn)
             if self._stop_requested:
                 returned = give_back(self.connection, queue, job.id)
                 log.info("worker %s: stopping; turn job %s given back to the queue (%s)", self.name, job.id, returned)
