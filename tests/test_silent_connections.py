@@ -10,6 +10,8 @@ twice) and go on.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from redis import Redis
 from test_delivered_twice import load_scripts, script
@@ -20,6 +22,7 @@ from agentpool.runtime.settings import connect
 from agentpool.testing import assert_valid_conversation
 from agentpool.testing.localpool import WorkerProcesses
 from agentpool.testing.netfault import NetFault, resp_command
+from agentpool.worker.lean import HEARTBEAT_EVERY
 
 from conftest import Pool, script_task
 
@@ -83,7 +86,13 @@ def test_connections_gone_silent_cost_a_socket_timeout_and_every_run_completes(
             more = [enqueue_run("pool_agents:support", script_task("silent0"), connection=r) for _ in range(6)]
             for run_id in more:
                 assert wait_for_run(run_id, timeout=RUN_TIMEOUT, connection=r).status == "completed", pool.logs()
+            # A worker adds its jobs to RQ's count with its next heartbeat (agentpool.worker.lean: every
+            # few seconds), so the count may trail the runs' end by that much.
+            deadline = time.monotonic() + 3 * HEARTBEAT_EVERY
             after = _successful_jobs(r)
-            assert len(after) == 2 and all(after[n] > before.get(n, 0) for n in after), (before, after)
+            while not (len(after) == 2 and all(after[n] > before.get(n, 0) for n in after)):
+                assert time.monotonic() < deadline, (before, after)
+                time.sleep(0.2)
+                after = _successful_jobs(r)
         finally:
             pool.stop()
