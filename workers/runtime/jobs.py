@@ -126,7 +126,9 @@ def turn_job(
     rq_queue = turn_queue(r, queue or queue_of(r, run_id))
     job = rq_queue.create_job(
         TURN_FUNC,
-        args=(run_id, turn) if window is None else (run_id, turn, window),
+        args=(run_id, turn),
+        # In the job's meta, not its args: a worker of an older release ignores it (a rolling deploy).
+        meta=None if window is None else {"window": window},
         job_id=jid,
         timeout=int(Settings.from_env().turn_timeout),
         result_ttl=RESULT_TTL,

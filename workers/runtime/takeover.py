@@ -222,13 +222,12 @@ def requeue_turn(
 
 
 def turn_of(job: Job) -> tuple[str, int] | None:
-    """The run id and turn of an agentpool turn job (its args: run id, turn, and where its window starts
-    when the turn before knew it); None for any other job."""
+    """The run id and turn of an agentpool turn job (its args); None for any other job."""
     try:
         args = job.args
     except (DeserializationError, ValueError, TypeError):
         return None
-    if not isinstance(args, (list, tuple)) or len(args) not in (2, 3):
+    if not isinstance(args, (list, tuple)) or len(args) != 2:
         return None
     run_id, turn = args[0], args[1]
     if not isinstance(run_id, str) or not isinstance(turn, int) or isinstance(turn, bool):

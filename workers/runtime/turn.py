@@ -33,6 +33,7 @@ from typing import Any
 from redis import Redis
 from redis.exceptions import RedisError
 from rq import get_current_job
+from rq.job import Job
 
 from agentpool.agent import Agent
 from agentpool.pricing import price_of
@@ -100,16 +101,22 @@ def worker_identity() -> str:
     return f"{os.environ.get('RQ_WORKER_ID') or socket.gethostname()}.{os.getpid()}"
 
 
-def run_turn(run_id: str, turn: int, window_start: int | None = None) -> str:
+def _window_from(job: Job | None) -> int | None:
+    """Where the job's meta says the run's window starts; None if it does not say (or says nonsense)."""
+    start = (job.meta or {}).get("window") if job is not None else None
+    return start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else None
+
+
+def run_turn(run_id: str, turn: int) -> str:
     """The RQ job function. Returns a one-word summary RQ keeps briefly; the checkpoint is the truth.
-    ``window_start``: where the run's window started when the turn before queued this one (``store.window``),
-    so the lease's round trip reads the messages from there with no look at the header first."""
+    The job's meta may say where the run's window started when the turn before queued this one
+    (``window``: see ``store.window``), so the lease's round trip reads the messages from there with no
+    look at the header first."""
     job = get_current_job()
     r = job.connection if job is not None else connect()
     settings = Settings.from_env()
     keys = RunKeys.of(run_id)
-    known = isinstance(window_start, int) and not isinstance(window_start, bool) and window_start >= 0
-    window_from = window_start if known else None
+    window_from = _window_from(job)
     # One round trip takes the lease (recording turn_started) and reads the run it now owns.
     got = acquire(
         r,
