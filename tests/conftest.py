@@ -98,6 +98,18 @@ class Pool(WorkerProcesses):
     def start(self, n: int = 1, **env: str) -> list[subprocess.Popen[bytes]]:  # type: ignore[override]
         return super().start(n, "--log-level", "INFO", **env)
 
+    def cli(self, *args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+        """``agentpool ARGS`` as an operator on this pool runs it (its environment, plus ``env``)."""
+        return subprocess.run(
+            [sys.executable, "-m", "agentpool", *args],
+            env={**self.env, **env},
+            cwd=str(TESTS),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
     def effects(self) -> list[dict]:
         from pool_agents import effects
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -32,7 +30,7 @@ from agentpool.store.codec import pack
 from agentpool.store.keys import RUNS, RunKeys
 from agentpool.store.records import SCHEMA_VERSION
 
-from conftest import ROOT, TESTS, assert_valid_conversation, script_task, wait_for_status
+from conftest import ROOT, assert_valid_conversation, script_task, wait_for_status
 
 DEPLOY = [
     {"tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}]},
@@ -58,18 +56,6 @@ def _tool_result(run, name):
     )
 
 
-def _cli(pool, *args):
-    return subprocess.run(
-        [sys.executable, "-m", "agentpool", *args],
-        env=pool.env,
-        cwd=str(TESTS),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_an_approval_survives_a_worker_restart_and_the_call_runs_once(r, pool, model):
     model.set_scripts({"deploy": DEPLOY})
     first = pool.start(1)[0]
@@ -82,7 +68,7 @@ def test_an_approval_survives_a_worker_restart_and_the_call_runs_once(r, pool, m
     assert turn_queue(r).count == 0, "nothing is queued while a run waits"
     pool.kill(first)  # every worker gone while the run waits
 
-    out = _cli(pool, "approve", run_id)
+    out = pool.cli("approve", run_id)
     assert out.returncode == 0 and "approved" in out.stdout, out.stderr
     pool.start(1)
     done = wait_for_run(run_id, timeout=60, connection=r)
@@ -97,14 +83,14 @@ def test_a_denied_call_returns_the_reason_to_the_model_and_never_runs(r, pool, m
     pool.start(1)
     run_id = enqueue_run("pool_agents:guarded", script_task("deploy"), connection=r)
     wait_for_status(r, run_id, "waiting_approval")
-    out = _cli(pool, "approve", run_id, "--deny", "--reason", "release freeze until Monday")
+    out = pool.cli("approve", run_id, "--deny", "--reason", "release freeze until Monday")
     assert out.returncode == 0, out.stderr
     done = wait_for_run(run_id, timeout=60, connection=r)
     result = _tool_result(done, "deploy")
     assert result["is_error"] and "release freeze until Monday" in result["content"]
     assert "deploy" not in [e["tool"] for e in pool.effects()]
     assert done.status == "completed"
-    shown = _cli(pool, "show", run_id)  # the ledger names the call although it never ran
+    shown = pool.cli("show", run_id)  # the ledger names the call although it never ran
     assert shown.returncode == 0, shown.stderr
     ledger = shown.stdout.split("\nledger:\n", 1)[1]
     ledger_line = next(line for line in ledger.splitlines() if result["tool_use_id"] in line)
@@ -193,10 +179,10 @@ def test_turn_and_cost_budgets_and_the_resume_command(r, pool, model):
     costly = wait_for_run(by_cost, timeout=60, connection=r)
     assert costly.status == "stopped" and "max_cost_usd=0.001" in costly.error and costly.cost_usd >= 0.001
 
-    out = _cli(pool, "resume", by_turns, "--add-turns", "10")
+    out = pool.cli("resume", by_turns, "--add-turns", "10")
     assert out.returncode == 0, out.stderr
     assert wait_for_run(by_turns, timeout=60, connection=r).status == "completed"
-    assert _cli(pool, "resume", by_turns).returncode == 1, "a completed run cannot be resumed"
+    assert pool.cli("resume", by_turns).returncode == 1, "a completed run cannot be resumed"
 
 
 def test_bursts_of_429_and_529_are_retried_and_a_spend_limit_stops_the_run(r, pool, model):
@@ -288,7 +274,7 @@ def test_watch_follows_a_run_to_its_end(r, pool, model):
     )
     pool.start(1)
     run_id = enqueue_run("pool_agents:support", script_task("meeting"), connection=r)
-    out = _cli(pool, "watch", run_id)
+    out = pool.cli("watch", run_id)
     assert out.returncode == 0, out.stderr
     assert "tool_started" in out.stdout and "read_notes" in out.stdout
     assert f"run {run_id} completed after 2 turns" in out.stdout
@@ -353,7 +339,7 @@ def test_a_resume_that_cannot_help_is_refused_with_what_is_needed(r, pool, model
 
     with pytest.raises(ResumeRefused, match=r"the run has used 2 of max_turns=2; resume with add_turns>=1"):
         resume(by_turns, connection=r)
-    out = _cli(pool, "resume", by_turns)
+    out = pool.cli("resume", by_turns)
     assert out.returncode == 1 and "resume with add_turns>=1" in out.stderr, out
     with dashboard_in_process(r) as post:
         status, doc = post(f"/api/runs/{by_turns}/resume", b"{}")
@@ -388,7 +374,7 @@ def test_nan_infinity_and_bools_are_refused_on_every_way_a_limit_is_set(r, pool,
                 enqueue_run("pool_agents:budgeted", "task", connection=r, **{name: value})
     assert r.zcard("ap:runs") == 0 and turn_queue(r).count == 0, "a refused enqueue writes nothing"
     for flag, value in (("--max-cost-usd", "inf"), ("--max-total-tokens", "nan"), ("--max-turns", "1.5")):
-        out = _cli(pool, "enqueue", "pool_agents:budgeted", "task", flag, value)
+        out = pool.cli("enqueue", "pool_agents:budgeted", "task", flag, value)
         assert out.returncode == 2 and flag in out.stderr and "Traceback" not in out.stderr, out
 
     model.set_scripts({"loop": LOOP})
@@ -402,7 +388,7 @@ def test_nan_infinity_and_bools_are_refused_on_every_way_a_limit_is_set(r, pool,
                 resume(run_id, connection=r, **{name: value})
     for flag in ("--add-usd", "--add-tokens", "--add-turns"):
         for value in ("nan", "inf", "-1"):
-            out = _cli(pool, "resume", run_id, flag, value)
+            out = pool.cli("resume", run_id, flag, value)
             assert out.returncode == 2 and flag in out.stderr and "Traceback" not in out.stderr, out
     with dashboard_in_process(r) as post:
         for body in (

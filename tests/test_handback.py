@@ -51,18 +51,6 @@ def wait_for_handback(r: Redis, run_id: str, reason: str, count: int = 1, timeou
         time.sleep(0.05)
 
 
-def cli(pool: Pool, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "agentpool", *args],
-        env={**pool.env, **env},
-        cwd=str(TESTS),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
 def no_failed_jobs(r: Redis) -> bool:
     return FailedJobRegistry(queue=turn_queue(r)).count == 0
 
@@ -100,12 +88,12 @@ def test_a_keyless_worker_alone_never_fails_the_run_it_waits_and_says_why(r, poo
     assert run.status in ("queued", "running")
     assert run.waiting["kind"] == "handed_back" and run.waiting["reason"] == "key_missing"
     assert run.waiting["since"] == record.since and run.waiting["worker"] == record.worker
-    shown = cli(pool, "show", run_id, AGENTPOOL_ENCRYPTION_KEY=key)
+    shown = pool.cli("show", run_id, timeout=60, AGENTPOOL_ENCRYPTION_KEY=key)
     assert shown.returncode == 0, shown.stderr
     assert "handed back" in shown.stdout and "no encryption key" in shown.stdout, shown.stdout
-    doc = json.loads(cli(pool, "show", run_id, "--json", AGENTPOOL_ENCRYPTION_KEY=key).stdout)
+    doc = json.loads(pool.cli("show", run_id, "--json", timeout=60, AGENTPOOL_ENCRYPTION_KEY=key).stdout)
     assert doc["waiting"]["kind"] == "handed_back" and doc["waiting"]["reason"] == "key_missing"
-    listed = cli(pool, "runs", AGENTPOOL_ENCRYPTION_KEY=key)
+    listed = pool.cli("runs", timeout=60, AGENTPOOL_ENCRYPTION_KEY=key)
     assert "handed back" in listed.stdout and "key" in listed.stdout, listed.stdout
     assert no_failed_jobs(r)
     assert pool.logs().count("Traceback") == 0, "one clear line per hand-back, no traceback"
@@ -245,7 +233,7 @@ def test_a_run_waiting_for_a_worker_or_a_backoff_says_so_and_since_or_until_when
         assert time.monotonic() < deadline, waiting
         time.sleep(0.05)
     assert "overloaded_error" in waiting["note"] and waiting["until"] > time.time() + 20
-    listed = cli(pool, "runs")
+    listed = pool.cli("runs", timeout=60)
     assert "backoff after overloaded_error" in listed.stdout, listed.stdout
 
 

@@ -183,15 +183,7 @@ def test_a_failing_receiver_gets_the_same_delivery_again_until_it_answers_2xx(r:
     [shown] = _delivered(r, run_id)
     assert shown["state"] == "delivered" and shown["attempts"] == 4
     assert shown["error"] == "HTTP 500: nope", "the last failure is kept"
-    show = subprocess.run(
-        [sys.executable, "-m", "agentpool", "show", run_id],
-        env=pool.env,
-        cwd=str(TESTS),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    show = pool.cli("show", run_id, timeout=60)
     line = next(line for line in show.stdout.splitlines() if shown["id"] in line)
     assert "delivered (4 attempts)" in line and "team=qa" not in line, line  # the query is not shown
 
@@ -206,15 +198,7 @@ def test_a_delivery_nobody_accepts_is_given_up_after_its_max_age_and_shown_undel
     [given_up] = _delivered(r, run_id)
     assert given_up["state"] == "undelivered" and given_up["error"] == "HTTP 500: nope"
     assert given_up["attempts"] == len(hook.received) >= 2 and r.zcard(WEBHOOKS_DUE) == 0
-    show = subprocess.run(
-        [sys.executable, "-m", "agentpool", "show", run_id],
-        env=pool.env,
-        cwd=str(TESTS),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    show = pool.cli("show", run_id, timeout=60)
     assert f"UNDELIVERED, given up after {given_up['attempts']} attempts; last error: HTTP 500: nope" in show.stdout
     pool.wait_for_log(lambda line: "undelivered after" in line, "about the delivery given up")
 

@@ -7,21 +7,16 @@
 local SPEND_FIELDS = {'input_tokens', 'output_tokens', 'cache_read_input_tokens', 'cache_creation_input_tokens',
   'cost_usd'}
 local function add_spend(header, first, current)
-  local adding = false
-  for i = 1, #SPEND_FIELDS do
-    if tonumber(ARGV[first + i - 1]) ~= 0 then adding = true end
-  end
-  if not adding then return end
-  current = current or redis.call('HMGET', header, unpack(SPEND_FIELDS))
   local fields = {}
   for i, field in ipairs(SPEND_FIELDS) do
     local add = tonumber(ARGV[first + i - 1])
     if add ~= 0 then
+      current = current or redis.call('HMGET', header, unpack(SPEND_FIELDS))
       local total = (tonumber(current[i]) or 0) + add
       -- The tokens stay integers (HINCRBY-compatible); the cost keeps every digit a double has.
       table.insert(fields, field)
       table.insert(fields, i < 5 and string.format('%d', total) or string.format('%.17g', total))
     end
   end
-  redis.call('HSET', header, unpack(fields))
+  if #fields > 0 then redis.call('HSET', header, unpack(fields)) end
 end

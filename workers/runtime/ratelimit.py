@@ -147,13 +147,13 @@ def limited_call(
     reservation = got
     used_in = used_out = 0
     headers: Mapping[str, str] = {}
+    answered = False
     try:
         reply = call_model(agent, messages, summary=summary, **kwargs)
         used_in = reply.usage.get("input_tokens", 0) + reply.usage.get("cache_creation_input_tokens", 0)
         used_out = reply.usage.get("output_tokens", 0)
         headers = reply.limits
-        if isinstance(reservation, ratelimit.Unlimited) and reservation.started and not reported(headers).limits:
-            _headerless(turn, agent.model)
+        answered = True
         return reply
     except ModelUnavailable as exc:
         # What a failed call did not use goes back; a cut stream was billed for what it had reported.
@@ -164,6 +164,9 @@ def limited_call(
     finally:
         learned = shard_reported(reported(headers), shards)
         try:
+            if answered and isinstance(reservation, ratelimit.Unlimited) and reservation.started and not learned.limits:
+                # A reply that carries no rate-limit headers: nothing will be learned, so stop counting.
+                ratelimit.mark_headerless(turn.r, agent.model)
             if isinstance(reservation, ratelimit.Reservation) or learned.limits or learned.remaining:
                 ratelimit.settle(
                     turn.r,
@@ -178,10 +181,3 @@ def limited_call(
         except Exception:
             # The budget is corrected by its own refill; the call's outcome matters more than this.
             log.exception("run %s: could not settle the rate-limit reservation", turn.run_id)
-
-
-def _headerless(turn: Turn, model: str) -> None:
-    try:
-        ratelimit.mark_headerless(turn.r, model)
-    except Exception:
-        log.exception("run %s: could not note that %s sends no rate-limit headers", turn.run_id, model)

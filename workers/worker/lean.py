@@ -33,6 +33,7 @@ and the push, instead of RQ's registration of the queue, the status and the job 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import time
@@ -54,6 +55,7 @@ SUSPENSION_EVERY = 1.0  # seconds between looks at `rq suspend`'s flag
 _counts_lock = threading.Lock()  # a threaded worker's turn threads count their jobs concurrently
 
 
+@functools.cache
 def execution_tag(worker_name: str) -> str:
     """The first characters of the ids of a worker's turn executions: 8 hex digits of its name's hash."""
     return hashlib.sha1(worker_name.encode(), usedforsecurity=False).hexdigest()[:8]
