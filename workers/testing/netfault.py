@@ -75,6 +75,11 @@ class _Link:
         except OSError:
             self.close()
             return
+        if self.closed.is_set():
+            # Closed (a retarget, a drop, the proxy's stop) while connecting: close() found no upstream
+            # to close yet. Closing it here as well is harmless if close() did after all.
+            self.upstream.close()
+            return
         threading.Thread(target=self._requests, name="netfault-up", daemon=True).start()
         self._replies()
 
