@@ -24,7 +24,7 @@ from redis.exceptions import WatchError
 
 from agentpool.store import inbox, ledger, webhooks, writes
 from agentpool.store.clock import now_ms
-from agentpool.store.codec import safe_text, unpack
+from agentpool.store.codec import pack, safe_text, unpack
 from agentpool.store.errors import (
     LeaseLost,
     MessagesWaiting,
@@ -228,6 +228,7 @@ def commit_response(
     ancestors: Sequence[str] | None = None,
     late: tuple[str, bytes] | None = None,
     pool_webhook: str = "",
+    intents: Sequence[tuple[str, Mapping[str, Any], Event]] = (),
 ) -> int:
     """Save point A: count the call's ``usage`` and cost with the ``responded`` event, then commit
     its response with the ``event`` that reports it. The spend counts even when the response can no
@@ -249,6 +250,10 @@ def commit_response(
     A run that ends here records its webhook delivery in the same script: for its own webhook, or for
     the pool default when ``pool_webhook`` (the events the worker's ``AGENTPOOL_WEBHOOK_URL`` wants)
     names the event (``store/lua/_webhook.lua``).
+
+    ``intents`` are ledger intents (tool_use id, record, its ``tool_started`` event) of read tools this
+    worker runs right after: written with the pending they answer, they cost the tools no write of
+    their own before they run (``agentpool.runtime.settle``, ``start_reads``).
 
     Returns 2 when the run ended here and was the last open child of its parent (which is now due to
     be woken), 1 otherwise."""
@@ -293,14 +298,18 @@ def commit_response(
             len(parent),
             *(late or ("", "")),
             *script_args(responded, event),
+            len(intents),
+            *(x for tool_use_id, record, _ in intents for x in (tool_use_id, pack(record))),
+            *script_args(*(started for _, _, started in intents)),
             pool_webhook,
         ],
     )
     if int(code) not in (-4, -5) and responded:  # type: ignore[arg-type]
         responded.landed()
     _check(int(code), keys, r)  # type: ignore[arg-type]
-    if event:
-        event.landed()
+    for landed in (event, *(started for _, _, started in intents)):
+        if landed:
+            landed.landed()
     return int(code)  # type: ignore[arg-type]
 
 

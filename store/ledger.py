@@ -161,6 +161,16 @@ def write_intent(
     event: Event | None = None,
     at: At | None = None,
 ) -> dict[str, Any]:
+    record = intent_record(tool_use, token, effect=effect, attempt=attempt, now=now, timeout=timeout)
+    fenced_hset(r, keys, token, keys.ledger, tool_use["id"], record, event, at)
+    return record
+
+
+def intent_record(
+    tool_use: dict[str, Any], token: str, *, effect: str, attempt: int, now: float, timeout: float | None = None
+) -> dict[str, Any]:
+    """What an intent records: the call (name, input digest), its effect class, which attempt, when and
+    by whom it started, and the tool's timeout."""
     record = {
         "v": SCHEMA_VERSION,
         "name": tool_use["name"],
@@ -172,7 +182,6 @@ def write_intent(
     }
     if timeout is not None:
         record["timeout"] = timeout
-    fenced_hset(r, keys, token, keys.ledger, tool_use["id"], record, event, at)
     return record
 
 

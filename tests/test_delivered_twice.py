@@ -167,6 +167,42 @@ def test_save_point_a_refused_and_delivered_twice_still_counts_its_spend_once(r,
     assert (state.usage, state.cost_usd, state.turns) == (USAGE, 0.5, 0)
 
 
+READ = {"id": "toolu_r", "name": "read_notes", "input": {"topic": "release"}}
+
+
+def test_save_point_a_writes_the_intents_of_the_reads_run_next_once_and_only_if_it_commits(r, proxy, lossy):
+    """A read the worker runs right after save point A gets its intent in that write (no write of its
+    own): once however often A is delivered, and none from a worker that lost the lease."""
+    create(r)
+    token = take(r)
+    intent = ledger.intent_record(READ, token, effect="read", attempt=1, now=time.time(), timeout=30)
+
+    def commit(client: Redis) -> None:
+        started = Event.of(RUN, "tool_started", tool="read_notes", tool_use_id="toolu_r", effect="read", attempt=1)
+        checkpoint.commit_response(
+            client,
+            KEYS,
+            token,
+            turns_before=0,
+            message=reply(READ),
+            pending=[READ],
+            event=Event.of(RUN, "response_committed", turn=0, tool_uses=1),
+            intents=[("toolu_r", intent, started)],
+        )
+
+    r.set(KEYS.lease, "1:w2.200")  # another worker's lease: this one is a zombie
+    with pytest.raises(checkpoint.LeaseLost):
+        commit(r)
+    assert not r.exists(KEYS.ledger) and kinds(r)["tool_started"] == 0
+    r.set(KEYS.lease, token)
+    with cut(proxy, script("commit_response")):
+        commit(lossy)
+    entry = ledger.read(r, KEYS, ["toolu_r"])["toolu_r"]
+    assert entry.intent == intent and entry.outcome is None
+    assert kinds(r)["tool_started"] == 1 and stats.read_all(r)["tool_calls|effect=read"] == 1
+    assert checkpoint.load_run(r, RUN).pending == [READ]
+
+
 def commit_summary(client: Redis, token: str) -> None:
     window.commit_summary(
         client,

@@ -23,7 +23,10 @@
 -- ARGV[20] id and ARGV[21] content blob of the child's answer for its parent, given when the reply
 -- completes a child run ('' otherwise): queued in the parent's inbox if the parent's join had ended
 -- before (see _join.lua)  ARGV[22..] two events (see _event.lua): the model_responded one, then the one
--- reporting the commit
+-- reporting the commit; then n, n pairs of a ledger field (a tool_use id) and its intent blob, and n
+-- events (their tool_started): the intents of read tools the worker runs right after this commit, so
+-- that they need no fenced write of their own (written only when the reply is committed as a turn
+-- that goes on; n is 0 otherwise)
 -- last, the pool default's webhook events (see _webhook.lua)
 -- Returns 1 ok (2: ok, the run ended and was its parent's last open child, now woken), -1 lease lost, -2 run not running (status changed under us), -3 stale turn (each of
 -- these three with the spend counted), -4 no such run (nothing counted), -5 the reply would complete
@@ -58,7 +61,13 @@ end
 redis.call('HSET', KEYS[1], 'turns', tonumber(h[2]) + 1, 'phase', 'tools', 'pending', ARGV[4], 'model_errors', 0,
   'updated_at', ARGV[5], 'v', ARGV[10], 'writes', ring_with(h[4], ARGV[17], joined))
 redis.call('DEL', KEYS[7])
-record_event(KEYS[6], KEYS[5], committed_event)  -- before the retention's EXPIRE, which it must not outlive
+local after = record_event(KEYS[6], KEYS[5], committed_event)  -- before the retention's EXPIRE, which it must not outlive
+local intents = tonumber(ARGV[after]) or 0
+if intents > 0 then
+  redis.call('HSET', KEYS[8], unpack(ARGV, after + 1, after + 2 * intents))
+  after = after + 2 * intents + 1
+  for _ = 1, intents do after = record_event(KEYS[6], KEYS[5], after) end
+end
 if ARGV[7] ~= '' then
   if ARGV[18] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[18]) end
   -- A stopped run (the context window is full) resumes with a model call; a finished one is done.

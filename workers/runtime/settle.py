@@ -70,6 +70,41 @@ class Settlement:
         self.at: ledger.At | None = None
         self.state: RunState | None = None  # the run as the turn loaded it (sub-agent calls need it)
         self.waiting = "waiting_approval"  # what settle() returning None means the run waits for
+        # The fresh read calls whose intents save point A wrote (``start_reads``): id -> their input as
+        # validated then. Their tools run with no intent write of their own.
+        self.started: dict[str, dict[str, Any]] = {}
+
+    def start_reads(self, agent: Agent, pending: list[dict[str, Any]], turns: int) -> list[tuple[str, dict, Event]]:
+        """The intents (tool_use id, record, ``tool_started`` event) of the calls in a reply that will run
+        as soon as it is committed, for save point A to write with it (``checkpoint.commit_response``):
+        read tools only, with valid input and no person to ask. The tool_started event then precedes the
+        call by the commit's round trip, and a worker dying before the tool runs leaves an intent with no
+        outcome, which for a read means "run it again" (``reconcile.plan``). Not for other effects:
+        their intents must say when the call really started (``running_until``), and the durability
+        guard waits for them before the call (``execute``). ``turns``: the run's turns once A landed."""
+        intents = []
+        now = now_ms() / 1000
+        for call in pending:
+            tool = agent.tool_named(call["name"])
+            if (
+                tool is None
+                or tool.effect != "read"
+                or tool.requires_approval
+                or "not_run" in call
+                or agent.subagent_named(call["name"])
+            ):
+                continue
+            try:
+                kwargs = tool.validate(call["input"])
+            except ToolInputError:
+                continue  # settled as invalid_input, with no intent, when the tools settle
+            record = ledger.intent_record(
+                call, self.token, effect="read", attempt=1, now=now, timeout=self.timeout_of(tool, agent)
+            )
+            intents.append((call["id"], record, self.tool_event(tool, call, "tool_started", attempt=1)))
+            self.started[call["id"]] = kwargs
+        self.at = (turns, "tools")
+        return intents
 
     def settle(
         self, agent: Agent, pending: list[dict[str, Any]], *, turns: int, fresh: bool = False
@@ -330,6 +365,9 @@ class Settlement:
         if action is Action.UNKNOWN:
             return self.record(call, unknown_outcome(call["name"]), how="unknown")
         assert tool is not None
+        kwargs = self.started.get(call["id"]) if entry.intent is None else None
+        if kwargs is not None:  # its intent came with save point A: it runs now
+            return self.execute(agent, tool, call, kwargs, idempotency_key(self.run_id, call["id"]), attempt=1)
         try:
             kwargs = tool.validate(call["input"])
         except ToolInputError as exc:
@@ -351,34 +389,8 @@ class Settlement:
         self, agent: Agent, tool: Tool, call: dict[str, Any], kwargs: dict[str, Any], key: str, attempt: int
     ) -> Outcome:
         timeout = self.timeout_of(tool, agent)
-
-        def tool_event(kind: str, **fields: Any) -> Event:
-            return Event.of(self.run_id, kind, tool=tool.name, tool_use_id=call["id"], effect=tool.effect, **fields)
-
-        intent = ledger.write_intent(
-            self.r,
-            self.keys,
-            self.token,
-            call,
-            effect=tool.effect,
-            attempt=attempt,
-            now=now_ms() / 1000,
-            timeout=timeout,
-            event=tool_event("tool_started", attempt=attempt),
-            at=self.at,
-        )
-        if tool.effect != "read":
-            assert self.at is not None
-            # The intent and save point A on the replicas first (and on the server that says so), or the
-            # call does not run yet.
-            proof = Proof(self.keys, self.token, *self.at, field=call["id"], intent=pack(intent))
-            try:
-                wait_durable(self.r, durability.guard(self.r), proof)
-            except NotReplicated:
-                self.write_held_outcomes()  # the turn is handed back: what already ran is kept
-                withdrawn = tool_event("tool_withdrawn", attempt=attempt, reason="not_replicated")
-                ledger.withdraw_intent(self.r, self.keys, self.token, call["id"], intent, withdrawn, self.at)
-                raise
+        if call["id"] not in self.started:  # a read started by save point A has its intent already
+            self.write_intent(tool, call, attempt, timeout)
         fault("before_tool", self.run_id, self.turn, tool=call["name"])
         ownership = Ownership(self.r, self.keys, self.token)
         outcome = run_tool(
@@ -394,11 +406,43 @@ class Settlement:
             call,
             outcome,
             how="ran",
-            event=tool_event("tool_finished", is_error=outcome.is_error),
+            event=self.tool_event(tool, call, "tool_finished", is_error=outcome.is_error),
             with_save_b=tool.effect == "read",
         )
         fault("after_tool_outcome", self.run_id, self.turn, tool=call["name"])
         return outcome
+
+    def tool_event(self, tool: Tool, call: dict[str, Any], kind: str, **fields: Any) -> Event:
+        return Event.of(self.run_id, kind, tool=tool.name, tool_use_id=call["id"], effect=tool.effect, **fields)
+
+    def write_intent(self, tool: Tool, call: dict[str, Any], attempt: int, timeout: float) -> None:
+        """The call's intent in the ledger before it runs; for a call with an effect, on the replicas too
+        (the durability guard), or it does not run: ``NotReplicated`` hands the turn back."""
+        intent = ledger.write_intent(
+            self.r,
+            self.keys,
+            self.token,
+            call,
+            effect=tool.effect,
+            attempt=attempt,
+            now=now_ms() / 1000,
+            timeout=timeout,
+            event=self.tool_event(tool, call, "tool_started", attempt=attempt),
+            at=self.at,
+        )
+        if tool.effect == "read":
+            return
+        assert self.at is not None
+        # The intent and save point A on the replicas first (and on the server that says so), or the
+        # call does not run yet.
+        proof = Proof(self.keys, self.token, *self.at, field=call["id"], intent=pack(intent))
+        try:
+            wait_durable(self.r, durability.guard(self.r), proof)
+        except NotReplicated:
+            self.write_held_outcomes()  # the turn is handed back: what already ran is kept
+            withdrawn = self.tool_event(tool, call, "tool_withdrawn", attempt=attempt, reason="not_replicated")
+            ledger.withdraw_intent(self.r, self.keys, self.token, call["id"], intent, withdrawn, self.at)
+            raise
 
     def check_decision(self, call: dict[str, Any], decision: approvals.Decision | None) -> Outcome | None:
         """None if a person approved exactly this call; otherwise the is_error outcome to record."""

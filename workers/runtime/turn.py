@@ -387,6 +387,8 @@ class Turn:
         # A completed run keeps the limits it was held to: a message sent to it when it completed at one
         # is refused (agentpool.conversation), as for a run a limit stopped.
         held_to = Limits.of(agent, state.limits).limit_fields() if final == "completed" else {}
+        # The read calls that run as soon as the reply is committed get their intents in that very write.
+        started = self.tools.start_reads(agent, pending, turns=state.turns + 1) if pending and not final else []
 
         def commit(final: str) -> None:
             if (
@@ -421,6 +423,7 @@ class Turn:
                     if final
                     else Event.of(self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending)),
                     pool_webhook=self.settings.pool_webhook,
+                    intents=started if not final else (),
                 )
                 == 2
             ):
