@@ -51,7 +51,7 @@ from agentpool.store.records import (
     unpack_message,
 )
 from agentpool.store.scripts import compact_source, run_script
-from agentpool.store.staged_job import StagedJob, flat
+from agentpool.store.staged_job import EndedJob, StagedJob, flat
 
 # How long a committed turn may wait in the queue before the reaper checks that its job still exists.
 QUEUED_RECHECK_MS = 30_000
@@ -387,6 +387,7 @@ def commit_tool_results(
     outcomes: dict[str, Outcome] | None = None,
     event: Event | None = None,
     tool_events: Sequence[Event] = (),
+    ended_job: EndedJob | None = None,
 ) -> None:
     """Save point B: the tool results message (if any), phase back to "model", the lease dropped,
     the next turn's job and the events that report it (``tool_events``, then ``event``), all at once,
@@ -399,10 +400,12 @@ def commit_tool_results(
     (``commit_results.lua``). Otherwise one WATCH/MULTI transaction: messages waiting in the inbox join
     that user message after its tool_results and leave the inbox in the same EXEC (the inbox is
     watched: one sent meanwhile makes the transaction read again), each marked delivered at ``turns``
-    with a ``message_delivered`` event. A turn with neither results nor messages appends nothing."""
+    with a ``message_delivered`` event. A turn with neither results nor messages appends nothing.
+    ``ended_job``: the RQ job this turn runs in, ended by the same write (its worker then has nothing
+    left to write for it)."""
     recorded = [*tool_events, *([event] if event else [])]
     if next_job is not None and enqueue_next is None:
-        if _commit_results_at_once(r, keys, token, message, turns, next_job, outcomes or {}, recorded):
+        if _commit_results_at_once(r, keys, token, message, turns, next_job, outcomes or {}, recorded, ended_job):
             for one in recorded:
                 one.landed()
             return
@@ -429,6 +432,8 @@ def commit_tool_results(
         pipe.hset(keys.run, mapping=fields)
         pipe.zadd(RUNS_WATCH, {keys.run_id: now_ms() + QUEUED_RECHECK_MS})
         enqueue_next(pipe)
+        if ended_job is not None:
+            ended_job.stage(pipe)
         for one in recorded:
             one.stage(pipe)
 
@@ -448,6 +453,7 @@ def _commit_results_at_once(
     job: StagedJob,
     outcomes: dict[str, Outcome],
     events: list[Event],
+    ended: EndedJob | None,
 ) -> bool:
     """Save point B as one script call (``commit_results.lua``); False, having done nothing, when
     messages wait in the inbox. Safe to deliver twice (its write id is in the header's ring)."""
@@ -459,6 +465,7 @@ def _commit_results_at_once(
         [
             *(keys.lease, keys.run, keys.inbox, keys.messages, keys.ledger, RUNS_WATCH, keys.events, STATS),
             *(keys.handback, job.job_key, job.queue_key, job.queues_key),
+            *((ended.job_key, ended.registry_key) if ended else ()),
         ],
         [
             token,
@@ -476,6 +483,7 @@ def _commit_results_at_once(
             *flat(job.job_fields),
             len(events),
             *script_args(*events),
+            ended.execution if ended else "",
         ],
     )
     code, *detail = reply  # type: ignore[misc]

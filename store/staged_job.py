@@ -34,6 +34,22 @@ class StagedJob:
         (pipe.lpush if self.at_front else pipe.rpush)(self.queue_key, self.job_id)
 
 
+@dataclass(frozen=True)
+class EndedJob:
+    """The RQ job a turn runs in, as the writes that end it: its hash deleted and its execution's entry
+    in the queue's started registry removed (what RQ's lean end does for a turn job, see
+    ``agentpool.worker.lean``). Save point B makes them with its own, so the job's end costs no round
+    trip of its own."""
+
+    job_key: str
+    registry_key: str  # the queue's started registry
+    execution: str  # the execution's member there (``<job id>:<execution id>``)
+
+    def stage(self, pipe: Any) -> None:
+        pipe.delete(self.job_key)
+        pipe.zrem(self.registry_key, self.execution)
+
+
 def flat(mapping: Mapping[str, Any]) -> list[Any]:
     """``[count, field, value, ...]``: how a script takes a mapping."""
     return [len(mapping), *(x for item in mapping.items() for x in item)]

@@ -8,11 +8,14 @@
 -- KEYS[1] lease   KEYS[2] run header   KEYS[3] inbox   KEYS[4] messages   KEYS[5] ledger
 -- KEYS[6] ap:runs:watch   KEYS[7] events   KEYS[8] ap:stats   KEYS[9] hand-back record
 -- KEYS[10] the next job's hash   KEYS[11] its RQ queue   KEYS[12] RQ's set of queues
+-- KEYS[13], KEYS[14] (optional) the hash of the RQ job this turn runs in and its queue's started registry:
+-- the job's end is made here too (its hash deleted, its execution out of the registry)
 -- ARGV[1] token   ARGV[2] write id   ARGV[3] turn count save point A left   ARGV[4] results message blob or ''
 -- ARGV[5] now ms   ARGV[6] when the reaper looks at the run next (ms)   ARGV[7] run id   ARGV[8] next job id
 -- ARGV[9] 1: push the job at the head of its queue   ARGV[10] 1: add the queue to RQ's set of queues
 -- then three lists, each a count and its field/value pairs: the ledger's notes, more header fields
--- (the job id, a window hint...), the job's hash; then a count of events and the events (see _event.lua)
+-- (the job id, a window hint...), the job's hash; then a count of events and the events (see _event.lua);
+-- last, the execution's member in that started registry ('' without KEYS[13])
 -- Returns 1 committed, 0 committed by an earlier delivery, -1 lease lost, -2 not running (status),
 -- -3 turn moved (turns, phase), -9 messages wait in the inbox (nothing done).
 local h = redis.call('HMGET', KEYS[2], 'status', 'turns', 'phase', 'writes')
@@ -45,5 +48,10 @@ if ARGV[9] == '1' then redis.call('LPUSH', KEYS[11], ARGV[8]) else redis.call('R
 local events = tonumber(ARGV[at])
 at = at + 1
 for _ = 1, events do at = record_event(KEYS[7], KEYS[8], at) end
-redis.call('DEL', KEYS[1], KEYS[9])
+if KEYS[13] then
+  redis.call('ZREM', KEYS[14], ARGV[at])
+  redis.call('DEL', KEYS[1], KEYS[9], KEYS[13])
+else
+  redis.call('DEL', KEYS[1], KEYS[9])
+end
 return {1}

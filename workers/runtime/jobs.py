@@ -25,10 +25,11 @@ from agentpool.runtime.settings import Settings
 from agentpool.store.clock import now_ms
 from agentpool.store.keys import DEFAULT_QUEUE, QUEUE_NAME, TURNS_DEFERRED, RunKeys, rq_queue_name
 from agentpool.store.scripts import run_script
-from agentpool.store.staged_job import StagedJob
+from agentpool.store.staged_job import EndedJob, StagedJob
 
 if TYPE_CHECKING:
     from rq import Queue
+    from rq.job import Job
 
 TURN_FUNC = "agentpool.runtime.turn.run_turn"
 RESULT_TTL = 0  # a turn job returns nothing worth keeping (and its job hash is deleted as it ends)
@@ -207,6 +208,26 @@ def stage_turn(
         pipe.zadd(TURNS_DEFERRED, {deferred_member(run_id, turn, attempt): now_ms() + int(delay * 1000)})
         return jid
     return _stage(pipe, turn_job(r, run_id, turn, attempt, at_front=at_front, queue=queue), with_header=True)
+
+
+def note_execution(job: Job, registry_key: str, execution: str) -> None:
+    """The worker started ``job`` (a turn job, with RQ's lean bookkeeping: ``agentpool.worker.lean``) as
+    ``execution`` in the started registry ``registry_key``: its turn's save point B can end it."""
+    job._agentpool_end = EndedJob(job.key, registry_key, execution)  # type: ignore[attr-defined]
+
+
+def ending_of(job: Job | None) -> EndedJob | None:
+    """How ``job``'s end is written, if its worker noted its execution (``note_execution``)."""
+    return getattr(job, "_agentpool_end", None)
+
+
+def mark_ended(job: Job) -> None:
+    """The turn's save point B ended ``job`` (``EndedJob``): its worker has nothing left to write for it."""
+    job._agentpool_ended = True  # type: ignore[attr-defined]
+
+
+def ended_by_turn(job: Job) -> bool:
+    return bool(getattr(job, "_agentpool_ended", False))
 
 
 def give_back(r: Redis, queue: Queue, job_id: str) -> bool:

@@ -42,7 +42,7 @@ from agentpool.runtime.answers import FINISHED_STOPS
 from agentpool.runtime.answers import trailing_text as _trailing_text
 from agentpool.runtime.faults import fault
 from agentpool.runtime.heartbeat import keep_alive
-from agentpool.runtime.jobs import deferred_member, remember_queue, stage_turn, turn_job
+from agentpool.runtime.jobs import deferred_member, ending_of, mark_ended, remember_queue, stage_turn, turn_job
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.loader import AgentNotFound, load_agent
 from agentpool.runtime.model import ContextTooLong, ModelQuotaExhausted, ModelRejected, ModelReply, ModelUnavailable
@@ -140,7 +140,7 @@ def run_turn(run_id: str, turn: int) -> str:
         log.info("run %s turn %s: %s (%s); nothing to do", run_id, turn, got.code.name.lower(), got.detail)
         return got.code.name.lower()
     token = got.token
-    work = Turn(r, keys, token, turn, settings, window_from=window_from)
+    work = Turn(r, keys, token, turn, settings, window_from=window_from, job=job)
     with keep_alive(r, keys, token, settings.lease_ttl_ms), tracing.turn_span(r, keys, turn, got.then[0]) as span:
         try:
             outcome = work.run(*got.then)
@@ -264,9 +264,18 @@ def _stop_unloadable(r: Redis, keys: RunKeys, token: str, settings: Settings, ex
 
 class Turn:
     def __init__(
-        self, r: Redis, keys: RunKeys, token: str, turn: int, settings: Settings, *, window_from: int | None = None
+        self,
+        r: Redis,
+        keys: RunKeys,
+        token: str,
+        turn: int,
+        settings: Settings,
+        *,
+        window_from: int | None = None,
+        job: Job | None = None,
     ) -> None:
         self.r, self.keys, self.token, self.turn, self.settings = r, keys, token, turn, settings
+        self.job = job  # the RQ job the turn runs in (None: called outside RQ); save point B can end it
         self.window_from = window_from  # where the messages were read from with the lease (None: the header's)
         self.run_id = keys.run_id
         self.where = f"run {self.run_id} turn {turn}"
@@ -483,6 +492,7 @@ class Turn:
                 outcomes=self.tools.outcomes,
                 tool_events=self.tools.with_save_b,
                 turns=turns,
+                ended_job=ending_of(self.job),
                 event=Event.of(
                     self.run_id,
                     "turn_committed",
@@ -492,6 +502,8 @@ class Turn:
                     seconds=round(time.monotonic() - self.started, 4),
                 ),
             )
+        if ending_of(self.job) is not None:
+            mark_ended(self.job)  # type: ignore[arg-type]
         fault("after_save_b", self.run_id, self.turn)
         return "committed"
 

@@ -13,7 +13,8 @@ here do instead:
   ``busy`` only if it was not. The execution's id starts with a tag of the worker's name
   (``execution_tag``): the supervisor finds a dead threaded worker's turns in the started registries by
   it, so RQ's per-worker execution index is not written twice a turn;
-- end (one round trip): the job hash and its registry entry are deleted. Its result is not kept (a
+- end: the job hash and its registry entry are deleted, by the turn's save point B itself when it
+  makes one (``note_execution``: no round trip of its own), else in one round trip as the job ends. Its result is not kept (a
   turn's job returns a one-word summary; the run's checkpoint is the truth), so ``rq info`` counts no
   turn job as ``finished``; the worker's ``successful_job_count`` and ``total_working_time`` are added
   with its next heartbeat (every few seconds);
@@ -47,7 +48,7 @@ from rq.queue import Queue
 from rq.utils import now, utcformat
 from rq.worker import WorkerStatus
 
-from agentpool.runtime.jobs import keep_queues_registered
+from agentpool.runtime.jobs import ended_by_turn, keep_queues_registered, note_execution
 from agentpool.runtime.takeover import is_turn_job
 
 HEARTBEAT_EVERY = 5.0  # seconds between the worker's own heartbeats (RQ's worker TTL is 420 s)
@@ -165,6 +166,7 @@ class LeanTurnJobs:
         self._state = self._written_state = WorkerStatus.BUSY
         job._status = JobStatus.STARTED
         job.started_at, job.worker_name = started, self.name
+        note_execution(job, registry.key, execution.composite_key)  # its turn's save point B ends it
         self.executions[execution.id] = execution
         return execution
 
@@ -184,10 +186,11 @@ class LeanTurnJobs:
         if not is_turn_job(job):
             super().handle_job_success(job, queue, started_job_registry, execution)  # type: ignore[misc]
             return
-        with self.connection.pipeline(transaction=False) as pipe:
-            pipe.delete(job.key)
-            pipe.zrem(started_job_registry.key, execution.composite_key)
-            pipe.execute()
+        if not ended_by_turn(job):  # a turn that ended without save point B (the run ended, or waits)
+            with self.connection.pipeline(transaction=False) as pipe:
+                pipe.delete(job.key)
+                pipe.zrem(started_job_registry.key, execution.composite_key)
+                pipe.execute()
         self.executions.pop(execution.id, None)
         took = (job.ended_at or now()) - (job.started_at or now())
         self.count_jobs(1, took.total_seconds())
