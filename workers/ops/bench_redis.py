@@ -29,26 +29,29 @@ class Sample:
     commands: Counter[str]
     cpu_s: float
     seconds: float
+    reads: int  # requests Redis read off its sockets (a pipeline's commands arrive in one): round trips
 
     @property
     def total(self) -> int:
         return sum(self.commands.values())
 
 
-def _stats(r: Redis) -> tuple[Counter[str], float]:
+def _stats(r: Redis) -> tuple[Counter[str], float, int]:
+    """Calls by command, the server's CPU seconds, and its socket reads (``total_reads_processed``)."""
     calls: Counter[str] = Counter()
     for name, stat in r.info("commandstats").items():
         calls[name.removeprefix("cmdstat_")] = int(stat["calls"])
     cpu = r.info("cpu")
-    return calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+    reads = int(r.info("stats")["total_reads_processed"])
+    return calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), reads
 
 
 def _measure(lab: Lab, work: Callable[[], object], done: Callable[[], bool]) -> Sample:
     """Redis's calls by command and CPU from before ``work()`` until ``done()``, without the bench's own."""
     r = lab.r
     r.config_resetstat()
-    calls_before, cpu_before = _stats(r)
-    own: Counter[str] = Counter({"info": 2})  # the two INFO of the first _stats
+    calls_before, cpu_before, reads_before = _stats(r)
+    own: Counter[str] = Counter({"info": 3})  # the three INFO of the first _stats
     started = time.perf_counter()
     work()
     while not done():
@@ -56,11 +59,13 @@ def _measure(lab: Lab, work: Callable[[], object], done: Callable[[], bool]) -> 
         time.sleep(POLL)
     own["zcard"] += 1
     seconds = time.perf_counter() - started
-    calls_after, cpu_after = _stats(r)
+    calls_after, cpu_after, reads_after = _stats(r)
     calls = calls_after - calls_before
+    # The bench's own reads: its polls, and the two INFO before the one that read the count.
+    own_reads = own["zcard"] + 2
     calls.subtract(own)
     calls.pop("config|resetstat", None)
-    return Sample(+calls, cpu_after - cpu_before, seconds)
+    return Sample(+calls, cpu_after - cpu_before, seconds, reads_after - reads_before - own_reads)
 
 
 def _idle(lab: Lab) -> Sample:
@@ -112,14 +117,16 @@ def _bare(lab: Lab, jobs: int) -> Sample:
     return _measure(lab, work, done)
 
 
-def _per_turn(sample: Sample, idle: Sample, n: int) -> tuple[float, float, float, float]:
-    """Commands and CPU µs per turn, as measured and net of the idle pool's background for as long."""
+def _per_turn(sample: Sample, idle: Sample, n: int) -> tuple[float, float, float, float, float]:
+    """Commands and CPU µs per turn, as measured and net of the idle pool's background for as long, and
+    round trips per turn net of it."""
     share = sample.seconds / idle.seconds
     commands = sample.total / n
     cpu_us = sample.cpu_s * 1e6 / n
     net_commands = (sample.total - idle.total * share) / n
     net_cpu_us = (sample.cpu_s - idle.cpu_s * share) * 1e6 / n
-    return commands, cpu_us, net_commands, net_cpu_us
+    net_reads = (sample.reads - idle.reads * share) / n
+    return commands, cpu_us, net_commands, net_cpu_us, net_reads
 
 
 def _top(sample: Sample, n: int, k: int = 8) -> str:
@@ -140,7 +147,7 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
         bare = _bare(lab, turns)
         ours = _runs(lab, turns)
         for job, sample in (("bare RQ job (no-op)", bare), ("agentpool turn", ours)):
-            commands, cpu_us, net_commands, net_cpu_us = _per_turn(sample, idle, turns)
+            commands, cpu_us, net_commands, net_cpu_us, net_reads = _per_turn(sample, idle, turns)
             target = ("<= 40" if "threaded" in kind else "") if job == "agentpool turn" else ""
             cpu_target = ("<= 250" if "threaded" in kind else "") if job == "agentpool turn" else ""
             rows.append(
@@ -150,6 +157,7 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
                     f"{commands:.1f}",
                     f"{net_commands:.1f}",
                     target,
+                    f"{net_reads:.1f}",
                     f"{cpu_us:.0f}",
                     f"{net_cpu_us:.0f}",
                     cpu_target,
@@ -169,6 +177,7 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
             "commands",
             "net of idle",
             "target",
+            "round trips",
             "CPU µs",
             "net of idle",
             "target",
@@ -181,6 +190,10 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
                 "first enqueue to the last turn's end; the bench's own polls are taken out"
             ),
             "net of idle: less what the idle pool (dequeue waits, reaper, heartbeats) costs per second, for as long",
+            (
+                "round trips: requests Redis read off its sockets (INFO stats total_reads_processed; a pipeline's "
+                "commands arrive in one), net of idle: most of Redis's CPU per turn goes to them, not to commands"
+            ),
             "turns/s per Redis core = 1,000,000 / net CPU µs per turn",
             *details,
         ),
