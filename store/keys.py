@@ -66,8 +66,14 @@ Per model's rate-limit budget (all keys of one budget share the hash tag ``{limi
 
     ap:{limits:<m>}:budget  hash    the pool's token buckets for the model: "level:<dim>" (requests,
                                     input, output), "at" (ms of the last refill), "learned:<dim>" (the
-                                    limit the API's anthropic-ratelimit-* headers reported)
-    ap:{limits:<m>}:held    hash    reservation id -> "<input> <output> <ms>": calls in flight
+                                    limit the API's anthropic-ratelimit-* headers reported),
+                                    "started:<dim>" and "started:at" (the calls started while nothing
+                                    limited the model: what they started, when the last one did),
+                                    "headerless" (its replies carry no rate-limit headers)
+    ap:{limits:<m>}:held    hash    reservation id -> "<input> <output> <ms>": calls in flight; a call
+                                    started while nothing limited the model (no budget taken): "<input>
+                                    <output> <ms> <requests> <started:requests> <started:input>
+                                    <started:output>" until it settles, a minute after it started at most
     ap:{limits:<m>}:waiting zset    ticket "<run id>:<turn>" -> when it began to wait (ms): the line
     ap:{limits:<m>}:needs   hash    ticket -> "<requests> <input> <output> <expires ms>"
     ap:limits:models        set     every model that has a budget (for ``agentpool limits show``)

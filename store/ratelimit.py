@@ -106,12 +106,16 @@ class Wait:
 
 @dataclass(frozen=True)
 class Unlimited:
-    """Nothing limits the model yet (no limit set or learned): nothing is held. ``started`` counts the
-    requests and tokens started while unlimited, this call's included; ``settle`` takes the ones started
-    after it off the remaining the reply reports (the API counted this call, not those, yet). ``None``
-    once the model's replies were seen to carry no rate-limit headers (``mark_headerless``)."""
+    """Nothing limits the model yet (no limit set or learned): no budget is taken. ``started`` counts the
+    requests and tokens started while unlimited, this call's included, and the call stays in the held
+    hash (under ``id``) until it settles. When its reply teaches the limits, ``settle`` takes off the
+    remaining it reports what was started after this call (the API had not counted that yet) and what
+    the calls started before it and still in flight need (the API may admit them after this one). ``None``
+    once the model's replies were seen to carry no rate-limit headers (``mark_headerless``): nothing is
+    counted or held then."""
 
     started: tuple[int, int, int] | None
+    id: str = ""
 
 
 def reserve(
@@ -140,7 +144,9 @@ def reserve(
     if int(granted) == 0:
         return Wait(int(wait_ms) / 1000)
     if int(granted) == 3:
-        return Unlimited(tuple(int(n) for n in started) if started else None)  # type: ignore[arg-type]
+        if not started:
+            return Unlimited(None)
+        return Unlimited(tuple(int(n) for n in started), reservation_id)  # type: ignore[arg-type]
     return Reservation(model, reservation_id, need)
 
 
@@ -164,16 +170,18 @@ def settle(
     minute_s: float,
 ) -> bool:
     """Correct ``reservation`` to what the call used (a failed call: what it was billed for, often 0)
-    and learn what the API reported. Returns False if the reservation had been settled already (or
-    there was none: an unlimited call or headers alone)."""
+    and learn what the API reported. An ``Unlimited`` call gives nothing back (it took nothing) and
+    leaves the held hash. Returns False if nothing was held under it: settled already, dropped (a call
+    started unlimited a minute ago or more, or when ``mark_headerless`` ran), or none (``Unlimited(None)``,
+    headers alone)."""
     keys = LimitKeys.of(model)
-    back_in = back_out = 0
+    rid, back_in, back_out = "", 0, 0
     started = (-1, -1, -1)
-    if isinstance(reservation, Unlimited) and reservation.started:
-        started = reservation.started
     if isinstance(reservation, Unlimited):
-        reservation = None
-    if reservation is not None:
+        if reservation.started:
+            rid, started = reservation.id, reservation.started
+    elif reservation is not None:
+        rid = reservation.id
         back_in = reservation.need.input - used_input
         back_out = reservation.need.output - used_output
     code = run_script(
@@ -183,7 +191,7 @@ def settle(
         [
             0,  # unused: the scripts read Redis's clock
             int(minute_s * 1000),
-            reservation.id if reservation else "",
+            rid,
             back_in,
             back_out,
             *limits.args(),
@@ -198,9 +206,27 @@ def settle(
 
 def mark_headerless(r: Redis, model: str) -> None:
     """A reply of ``model`` came back with no rate-limit headers (a gateway that strips them, a scripted
-    model without limits): while nothing limits it, its calls stop counting what they start (nothing
-    will be learned). One write per model, once."""
-    r.hset(LimitKeys.of(model).budget, "headerless", 1)
+    model without limits): while nothing limits it, its calls stop counting what they start and are not
+    held (nothing will be learned), and the calls started unlimited leave the held hash now, this one's
+    and any whose worker died. Done by the calls in flight when the model is found out, not after."""
+    keys = LimitKeys.of(model)
+    with r.pipeline(transaction=False) as pipe:
+        # The flag first: a reservation after it adds no entry, and one before it is in what is read.
+        pipe.hset(keys.budget, "headerless", 1)
+        pipe.hgetall(keys.held)
+        _, held = pipe.execute()
+    started_unlimited = [rid for rid, value in held.items() if _started_unlimited(value)]
+    with r.pipeline(transaction=False) as pipe:
+        if started_unlimited:
+            pipe.hdel(keys.held, *started_unlimited)
+        pipe.hdel(keys.budget, "started:at")
+        pipe.execute()
+
+
+def _started_unlimited(held_value: bytes) -> bool:
+    """A held entry of a call started while nothing limited the model: "in out ms requests r i o"
+    (a reservation within limits: "in out ms")."""
+    return len(held_value.split()) == 7
 
 
 @dataclass(frozen=True)
@@ -209,7 +235,9 @@ class BudgetView:
     learned: dict[str, int]
     levels: dict[str, float]  # as last written (not refilled to now)
     at_ms: int
-    held: dict[str, int]  # input and output tokens reserved by calls in flight, and how many calls
+    # Input and output tokens reserved by calls in flight, and how many calls (a call started while nothing
+    # limited the model is in flight, with what it needs, until it settles).
+    held: dict[str, int]
     waiting: int
 
 

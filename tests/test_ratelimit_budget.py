@@ -94,10 +94,11 @@ def test_a_resent_reservation_takes_the_budget_once(r: Redis) -> None:
 
 
 def test_limits_and_remaining_are_learned_from_the_api_headers_with_no_configuration(r: Redis) -> None:
-    assert isinstance(take(r, "t", Need(10, 10)), ratelimit.Unlimited)  # nothing known: not limited, nothing held
+    first = take(r, "t", Need(10, 10))
+    assert isinstance(first, ratelimit.Unlimited)  # nothing known: not limited, no budget taken
     assert ratelimit.show(r) == []
     learned = Reported(limits={"requests": 50, "input": 10_000}, remaining={"requests": 1, "input": 9000})
-    settle(r, None, reported=learned)
+    assert settle(r, first, reported=learned)  # its reply teaches the limits; it is in flight no more
     assert isinstance(take(r, "u", Need(10, 10)), Reservation)
     assert isinstance(take(r, "v", Need(10, 10)), Wait)  # the API said one request was left
     (view,) = ratelimit.show(r)
@@ -111,19 +112,80 @@ def test_calls_started_before_the_limits_were_learned_count_against_what_the_fir
     first, second, third = (take(r, t, Need(10, 10)) for t in ("a", "b", "c"))
     assert all(isinstance(got, ratelimit.Unlimited) for got in (first, second, third))
     said = Reported(limits={"requests": 3}, remaining={"requests": 2})
-    assert not settle(r, first, reported=said)  # nothing was held for it
+    assert settle(r, first, reported=said)  # it was held as in flight, no budget taken
+    assert not settle(r, first, reported=said)  # ...and settles once
     assert isinstance(take(r, "d", Need(10, 10)), Wait)  # the API has 0 left, not 2
     # The last call started has none started after it: its remaining (0) is the level as it stands.
     settle(r, third, reported=Reported(limits={"requests": 3}, remaining={"requests": 0}))
     assert isinstance(take(r, "d", Need(10, 10)), Wait)
 
 
+def test_a_call_started_earlier_but_admitted_later_counts_against_an_earlier_reply(r: Redis) -> None:
+    # A and B go out while nothing limits the model, A first; the API admits B first. B's reply counts B
+    # only: A is in neither its remaining nor the calls started after B, yet the API will count it.
+    a, b = take(r, "a", Need(10, 10)), take(r, "b", Need(10, 10))
+    assert isinstance(a, ratelimit.Unlimited) and isinstance(b, ratelimit.Unlimited)
+    settle(r, b, reported=Reported(limits={"requests": 5}, remaining={"requests": 4}))
+    granted = [take(r, f"n{i}", Need(10, 10)) for i in range(5)]
+    assert sum(isinstance(got, Reservation) for got in granted) == 3  # 5 less B less A, still in flight
+
+
+def test_a_call_started_unlimited_that_never_settles_stops_counting_after_a_minute(r: Redis) -> None:
+    keys = LimitKeys.of(MODEL)
+    take(r, "dead", Need(10, 10))  # its worker dies: it never settles
+    time.sleep(0.3)
+    b = take(r, "b", Need(10, 10))
+    # A minute (of 0.2 s) after the dead call started, the API has admitted it if it ever will.
+    said = Reported(limits={"requests": 5}, remaining={"requests": 4})
+    assert settle(r, b, reported=said, minute=0.2)
+    assert float(r.hget(keys.budget, "level:requests")) == 4  # not 3: the dead call no longer counts
+    assert r.hlen(keys.held) == 0  # ...nor is it kept
+
+
+def test_a_dead_call_still_counted_when_the_limits_are_learned_is_dropped_a_minute_later(r: Redis) -> None:
+    keys = LimitKeys.of(MODEL)
+    take(r, "dead", Need(10, 10))  # its worker dies: it never settles
+    b = take(r, "b", Need(10, 10))
+    said = Reported(limits={"requests": 5}, remaining={"requests": 4})
+    assert settle(r, b, reported=said)
+    assert float(r.hget(keys.budget, "level:requests")) == 3  # it may still be admitted: it counts
+    assert r.hkeys(keys.held) == [b"res-dead"]
+    time.sleep(0.3)
+    # Within the limits now, no call started unlimited settles again: the next settle a minute (of
+    # 0.2 s) after the last of them started drops what is left of them.
+    got = take(r, "c", Need(10, 10), Limits(), minute=0.2)
+    assert isinstance(got, Reservation)
+    assert settle(r, got, minute=0.2)
+    assert r.hlen(keys.held) == 0 and not r.hexists(keys.budget, "started:at")
+    (view,) = ratelimit.show(r)
+    assert view.held == {"calls": 0, "input": 0, "output": 0}
+
+
+def test_a_resent_reservation_while_unlimited_counts_once(r: Redis) -> None:
+    got = take(r, "a", Need(10, 10), rid="same")
+    assert isinstance(got, ratelimit.Unlimited) and got.started == (1, 10, 10)
+    assert take(r, "a", Need(10, 10), rid="same") == got  # the first answer again, nothing counted twice
+    assert r.hget(LimitKeys.of(MODEL).budget, "started:requests") == b"1"
+    assert r.hlen(LimitKeys.of(MODEL).held) == 1
+    # Re-sent after the limits were learned, it is still the call that started unlimited.
+    settle(r, None, reported=Reported(limits={"requests": 5}))
+    assert take(r, "a", Need(10, 10), rid="same") == got
+
+
 def test_a_model_whose_replies_carry_no_rate_limit_headers_stops_counting_its_calls(r: Redis) -> None:
     got = take(r, "a", Need(10, 10))
     assert isinstance(got, ratelimit.Unlimited) and got.started == (1, 10, 10)
     ratelimit.mark_headerless(r, MODEL)
+    keys = LimitKeys.of(MODEL)
+    assert r.hlen(keys.held) == 0  # nothing will be learned: the calls started unlimited are not kept
+    r.config_resetstat()
     assert take(r, "b", Need(10, 10)) == ratelimit.Unlimited(None)
-    assert r.hget(LimitKeys.of(MODEL).budget, "started:requests") == b"1"  # nothing more counted
+    ran = {name.removeprefix("cmdstat_"): stat["calls"] for name, stat in r.info("commandstats").items()}
+    aside = ("config", "client", "hello", "info", "script", "evalsha")  # the test's and the connection's
+    assert {cmd: n for cmd, n in ran.items() if not cmd.startswith(aside)} == {"hgetall": 1}  # one read
+    assert r.hget(keys.budget, "started:requests") == b"1"  # nothing more counted
+    assert not settle(r, got)  # a call in flight then settles to nothing
+    assert r.hlen(keys.held) == 0
     # An operator's limit still holds for it.
     assert isinstance(take(r, "c", Need(10, 10), Limits(rpm=5)), Reservation)
 

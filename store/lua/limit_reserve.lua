@@ -6,18 +6,24 @@
 -- if the budget covers it after what every live ticket ahead of it needs, so waiting turns go in the
 -- order they started waiting however their retries interleave. A ticket lives until ARGV[10] past its
 -- expected wait; a turn that never comes back (cancelled, its run gone) stops holding its place then.
--- Idempotent per reservation id: a re-sent call (redis-py retry) finds its reservation and takes nothing.
--- KEYS[1] budget hash  KEYS[2] held hash (reservation id -> "in out")  KEYS[3] waiting zset
+-- Idempotent per reservation id: a re-sent call (redis-py retry) finds its entry in the held hash and
+-- takes nothing, counts nothing, and answers as the first did.
+-- KEYS[1] budget hash  KEYS[2] held hash (reservation id -> "in out ms", or for a call started while
+-- unlimited "in out ms requests r i o")  KEYS[3] waiting zset
 -- KEYS[4] needs hash (ticket -> "requests in out expires_ms")  KEYS[5] set of models with a budget
 -- ARGV[1] unused  ARGV[2] minute ms  ARGV[3] model  ARGV[4] ticket  ARGV[5] reservation id
 -- ARGV[6..8] needed requests, input tokens, output tokens  ARGV[9..11] operator limits rpm, itpm, otpm
 -- (0: none)  ARGV[12] ticket slack ms
 -- Returns {1, 0} granted, {0, wait_ms} wait (the ticket is in line), {2, 0} already granted,
--- {3, 0, r, i, o} nothing limits this model yet (no limit set or learned): nothing is held. r, i, o are
--- the requests and tokens started while unlimited, this call's included: when the first reply's headers
--- teach the limits, what was started after this call is not in the remaining they report (limit_settle).
+-- {3, 0, r, i, o} nothing limits this model yet (no limit set or learned): no budget is taken. r, i, o
+-- are the requests and tokens started while unlimited, this call's included (the budget's 'started:'
+-- counters; 'started:at' is when the last such call started). The call stays in the held hash, with
+-- its need and those counters, until it settles: when a reply's headers teach the limits,
+-- limit_settle takes off the remaining they report what was started after that call and what the
+-- calls started before it and still in flight need (the API may admit those after it).
 -- {3, 0} alone once a reply came back with no rate-limit headers at all (field 'headerless': a gateway,
--- a scripted model without limits): nothing will be learned, so nothing is counted.
+-- a scripted model without limits): nothing will be learned, so nothing is counted or held, and this
+-- script costs its one read.
 local dims = {'requests', 'input', 'output'}
 local need = {tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])}
 local state = redis.call('HGETALL', KEYS[1])
@@ -28,18 +34,33 @@ for i, d in ipairs(dims) do
   local set, learned = tonumber(ARGV[8 + i]), tonumber(h['learned:' .. d] or 0)
   if set > 0 and learned > 0 then limit[i] = math.min(set, learned) elseif set > 0 then limit[i] = set else limit[i] = learned end
 end
--- Nothing limits the model: no clock, no reservation (the common case of a model without limits costs
--- this script's one read, or one more count while the first replies may still teach limits).
-if limit[1] == 0 and limit[2] == 0 and limit[3] == 0 then
-  if h['headerless'] then return {3, 0} end
-  local started = {3, 0}
-  for i, d in ipairs(dims) do table.insert(started, redis.call('HINCRBY', KEYS[1], 'started:' .. d, need[i])) end
-  return started
+-- Nothing limits the model and nothing will be learned: the common case of a model without limits
+-- costs this script's one read.
+local unlimited = limit[1] == 0 and limit[2] == 0 and limit[3] == 0
+if unlimited and h['headerless'] then return {3, 0} end
+local mine = redis.call('HGET', KEYS[2], ARGV[5])
+if mine then
+  local r, i_, o = string.match(mine, '^%S+ %S+ %S+ %S+ (%S+) (%S+) (%S+)$')
+  if r then return {3, 0, tonumber(r), tonumber(i_), tonumber(o)} end
+  return {2, 0}
 end
-if redis.call('HEXISTS', KEYS[2], ARGV[5]) == 1 then return {2, 0} end
 -- Redis's clock, not the caller's: every worker's refill is measured on one clock.
 local t = redis.call('TIME')
 local now, minute = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), tonumber(ARGV[2])
+-- Nothing limits the model yet, but the first replies may teach limits: count what the call starts
+-- and hold it as in flight (no budget taken) until it settles.
+if unlimited then
+  local started, fields = {3, 0}, {'started:at', now}
+  for i, d in ipairs(dims) do
+    local n = tonumber(h['started:' .. d] or 0) + need[i]
+    table.insert(started, n)
+    table.insert(fields, 'started:' .. d); table.insert(fields, n)
+  end
+  redis.call('HSET', KEYS[1], unpack(fields))
+  redis.call('HSET', KEYS[2], ARGV[5], need[2] .. ' ' .. need[3] .. ' ' .. now .. ' ' .. need[1] .. ' '
+    .. started[3] .. ' ' .. started[4] .. ' ' .. started[5])
+  return started
+end
 local at = tonumber(h['at'] or now)
 local level = {}
 for i, d in ipairs(dims) do

@@ -11,10 +11,19 @@
 -- ARGV[12..14] remaining requests, input, output as reported (-1: not reported)  ARGV[15] model
 -- ARGV[16..18] for a call made while nothing limited the model: the requests and tokens started unlimited
 -- as its reservation counted them (limit_reserve); -1 otherwise. The remaining its headers report was
--- counted when the API admitted it; the calls started unlimited after it were not counted yet, and no
--- bucket here took them either, so they come off the remaining (the first calls of a pool that has not
--- learned its limits yet would otherwise be followed by calls the API refuses).
--- Returns 1 settled, 0 nothing held under that id (headers still learned).
+-- counted when the API admitted it, and no bucket here took the calls started unlimited, so two kinds
+-- come off that remaining (the first calls of a pool that has not learned its limits yet would
+-- otherwise be followed by calls the API refuses):
+--   the calls started after it: the API had not counted them yet;
+--   the calls started before it and still in flight (their entries in the held hash): the API admits
+--   calls in its own order, and may count them after this one. One it had counted already comes off
+--   twice, which only holds back what the buckets refill; missed, it would be a 429.
+-- An entry of a call started unlimited counts for a minute (ARGV[2]) after it started: its worker may
+-- have died, and by then the API has admitted it if it ever will, and refilled as much. Older ones are
+-- deleted here, and once the last call started unlimited ('started:at') is a minute old, the next
+-- settle deletes whatever is left of them and that field.
+-- Returns 1 settled (its entry in the held hash removed), 0 nothing held under that id (headers still
+-- learned).
 -- Redis's clock, not the caller's: every worker's refill is measured on one clock.
 local t = redis.call('TIME')
 local now, minute = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), tonumber(ARGV[2])
@@ -26,6 +35,24 @@ if settled == 0 then back = {0, 0, 0} end
 local state = redis.call('HGETALL', KEYS[1])
 local h = {}
 for i = 1, #state, 2 do h[state[i]] = state[i + 1] end
+local started_at = {tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18])}
+-- What the calls started unlimited before this one and still in flight need.
+local before = {0, 0, 0}
+local sweep = h['started:at'] and now - tonumber(h['started:at']) >= minute
+if started_at[1] >= 0 or sweep then
+  local held = redis.call('HGETALL', KEYS[2])
+  for i = 1, #held, 2 do
+    local in_, out, ms, req, seq = string.match(held[i + 1], '^(%S+) (%S+) (%S+) (%S+) (%S+) %S+ %S+$')
+    if not seq then
+      -- a reservation made within limits: its budget was taken already
+    elseif now - tonumber(ms) >= minute then
+      redis.call('HDEL', KEYS[2], held[i])
+    elseif tonumber(seq) < started_at[1] then
+      before[1], before[2], before[3] = before[1] + tonumber(req), before[2] + tonumber(in_), before[3] + tonumber(out)
+    end
+  end
+  if sweep then redis.call('HDEL', KEYS[1], 'started:at') end
+end
 local at = tonumber(h['at'] or now)
 local fields = {'at', now}
 for i, d in ipairs(dims) do
@@ -44,8 +71,9 @@ for i, d in ipairs(dims) do
     lv = math.min(l, lv + math.max(0, now - at) * l / minute)
     local remaining = tonumber(ARGV[11 + i])
     if remaining >= 0 then
-      local started_at = tonumber(ARGV[15 + i])
-      if started_at >= 0 then remaining = remaining - (tonumber(h['started:' .. d] or 0) - started_at) end
+      if started_at[i] >= 0 then
+        remaining = remaining - (tonumber(h['started:' .. d] or 0) - started_at[i]) - before[i]
+      end
       lv = math.min(lv, remaining)
     end
     lv = math.min(l, lv + back[i])

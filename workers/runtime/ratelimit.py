@@ -163,11 +163,16 @@ def limited_call(
         raise
     finally:
         learned = shard_reported(reported(headers), shards)
+        counted = isinstance(reservation, ratelimit.Unlimited) and bool(reservation.started)
+        headerless = answered and counted and not learned.limits
         try:
-            if answered and isinstance(reservation, ratelimit.Unlimited) and reservation.started and not learned.limits:
-                # A reply that carries no rate-limit headers: nothing will be learned, so stop counting.
+            if headerless:
+                # A reply that carries no rate-limit headers: nothing will be learned, so stop counting
+                # (this call leaves the held hash, with every other call started unlimited).
                 ratelimit.mark_headerless(turn.r, agent.model)
-            if isinstance(reservation, ratelimit.Reservation) or learned.limits or learned.remaining:
+            # A call started unlimited is held until it settles, headers or not.
+            held = isinstance(reservation, ratelimit.Reservation) or (counted and not headerless)
+            if held or learned.limits or learned.remaining:
                 ratelimit.settle(
                     turn.r,
                     agent.model,
