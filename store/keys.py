@@ -69,8 +69,10 @@ Per model's rate-limit budget (all keys of one budget share the hash tag ``{limi
                                     limit the API's anthropic-ratelimit-* headers reported),
                                     "started:<dim>" and "started:at" (the calls started while nothing
                                     limited the model: what they started, when the last one did),
-                                    "headerless" (its replies carry no rate-limit headers)
-    ap:{limits:<m>}:held    hash    reservation id -> "<input> <output> <ms>": calls in flight; a call
+                                    "headerless" (its replies carry no rate-limit headers), "swept"
+                                    (ms: when dead reservations were last dropped from the held hash)
+    ap:{limits:<m>}:held    hash    reservation id -> "<input> <output> <ms>": calls in flight (an hour
+                                    old: its worker died, dropped within 10 minutes); a call
                                     started while nothing limited the model (no budget taken): "<input>
                                     <output> <ms> <requests> <started:requests> <started:input>
                                     <started:output>" until it settles, a minute after it started at most

@@ -20,6 +20,11 @@ from agentpool.store.scripts import run_script
 DIMENSIONS = ("requests", "input", "output")
 FORM = "AGENTPOOL_RATE_LIMITS is '<model>=rpm:N,itpm:N,otpm:N;*=rpm:N' (model '*' for every other model)"
 TICKET_SLACK_MS = 30_000  # how long past its expected wait a ticket keeps its place in line
+# A reservation whose worker died never settles: after an hour it leaves the held hash, looked through
+# every 10 minutes. No call is in flight that long (AGENTPOOL_MODEL_CALL_TIMEOUT: 10 minutes); one that
+# were would only find nothing held when it settles, and give back nothing of its estimate.
+HELD_STALE_MS = 3_600_000
+HELD_SWEEP_EVERY_MS = 600_000
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,8 @@ def settle(
             *(int(reported.remaining.get(d, -1)) for d in DIMENSIONS),
             model,
             *started,
+            HELD_STALE_MS,
+            HELD_SWEEP_EVERY_MS,
         ],
     )
     return bool(code)

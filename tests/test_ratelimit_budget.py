@@ -161,6 +161,22 @@ def test_a_dead_call_still_counted_when_the_limits_are_learned_is_dropped_a_minu
     assert view.held == {"calls": 0, "input": 0, "output": 0}
 
 
+def test_a_reservation_within_limits_whose_worker_died_leaves_the_held_hash_after_an_hour(r: Redis) -> None:
+    keys = LimitKeys.of(MODEL)
+    rpm = Limits(rpm=100)
+    alive = take(r, "alive", Need(10, 10), rpm)
+    # A reservation made two hours ago by a worker that died before its call settled.
+    (seconds, micros) = r.time()
+    two_hours_ago = seconds * 1000 + micros // 1000 - 2 * 3_600_000
+    r.hset(keys.held, "res-dead", f"10 10 {two_hours_ago}")
+    done = take(r, "done", Need(10, 10), rpm)
+    assert settle(r, done, limits=rpm)
+    assert r.hkeys(keys.held) == [b"res-alive"], "the dead one is gone, the call in flight is kept"
+    (view,) = ratelimit.show(r)
+    assert view.held["calls"] == 1
+    assert settle(r, alive, limits=rpm)
+
+
 def test_a_resent_reservation_while_unlimited_counts_once(r: Redis) -> None:
     got = take(r, "a", Need(10, 10), rid="same")
     assert isinstance(got, ratelimit.Unlimited) and got.started == (1, 10, 10)

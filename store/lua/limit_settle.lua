@@ -22,6 +22,8 @@
 -- have died, and by then the API has admitted it if it ever will, and refilled as much. Older ones are
 -- deleted here, and once the last call started unlimited ('started:at') is a minute old, the next
 -- settle deletes whatever is left of them and that field.
+-- ARGV[19] how old a reservation made within limits must be to be dropped as dead (ms)  ARGV[20] how often
+-- the held hash is looked through for those (ms; the budget's 'swept' says when it last was)
 -- Returns 1 settled (its entry in the held hash removed), 0 nothing held under that id (headers still
 -- learned).
 -- Redis's clock, not the caller's: every worker's refill is measured on one clock.
@@ -55,6 +57,17 @@ if started_at[1] >= 0 or sweep then
 end
 local at = tonumber(h['at'] or now)
 local fields = {'at', now}
+-- A reservation made within limits whose worker died never settles either: every ARGV[20] ms, the ones
+-- older than ARGV[19] ms (far longer than a call stays in flight) leave the held hash. Their budget
+-- refilled long ago; left there, they would count as calls in flight (`agentpool limits`) for ever.
+if now - tonumber(h['swept'] or 0) >= tonumber(ARGV[20]) then
+  local held = redis.call('HGETALL', KEYS[2])
+  for i = 1, #held, 2 do
+    local ms = tonumber(string.match(held[i + 1], '^%S+ %S+ (%S+)$'))
+    if ms and now - ms >= tonumber(ARGV[19]) then redis.call('HDEL', KEYS[2], held[i]) end
+  end
+  table.insert(fields, 'swept'); table.insert(fields, now)
+end
 for i, d in ipairs(dims) do
   local learned = tonumber(ARGV[8 + i])
   if learned > 0 then
