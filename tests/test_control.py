@@ -27,6 +27,7 @@ from agentpool.client import resume_needs
 from agentpool.ops.dashboard import make_server
 from agentpool.runtime.jobs import turn_queue
 from agentpool.store.codec import pack
+from agentpool.store.events import read as read_events
 from agentpool.store.keys import RUNS, RunKeys
 from agentpool.store.records import SCHEMA_VERSION
 
@@ -75,6 +76,24 @@ def test_an_approval_survives_a_worker_restart_and_the_call_runs_once(r, pool, m
     assert done.status == "completed"
     assert _tool_result(done, "deploy")["content"] == "deployed 2.4.1"
     assert [e["tool"] for e in pool.effects()].count("deploy") == 1
+    assert_valid_conversation(done.messages)
+
+
+def test_a_read_asked_beside_a_call_that_waits_for_a_person_runs_once_after_the_decision(r, pool, model):
+    """A read in the same reply as a call that needs approval is not started before the wait: it runs
+    once, after the decision, as a first attempt (no reconciling, one tool_started)."""
+    both = [{"name": "read_notes", "input": {"topic": "release"}}, {"name": "deploy", "input": {"version": "3"}}]
+    model.set_scripts({"both": [{"tool_calls": both}, {"text": "done"}]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:guarded", script_task("both"), connection=r)
+    wait_for_status(r, run_id, "waiting_approval")
+    assert not r.exists(RunKeys.of(run_id).ledger), "no call started before the decision"
+    approve(run_id, connection=r)
+    done = wait_for_run(run_id, timeout=60, connection=r)
+    assert done.status == "completed"
+    assert [e["tool"] for e in pool.effects()] == ["read_notes", "deploy"]
+    kinds = [e["kind"] for _, e in read_events(r, run_id)]
+    assert "reconciling" not in kinds and kinds.count("tool_started") == 2, kinds
     assert_valid_conversation(done.messages)
 
 

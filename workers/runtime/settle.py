@@ -77,22 +77,22 @@ class Settlement:
     def start_reads(self, agent: Agent, pending: list[dict[str, Any]], turns: int) -> list[tuple[str, dict, Event]]:
         """The intents (tool_use id, record, ``tool_started`` event) of the calls in a reply that will run
         as soon as it is committed, for save point A to write with it (``checkpoint.commit_response``):
-        read tools only, with valid input and no person to ask. The tool_started event then precedes the
+        read tools only, with valid input, and only when no call of the reply can make the turn wait (a
+        person's decision, a sub-agent) before it runs them. The tool_started event then precedes the
         call by the commit's round trip, and a worker dying before the tool runs leaves an intent with no
         outcome, which for a read means "run it again" (``reconcile.plan``). Not for other effects:
         their intents must say when the call really started (``running_until``), and the durability
         guard waits for them before the call (``execute``). ``turns``: the run's turns once A landed."""
-        intents = []
+        intents: list[tuple[str, dict, Event]] = []
+        if any(
+            agent.subagent_named(c["name"]) or getattr(agent.tool_named(c["name"]), "requires_approval", False)
+            for c in pending
+        ):
+            return intents  # the turn may wait (a person, a child run) before any call runs: none starts now
         now = now_ms() / 1000
         for call in pending:
             tool = agent.tool_named(call["name"])
-            if (
-                tool is None
-                or tool.effect != "read"
-                or tool.requires_approval
-                or "not_run" in call
-                or agent.subagent_named(call["name"])
-            ):
+            if tool is None or tool.effect != "read" or "not_run" in call:
                 continue
             try:
                 kwargs = tool.validate(call["input"])
