@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 from redis import Redis
 
+from agentpool.runtime.settings import connect
 from agentpool.testing import assert_valid_conversation  # noqa: F401 - the tests import it from here
 from agentpool.testing.localpool import RedisNotInstalled, RedisServer, WorkerProcesses
 from agentpool.testing.scripted_model import ScriptedModel
@@ -90,10 +92,27 @@ class Pool(WorkerProcesses):
             "AGENTPOOL_MODEL_TIMEOUT": "30",  # a hung call must not hide behind the heartbeat for 10 minutes
         }
         super().__init__(env, tmp, cwd=str(TESTS))
+        self._clients: list[Redis] = []
 
     @property
     def workers(self) -> list[subprocess.Popen[bytes]]:
         return self.procs
+
+    def client(self, plain: bool = False) -> Redis:
+        """A client of the pool's Redis as an app has one (agentpool's ``connect``, which retries; ``plain``:
+        redis-py's own), closed when the pool stops: a client left to the garbage collector after its
+        server died or its endpoint moved can leave a socket it never closed (a ResourceWarning, an error
+        here, in whichever test the collector happens to run)."""
+        url = self.env["REDIS_URL"]
+        made = Redis.from_url(url) if plain else connect(url)
+        self._clients.append(made)
+        return made
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:  # type: ignore[override]
+        super().stop(sig)
+        for made in self._clients:
+            made.close()
+        self._clients.clear()
 
     def start(self, n: int = 1, **env: str) -> list[subprocess.Popen[bytes]]:  # type: ignore[override]
         return super().start(n, "--log-level", "INFO", **env)

@@ -92,7 +92,7 @@ def test_with_two_replicas_runs_complete_when_the_primary_is_killed_and_never_co
 def _kill_under_load(replicated, ha_pool, model, *, restart: bool) -> None:
     model.set_scripts({"effects": EFFECTS})
     ha_pool.start(3)
-    r = connect(replicated.url)
+    r = ha_pool.client()
     run_ids = [enqueue_run("pool_agents:support", script_task("effects", f"task {i}"), connection=r) for i in range(20)]
     deadline = time.monotonic() + 60
     while len(ha_pool.effects()) < 15:  # mid-load: some runs past their first effects, most not
@@ -124,7 +124,7 @@ SLOW_EFFECTS = [{**step, "delay": 0.2} if "delay" in step else step for step in 
 def _cut_then_kill(replicated, ha_pool, model, *, restart: bool) -> None:
     model.set_scripts({"effects": SLOW_EFFECTS})
     ha_pool.start(3)
-    r = connect(replicated.url)
+    r = ha_pool.client()
     run_ids = [enqueue_run("pool_agents:support", script_task("effects", f"task {i}"), connection=r) for i in range(15)]
     deadline = time.monotonic() + 60
     while len(ha_pool.effects()) < 3:
@@ -150,7 +150,7 @@ def test_runs_a_failover_left_without_a_replica_wait_visibly_and_go_on_once_one_
 
     model.set_scripts({"effects": EFFECTS})
     ha_pool.start(2, AGENTPOOL_REPLICA_ACK_TIMEOUT="0.3")
-    r = connect(replicated.url)
+    r = ha_pool.client()
     run_ids = [enqueue_run("pool_agents:support", script_task("effects", f"task {i}"), connection=r) for i in range(3)]
     deadline = time.monotonic() + 60
     while len(ha_pool.effects()) < 2:
@@ -203,7 +203,7 @@ def test_runs_a_failover_left_without_a_replica_wait_visibly_and_go_on_once_one_
 def test_the_cli_and_rq_info_reach_redis_through_sentinel(replicated, ha_pool, model):
     model.set_scripts({})
     ha_pool.start(1)
-    r = connect(replicated.url)
+    r = ha_pool.client()
     run_id = enqueue_run("pool_agents:support", "hello", connection=r)
     assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
     env = {**ha_pool.env}

@@ -58,7 +58,7 @@ def test_a_guard_resent_to_the_promoted_replica_does_not_let_an_unsafe_tool_run_
     the primary dies with the guard in flight and the endpoint re-points at the promoted replica,
     whose own replica acknowledges at once. The guard must not pass there: the email is sent once."""
     model.set_scripts({"mail": [{"tool_calls": [EMAIL]}, {"text": "Sent."}]})
-    r = Redis.from_url(chain.url)
+    r = chain_pool.client(plain=True)
     run_id = enqueue_run("pool_agents:support", script_task("mail"), connection=r)
     _on_the_replica(chain, RunKeys.of(run_id).run)
     chain.replica_link.partition()
@@ -83,7 +83,7 @@ def test_a_tool_result_never_lands_on_a_primary_that_lost_save_point_a(chain, ch
     not have, and the next call a 400); the turn is redone from what the new primary has."""
     read = {"name": "slow_read", "input": {"seconds": 2}}
     model.set_scripts({"read": [{"tool_calls": [read]}, {"text": "Read it."}]})
-    r = Redis.from_url(chain.url)
+    r = chain_pool.client(plain=True)
     run_id = enqueue_run("pool_agents:support", script_task("read"), connection=r)
     chain.endpoint.hold_next(resp_command("EVALSHA", _sha("commit_response")))
     chain_pool.start(1)
