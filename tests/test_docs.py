@@ -73,8 +73,18 @@ def test_the_checker_sees_a_broken_link_and_a_broken_anchor(tmp_path):
     )
 
 
-def test_ci_reads_the_test_command_from_the_readme():
-    """.ci/run takes the second line after the test-command marker (awk) and runs it verbatim."""
-    awk = (ROOT / ".ci" / "run").read_text().split("test_command=$(awk '", 1)[1].split("'", 1)[0]
-    line = subprocess.run(["awk", awk, "README.md"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert line.strip() == "pip install -e '.[test]' && python -m pytest"
+def test_ci_reads_the_test_commands_from_the_readme():
+    """.ci/run takes the second line after each of the two markers (awk) and runs it verbatim: the test
+    command, then the kill tests'; between them they select every test."""
+    script = (ROOT / ".ci" / "run").read_text()
+    awk = script.split('command=$(awk "', 1)[1].split('"', 1)[0]
+    assert "for marker in test-command kill-test-command" in script
+    lines = []
+    for marker in ("test-command", "kill-test-command"):
+        program = awk.replace("$marker", marker)
+        done = subprocess.run(["awk", program, "README.md"], cwd=ROOT, capture_output=True, text=True, check=True)
+        lines.append(done.stdout.strip())
+    assert lines == [
+        "pip install -e '.[test]' && python -m pytest -m \"not crash and not chaos and not failover\"",
+        'python -m pytest -m "crash or chaos or failover"',
+    ]
