@@ -502,8 +502,8 @@ class Turn:
                     seconds=round(time.monotonic() - self.started, 4),
                 ),
             )
-        if ending_of(self.job) is not None:
-            mark_ended(self.job)  # type: ignore[arg-type]
+        if self.job is not None and ending_of(self.job) is not None:
+            mark_ended(self.job)
         fault("after_save_b", self.run_id, self.turn)
         return "committed"
 

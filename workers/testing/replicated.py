@@ -113,9 +113,23 @@ class ReplicatedRedis:
 
     def cut_replication(self) -> None:
         """Cut every replica off the primary (their links partitioned: silence, as across a cut network).
-        A sentinel "fixes" a replica that replicates from an address other than the primary's, so soon
-        after start each replica follows the primary directly, not through its link: it is pointed back
-        at its link here, and the sentinel leaves it so for at least one INFO period (10 s)."""
+        A sentinel "fixes" a replica that replicates from an address other than the primary's: about 10 s
+        after start (its first INFO period) each replica follows the primary directly, not through its
+        link. That fix is waited for first, or it could land just after the cut and undo it (a test whose
+        workers took long to start, on a loaded machine, cut replication at that very moment). Then each
+        replica is pointed back at its link, and the sentinel leaves it so for at least one more INFO
+        period (it notices the change at one, and fixes it no sooner than the next)."""
+        primary = self.primary_port()
+        deadline = time.monotonic() + 30
+        for replica in self.replicas:
+            client = Redis(port=replica.port)
+            try:
+                while int(client.info("replication").get("master_port", 0)) != primary:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the sentinel never pointed the replica on {replica.port} at {primary}")
+                    time.sleep(0.05)
+            finally:
+                client.close()
         for link, replica in zip(self.replica_links, self.replicas):
             link.partition()
             client = Redis(port=replica.port)

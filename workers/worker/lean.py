@@ -14,10 +14,10 @@ here do instead:
   (``execution_tag``): the supervisor finds a dead threaded worker's turns in the started registries by
   it, so RQ's per-worker execution index is not written twice a turn;
 - end: the job hash and its registry entry are deleted, by the turn's save point B itself when it
-  makes one (``note_execution``: no round trip of its own), else in one round trip as the job ends. Its result is not kept (a
-  turn's job returns a one-word summary; the run's checkpoint is the truth), so ``rq info`` counts no
-  turn job as ``finished``; the worker's ``successful_job_count`` and ``total_working_time`` are added
-  with its next heartbeat (every few seconds);
+  makes one (``note_execution``: no round trip of its own), else in one round trip as the job ends.
+  Its result is not kept (a turn's job returns a one-word summary; the run's checkpoint is the
+  truth), so ``rq info`` counts no turn job as ``finished``; the worker's ``successful_job_count`` and
+  ``total_working_time`` are added with its next heartbeat (every few seconds);
 - nothing else per job: the worker's heartbeat and the ``rq suspend`` check are sent at most every
   ``HEARTBEAT_EVERY`` / ``SUSPENSION_EVERY`` seconds, not around every dequeue, and its state only when it
   changes (``idle`` once a dequeue found nothing: a worker going from one turn to the next stays ``busy``). The heartbeat also keeps the worker's queues in RQ's set of queues (what ``rq info`` lists),
@@ -50,6 +50,7 @@ from rq.worker import WorkerStatus
 
 from agentpool.runtime.jobs import ended_by_turn, keep_queues_registered, note_execution
 from agentpool.runtime.takeover import is_turn_job
+from agentpool.store.staged_job import EndedJob
 
 HEARTBEAT_EVERY = 5.0  # seconds between the worker's own heartbeats (RQ's worker TTL is 420 s)
 SUSPENSION_EVERY = 1.0  # seconds between looks at `rq suspend`'s flag
@@ -188,8 +189,7 @@ class LeanTurnJobs:
             return
         if not ended_by_turn(job):  # a turn that ended without save point B (the run ended, or waits)
             with self.connection.pipeline(transaction=False) as pipe:
-                pipe.delete(job.key)
-                pipe.zrem(started_job_registry.key, execution.composite_key)
+                EndedJob(job.key, started_job_registry.key, execution.composite_key).stage(pipe)
                 pipe.execute()
         self.executions.pop(execution.id, None)
         took = (job.ended_at or now()) - (job.started_at or now())
