@@ -74,7 +74,7 @@ class Settlement:
         # validated then. Their tools run with no intent write of their own.
         self.started: dict[str, dict[str, Any]] = {}
 
-    def start_reads(self, agent: Agent, pending: list[dict[str, Any]], turns: int) -> list[tuple[str, dict, Event]]:
+    def start_reads(self, agent: Agent, pending: list[dict[str, Any]]) -> list[tuple[str, dict, Event]]:
         """The intents (tool_use id, record, ``tool_started`` event) of the calls in a reply that will run
         as soon as it is committed, for save point A to write with it (``checkpoint.commit_response``):
         read tools only, with valid input, and only when no call of the reply can make the turn wait (a
@@ -82,7 +82,7 @@ class Settlement:
         call by the commit's round trip, and a worker dying before the tool runs leaves an intent with no
         outcome, which for a read means "run it again" (``reconcile.plan``). Not for other effects:
         their intents must say when the call really started (``running_until``), and the durability
-        guard waits for them before the call (``execute``). ``turns``: the run's turns once A landed."""
+        guard waits for them before the call (``execute``)."""
         intents: list[tuple[str, dict, Event]] = []
         if any(
             agent.subagent_named(c["name"]) or getattr(agent.tool_named(c["name"]), "requires_approval", False)
@@ -103,7 +103,6 @@ class Settlement:
             )
             intents.append((call["id"], record, self.tool_event(tool, call, "tool_started", attempt=1)))
             self.started[call["id"]] = kwargs
-        self.at = (turns, "tools")
         return intents
 
     def settle(

@@ -397,7 +397,7 @@ class Turn:
         # is refused (agentpool.conversation), as for a run a limit stopped.
         held_to = Limits.of(agent, state.limits).limit_fields() if final == "completed" else {}
         # The read calls that run as soon as the reply is committed get their intents in that very write.
-        started = self.tools.start_reads(agent, pending, turns=state.turns + 1) if pending and not final else []
+        started = self.tools.start_reads(agent, pending) if pending and not final else []
 
         def commit(final: str) -> None:
             if (
