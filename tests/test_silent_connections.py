@@ -91,7 +91,9 @@ def test_connections_gone_silent_cost_a_socket_timeout_and_every_run_completes(
             deadline = time.monotonic() + 3 * HEARTBEAT_EVERY
             after = _successful_jobs(r)
             while not (len(after) == 2 and all(after[n] > before.get(n, 0) for n in after)):
-                assert time.monotonic() < deadline, (before, after)
+                if time.monotonic() > deadline:
+                    pool.dump_stacks()  # where the idle worker waits, into its log
+                    raise AssertionError((before, after, pool.logs(12000)))
                 time.sleep(0.2)
                 after = _successful_jobs(r)
         finally:

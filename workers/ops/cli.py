@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from importlib import import_module
@@ -161,6 +163,9 @@ def worker(
     # A bad AGENTPOOL_* setting (a rate limit, a timeout, a webhook URL) or a pool default webhook without
     # its signing secret says so in one line, now.
     Settings.from_env().check_worker()
+    # `kill -USR2 <pid>` writes every thread's stack to this process's stderr (inherited by the processes
+    # it forks): where a worker that takes no turns is waiting, without stopping it.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     try:
         rq_queues = [rq_queue_name(check_queue(q)) for q in dict.fromkeys(queues or (DEFAULT_QUEUE,))]
     except ValueError as exc:

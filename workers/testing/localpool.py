@@ -176,6 +176,17 @@ class WorkerProcesses:
             log.close()
         self._logs.clear()
 
+    def dump_stacks(self, settle: float = 1.0) -> None:
+        """Every worker process (and its forked child: a work horse, a supervised threaded worker) writes
+        its threads' stacks to its log (``agentpool worker`` registers SIGUSR2 for that)."""
+        for proc in self.alive():
+            for pid in [proc.pid, *children_of(proc.pid)]:
+                try:
+                    os.kill(pid, signal.SIGUSR2)
+                except ProcessLookupError:
+                    pass
+        time.sleep(settle)
+
     def logs(self, tail: int = 4000) -> str:
         return "\n".join(p.read_text(errors="replace")[-tail:] for p in sorted(self.logdir.glob("worker-*.log")))
 
