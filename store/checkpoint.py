@@ -229,6 +229,7 @@ def commit_response(
     late: tuple[str, bytes] | None = None,
     pool_webhook: str = "",
     intents: Sequence[tuple[str, Mapping[str, Any], Event]] = (),
+    clear_handback: bool = True,
 ) -> int:
     """Save point A: count the call's ``usage`` and cost with the ``responded`` event, then commit
     its response with the ``event`` that reports it. The spend counts even when the response can no
@@ -254,6 +255,9 @@ def commit_response(
     ``intents`` are ledger intents (tool_use id, record, its ``tool_started`` event) of read tools this
     worker runs right after: written with the pending they answer, they cost the tools no write of
     their own before they run (``agentpool.runtime.settle``, ``start_reads``).
+
+    ``clear_handback``: delete the run's hand-back record (``store.handback``); False when the caller
+    knows there is none (a turn that no re-enqueue brought: save point B deleted the last one).
 
     Returns 2 when the run ended here and was the last open child of its parent (which is now due to
     be woken), 1 otherwise."""
@@ -297,6 +301,7 @@ def commit_response(
             pack_message(closing) if closing else "",
             len(parent),
             *(late or ("", "")),
+            "1" if clear_handback else "",
             *script_args(responded, event),
             len(intents),
             *(x for tool_use_id, record, _ in intents for x in (tool_use_id, pack(record))),

@@ -51,6 +51,9 @@ Global::
                                     turn deferred after a model error; not an RQ job until due, when
                                     the reaper moves it onto the queue as job ``<run>-t<turn>-r<n>``
     ap:reaper:lock          string  held by the one worker that scans this second
+    ap:watching             string  present while somebody watches any run live (every watcher renews
+                                    it with the run's own ``watchers``): while it is absent a turn
+                                    does not look at its run's (store/live.py)
     ap:durability:probe     string  a counter the durability guard increments before WAIT, so that
                                     WAIT has a write of its own connection to wait for
     ap:stats                hash    pool-wide counters behind /metrics (see store/stats.py); a worker
@@ -111,6 +114,7 @@ RUNS = f"{PREFIX}:runs"
 RUNS_WATCH = f"{PREFIX}:runs:watch"
 RUNS_SWEEP = f"{PREFIX}:runs:sweep"
 REAPER_LOCK = f"{PREFIX}:reaper:lock"
+ANYONE_WATCHING = f"{PREFIX}:watching"
 TURNS_DEFERRED = f"{PREFIX}:turns:deferred"
 DURABILITY_PROBE = f"{PREFIX}:durability:probe"
 STATS = f"{PREFIX}:stats"

@@ -1,10 +1,13 @@
 """Live output: the model call in flight, as it streams, for whoever watches the run.
 
 Nothing here touches the checkpoint. A watcher (``agentpool watch``, ``agentpool.watch()``, the
-dashboard) keeps ``…:watchers`` alive while it watches; a worker whose turn streams writes to the run's
-``…:live`` stream only while that key exists (it looks when the call starts, in the round trip that
-loads the run, and again about once a second), so a run nobody watches costs nothing at all. A watcher
-that arrives mid-call is caught up: the worker's first write then carries the call's text so far.
+dashboard) keeps ``…:watchers`` alive while it watches, and the pool-wide ``ap:watching`` with it; a
+worker whose turn streams writes to the run's ``…:live`` stream only while that key exists (it looks
+when the call starts, in the round trip that loads the run, and again about once a second), so a run
+nobody watches costs nothing at all. While nobody watched any run at all a moment ago (``NOBODY_FOR``),
+a worker process skips the first look too (``WatchLookup``): a turn then costs Redis no command for
+it. A watcher that arrives mid-call is caught up: the worker's first write then carries the call's text
+so far.
 
 Entries (stream fields, all strings): ``kind`` (``call_start``, ``block_start``, ``text_delta``,
 ``thinking_delta``, ``input_json_delta``, ``call_end``), ``turn``, ``call`` (one id per model call),
@@ -17,6 +20,7 @@ its last write; a new call starts it afresh.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +28,7 @@ from redis import Redis
 from redis.client import Pipeline
 
 from agentpool.store import crypto
-from agentpool.store.keys import RunKeys
+from agentpool.store.keys import ANYONE_WATCHING, RunKeys
 
 LIVE_MAXLEN = 512
 LIVE_TTL_MS = 120_000
@@ -32,12 +36,42 @@ CHUNK_CHARS = 2048
 WATCH_TTL_MS = 10_000  # a watcher renews its presence well within this
 
 
-def mark_watching(r: Redis | Pipeline, keys: RunKeys, ttl_ms: int = WATCH_TTL_MS) -> None:
-    r.set(keys.watchers, b"1", px=ttl_ms)
+# Seconds a worker process trusts "no run is watched" (``ap:watching`` absent) before it looks again:
+# the model call's own looks (every second, agentpool.runtime.stream) find a watcher who arrives meanwhile.
+NOBODY_FOR = 1.0
+_nobody_until: dict[int, float] = {}  # per connection pool (a shard): monotonic time the answer holds until
 
 
-def stage_watched(pipe: Pipeline, keys: RunKeys) -> None:
-    pipe.exists(keys.watchers)
+def mark_watching(r: Redis, keys: RunKeys, ttl_ms: int = WATCH_TTL_MS) -> None:
+    with r.pipeline(transaction=False) as pipe:
+        pipe.set(keys.watchers, b"1", px=ttl_ms)
+        pipe.set(ANYONE_WATCHING, b"1", px=ttl_ms)  # set after the run's: it never expires first
+        pipe.execute()
+
+
+class WatchLookup:
+    """Whether a turn's run is watched, read in the round trip that loads it: one ``EXISTS`` of
+    ``ap:watching`` and the run's ``watchers`` (2: watched), and none at all while this process found no
+    run watched less than ``NOBODY_FOR`` ago."""
+
+    def __init__(self, r: Redis) -> None:
+        self._pool = id(r.connection_pool)
+        self._staged = False
+
+    def stage(self, pipe: Pipeline, keys: RunKeys) -> None:
+        if time.monotonic() < _nobody_until.get(self._pool, 0.0):
+            return
+        pipe.exists(ANYONE_WATCHING, keys.watchers)
+        self._staged = True
+
+    def watched(self, replies: list[Any]) -> bool:
+        """From the replies that followed the run's (none if nothing was staged)."""
+        if not self._staged:
+            return False
+        found = int(replies[0])
+        if found == 0:
+            _nobody_until[self._pool] = time.monotonic() + NOBODY_FOR
+        return found == 2
 
 
 def is_watched(r: Redis, keys: RunKeys) -> bool:

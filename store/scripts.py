@@ -1,7 +1,7 @@
 """The Lua scripts in ``store/lua``, loaded once and called by name (EVALSHA, EVAL on a cache miss).
 
 A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended, one that calls
-``remember``/``replayed`` gets ``store/lua/_once.lua``, one that calls ``add_spend`` gets
+``remember``/``replayed`` gets ``store/lua/_once.lua``, one that calls ``add_spend`` or ``spend_fields`` gets
 ``store/lua/_spend.lua``, one that calls ``join_parent`` gets ``store/lua/_join.lua``, one that calls
 ``roll_up_spend`` or ``tree_exhausted`` gets ``store/lua/_tree.lua``, one that calls
 ``take_webhook`` gets ``store/lua/_webhook.lua``: Redis has no includes.
@@ -31,6 +31,7 @@ _HELPERS = (
     ("_once", "replayed_in("),
     ("_once", "ring_with("),
     ("_spend", "add_spend("),
+    ("_spend", "spend_fields("),
     ("_join", "join_parent("),
     ("_tree", "roll_up_spend("),
     ("_tree", "tree_exhausted("),

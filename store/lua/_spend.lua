@@ -6,7 +6,9 @@
 --                               SPEND_FIELDS' order (nil: read here, one HMGET).
 local SPEND_FIELDS = {'input_tokens', 'output_tokens', 'cache_read_input_tokens', 'cache_creation_input_tokens',
   'cost_usd'}
-local function add_spend(header, first, current)
+--   spend_fields(header, first, current) -> the same as field/value pairs, written by nothing: for a
+--                               caller that writes them with an HSET of its own (one command less).
+local function spend_fields(header, first, current)
   local fields = {}
   for i, field in ipairs(SPEND_FIELDS) do
     local add = tonumber(ARGV[first + i - 1])
@@ -18,5 +20,9 @@ local function add_spend(header, first, current)
       table.insert(fields, i < 5 and string.format('%d', total) or string.format('%.17g', total))
     end
   end
+  return fields
+end
+local function add_spend(header, first, current)
+  local fields = spend_fields(header, first, current)
   if #fields > 0 then redis.call('HSET', header, unpack(fields)) end
 end

@@ -3,7 +3,7 @@
 -- even if the response can no longer be committed (the run was cancelled meanwhile, or this worker
 -- was fenced out: a zombie's call is paid for too). Then counts the turn, appends the assistant
 -- message, records its tool_use blocks as pending, clears a hand-back record (this worker could do
--- the turn), and stamps the header with the current schema version (an older header was migrated in
+-- the turn; a record can only be there if a re-enqueue brought the turn), and stamps the header with the current schema version (an older header was migrated in
 -- memory when it was loaded). With a final status (the model asked for no tool, or the reply ends
 -- the run: a refusal, or a full context window that stops it...), ends the run in the same step and
 -- drops the lease; a closing message then answers the reply's tool_uses (not run), so the
@@ -22,7 +22,8 @@
 -- ARGV[18] closing message blob or ''  ARGV[19] tree keys given (0 for a run without a parent)
 -- ARGV[20] id and ARGV[21] content blob of the child's answer for its parent, given when the reply
 -- completes a child run ('' otherwise): queued in the parent's inbox if the parent's join had ended
--- before (see _join.lua)  ARGV[22..] two events (see _event.lua): the model_responded one, then the one
+-- before (see _join.lua)  ARGV[22] '1' to delete the hand-back record ('' when the caller knows there is
+-- none: a turn no re-enqueue brought, after the save point B that deleted the last)  ARGV[23..] two events (see _event.lua): the model_responded one, then the one
 -- reporting the commit; then n, n pairs of a ledger field (a tool_use id) and its intent blob, and n
 -- events (their tool_started): the intents of read tools the worker runs right after this commit, so
 -- that they need no fenced write of their own (written only when the reply is committed as a turn
@@ -39,11 +40,17 @@ if seen then return tonumber(seen) end
 if not h[1] then return -4 end
 if ARGV[7] == 'completed' and redis.call('LLEN', KEYS[10]) > 0 then return -5 end
 local parent_keys = tonumber(ARGV[19])
-add_spend(KEYS[1], 12, {h[5], h[6], h[7], h[8], h[9]})
-if parent_keys > 0 then roll_up_spend(KEYS[1], ancestor_headers(#KEYS - parent_keys + 1, 5), 12) end
-local committed_event = record_event(KEYS[6], KEYS[5], 22)
+-- The spend rides in whichever HSET of the header comes next (a refusal's, or the turn's), the same
+-- script either way; a child run writes it at once, for its join with its parent reads it.
+local spend = spend_fields(KEYS[1], 12, {h[5], h[6], h[7], h[8], h[9]})
+if parent_keys > 0 then
+  if #spend > 0 then redis.call('HSET', KEYS[1], unpack(spend)) end
+  spend = {}
+  roll_up_spend(KEYS[1], ancestor_headers(#KEYS - parent_keys + 1, 5), 12)
+end
+local committed_event = record_event(KEYS[6], KEYS[5], 23)
 local function refused(code)
-  redis.call('HSET', KEYS[1], 'writes', ring_with(h[4], ARGV[17], code))
+  redis.call('HSET', KEYS[1], 'writes', ring_with(h[4], ARGV[17], code), unpack(spend))
   return code
 end
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return refused(-1) end
@@ -59,8 +66,8 @@ if ARGV[7] ~= '' and parent_keys > 0 then
 end
 -- One HSET: the turn counted, the reply's tool_uses pending, the schema stamped, this write's id kept.
 redis.call('HSET', KEYS[1], 'turns', tonumber(h[2]) + 1, 'phase', 'tools', 'pending', ARGV[4], 'model_errors', 0,
-  'updated_at', ARGV[5], 'v', ARGV[10], 'writes', ring_with(h[4], ARGV[17], joined))
-redis.call('DEL', KEYS[7])
+  'updated_at', ARGV[5], 'v', ARGV[10], 'writes', ring_with(h[4], ARGV[17], joined), unpack(spend))
+if ARGV[22] == '1' then redis.call('DEL', KEYS[7]) end
 local after = record_event(KEYS[6], KEYS[5], committed_event)  -- before the retention's EXPIRE, which it must not outlive
 local intents = tonumber(ARGV[after]) or 0
 if intents > 0 then

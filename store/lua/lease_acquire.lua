@@ -28,8 +28,6 @@ local current = tonumber(h[3])
 if not current then return {-5, 'turns'} end
 if h[4] == 'tools' then current = current - 1 end
 if current ~= tonumber(ARGV[5]) then return {-2, tostring(current)} end
-local holder = redis.call('GET', KEYS[2])
-if holder then return {0, holder} end
 -- The fence is never lower than this server's clock in ms: a failover can lose the writes that handed
 -- out the last fences, and counting on from what the promoted replica has would hand one out again
 -- (the same "<fence>:<worker>" token to a worker that took the same run twice). The new primary's
@@ -39,7 +37,9 @@ local clock = redis.call('TIME')
 local now_fence = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local fence = math.max((tonumber(h[6]) or 0) + 1, now_fence)
 local token = fence .. ':' .. ARGV[1]
-redis.call('SET', KEYS[2], token, 'PX', ARGV[2])
+-- NX: the lease is taken only if nobody holds it (one command where a GET and a SET would be two; the
+-- holder is read only in the rare case that it is held).
+if not redis.call('SET', KEYS[2], token, 'NX', 'PX', ARGV[2]) then return {0, redis.call('GET', KEYS[2]) or ''} end
 redis.call('HSET', KEYS[1], 'fence', fence, 'status', 'running', 'updated_at', ARGV[3], 'acq', ARGV[7])
 redis.call('ZADD', KEYS[3], tonumber(ARGV[3]) + tonumber(ARGV[2]), ARGV[4])
 if h[4] == 'tools' or ARGV[8] == '0' then return {1, token, 0} end

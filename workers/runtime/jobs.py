@@ -14,6 +14,7 @@ holder would stall every deferred turn of the pool.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import TYPE_CHECKING
 
@@ -88,6 +89,20 @@ def job_id(run_id: str, turn: int, attempt: int = 0) -> str:
     """``attempt`` is the run's re-enqueue number (its header's ``requeues``), 0 for save point B's job."""
     base = f"{run_id}-t{turn:04d}"
     return f"{base}-r{attempt}" if attempt else base
+
+
+# What job_id makes: a guess at a turn job from its id alone (its function tells for sure).
+TURN_JOB_ID = re.compile(r".+-t\d{4,}(-r\d+)?")
+
+
+def requeued(job: Job | None) -> bool:
+    """Whether ``job`` re-enqueued its turn (a takeover, a hand-back's retry, a resume...: every re-enqueue
+    has a ``-r<n>`` id) rather than being the run's first job or the one its last save point B staged.
+    Only a re-enqueued turn can follow a hand-back; None (a turn run outside RQ) counts as one."""
+    if job is None:
+        return True
+    matched = TURN_JOB_ID.fullmatch(job.id)
+    return matched is None or matched.group(1) is not None
 
 
 def deferred_member(run_id: str, turn: int, attempt: int) -> str:

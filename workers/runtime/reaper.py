@@ -200,11 +200,13 @@ def _job_state(r: Redis, run_id: str, job_id: str) -> str:
     if status == JobStatus.QUEUED.value:
         queue = turn_queue(r, queue_of(r, run_id))
         if queue.get_job_position(job_id) is None:
-            if r.lpos(queue.intermediate_queue_key, job_id) is None:
-                return "lost from the queue"
-            # Dequeued: claimed (its execution prepared; a dead claimer's turn is taken over like a started
-            # one's), or not yet, and then a worker claims it at once or _give_back_stranded returns it.
-            return "started" if job_id in queue.started_job_registry else "waiting"
+            # Dequeued and claimed: its execution is in the started registry (a threaded worker leaves the
+            # job hash `queued`, agentpool.worker.lean; a dead claimer's turn is taken over like any
+            # started one's). Dequeued and not claimed yet: still in the intermediate queue, and a worker
+            # claims it at once or _give_back_stranded returns it.
+            if job_id in queue.started_job_registry:
+                return "started"
+            return "waiting" if r.lpos(queue.intermediate_queue_key, job_id) is not None else "lost from the queue"
     return "waiting" if status in WAITING else status
 
 

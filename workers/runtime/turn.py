@@ -42,7 +42,15 @@ from agentpool.runtime.answers import FINISHED_STOPS
 from agentpool.runtime.answers import trailing_text as _trailing_text
 from agentpool.runtime.faults import fault
 from agentpool.runtime.heartbeat import keep_alive
-from agentpool.runtime.jobs import deferred_member, ending_of, mark_ended, remember_queue, stage_turn, turn_job
+from agentpool.runtime.jobs import (
+    deferred_member,
+    ending_of,
+    mark_ended,
+    remember_queue,
+    requeued,
+    stage_turn,
+    turn_job,
+)
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.loader import AgentNotFound, load_agent
 from agentpool.runtime.model import ContextTooLong, ModelQuotaExhausted, ModelRejected, ModelReply, ModelUnavailable
@@ -117,6 +125,7 @@ def run_turn(run_id: str, turn: int) -> str:
     settings = Settings.from_env()
     keys = RunKeys.of(run_id)
     window_from = _window_from(job)
+    watch = live.WatchLookup(r)
     # One round trip takes the lease (recording turn_started) and reads the run it now owns.
     got = acquire(
         r,
@@ -125,7 +134,7 @@ def run_turn(run_id: str, turn: int) -> str:
         worker_id=worker_identity(),
         ttl_ms=settings.lease_ttl_ms,
         event=Event.of(run_id, "turn_started", turn=turn),
-        then=lambda pipe: (window.stage_load(pipe, keys, start=window_from), live.stage_watched(pipe, keys)),
+        then=lambda pipe: (window.stage_load(pipe, keys, start=window_from), watch.stage(pipe, keys)),
     )
     job_id = job.id if job is not None else ""
     if got.code is Acquire.TOO_NEW:
@@ -143,7 +152,8 @@ def run_turn(run_id: str, turn: int) -> str:
     work = Turn(r, keys, token, turn, settings, window_from=window_from, job=job)
     with keep_alive(r, keys, token, settings.lease_ttl_ms), tracing.turn_span(r, keys, turn, got.then[0]) as span:
         try:
-            outcome = work.run(*got.then)
+            header, loaded, *rest = got.then
+            outcome = work.run(header, loaded, watched=watch.watched(rest))
             tracing.set_attributes(span, **{"agentpool.turn.outcome": outcome})
             return outcome
         except (LeaseLost, RunNotActive) as exc:
@@ -286,12 +296,12 @@ class Turn:
         self.slot_key = ""  # the concurrency key whose slot this turn holds
         self.ancestors: list[str] = []  # a child run's ancestors: its calls' spend counts in their trees
 
-    def run(self, header: dict[bytes, bytes], loaded: list[Any], watched: int = 0) -> str:
+    def run(self, header: dict[bytes, bytes], loaded: list[Any], watched: bool = False) -> str:
         """The turn, given the run's header and window (``store.window``) as read with the lease."""
         state = window.decode(self.run_id, header, loaded, start=self.window_from)
         remember_queue(self.run_id, state.queue)  # its next turn, or this one deferred, goes back there
         self.ancestors = state.ancestors
-        self.watched = bool(watched)
+        self.watched = watched
         if state.concurrency_key:
             slot = concurrency.acquire(self.r, state.concurrency_key, self.run_id, state.max_concurrency, self.token)
             if not slot.granted:
@@ -433,6 +443,7 @@ class Turn:
                     else Event.of(self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending)),
                     pool_webhook=self.settings.pool_webhook,
                     intents=started if not final else (),
+                    clear_handback=requeued(self.job),
                 )
                 == 2
             ):

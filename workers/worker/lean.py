@@ -12,7 +12,10 @@ here do instead:
   executing and RQ's cleanup reads) and leaves RQ's intermediate queue; the worker's state becomes
   ``busy`` only if it was not. The execution's id starts with a tag of the worker's name
   (``execution_tag``): the supervisor finds a dead threaded worker's turns in the started registries by
-  it, so RQ's per-worker execution index is not written twice a turn;
+  it, so RQ's per-worker execution index is not written twice a turn. The threaded worker goes further
+  (``claim_dequeued``): the start rides in the round trip that fetches the job it just dequeued, and
+  the job hash keeps saying ``queued`` (its entry in the started registry says it runs, which is what
+  the reaper and the supervisor read);
 - end: the job hash and its registry entry are deleted, by the turn's save point B itself when it
   makes one (``note_execution``: no round trip of its own), else in one round trip as the job ends.
   Its result is not kept (a turn's job returns a one-word summary; the run's checkpoint is the
@@ -42,13 +45,14 @@ import uuid
 from typing import Any
 
 from redis.client import Pipeline
+from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
 from rq.utils import now, utcformat
 from rq.worker import WorkerStatus
 
-from agentpool.runtime.jobs import ended_by_turn, keep_queues_registered, note_execution
+from agentpool.runtime.jobs import TURN_JOB_ID, ended_by_turn, keep_queues_registered, note_execution
 from agentpool.runtime.takeover import is_turn_job
 from agentpool.store.staged_job import EndedJob
 
@@ -145,29 +149,75 @@ class LeanTurnJobs:
 
     # -- a turn job's execution -------------------------------------------------------------------
 
+    def _new_execution_id(self) -> str:
+        return execution_tag(self.name) + uuid.uuid4().hex[:24]
+
+    def _stage_start(self, pipe: Pipeline, queue: Queue, job_id: str, execution_id: str, ttl: int) -> None:
+        """The start of a turn job's execution, but for its job hash: in the started registry, out of the
+        intermediate queue, and the worker ``busy`` if it was not."""
+        pipe.zadd(queue.started_job_registry.key, {f"{job_id}:{execution_id}": time.time() + ttl})
+        pipe.lrem(queue.intermediate_queue_key, 1, job_id)
+        if self._written_state != WorkerStatus.BUSY:
+            super().set_state(WorkerStatus.BUSY, pipeline=pipe)  # type: ignore[misc]
+
+    def claim_dequeued(self, queue: Queue, job_id: str) -> Job | None:
+        """Fetch the job just dequeued from ``queue``; a turn job's start (``_stage_start``) rides in the same
+        round trip, so ``prepare_execution`` has nothing left to write. None if the job hash is gone (RQ
+        skips such a job too). A turn job's hash keeps ``status: queued`` (one write less a turn): its entry
+        in the started registry is what says it runs (``agentpool.runtime.reaper``, the supervisor)."""
+        lean = TURN_JOB_ID.fullmatch(job_id) is not None  # a guess by the id: the job's function tells for sure
+        execution_id = self._new_execution_id()
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.hgetall(Job.key_for(job_id))
+            if lean:
+                ttl = self.job_monitoring_interval + 60  # get_heartbeat_ttl for a fresh job; the heartbeat refines it
+                self._stage_start(pipe, queue, job_id, execution_id, ttl)
+            data, *_ = pipe.execute()
+        if lean:
+            self._state = self._written_state = WorkerStatus.BUSY
+        job = self.job_class(job_id, connection=self.connection, serializer=self.serializer)  # type: ignore[attr-defined]
+        try:
+            if not data:
+                raise NoSuchJobError(job_id)
+            job.restore(data)
+        except Exception as exc:
+            if lean:  # nothing runs under that execution
+                self.connection.zrem(queue.started_job_registry.key, f"{job_id}:{execution_id}")
+            if isinstance(exc, NoSuchJobError):
+                return None
+            exc.job_id, exc.queue = job_id, queue  # type: ignore[attr-defined]  # as RQ's dequeue reports it
+            raise
+        if lean and is_turn_job(job):
+            job._agentpool_claimed = execution_id  # type: ignore[attr-defined]
+        elif lean:  # not a turn job after all: RQ's whole bookkeeping, under an execution of its own
+            self.connection.zrem(queue.started_job_registry.key, f"{job_id}:{execution_id}")
+        return job
+
     def prepare_execution(self, job: Job) -> Execution:
         if not is_turn_job(job):
             return super().prepare_execution(job)  # type: ignore[misc,no-any-return]
-        execution_id = execution_tag(self.name) + uuid.uuid4().hex[:24]
+        claimed = getattr(job, "_agentpool_claimed", None)
+        execution_id = claimed or self._new_execution_id()
         execution = Execution(id=execution_id, job_id=job.id, connection=self.connection, worker_name=self.name)
         execution._job = job
         started = now()
-        ttl = self.get_heartbeat_ttl(job)  # type: ignore[attr-defined]
-        registry = job.started_job_registry
-        with self.connection.pipeline(transaction=False) as pipe:
-            pipe.hset(
-                job.key,
-                mapping={"status": JobStatus.STARTED.value, "started_at": utcformat(started), "worker_name": self.name},
-            )
-            pipe.zadd(registry.key, {execution.composite_key: time.time() + ttl})
-            pipe.lrem(Queue(job.origin, connection=self.connection).intermediate_queue_key, 1, job.id)
-            if self._written_state != WorkerStatus.BUSY:
-                super().set_state(WorkerStatus.BUSY, pipeline=pipe)  # type: ignore[misc]
-            pipe.execute()
+        queue = Queue(job.origin, connection=self.connection)
+        if not claimed:
+            with self.connection.pipeline(transaction=False) as pipe:
+                pipe.hset(
+                    job.key,
+                    mapping={
+                        "status": JobStatus.STARTED.value,
+                        "started_at": utcformat(started),
+                        "worker_name": self.name,
+                    },
+                )
+                self._stage_start(pipe, queue, job.id, execution_id, self.get_heartbeat_ttl(job))  # type: ignore[attr-defined]
+                pipe.execute()
         self._state = self._written_state = WorkerStatus.BUSY
         job._status = JobStatus.STARTED
         job.started_at, job.worker_name = started, self.name
-        note_execution(job, registry.key, execution.composite_key)  # its turn's save point B ends it
+        note_execution(job, queue.started_job_registry.key, execution.composite_key)  # its save point B ends it
         self.executions[execution.id] = execution
         return execution
 

@@ -35,7 +35,7 @@ from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
 from rq.timeouts import BaseDeathPenalty
-from rq.utils import now
+from rq.utils import as_text, now
 from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
 
 from agentpool.runtime import connections
@@ -277,23 +277,35 @@ class ThreadedWorker(QuickUnsubscribe, LeanTurnJobs, BaseWorker):
         return True
 
     def _dequeue(self, burst: bool) -> tuple[Job, Queue] | None:
-        try:
-            result = self.queue_class.dequeue_any(
-                self._ordered_queues,
-                None if burst else DEQUEUE_TIMEOUT,
+        """``Queue.dequeue_any``'s pop (BLMOVE into the intermediate queue from a single queue, BLPOP from
+        several), then ``claim_dequeued``: the job's fetch and a turn job's start in one round trip."""
+        keys = [queue.key for queue in self._ordered_queues]
+        timeout = None if burst else DEQUEUE_TIMEOUT
+        while True:
+            try:
+                if len(keys) == 1 and self.get_redis_server_version() >= (6, 2, 0):
+                    popped = self.queue_class.lmove(self.connection, keys[0], timeout)
+                else:
+                    popped = self.queue_class.lpop(keys, timeout, connection=self.connection)
+            except DequeueTimeout:
+                return None
+            if popped is None:
+                return None
+            queue_key, job_id = (as_text(part) for part in popped)
+            queue = self.queue_class.from_queue_key(
+                queue_key,
                 connection=self.connection,
                 job_class=self.job_class,
                 serializer=self.serializer,
                 death_penalty_class=self.death_penalty_class,
             )
-        except DequeueTimeout:
-            return None
-        if result is not None:
-            job, queue = result
-            self.reorder_queues(reference_queue=queue)
-            job.redis_server_version = self.get_redis_server_version()
-            log.debug("worker %s: %s: %s", self.name, queue.name, job.id)
-        return result
+            job = self.claim_dequeued(queue, job_id)
+            if job is not None:
+                break
+        self.reorder_queues(reference_queue=queue)
+        job.redis_server_version = self.get_redis_server_version()
+        log.debug("worker %s: %s: %s", self.name, queue.name, job.id)
+        return job, queue
 
     def _give_back(self, job: Job, queue: Queue) -> None:
         """Put a job dequeued but not started back at the head of its queue, for another worker."""
