@@ -87,9 +87,10 @@ def create_run(
     now: float,
     stage_enqueue: Callable[[Pipeline], None],
     extra: Mapping[str, Any] | None = None,
+    event: Event | None = None,
 ) -> bool:
-    """Create the run and its first turn's job (``stage_enqueue``) in one transaction, unless a run
-    with this id exists. Returns True if it was created now, False if it already existed for the very
+    """Create the run and its first turn's job (``stage_enqueue``), with ``event`` (its ``queued``
+    status), in one transaction, unless a run with this id exists. Returns True if it was created now, False if it already existed for the very
     same request (agent, task and limits): a client retrying its enqueue gets the run it made. An
     existing run made for anything else raises RunExists; an existing run is never touched (its
     header, counters and fence stay as they are).
@@ -109,11 +110,16 @@ def create_run(
         pipe.multi()
         stage_create(pipe, run_id, agent=agent, task=task, limits=limits, now=now, extra=extra)
         stage_enqueue(pipe)
+        if event:
+            event.stage(pipe)
         writes.stage_remember(pipe, keys.run, write_id)
         pipe.execute()
         return True
 
-    return writes.watched(r, [keys.run], attempt)
+    created = writes.watched(r, [keys.run], attempt)
+    if created and event:
+        event.landed()
+    return created
 
 
 def _check_same_request(

@@ -4,7 +4,8 @@ A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended, on
 ``remember``/``replayed`` gets ``store/lua/_once.lua``, one that calls ``add_spend`` or ``spend_fields`` gets
 ``store/lua/_spend.lua``, one that calls ``join_parent`` gets ``store/lua/_join.lua``, one that calls
 ``roll_up_spend`` or ``tree_exhausted`` gets ``store/lua/_tree.lua``, one that calls
-``take_webhook`` gets ``store/lua/_webhook.lua``: Redis has no includes.
+``take_webhook`` gets ``store/lua/_webhook.lua``, one that calls ``expire_run_keys`` gets
+``store/lua/_retention.lua``: Redis has no includes.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _HELPERS = (
     ("_tree", "roll_up_spend("),
     ("_tree", "tree_exhausted("),
     ("_webhook", "take_webhook("),
+    ("_retention", "expire_run_keys("),
 )
 
 

@@ -209,6 +209,34 @@ def test_an_event_is_recorded_with_its_write_and_never_without_it(r):
     assert 0 < r.ttl(KEYS.events) <= 60, "the event stream expires with the finished run"
 
 
+@pytest.mark.parametrize("extra", [(), ("children",), ("approvals", "received", "webhooks")])
+def test_a_run_that_ends_keeps_every_key_it_has_for_its_retention_and_no_more(r, extra):
+    """The keys a run often never has (children, approvals, messages sent to it, webhooks) are looked at
+    together before the retention's EXPIRE of each: whichever it has expires with it."""
+    create(r)
+    token = take(r)
+    for name in extra:
+        if name == "children":
+            r.rpush(KEYS.children, "r_child")
+        else:
+            r.hset(getattr(KEYS, name), "some", "thing")
+    r.hset(KEYS.ledger, "toolu_1", "x")
+    checkpoint.commit_response(
+        r,
+        KEYS,
+        token,
+        turns_before=0,
+        message=reply(),
+        pending=[],
+        final_status="completed",
+        retention_s=60,
+        event=Event.of(RUN, "status", status="completed"),
+    )
+    for key in (KEYS.run, KEYS.messages, KEYS.events, KEYS.ledger, *(getattr(KEYS, name) for name in extra)):
+        assert 0 < r.ttl(key) <= 60, key
+    assert not r.exists(KEYS.inbox, KEYS.handback, KEYS.joins), "nothing was made for the retention"
+
+
 def test_scripts_sent_in_a_pipeline_or_under_watch_survive_a_flushed_script_cache(r):
     create(r)
     r.script_flush()  # as after a Redis restart without persistence of the script cache

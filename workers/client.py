@@ -215,9 +215,10 @@ def enqueue_run(
     def stage_enqueue(pipe: Pipeline) -> None:
         if parent:
             pipe.hset(RunKeys.of(run_id).run, tracing.PARENT_FIELD, parent)
-        stage_turn(pipe, r, run_id, 0, queue=queue)  # RQ's enqueue joins the transaction
+        # RQ's enqueue joins the transaction; a new run's window starts at its first message.
+        stage_turn(pipe, r, run_id, 0, queue=queue, window=0)
 
-    created = checkpoint.create_run(
+    checkpoint.create_run(
         r,
         run_id,
         agent=agent,
@@ -226,9 +227,8 @@ def enqueue_run(
         now=time.time(),
         stage_enqueue=stage_enqueue,
         extra=extra,
+        event=Event.of(run_id, "status", status="queued", agent=agent),
     )
-    if created:
-        emit(r, run_id, "status", status="queued", agent=agent)
     return run_id
 
 

@@ -85,8 +85,7 @@ if ARGV[7] ~= '' then
   redis.call('ZREM', KEYS[4], ARGV[6])
   local ttl = tonumber(ARGV[11])
   if ttl > 0 then
-    for i = 1, 3, 2 do redis.call('EXPIRE', KEYS[i], ttl) end
-    for i = 6, #KEYS - parent_keys do redis.call('EXPIRE', KEYS[i], ttl) end
+    expire_run_keys(#KEYS - parent_keys, ttl)
   end
 end
 return joined

@@ -47,7 +47,6 @@ record_webhook(webhook, KEYS[1], ARGV[5], ARGV[2], ARGV[4])
 record_event(KEYS[6], KEYS[5], 14)  -- before the retention's EXPIRE, which it must not outlive
 local ttl = tonumber(ARGV[9])
 if ttl > 0 then
-  for i = 1, 3, 2 do redis.call('EXPIRE', KEYS[i], ttl) end
-  for i = 6, #KEYS - parent_keys do redis.call('EXPIRE', KEYS[i], ttl) end
+  expire_run_keys(#KEYS - parent_keys, ttl)
 end
 return joined
