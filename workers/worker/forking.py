@@ -32,6 +32,7 @@ import signal
 import time
 from typing import Any
 
+import redis.exceptions
 from redis import Redis
 from rq import Worker
 from rq.exceptions import StopRequested
@@ -110,9 +111,13 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         self._stop_requested = True
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
-        """RQ's dequeue, one BLMOVE at a time (its own loop waits on for ever), so that a stop is seen
-        between two; a turn dequeued once a stop was asked for is given back instead of returned."""
+        """RQ's dequeue loop, one BLMOVE at a time (its own waits on for ever), so that a stop is seen
+        between two; a turn dequeued once a stop was asked for is given back instead of returned. The
+        dequeued job is fetched and claimed in one round trip (``LeanTurnJobs.dequeue_claimed``)."""
+        self.set_state(WorkerStatus.IDLE)  # noted; written only once a dequeue finds nothing (write_idle)
+        self.procline("Listening on " + ",".join(self.queue_names()))
         started = time.monotonic()
+        connection_wait = 1.0
         while True:
             if self._stop_requested:
                 raise StopRequested()  # RQ's loop ends the worker on it (warm: nothing was dequeued)
@@ -120,7 +125,17 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
             if left is not None and left <= 0:
                 return None
             once = None if timeout is None else max(1, math.ceil(min(timeout, left if left is not None else timeout)))
-            result = super().dequeue_job_and_maintain_ttl(timeout, max_idle_time=once)
+            try:
+                self.heartbeat()
+                if self.should_run_maintenance_tasks:
+                    self.run_maintenance_tasks()
+                result = self.dequeue_claimed(once)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+                log.error("worker %s: Redis unavailable (%s); retrying in %.0f s", self.name, exc, connection_wait)
+                time.sleep(connection_wait)
+                connection_wait = min(connection_wait * self.exponential_backoff_factor, self.max_connection_wait_time)
+                continue
+            connection_wait = 1.0
             if result is None and timeout is None:
                 return None  # burst mode: nothing queued
             if result is None:
@@ -135,6 +150,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
                 returned = give_back(self.connection, queue, job.id)
                 log.info("worker %s: stopping; turn job %s given back to the queue (%s)", self.name, job.id, returned)
                 raise StopRequested()
+            self.log.info("Worker %s: %s: %s", self.name, queue.name, job.id)
             return result
 
     def _on_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:

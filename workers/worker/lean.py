@@ -12,10 +12,10 @@ here do instead:
   executing and RQ's cleanup reads) and leaves RQ's intermediate queue; the worker's state becomes
   ``busy`` only if it was not. The execution's id starts with a tag of the worker's name
   (``execution_tag``): the supervisor finds a dead threaded worker's turns in the started registries by
-  it, so RQ's per-worker execution index is not written twice a turn. The threaded worker goes further
-  (``claim_dequeued``): the start rides in the round trip that fetches the job it just dequeued, and
-  the job hash keeps saying ``queued`` (its entry in the started registry says it runs, which is what
-  the reaper and the supervisor read);
+  it, so RQ's per-worker execution index is not written twice a turn. With the workers' own dequeue
+  (``dequeue_claimed``) the start rides in the round trip that fetches the job just dequeued, and the
+  job hash keeps saying ``queued`` (its entry in the started registry says it runs, which is what the
+  reaper, the supervisor and RQ's cleanup read);
 - end: the job hash and its registry entry are deleted, by the turn's save point B itself when it
   makes one (``note_execution``: no round trip of its own), else in one round trip as the job ends.
   Its result is not kept (a turn's job returns a one-word summary; the run's checkpoint is the
@@ -45,11 +45,11 @@ import uuid
 from typing import Any
 
 from redis.client import Pipeline
-from rq.exceptions import NoSuchJobError
+from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
-from rq.utils import now, utcformat
+from rq.utils import as_text, now, utcformat
 from rq.worker import WorkerStatus
 
 from agentpool.runtime.jobs import TURN_JOB_ID, ended_by_turn, keep_queues_registered, note_execution
@@ -159,6 +159,37 @@ class LeanTurnJobs:
         pipe.lrem(queue.intermediate_queue_key, 1, job_id)
         if self._written_state != WorkerStatus.BUSY:
             super().set_state(WorkerStatus.BUSY, pipeline=pipe)  # type: ignore[misc]
+
+    def dequeue_claimed(self, timeout: int | None) -> tuple[Job, Queue] | None:
+        """``Queue.dequeue_any`` (BLMOVE into the intermediate queue from a single queue, BLPOP from
+        several; None when ``timeout`` passes, or at once with None if nothing is queued), then
+        ``claim_dequeued``: the job's fetch and a turn job's start in one round trip."""
+        queues = self._ordered_queues  # type: ignore[attr-defined]
+        keys = [queue.key for queue in queues]
+        while True:
+            try:
+                if len(keys) == 1 and self.get_redis_server_version() >= (6, 2, 0):  # type: ignore[attr-defined]
+                    popped = self.queue_class.lmove(self.connection, keys[0], timeout)  # type: ignore[attr-defined]
+                else:
+                    popped = self.queue_class.lpop(keys, timeout, connection=self.connection)  # type: ignore[attr-defined]
+            except DequeueTimeout:
+                return None
+            if popped is None:
+                return None
+            queue_key, job_id = (as_text(part) for part in popped)
+            queue = self.queue_class.from_queue_key(  # type: ignore[attr-defined]
+                queue_key,
+                connection=self.connection,
+                job_class=self.job_class,  # type: ignore[attr-defined]
+                serializer=self.serializer,  # type: ignore[attr-defined]
+                death_penalty_class=self.death_penalty_class,  # type: ignore[attr-defined]
+            )
+            job = self.claim_dequeued(queue, job_id)
+            if job is not None:
+                break
+        self.reorder_queues(reference_queue=queue)  # type: ignore[attr-defined]
+        job.redis_server_version = self.get_redis_server_version()  # type: ignore[attr-defined]
+        return job, queue
 
     def claim_dequeued(self, queue: Queue, job_id: str) -> Job | None:
         """Fetch the job just dequeued from ``queue``; a turn job's start (``_stage_start``) rides in the same

@@ -30,12 +30,12 @@ from typing import Any
 import redis.exceptions
 from redis import Redis
 from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
-from rq.exceptions import DequeueTimeout, StopRequested
+from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job
 from rq.queue import Queue
 from rq.timeouts import BaseDeathPenalty
-from rq.utils import as_text, now
+from rq.utils import now
 from rq.worker import BaseWorker, DequeueStrategy, WorkerStatus
 
 from agentpool.runtime import connections
@@ -277,35 +277,10 @@ class ThreadedWorker(QuickUnsubscribe, LeanTurnJobs, BaseWorker):
         return True
 
     def _dequeue(self, burst: bool) -> tuple[Job, Queue] | None:
-        """``Queue.dequeue_any``'s pop (BLMOVE into the intermediate queue from a single queue, BLPOP from
-        several), then ``claim_dequeued``: the job's fetch and a turn job's start in one round trip."""
-        keys = [queue.key for queue in self._ordered_queues]
-        timeout = None if burst else DEQUEUE_TIMEOUT
-        while True:
-            try:
-                if len(keys) == 1 and self.get_redis_server_version() >= (6, 2, 0):
-                    popped = self.queue_class.lmove(self.connection, keys[0], timeout)
-                else:
-                    popped = self.queue_class.lpop(keys, timeout, connection=self.connection)
-            except DequeueTimeout:
-                return None
-            if popped is None:
-                return None
-            queue_key, job_id = (as_text(part) for part in popped)
-            queue = self.queue_class.from_queue_key(
-                queue_key,
-                connection=self.connection,
-                job_class=self.job_class,
-                serializer=self.serializer,
-                death_penalty_class=self.death_penalty_class,
-            )
-            job = self.claim_dequeued(queue, job_id)
-            if job is not None:
-                break
-        self.reorder_queues(reference_queue=queue)
-        job.redis_server_version = self.get_redis_server_version()
-        log.debug("worker %s: %s: %s", self.name, queue.name, job.id)
-        return job, queue
+        result = self.dequeue_claimed(None if burst else DEQUEUE_TIMEOUT)
+        if result is not None:
+            log.debug("worker %s: %s: %s", self.name, result[1].name, result[0].id)
+        return result
 
     def _give_back(self, job: Job, queue: Queue) -> None:
         """Put a job dequeued but not started back at the head of its queue, for another worker."""
