@@ -46,6 +46,39 @@ def test_a_corrupt_record_fails_its_run_clearly_and_the_worker_serves_others(r, 
         get_run(bad, connection=r)
 
 
+@pytest.mark.parametrize("concurrency", ["1", "3"], ids=["forking", "threaded"])
+@pytest.mark.parametrize(
+    ("field", "garbage"),
+    [("data", b"\xc1 not a job"), ("created_at", b"not a date")],
+    ids=["payload", "header"],
+)
+def test_a_turn_job_that_does_not_decode_costs_its_turn_a_reenqueue_and_nothing_else(
+    r, pool, model, concurrency, field, garbage
+):
+    """A turn's RQ job hash that no worker can read: a payload that does not decode fails the job (RQ's
+    failure handling), a hash RQ cannot even restore is dropped by the worker that dequeued it (out of
+    every queue: no worker dies on it again). Either way the worker goes on serving, and the reaper
+    re-enqueues the turn under a new job: the run's checkpoint is the truth."""
+    model.set_scripts({"simple": SIMPLE})
+    bad = enqueue_run("pool_agents:support", script_task("simple"), connection=r)
+    r.hset(Job.key_for(job_id(bad, 0)), field, garbage)
+    good = enqueue_run("pool_agents:support", script_task("simple"), connection=r)
+    WorkerProcesses.start(pool, 1, "--log-level", "INFO", "--concurrency", concurrency)
+
+    assert wait_for_run(good, timeout=60, connection=r).status == "completed"
+    queue = turn_queue(r)
+    deadline = time.monotonic() + 30
+    while any(r.lpos(key, job_id(bad, 0)) is not None for key in (queue.key, queue.intermediate_queue_key)):
+        assert time.monotonic() < deadline, pool.logs()
+        time.sleep(0.05)
+    r.zadd("ap:runs:watch", {bad: 0})  # as when its queued deadline has passed: the reaper looks now
+    run = wait_for_run(bad, timeout=60, connection=r)
+    assert run.status == "completed", (run.status, run.error, pool.logs())
+    assert len(pool.alive()) == 1, "the worker that met the job goes on"
+    if field == "created_at":
+        assert "does not decode" in pool.logs(100_000)
+
+
 def test_a_run_from_a_newer_schema_is_left_untouched(r, pool, model):
     model.set_scripts({"simple": SIMPLE})
     newer = enqueue_run("pool_agents:support", script_task("simple"), connection=r)

@@ -216,6 +216,11 @@ class LeanTurnJobs:
                 self.connection.zrem(queue.started_job_registry.key, f"{job_id}:{execution_id}")
             if isinstance(exc, NoSuchJobError):
                 return None
+            if lean:
+                # Out of every queue now, so no worker takes it again (and dies on it again): its run's
+                # checkpoint is the truth, and the reaper re-enqueues the turn under a new job.
+                self.log.error("Worker %s: job %s does not decode (%s); dropped", self.name, job_id, exc)  # type: ignore[attr-defined]
+                return None
             exc.job_id, exc.queue = job_id, queue  # type: ignore[attr-defined]  # as RQ's dequeue reports it
             raise
         if lean and is_turn_job(job):
