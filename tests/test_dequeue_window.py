@@ -6,6 +6,7 @@ SIGTERM at exactly that instant."""
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 from test_delivered_twice import load_scripts, script
@@ -76,3 +77,15 @@ def test_a_give_back_delivered_twice_pushes_the_job_once(r, redis_server):
         lossy.close()
     assert r.lrange(queue.key, 0, -1) == [b"r_given-t0000", b"r_other-t0000"], "pushed once, at the head"
     assert r.llen(queue.intermediate_queue_key) == 0
+
+
+def test_a_claimed_job_given_back_leaves_the_started_registry_and_is_pushed_once(r):
+    """A worker claims a job in the round trip that fetches it (agentpool.worker.lean): a stop noticed
+    after that gives it back out of the started registry, once however often the call is delivered."""
+    queue = turn_queue(r)
+    member = "r_claimed-t0000:93cbc626aaaa"
+    r.zadd(queue.started_job_registry.key, {member: time.time() + 60})
+    assert give_back(r, queue, "r_claimed-t0000", member)
+    assert not give_back(r, queue, "r_claimed-t0000", member), "a second delivery finds it given back"
+    assert r.lrange(queue.key, 0, -1) == [b"r_claimed-t0000"]
+    assert r.zcard(queue.started_job_registry.key) == 0, "rq info no longer counts it executing"

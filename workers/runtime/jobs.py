@@ -91,8 +91,15 @@ def job_id(run_id: str, turn: int, attempt: int = 0) -> str:
     return f"{base}-r{attempt}" if attempt else base
 
 
-# What job_id makes: a guess at a turn job from its id alone (its function tells for sure).
-TURN_JOB_ID = re.compile(r".+-t\d{4,}(-r\d+)?")
+# What job_id makes (run id, turn, re-enqueue): a guess at a turn job from its id alone (its function
+# tells for sure).
+TURN_JOB_ID = re.compile(r"(.+)-t(\d{4,})(-r\d+)?")
+
+
+def turn_of_job_id(job_id: str) -> tuple[str, int] | None:
+    """The run and turn a turn job's id names (see ``job_id``); None for another id."""
+    matched = TURN_JOB_ID.fullmatch(job_id)
+    return (matched.group(1), int(matched.group(2))) if matched else None
 
 
 def requeued(job: Job | None) -> bool:
@@ -102,7 +109,7 @@ def requeued(job: Job | None) -> bool:
     if job is None:
         return True
     matched = TURN_JOB_ID.fullmatch(job.id)
-    return matched is None or matched.group(1) is not None
+    return matched is None or matched.group(3) is not None
 
 
 def deferred_member(run_id: str, turn: int, attempt: int) -> str:
@@ -248,7 +255,10 @@ def ended_by_turn(job: Job) -> bool:
     return bool(getattr(job, "_agentpool_ended", False))
 
 
-def give_back(r: Redis, queue: Queue, job_id: str) -> bool:
+def give_back(r: Redis, queue: Queue, job_id: str, claimed: str = "") -> bool:
     """Put a job this worker dequeued (RQ moved it to the queue's intermediate list) but will not run
-    back at the head of ``queue``, for another worker; safe to deliver twice. False if it was not there."""
-    return bool(run_script("give_back_job", r, [queue.intermediate_queue_key, queue.key], [job_id]))
+    back at the head of ``queue``, for another worker; ``claimed``: its member in the queue's started
+    registry, if the worker claimed it (``agentpool.worker.lean``). Safe to deliver twice. False if it
+    was in neither."""
+    keys = [queue.intermediate_queue_key, queue.key, queue.started_job_registry.key]
+    return bool(run_script("give_back_job", r, keys, [job_id, claimed]))

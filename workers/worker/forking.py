@@ -40,13 +40,13 @@ from rq.worker import WorkerStatus
 
 from agentpool.runtime import connections, durability
 from agentpool.runtime.faults import fault
-from agentpool.runtime.jobs import give_back
+from agentpool.runtime.jobs import give_back, turn_of_job_id
 from agentpool.runtime.loader import load_agent
 from agentpool.runtime.reaper import ReaperThread
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.stats_flush import StatsFlusher
-from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job, turn_of
+from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
 from agentpool.runtime.webhook_delivery import WebhookThread
 from agentpool.store import stats
 from agentpool.store.keys import TURN_QUEUE, RunKeys
@@ -142,16 +142,18 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
                 self.write_idle()
                 continue
             job, queue = result
-            turn = turn_of(job)
-            if turn is not None:
-                fault("after_dequeue", *turn)
-                fault("after_dequeue_killed", *turn)
             if self._stop_requested:
-                returned = give_back(self.connection, queue, job.id)
+                returned = give_back(self.connection, queue, job.id, self.claimed_member(job))
                 log.info("worker %s: stopping; turn job %s given back to the queue (%s)", self.name, job.id, returned)
                 raise StopRequested()
             self.log.info("Worker %s: %s: %s", self.name, queue.name, job.id)
             return result
+
+    def after_pop(self, job_id: str) -> None:
+        turn = turn_of_job_id(job_id)
+        if turn is not None:
+            fault("after_dequeue", *turn)
+            fault("after_dequeue_killed", *turn)
 
     def _on_horse_killed(self, job: Any, retpid: int, ret_val: int, rusage: Any) -> None:
         # An exception here would end RQ's work loop, and the worker with it: never let one out.

@@ -177,6 +177,7 @@ class LeanTurnJobs:
             if popped is None:
                 return None
             queue_key, job_id = (as_text(part) for part in popped)
+            self.after_pop(job_id)
             queue = self.queue_class.from_queue_key(  # type: ignore[attr-defined]
                 queue_key,
                 connection=self.connection,
@@ -190,6 +191,14 @@ class LeanTurnJobs:
         self.reorder_queues(reference_queue=queue)  # type: ignore[attr-defined]
         job.redis_server_version = self.get_redis_server_version()  # type: ignore[attr-defined]
         return job, queue
+
+    def after_pop(self, job_id: str) -> None:
+        """Called between the pop and the claim (a job in RQ's intermediate queue only): a fault point."""
+
+    def claimed_member(self, job: Job) -> str:
+        """The job's member in its queue's started registry if this worker claimed it, else ''."""
+        claimed = getattr(job, "_agentpool_claimed", None)
+        return f"{job.id}:{claimed}" if claimed else ""
 
     def claim_dequeued(self, queue: Queue, job_id: str) -> Job | None:
         """Fetch the job just dequeued from ``queue``; a turn job's start (``_stage_start``) rides in the same

@@ -284,7 +284,7 @@ class ThreadedWorker(QuickUnsubscribe, LeanTurnJobs, BaseWorker):
 
     def _give_back(self, job: Job, queue: Queue) -> None:
         """Put a job dequeued but not started back at the head of its queue, for another worker."""
-        give_back(self.connection, queue, job.id)
+        give_back(self.connection, queue, job.id, self.claimed_member(job))
 
     def execute_job(self, job: Job, queue: Queue) -> None:
         """Prepare the execution here, in the main thread (it registers the job as started and the
