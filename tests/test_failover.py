@@ -123,6 +123,9 @@ SLOW_EFFECTS = [{**step, "delay": 0.2} if "delay" in step else step for step in 
 
 def _cut_then_kill(replicated, ha_pool, model, *, restart: bool) -> None:
     model.set_scripts({"effects": SLOW_EFFECTS})
+    # The cut waits for the sentinel's first fix of the replicas (about 10 s after start): the runs
+    # start once it is done, so that they still have tools to run when the cut lands.
+    replicated.wait_for_sentinel_fix()
     ha_pool.start(3)
     r = ha_pool.client()
     run_ids = [enqueue_run("pool_agents:support", script_task("effects", f"task {i}"), connection=r) for i in range(15)]

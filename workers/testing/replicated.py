@@ -119,6 +119,18 @@ class ReplicatedRedis:
         workers took long to start, on a loaded machine, cut replication at that very moment). Then each
         replica is pointed back at its link, and the sentinel leaves it so for at least one more INFO
         period (it notices the change at one, and fixes it no sooner than the next)."""
+        self.wait_for_sentinel_fix()
+        for link, replica in zip(self.replica_links, self.replicas):
+            link.partition()
+            client = Redis(port=replica.port)
+            try:
+                client.execute_command("REPLICAOF", "127.0.0.1", str(link.port))
+            finally:
+                client.close()
+
+    def wait_for_sentinel_fix(self) -> None:
+        """Until the sentinel has pointed every replica at the primary directly (see ``cut_replication``);
+        a test whose work must still be going on when it cuts replication waits for this first."""
         primary = self.primary_port()
         deadline = time.monotonic() + 30
         for replica in self.replicas:
@@ -128,13 +140,6 @@ class ReplicatedRedis:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"the sentinel never pointed the replica on {replica.port} at {primary}")
                     time.sleep(0.05)
-            finally:
-                client.close()
-        for link, replica in zip(self.replica_links, self.replicas):
-            link.partition()
-            client = Redis(port=replica.port)
-            try:
-                client.execute_command("REPLICAOF", "127.0.0.1", str(link.port))
             finally:
                 client.close()
 
