@@ -74,6 +74,18 @@ class WatchLookup:
         return found == 2
 
 
+def watch_hints() -> dict[int, float]:
+    """What this process knows of "no run watched" (per connection pool, until when), for a process that
+    did not look itself: a forking worker's work horse hands it to its worker (``adopt_watch_hints``),
+    whose next horse inherits it. ``time.monotonic`` is the system's, the same in both processes."""
+    return dict(_nobody_until)
+
+
+def adopt_watch_hints(hints: Mapping[Any, float]) -> None:
+    for pool, until in hints.items():
+        _nobody_until[int(pool)] = max(_nobody_until.get(int(pool), 0.0), float(until))
+
+
 def is_watched(r: Redis, keys: RunKeys) -> bool:
     return bool(r.exists(keys.watchers))
 

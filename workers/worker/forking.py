@@ -15,7 +15,8 @@
 - The durability guard is decided here too, before each fork (at most every 10 s), and inherited.
 - Pool-wide counters are added up in this process and flushed about once a second
   (``agentpool.runtime.stats_flush``); a horse hands what its turn counted to its worker through a pipe
-  as it ends (a horse killed outright loses its turn's counts).
+  as it ends (a horse killed outright loses its turn's counts), with what it learnt of "nobody watches
+  any run" (``agentpool.store.live``), so that the next horse need not look again for a second.
 - It never runs RQ's scheduler: a deferred turn is enqueued by the reaper (``agentpool.runtime.deferred``).
 - Jobs are msgpack; warm shutdown on SIGTERM lets the current turn finish, as RQ does. An idle worker's
   SIGTERM never strands a turn in RQ's intermediate queue: a turn dequeued as the stop came is given
@@ -48,7 +49,7 @@ from agentpool.runtime.settings import Settings
 from agentpool.runtime.stats_flush import StatsFlusher
 from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
 from agentpool.runtime.webhook_delivery import WebhookThread
-from agentpool.store import stats
+from agentpool.store import live, stats
 from agentpool.store.keys import TURN_QUEUE, RunKeys
 from agentpool.worker.channel import QuickUnsubscribe
 from agentpool.worker.groups import GroupWatcher, die_with_parent, end_process_group
@@ -216,7 +217,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         if self._counts_pipe is None:
             return
         done, seconds = self.take_job_counts()
-        counted = {"stats": stats.accumulate().take(), "jobs": [done, seconds]}
+        counted = {"stats": stats.accumulate().take(), "jobs": [done, seconds], "watch": live.watch_hints()}
         try:
             # A few dozen counters: far below a pipe's buffer, so the write never waits for the worker.
             os.write(self._counts_pipe[1], json.dumps(counted).encode())
@@ -236,6 +237,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
                 counted = json.loads(b"".join(chunks))
                 stats.count(counted["stats"])
                 self.count_jobs(*counted["jobs"])
+                live.adopt_watch_hints(counted.get("watch") or {})  # the next horse skips a look it need not make
         except (OSError, ValueError) as exc:
             log.warning("worker %s: could not read its work horse's counters: %s", self.name, exc)
         finally:
