@@ -90,10 +90,10 @@ def create_run(
     event: Event | None = None,
 ) -> bool:
     """Create the run and its first turn's job (``stage_enqueue``), with ``event`` (its ``queued``
-    status), in one transaction, unless a run with this id exists. Returns True if it was created now, False if it already existed for the very
-    same request (agent, task and limits): a client retrying its enqueue gets the run it made. An
-    existing run made for anything else raises RunExists; an existing run is never touched (its
-    header, counters and fence stay as they are).
+    status), in one transaction, unless a run with this id exists. Returns True if it was created now,
+    False if it already existed for the very same request (agent, task and limits): a client retrying
+    its enqueue gets the run it made. An existing run made for anything else raises RunExists; an
+    existing run is never touched (its header, counters and fence stay as they are).
 
     Watched, so redis-py never re-sends it blindly: after a lost EXEC reply the next try finds the
     run it created, the same request, and returns without creating it twice."""
