@@ -55,10 +55,12 @@ def no_failed_jobs(r: Redis) -> bool:
     return FailedJobRegistry(queue=turn_queue(r)).count == 0
 
 
-def test_a_worker_without_the_key_hands_the_turn_to_one_with_it(r, pool, model, key_in_this_process):
+# One turn: the run ends at save point A, which must clear the record itself (no save point B follows).
+@pytest.mark.parametrize("steps", [TWO_TURNS, [{"text": "ok"}]], ids=["two_turns", "one_turn"])
+def test_a_worker_without_the_key_hands_the_turn_to_one_with_it(r, pool, model, key_in_this_process, steps):
     key = generate_key()
     key_in_this_process(key)
-    model.set_scripts({"two": TWO_TURNS})
+    model.set_scripts({"two": steps})
     pool.start(1)  # no key
     run_id = enqueue_run("pool_agents:support", script_task("two"), connection=r)
     wait_for_handback(r, run_id, "key_missing")
@@ -69,7 +71,7 @@ def test_a_worker_without_the_key_hands_the_turn_to_one_with_it(r, pool, model, 
     assert_valid_conversation(run.messages)
     assert no_failed_jobs(r), "a hand-back is not a failed job"
     counted = settled_stats(r)
-    assert counted["turns"] == 2, "hand-backs are not counted as turns"
+    assert counted["turns"] == len(steps), "hand-backs are not counted as turns"
     assert counted["handbacks|reason=key_missing"] >= 1
     assert handback.read(r, RunKeys.of(run_id)) is None, "the record is gone once a worker made progress"
 
