@@ -3,11 +3,11 @@
 -- even if the response can no longer be committed (the run was cancelled meanwhile, or this worker
 -- was fenced out: a zombie's call is paid for too). Then counts the turn, appends the assistant
 -- message, records its tool_use blocks as pending, clears a hand-back record (this worker could do
--- the turn; a record can only be there if a re-enqueue brought the turn), and stamps the header with the current schema version (an older header was migrated in
--- memory when it was loaded). With a final status (the model asked for no tool, or the reply ends
--- the run: a refusal, or a full context window that stops it...), ends the run in the same step and
--- drops the lease; a closing message then answers the reply's tool_uses (not run), so the
--- conversation stays valid.
+-- the turn; a record can only be there if a re-enqueue brought the turn), and stamps the header with
+-- the current schema version (an older header was migrated in memory when it was loaded). With a final
+-- status (the model asked for no tool, or the reply ends the run: a refusal, or a full context window
+-- that stops it...), ends the run in the same step and drops the lease; a closing message then answers
+-- the reply's tool_uses (not run), so the conversation stays valid.
 -- Safe to deliver twice: a re-delivery of the same write id returns the first result, counting nothing.
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] messages   KEYS[4] ap:runs:watch   KEYS[5] ap:stats
 -- KEYS[6] events   KEYS[7] hand-back record   KEYS[8..] the run's other keys (ledger, approvals, inbox,
@@ -23,11 +23,12 @@
 -- ARGV[20] id and ARGV[21] content blob of the child's answer for its parent, given when the reply
 -- completes a child run ('' otherwise): queued in the parent's inbox if the parent's join had ended
 -- before (see _join.lua)  ARGV[22] '1' to delete the hand-back record ('' when the caller knows there is
--- none: a turn no re-enqueue brought, after the save point B that deleted the last)  ARGV[23..] two events (see _event.lua): the model_responded one, then the one
--- reporting the commit; then n, n pairs of a ledger field (a tool_use id) and its intent blob, and n
--- events (their tool_started): the intents of read tools the worker runs right after this commit, so
--- that they need no fenced write of their own (written only when the reply is committed as a turn
--- that goes on; n is 0 otherwise)
+-- none: a turn no re-enqueue brought, after the save point B that deleted the last)
+-- ARGV[23..] two events (see _event.lua): the model_responded one, then the one reporting the commit;
+-- then n, n pairs of a ledger field (a tool_use id) and its intent blob, and n events (their
+-- tool_started): the intents of read tools the worker runs right after this commit, so that they need
+-- no fenced write of their own (written only when the reply is committed as a turn that goes on; n is
+-- 0 otherwise)
 -- last, the pool default's webhook events (see _webhook.lua)
 -- Returns 1 ok (2: ok, the run ended and was its parent's last open child, now woken), -1 lease lost, -2 run not running (status changed under us), -3 stale turn (each of
 -- these three with the spend counted), -4 no such run (nothing counted), -5 the reply would complete

@@ -52,7 +52,7 @@ from rq.queue import Queue
 from rq.utils import as_text, now, utcformat
 from rq.worker import WorkerStatus
 
-from agentpool.runtime.jobs import TURN_JOB_ID, ended_by_turn, keep_queues_registered, note_execution
+from agentpool.runtime.jobs import ended_by_turn, keep_queues_registered, note_execution, turn_of_job_id
 from agentpool.runtime.takeover import is_turn_job
 from agentpool.store.staged_job import EndedJob
 
@@ -152,10 +152,11 @@ class LeanTurnJobs:
     def _new_execution_id(self) -> str:
         return execution_tag(self.name) + uuid.uuid4().hex[:24]
 
-    def _stage_start(self, pipe: Pipeline, queue: Queue, job_id: str, execution_id: str, ttl: int) -> None:
-        """The start of a turn job's execution, but for its job hash: in the started registry, out of the
-        intermediate queue, and the worker ``busy`` if it was not."""
-        pipe.zadd(queue.started_job_registry.key, {f"{job_id}:{execution_id}": time.time() + ttl})
+    def _stage_start(self, pipe: Pipeline, queue: Queue, job_id: str, member: str, ttl: int) -> None:
+        """The start of a turn job's execution (``member``: its entry in the started registry), but for its
+        job hash: in the started registry, out of the intermediate queue, and the worker ``busy`` if it was
+        not."""
+        pipe.zadd(queue.started_job_registry.key, {member: time.time() + ttl})
         pipe.lrem(queue.intermediate_queue_key, 1, job_id)
         if self._written_state != WorkerStatus.BUSY:
             super().set_state(WorkerStatus.BUSY, pipeline=pipe)  # type: ignore[misc]
@@ -205,13 +206,14 @@ class LeanTurnJobs:
         round trip, so ``prepare_execution`` has nothing left to write. None if the job hash is gone (RQ
         skips such a job too). A turn job's hash keeps ``status: queued`` (one write less a turn): its entry
         in the started registry is what says it runs (``agentpool.runtime.reaper``, the supervisor)."""
-        lean = TURN_JOB_ID.fullmatch(job_id) is not None  # a guess by the id: the job's function tells for sure
+        lean = turn_of_job_id(job_id) is not None  # a guess by the id: the job's function tells for sure
         execution_id = self._new_execution_id()
+        member = f"{job_id}:{execution_id}"  # Execution.composite_key
         with self.connection.pipeline(transaction=False) as pipe:
             pipe.hgetall(Job.key_for(job_id))
             if lean:
                 ttl = self.job_monitoring_interval + 60  # get_heartbeat_ttl for a fresh job; the heartbeat refines it
-                self._stage_start(pipe, queue, job_id, execution_id, ttl)
+                self._stage_start(pipe, queue, job_id, member, ttl)
             data, *_ = pipe.execute()
         if lean:
             self._state = self._written_state = WorkerStatus.BUSY
@@ -222,7 +224,7 @@ class LeanTurnJobs:
             job.restore(data)
         except Exception as exc:
             if lean:  # nothing runs under that execution
-                self.connection.zrem(queue.started_job_registry.key, f"{job_id}:{execution_id}")
+                self.connection.zrem(queue.started_job_registry.key, member)
             if isinstance(exc, NoSuchJobError):
                 return None
             if lean:
@@ -235,7 +237,7 @@ class LeanTurnJobs:
         if lean and is_turn_job(job):
             job._agentpool_claimed = execution_id  # type: ignore[attr-defined]
         elif lean:  # not a turn job after all: RQ's whole bookkeeping, under an execution of its own
-            self.connection.zrem(queue.started_job_registry.key, f"{job_id}:{execution_id}")
+            self.connection.zrem(queue.started_job_registry.key, member)
         return job
 
     def prepare_execution(self, job: Job) -> Execution:
@@ -257,7 +259,7 @@ class LeanTurnJobs:
                         "worker_name": self.name,
                     },
                 )
-                self._stage_start(pipe, queue, job.id, execution_id, self.get_heartbeat_ttl(job))  # type: ignore[attr-defined]
+                self._stage_start(pipe, queue, job.id, execution.composite_key, self.get_heartbeat_ttl(job))  # type: ignore[attr-defined]
                 pipe.execute()
         self._state = self._written_state = WorkerStatus.BUSY
         job._status = JobStatus.STARTED
