@@ -16,6 +16,7 @@ from agentpool.runtime.jobs import give_back, turn_queue
 from agentpool.runtime.settings import connect
 from agentpool.store.events import read as read_events
 from agentpool.store.keys import RunKeys
+from agentpool.testing.localpool import WorkerProcesses
 from agentpool.testing.netfault import NetFault
 
 from conftest import assert_valid_conversation, script_task
@@ -89,3 +90,40 @@ def test_a_claimed_job_given_back_leaves_the_started_registry_and_is_pushed_once
     assert not give_back(r, queue, "r_claimed-t0000", member), "a second delivery finds it given back"
     assert r.lrange(queue.key, 0, -1) == [b"r_claimed-t0000"]
     assert r.zcard(queue.started_job_registry.key) == 0, "rq info no longer counts it executing"
+
+
+@pytest.mark.parametrize("kind", ["forking", "threaded"])
+def test_a_worker_killed_after_claiming_a_turn_before_its_lease_strands_nothing(kind, r, pool, model):
+    """SIGKILLed between the claim (the job in RQ's started registry, out of the intermediate queue) and
+    the lease: nobody holds the run, and no queue holds its job. A forking worker's machine is lost: the
+    reaper finds the run's job started with no lease when the run's recheck comes due, and takes the turn
+    over. A threaded worker's supervisor sees its child die and hands the turn over at once. Either way
+    the run completes, the model is asked once (the killed attempt never got that far), and the dead
+    claim is not left for `rq info` to count as executing."""
+    model.set_scripts({"short": [{"text": "Done."}]})
+    run_id = enqueue_run("pool_agents:support", script_task("short"), connection=r)
+    job = r.hget(RunKeys.of(run_id).run, "job").decode()
+    queue = turn_queue(r)
+    if kind == "forking":
+        killed = pool.start(1, AGENTPOOL_FAULTS="after_claim_killed", AGENTPOOL_REAPER_INTERVAL="0")[0]
+        assert killed.wait(timeout=60) == -signal.SIGKILL, pool.logs()
+        assert r.zscan(queue.started_job_registry.key, match=f"{job}:*")[1], "claimed: in the started registry"
+        assert r.llen(queue.intermediate_queue_key) == 0 and queue.get_job_ids() == [], "and in no queue"
+        assert not r.exists(RunKeys.of(run_id).lease), "nobody holds the run"
+        pool.start(1)
+        expected_kind = "lease_expiry"
+    else:
+        supervisor = WorkerProcesses.start(
+            pool, 1, "--log-level", "INFO", "--concurrency", "2", AGENTPOOL_FAULTS="after_claim_killed"
+        )[0]
+        expected_kind = "horse_death"
+    run = wait_for_run(run_id, timeout=90, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    assert list(pool.tmp.glob(f"fault-after_claim_killed-{run_id}-0")), "the kill came after the claim"
+    takeovers = [e for _i, e in read_events(r, run_id) if e["kind"] == "takeover"]
+    assert [e["cause_kind"] for e in takeovers] == [expected_kind], takeovers
+    assert model.stats()["by_script"] == {"short": 1}, "the model was asked once"
+    assert r.zcard(queue.started_job_registry.key) == 0, "the dead claim is not counted as executing"
+    assert r.zcard(queue.failed_job_registry.key) == 0, "nor as failed: its run went on"
+    if kind == "threaded":
+        assert supervisor.poll() is None, "the supervisor outlived its child"

@@ -44,6 +44,9 @@ POINTS = (
     # no execution claims it yet. A SIGTERM (a deploy) lands here; or a SIGKILL.
     "after_dequeue",
     "after_dequeue_killed",
+    # In either worker: the dequeued turn's job is claimed (in the started registry, out of the
+    # intermediate queue); its run's lease not yet taken. A SIGKILL of the worker (a lost machine).
+    "after_claim_killed",
     # In a worker's webhook thread (``turn`` is the delivery's number): the receiver answered 2xx; that
     # it did is not yet recorded, so the delivery is made again by another worker (a duplicate).
     "after_webhook_answered",

@@ -52,6 +52,7 @@ from rq.queue import Queue
 from rq.utils import as_text, now, utcformat
 from rq.worker import WorkerStatus
 
+from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import ended_by_turn, keep_queues_registered, note_execution, turn_of_job_id
 from agentpool.runtime.takeover import is_turn_job
 from agentpool.store.staged_job import EndedJob
@@ -206,7 +207,8 @@ class LeanTurnJobs:
         round trip, so ``prepare_execution`` has nothing left to write. None if the job hash is gone (RQ
         skips such a job too). A turn job's hash keeps ``status: queued`` (one write less a turn): its entry
         in the started registry is what says it runs (``agentpool.runtime.reaper``, the supervisor)."""
-        lean = turn_of_job_id(job_id) is not None  # a guess by the id: the job's function tells for sure
+        turn = turn_of_job_id(job_id)
+        lean = turn is not None  # a guess by the id: the job's function tells for sure
         execution_id = self._new_execution_id()
         member = f"{job_id}:{execution_id}"  # Execution.composite_key
         with self.connection.pipeline(transaction=False) as pipe:
@@ -234,8 +236,9 @@ class LeanTurnJobs:
                 return None
             exc.job_id, exc.queue = job_id, queue  # type: ignore[attr-defined]  # as RQ's dequeue reports it
             raise
-        if lean and is_turn_job(job):
+        if turn is not None and is_turn_job(job):
             job._agentpool_claimed = execution_id  # type: ignore[attr-defined]
+            fault("after_claim_killed", *turn)
         elif lean:  # not a turn job after all: RQ's whole bookkeeping, under an execution of its own
             self.connection.zrem(queue.started_job_registry.key, member)
         return job
