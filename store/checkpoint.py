@@ -431,13 +431,7 @@ def commit_tool_results(
 
     def stage(pipe: Pipeline, attempt: int, requeues: int, found: tuple[list[tuple[str, Any]], int]) -> None:
         waiting, length = found
-        closing = inbox.merged(message, waiting)
-        landed[:] = [i for i, _ in waiting]
-        if closing is not None:
-            pipe.rpush(keys.messages, pack_message(closing))
-            inbox.stage_delivered(pipe, keys, landed, turns=turns, index=length)
-        if landed:
-            Event.of(keys.run_id, "message_delivered", messages=",".join(landed), turn=turns).stage(pipe)
+        landed[:] = inbox.stage_user_message(pipe, keys, message, waiting, turns=turns, index=length)
         ledger.stage_compaction(pipe, keys, outcomes or {}, now_ms() / 1000)
         fields = {"phase": "model", "pending": b"", "attempt": 0, "updated_at": now_ms(), "v": SCHEMA_VERSION}
         pipe.hset(keys.run, mapping=fields)

@@ -6,7 +6,9 @@ on). The turn's save point B takes every waiting message into the user message t
 tool_results (tool_result blocks first, then the messages in the order they were sent) and marks each
 delivered, in the same EXEC: a crash delivers a message once or not yet, never twice. A reply that
 would complete the run while messages wait is committed as a turn that goes on instead (save point A
-refuses to complete), so its save point B delivers them.
+refuses to complete), so its save point B delivers them. A run that stopped with messages still waiting
+(a limit checked at a turn's start ends the run as it is) gets them in the write that restarts it
+(``send_message``, ``resume``), before the model call it goes on with.
 
 ``received`` keeps every message after delivery too: a retried ``send_message`` with the same id finds
 it (delivered once), and ``wait_for_run(after_message=...)`` reads where it was delivered.
@@ -22,8 +24,9 @@ from redis import Redis
 from redis.client import Pipeline
 
 from agentpool.store.codec import pack, unpack
+from agentpool.store.events import Event
 from agentpool.store.keys import RunKeys
-from agentpool.store.records import open_value, seal_value
+from agentpool.store.records import open_value, pack_message, seal_value
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,29 @@ def stage_delivered(pipe: Pipeline, keys: RunKeys, ids: list[str], *, turns: int
         return
     pipe.ltrim(keys.inbox, len(ids), -1)
     pipe.hset(keys.received, mapping={f"{i}:at": f"{turns}:{index}" for i in ids})
+
+
+def stage_user_message(
+    pipe: Pipeline,
+    keys: RunKeys,
+    message: Mapping[str, Any] | None,
+    waiting: list[tuple[str, Any]],
+    *,
+    turns: int,
+    index: int,
+) -> list[str]:
+    """In MULTI: the user message that closes a turn (``message``: its tool_results) or opens a resumed one
+    (``message`` None), with the ``waiting`` messages (the head of the inbox, as read under WATCH) after
+    any tool_result, appended at ``index``; those leave the inbox, delivered there at ``turns``, with one
+    ``message_delivered`` event. Appends nothing when both are empty. Returns the ids delivered."""
+    closing = merged(message, waiting)
+    ids = [i for i, _ in waiting]
+    if closing is not None:
+        pipe.rpush(keys.messages, pack_message(closing))
+        stage_delivered(pipe, keys, ids, turns=turns, index=index)
+    if ids:
+        Event.of(keys.run_id, "message_delivered", messages=",".join(ids), turn=turns).stage(pipe)
+    return ids
 
 
 def stage_received(pipe: Pipeline, keys: RunKeys, message_id: str, content: Any) -> None:

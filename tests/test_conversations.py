@@ -372,3 +372,53 @@ def test_a_fork_retried_after_its_parent_moved_on_returns_the_fork_it_made(r):
     assert get_run("fork-retried", connection=r).turns == 1
     with pytest.raises(RunExists):
         fork_run(run_id, at_turn=0, fork_id="fork-retried", connection=r)  # another request under that id
+
+
+def _arrives_just_before_the_stop(r, run_id: str, message_id: str, text: str) -> None:
+    """What a send_message in the instant between a turn's save point B and the next turn's limit check
+    leaves: the message kept and waiting in the inbox of the run the check then stops (the same two
+    writes send_message makes for a running run)."""
+    from agentpool.store import inbox
+    from agentpool.store.keys import RunKeys
+
+    keys = RunKeys.of(run_id)
+    r.hset(keys.received, message_id, inbox.pack_content(text))
+    r.rpush(keys.inbox, message_id)
+
+
+def test_a_message_left_waiting_by_a_limit_stop_reaches_the_model_call_that_resumes_the_run(r, pool, model):
+    """resume(add_turns=1) gives the run one turn: the model call of that turn must see the message that
+    waited, or the turn is spent without it and the message is delivered after, never answered."""
+    reads = [{"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}]}] * 2
+    model.set_scripts({"long": [*reads, {"text": "Summarized."}]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:short", script_task("long"), connection=r)  # max_turns=2
+    assert wait_for_run(run_id, timeout=60, connection=r).status == "stopped"
+    _arrives_just_before_the_stop(r, run_id, "late-1", "Then summarize.")
+    assert get_run(run_id, connection=r).inbox == [{"id": "late-1", "content": "Then summarize."}]
+
+    resume(run_id, add_turns=1, connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r, after_message="late-1")
+    assert (run.status, run.turns, run.result) == ("completed", 3, "Summarized."), run.error
+    assert "Then summarize." in user_texts(run.messages[-2]), "the resumed turn's model call saw it"
+    assert run.inbox == []
+    assert_valid_conversation(run.messages)
+
+
+def test_a_message_to_a_stopped_run_with_one_waiting_goes_in_behind_it_before_the_model_call(r, pool, model):
+    """A run stopped for a reason other than a limit (a spend-limit 429) takes a message at once; one
+    that waited since before the stop goes in with it, first, and the next model call sees both."""
+    limit = "This request would exceed your organization's monthly usage limit."
+    model.set_scripts(
+        {"broke": [{"error": {"status": 429, "type": "rate_limit_error", "times": 1, "message": limit}, "text": "Ok."}]}
+    )
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:budgeted", script_task("broke"), connection=r)
+    assert wait_for_run(run_id, timeout=60, connection=r).status == "stopped"
+    _arrives_just_before_the_stop(r, run_id, "early-1", "First this.")
+    sent = send_message(run_id, "Then this.", connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+    assert (run.status, run.turns, run.result) == ("completed", 1, "Ok."), run.error
+    assert user_texts(run.messages[-2]) == ["First this.", "Then this."], "in the order they were sent"
+    assert run.inbox == []
+    assert model.stats()["rejected"] == 0, model.stats()["rejections"]

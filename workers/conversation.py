@@ -114,15 +114,20 @@ def send_message(
         refused = _refusal(r, state)
         if refused:
             raise MessageRefused(run_id, refused)
-        # Straight into the conversation when nothing is in flight and no earlier message waits
-        # (a stopped run may hold some: this one goes behind them, keeping the order).
-        at_once = (state.status == "completed" or (state.status == "stopped" and state.phase != "tools")) and not (
-            pipe.llen(keys.inbox)
-        )
+        # Straight into the conversation when nothing is in flight: the run's next step is a model call.
+        # A stopped run may hold messages that arrived just before it stopped (a limit checked at a
+        # turn's start ends it with its inbox as it was): they go in with this one, ahead of it.
+        at_once = state.status == "completed" or (state.status == "stopped" and state.phase != "tools")
+        waiting = inbox.read_waiting(pipe, keys) if at_once else []
         length = int(pipe.llen(keys.messages))
         pipe.multi()
         inbox.stage_received(pipe, keys, message_id, content)
-        if at_once:
+        if waiting:
+            pipe.rpush(keys.inbox, message_id)  # behind them, and all leave the inbox delivered in this EXEC
+            inbox.stage_user_message(
+                pipe, keys, None, [*waiting, (message_id, content)], turns=state.turns, index=length
+            )
+        elif at_once:
             _stage_append(pipe, keys, message_id, content, turns=state.turns, index=length)
         else:
             pipe.rpush(keys.inbox, message_id)

@@ -32,7 +32,7 @@ from redis.client import Pipeline
 
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.takeover import read_header, stage_restart
-from agentpool.store import checkpoint, children
+from agentpool.store import checkpoint, children, inbox
 from agentpool.store.children import Budget
 from agentpool.store.clock import now_ms
 from agentpool.store.codec import pack
@@ -133,6 +133,10 @@ class Resumed:
     requeues: int
     caps: dict[str, str]
     waits: bool = False  # stopped while waiting for its children, some still open: it waits again
+    # Messages that arrived just before it stopped (still in its inbox), and where they go in the
+    # conversation: delivered with the resume, so the model call it goes on with sees them.
+    waiting: list[tuple[str, Any]] = field(default_factory=list)
+    length: int = 0
 
 
 @dataclass
@@ -167,7 +171,13 @@ def resumed(pipe: Pipeline, state: RunState) -> Resumed:
         if raw
     }
     waits = state.phase == "tools" and open_joins(pipe, state.id)
-    return Resumed(state, header.requeues, caps, waits)
+    waiting: list[tuple[str, Any]] = []
+    length = 0
+    if state.phase == "model":  # a turn's save point B delivers them otherwise
+        pipe.watch(keys.inbox)
+        waiting = inbox.read_waiting(pipe, keys)
+        length = int(pipe.llen(keys.messages)) if waiting else 0
+    return Resumed(state, header.requeues, caps, waits, waiting, length)
 
 
 def plan(pipe: Pipeline, top: RunState, short_of: Callable[[RunState], str | None]) -> Plan:
@@ -226,6 +236,7 @@ def stage(pipe: Pipeline, r: Redis, run: Resumed, adds: Mapping[str, int | float
         pipe.hset(keys.run, mapping={**fields, "status": "waiting_children", "updated_at": now_ms()})
         pipe.zadd(RUNS_WATCH, {state.id: now_ms() + children.WAITING_RECHECK_MS})
     else:
+        inbox.stage_user_message(pipe, keys, None, run.waiting, turns=state.turns, index=run.length)
         stage_restart(
             pipe,
             r,
