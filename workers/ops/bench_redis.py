@@ -2,7 +2,7 @@
 
 Redis, not the workers, is what every turn of the pool goes through, so its cost per turn sets the
 pool's ceiling. Around a few hundred turns (enqueue to the last turn's end) this reads Redis's own
-``INFO commandstats`` (calls by command) and ``INFO cpu`` (the server's user + system CPU), and divides
+``INFO commandstats`` (calls and time by command) and ``INFO cpu`` (the server's user + system CPU), and divides
 by the turns. The bench's own polling is counted and taken out; the pool's background (idle workers'
 dequeue waits, the reaper's scans, heartbeats) is measured alone for a few seconds and shown apart,
 since it costs per second, not per turn.
@@ -27,6 +27,7 @@ IDLE = 4.0  # seconds of an idle pool measured for its background rate
 @dataclass
 class Sample:
     commands: Counter[str]
+    usec: Counter[str]  # Redis's own time inside each command (a script's includes the commands it calls)
     cpu_s: float
     seconds: float
     reads: int  # requests Redis read off its sockets (a pipeline's commands arrive in one): round trips
@@ -36,21 +37,23 @@ class Sample:
         return sum(self.commands.values())
 
 
-def _stats(r: Redis) -> tuple[Counter[str], float, int]:
-    """Calls by command, the server's CPU seconds, and its socket reads (``total_reads_processed``)."""
+def _stats(r: Redis) -> tuple[Counter[str], Counter[str], float, int]:
+    """Calls and µs by command, the server's CPU seconds, and its socket reads (``total_reads_processed``)."""
     calls: Counter[str] = Counter()
+    usec: Counter[str] = Counter()
     for name, stat in r.info("commandstats").items():
         calls[name.removeprefix("cmdstat_")] = int(stat["calls"])
+        usec[name.removeprefix("cmdstat_")] = int(stat["usec"])
     cpu = r.info("cpu")
     reads = int(r.info("stats")["total_reads_processed"])
-    return calls, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), reads
+    return calls, usec, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), reads
 
 
 def _measure(lab: Lab, work: Callable[[], object], done: Callable[[], bool]) -> Sample:
     """Redis's calls by command and CPU from before ``work()`` until ``done()``, without the bench's own."""
     r = lab.r
     r.config_resetstat()
-    calls_before, cpu_before, reads_before = _stats(r)
+    calls_before, usec_before, cpu_before, reads_before = _stats(r)
     own: Counter[str] = Counter({"info": 3})  # the three INFO of the first _stats
     started = time.perf_counter()
     work()
@@ -59,13 +62,15 @@ def _measure(lab: Lab, work: Callable[[], object], done: Callable[[], bool]) -> 
         time.sleep(POLL)
     own["zcard"] += 1
     seconds = time.perf_counter() - started
-    calls_after, cpu_after, reads_after = _stats(r)
+    calls_after, usec_after, cpu_after, reads_after = _stats(r)
     calls = calls_after - calls_before
     # The bench's own reads: its polls, and the two INFO before the one that read the count.
     own_reads = own["zcard"] + 2
     calls.subtract(own)
     calls.pop("config|resetstat", None)
-    return Sample(+calls, cpu_after - cpu_before, seconds, reads_after - reads_before - own_reads)
+    return Sample(
+        +calls, +(usec_after - usec_before), cpu_after - cpu_before, seconds, reads_after - reads_before - own_reads
+    )
 
 
 def _idle(lab: Lab) -> Sample:
@@ -133,6 +138,10 @@ def _top(sample: Sample, n: int, k: int = 8) -> str:
     return ", ".join(f"{name.upper()} {calls / n:.1f}" for name, calls in sample.commands.most_common(k))
 
 
+def _top_time(sample: Sample, n: int, k: int = 8) -> str:
+    return ", ".join(f"{name.upper()} {usec / n:.1f}" for name, usec in sample.usec.most_common(k))
+
+
 def bench_redis(lab: Lab, turns: int, threads: int) -> None:
     rows, details = [], []
     for kind, args in (
@@ -165,6 +174,7 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
                 ]
             )
             details.append(f"{kind}, {job}: {_top(sample, turns)}")
+            details.append(f"{kind}, {job}, µs inside commands: {_top_time(sample, turns)}")
         details.append(
             f"{kind}, idle pool: {idle.total / idle.seconds:.1f} commands/s, "
             f"{idle.cpu_s * 1e6 / idle.seconds:.0f} µs CPU/s ({_top(idle, 1, 5)} over {idle.seconds:.1f} s)"
@@ -195,6 +205,11 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
                 "commands arrive in one), net of idle: most of Redis's CPU per turn goes to them, not to commands"
             ),
             "turns/s per Redis core = 1,000,000 / net CPU µs per turn",
+            (
+                "µs inside commands: Redis's own time in each command per turn (INFO commandstats usec); a "
+                "script's (EVALSHA) includes the commands it calls, which are counted under their names too; "
+                "the CPU not inside any command goes to reading and writing the sockets"
+            ),
             *details,
         ),
     )
