@@ -173,7 +173,7 @@ def resumed(pipe: Pipeline, state: RunState) -> Resumed:
     waits = state.phase == "tools" and open_joins(pipe, state.id)
     waiting: list[tuple[str, Any]] = []
     length = 0
-    if state.phase == "model":  # a turn's save point B delivers them otherwise
+    if state.phase != "tools":  # its next step is a model call (with pending tools, their save point B delivers them)
         pipe.watch(keys.inbox)
         waiting = inbox.read_waiting(pipe, keys)
         length = int(pipe.llen(keys.messages)) if waiting else 0
