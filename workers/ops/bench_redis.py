@@ -5,12 +5,15 @@ pool's ceiling. Around a few hundred turns (enqueue to the last turn's end) this
 ``INFO commandstats`` (calls and time by command) and ``INFO cpu`` (the server's user + system CPU), and divides
 by the turns. The bench's own polling is counted and taken out; the pool's background (idle workers'
 dequeue waits, the reaper's scans, heartbeats) is measured alone for a few seconds and shown apart,
-since it costs per second, not per turn.
+since it costs per second, not per turn. Each is measured twice when this bench started the Redis and the
+machine has two CPUs or more: Redis sharing every CPU with the pool, and Redis on a CPU of its own
+(``_Placement``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -134,6 +137,24 @@ def _per_turn(sample: Sample, idle: Sample, n: int) -> tuple[float, float, float
     return commands, cpu_us, net_commands, net_cpu_us, net_reads
 
 
+def _row(where: str, kind: str, job: str, sample: Sample, idle: Sample, turns: int) -> list[str]:
+    commands, cpu_us, net_commands, net_cpu_us, net_reads = _per_turn(sample, idle, turns)
+    ours_threaded = job == "agentpool turn" and "threaded" in kind
+    return [
+        where,
+        kind,
+        job,
+        f"{commands:.1f}",
+        f"{net_commands:.1f}",
+        "<= 40" if ours_threaded else "",
+        f"{net_reads:.1f}",
+        f"{cpu_us:.0f}",
+        f"{net_cpu_us:.0f}",
+        "<= 250" if ours_threaded else "",
+        f"{1e6 / max(net_cpu_us, 1e-9):,.0f}",
+    ]
+
+
 def _top(sample: Sample, n: int, k: int = 8) -> str:
     return ", ".join(f"{name.upper()} {calls / n:.1f}" for name, calls in sample.commands.most_common(k))
 
@@ -142,46 +163,72 @@ def _top_time(sample: Sample, n: int, k: int = 8) -> str:
     return ", ".join(f"{name.upper()} {usec / n:.1f}" for name, usec in sample.usec.most_common(k))
 
 
+class _Placement:
+    """Where Redis runs beside the pool: on the same CPUs as everything else (this machine as it is), or
+    on a CPU of its own with the bench, the scripted model and the workers on the others, as a Redis
+    server at capacity has one. Sharing, Redis's caches are cold at every request (the workers' Python
+    runs between two), which costs it a good part of its CPU per turn: both figures are shown."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.everything = sorted(os.sched_getaffinity(0))
+        # Only a Redis this bench started can be placed, and only with a CPU left for the pool.
+        self.redis_pid = int(lab.r.info("server")["process_id"]) if lab.server else 0
+        self.can_isolate = bool(self.redis_pid) and len(self.everything) >= 2
+
+    def set(self, isolated: bool) -> None:
+        pool = self.everything[:-1] if isolated else self.everything
+        redis_cpus = self.everything[-1:] if isolated else self.everything
+        # Every thread of this process (the scripted model's among them): what they start inherits it, and
+        # so do the workers started next.
+        _pin(os.getpid(), pool)
+        if self.redis_pid:
+            _pin(self.redis_pid, redis_cpus)
+
+
+def _pin(pid: int, cpus: list[int]) -> None:
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(thread), cpus)
+
+
 def bench_redis(lab: Lab, turns: int, threads: int) -> None:
     rows, details = [], []
-    for kind, args in (
-        ("forking (--concurrency 1)", ()),
-        (f"threaded (--concurrency {threads})", ("--concurrency", str(threads))),
-    ):
-        lab.reset({"redis": tool_steps(TURNS_PER_RUN)})
-        lab.start(*args)
-        _runs(lab, TURNS_PER_RUN)  # warm: imports, connections, scripts loaded
-        _bare(lab, 5)
-        idle = _idle(lab)
-        bare = _bare(lab, turns)
-        ours = _runs(lab, turns)
-        for job, sample in (("bare RQ job (no-op)", bare), ("agentpool turn", ours)):
-            commands, cpu_us, net_commands, net_cpu_us, net_reads = _per_turn(sample, idle, turns)
-            target = ("<= 40" if "threaded" in kind else "") if job == "agentpool turn" else ""
-            cpu_target = ("<= 250" if "threaded" in kind else "") if job == "agentpool turn" else ""
-            rows.append(
-                [
-                    kind,
-                    job,
-                    f"{commands:.1f}",
-                    f"{net_commands:.1f}",
-                    target,
-                    f"{net_reads:.1f}",
-                    f"{cpu_us:.0f}",
-                    f"{net_cpu_us:.0f}",
-                    cpu_target,
-                    f"{1e6 / max(net_cpu_us, 1e-9):,.0f}",
-                ]
-            )
-            details.append(f"{kind}, {job}: {_top(sample, turns)}")
-            details.append(f"{kind}, {job}, µs inside commands: {_top_time(sample, turns)}")
-        details.append(
-            f"{kind}, idle pool: {idle.total / idle.seconds:.1f} commands/s, "
-            f"{idle.cpu_s * 1e6 / idle.seconds:.0f} µs CPU/s ({_top(idle, 1, 5)} over {idle.seconds:.1f} s)"
+    placement = _Placement(lab)
+    placements = [False, True] if placement.can_isolate else [False]
+    try:
+        for isolated in placements:
+            placement.set(isolated)
+            where = f"own CPU ({placement.everything[-1]})" if isolated else "shares all"
+            for kind, args in (
+                ("forking (--concurrency 1)", ()),
+                (f"threaded (--concurrency {threads})", ("--concurrency", str(threads))),
+            ):
+                lab.reset({"redis": tool_steps(TURNS_PER_RUN)})
+                lab.start(*args)
+                _runs(lab, TURNS_PER_RUN)  # warm: imports, connections, scripts loaded
+                _bare(lab, 5)
+                idle = _idle(lab)
+                bare = _bare(lab, turns)
+                ours = _runs(lab, turns)
+                for job, sample in (("bare RQ job (no-op)", bare), ("agentpool turn", ours)):
+                    rows.append(_row(where, kind, job, sample, idle, turns))
+                    details.append(f"{kind}, Redis {where}, {job}: {_top(sample, turns)}")
+                    details.append(f"{kind}, Redis {where}, {job}, µs inside commands: {_top_time(sample, turns)}")
+                details.append(
+                    f"{kind}, Redis {where}, idle pool: {idle.total / idle.seconds:.1f} commands/s, "
+                    f"{idle.cpu_s * 1e6 / idle.seconds:.0f} µs CPU/s ({_top(idle, 1, 5)} over {idle.seconds:.1f} s)"
+                )
+    finally:
+        placement.set(False)
+        lab.workers.stop()  # started under the last placement
+    if not placement.can_isolate:
+        details.insert(
+            0, "Redis was not given a CPU of its own: it was not started by this bench, or the machine has one CPU"
         )
     table(
         f"redis: Redis commands and Redis CPU per turn ({turns} turns, {TURNS_PER_RUN} per run; bare RQ: {turns} jobs)",
         [
+            "Redis",
             "worker",
             "job",
             "commands",
@@ -205,6 +252,11 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
                 "commands arrive in one), net of idle: most of Redis's CPU per turn goes to them, not to commands"
             ),
             "turns/s per Redis core = 1,000,000 / net CPU µs per turn",
+            (
+                "Redis: 'shares all': Redis, the workers, the scripted model and the bench on all the machine's "
+                "CPUs; 'own CPU': Redis alone on one CPU (sched_setaffinity), everything else on the others, as a "
+                "Redis server at capacity has a core of its own (sharing, its caches are cold at every request)"
+            ),
             (
                 "µs inside commands: Redis's own time in each command per turn (INFO commandstats usec); a "
                 "script's (EVALSHA) includes the commands it calls, which are counted under their names too; "
