@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 from redis import Redis
@@ -13,7 +14,7 @@ from redis import Redis
 from agentpool import enqueue_run, wait_for_run
 from agentpool.runtime.jobs import turn_queue
 from agentpool.store import events
-from agentpool.store.keys import RUNS
+from agentpool.store.keys import RUNS, RunKeys
 from agentpool.testing.localpool import WorkerProcesses
 
 from conftest import assert_valid_conversation, script_task
@@ -88,3 +89,32 @@ def test_a_bad_queue_name_is_refused_in_one_line_and_makes_nothing(r: Redis, poo
     )
     assert proc.returncode != 0
     assert "queue name" in proc.stderr and "Bad!" in proc.stderr
+
+
+def _rq(redis_url: str, *args: str) -> None:
+    rq = [sys.executable, "-c", "from rq.cli import main; main()"]
+    subprocess.run([*rq, *args, "-u", redis_url], check=True, capture_output=True, timeout=60)
+
+
+@pytest.mark.parametrize("concurrency", ["1", "2"], ids=["forking", "threaded"])
+def test_rq_suspend_holds_every_worker_until_rq_resume(concurrency, r: Redis, redis_server, pool, model) -> None:
+    """An operator's `rq suspend`: an idle worker takes no turn (its state says so in `rq info`), and
+    `rq resume` lets the queued runs go on."""
+    from rq import Worker
+
+    model.set_scripts({"held": [{"text": "Done after the resume."}]})
+    _start(pool, "--concurrency", concurrency)
+    deadline = time.monotonic() + 30
+    while not Worker.all(connection=r):
+        assert time.monotonic() < deadline, pool.logs()
+        time.sleep(0.1)
+    _rq(redis_server.url, "suspend")
+    while not all(w.get_state() == "suspended" for w in Worker.all(connection=r)):
+        assert time.monotonic() < deadline, "the idle worker noticed the suspension:\n" + pool.logs()
+        time.sleep(0.1)
+    run_id = enqueue_run("pool_agents:support", script_task("held"), connection=r)
+    time.sleep(3)
+    assert r.hget(RunKeys.of(run_id).run, "turns") == b"0" and turn_queue(r).count == 1, "nothing taken"
+    _rq(redis_server.url, "resume")
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed" and run.result == "Done after the resume.", (run.error, pool.logs())

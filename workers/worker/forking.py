@@ -127,6 +127,11 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
                 return None
             once = None if timeout is None else max(1, math.ceil(min(timeout, left if left is not None else timeout)))
             try:
+                # RQ's loop looks at `rq suspend` only between two dequeues it makes itself; this loop
+                # waits here instead, so an idle worker takes no turn once the pool is suspended.
+                self.check_for_suspension(timeout is None)
+                if self._stop_requested:
+                    raise StopRequested()
                 self.heartbeat()
                 if self.should_run_maintenance_tasks:
                     self.run_maintenance_tasks()

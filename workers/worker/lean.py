@@ -49,6 +49,7 @@ from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.queue import Queue
+from rq.suspension import WORKERS_SUSPENDED
 from rq.utils import as_text, now, utcformat
 from rq.worker import WorkerStatus
 
@@ -142,10 +143,14 @@ class LeanTurnJobs:
             self._written_state = WorkerStatus.IDLE
 
     def check_for_suspension(self, burst: bool) -> None:
-        """``rq suspend`` is looked at once a second, not before every dequeue."""
+        """``rq suspend`` is looked at once a second, not before every dequeue, with one ``EXISTS``: RQ's
+        own look (``is_suspended``) sends the worker's heartbeat with it, a transaction of five commands a
+        second, where ``heartbeat`` is due every ``HEARTBEAT_EVERY`` seconds. A suspended pool goes
+        through RQ's loop, which waits (heartbeating) until ``rq resume``."""
         if time.monotonic() - self._suspension_at < SUSPENSION_EVERY:
             return
-        super().check_for_suspension(burst)  # type: ignore[misc]
+        if self.connection.exists(WORKERS_SUSPENDED):
+            super().check_for_suspension(burst)  # type: ignore[misc]
         self._suspension_at = time.monotonic()
 
     # -- a turn job's execution -------------------------------------------------------------------
