@@ -129,6 +129,38 @@ def test_racing_reapers_enqueue_each_deferred_turn_once(r, redis_server):
     assert r.zcard(TURNS_DEFERRED) == 0
 
 
+def test_the_pool_looks_for_due_deferred_turns_about_ten_times_a_second_whatever_its_size(r, redis_server):
+    """Each of n workers' reaper threads looks every 0.1 x n s on average: eight workers together ask
+    about as often as one did alone (they used to ask ten times a second each), and a turn that comes
+    due is still moved to the queue by one of them."""
+    from rq.worker_registration import REDIS_WORKER_KEYS
+
+    from agentpool.runtime.reaper import ReaperThread
+
+    workers = 8
+    r.sadd(REDIS_WORKER_KEYS, *(f"rq:worker:looker-{i}" for i in range(workers)))
+    clients = [Redis.from_url(redis_server.url) for _ in range(workers)]
+    threads = [ReaperThread(client, owner=f"looker-{i}", interval=3600) for i, client in enumerate(clients)]
+    for thread in threads:
+        thread.start()
+    time.sleep(1)  # each has counted the pool and made its first look
+    r.config_resetstat()
+    with r.pipeline(transaction=True) as pipe:
+        pipe.multi()
+        stage_turn(pipe, r, "r_looked_for", 2, attempt=1, delay=1.0)
+        pipe.execute()
+    time.sleep(4)
+    looks = int(r.info("commandstats").get("cmdstat_zrangebyscore", {}).get("calls", 0))
+    for thread in threads:
+        thread.stop()
+        thread.join()
+    for client in clients:
+        client.close()
+    # About 40 in 4 s for the pool; 320 when each looked ten times a second.
+    assert 10 <= looks <= 100, looks
+    assert turn_queue(r).get_job_ids() == [job_id("r_looked_for", 2, 1)], "the due turn was moved"
+
+
 def test_deferred_turns_run_when_the_reaping_worker_is_killed(r, pool, model):
     model.set_scripts({"backoff": BACKOFF})
     procs = {name: _start(pool, name) for name in ("w0", "w1", "w2")}

@@ -18,12 +18,16 @@ would otherwise wait for the run's 30 s recheck. Giving back a job a slow worker
 the second execution finds the lease held or the turn done.
 
 Every worker runs it in a thread; a one-second lock lets one of them scan at a time. Due deferred
-turns are looked for every 0.1 s by every worker, without the lock: that move is atomic.
+turns are looked for without the lock (that move is atomic) by every worker, each at random moments
+spread so that the pool as a whole looks about every ``PROMOTE_EVERY`` seconds, however many workers
+it has: one look costs Redis one command, and ten a second for each of hundreds of idle workers would
+cost it a good part of a core.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +35,7 @@ from collections.abc import Callable
 from redis import Redis
 from redis.exceptions import RedisError
 from rq.job import Job, JobStatus
+from rq.worker_registration import REDIS_WORKER_KEYS
 
 from agentpool.runtime import deferred, subagents
 from agentpool.runtime.approvals import expire_due
@@ -44,7 +49,9 @@ from agentpool.store.keys import REAPER_LOCK, RUNS_WATCH, RunKeys
 from agentpool.store.records import ACTIVE_STATUSES, SCHEMA_VERSION
 
 log = logging.getLogger("agentpool.reaper")
-PROMOTE_EVERY = 0.1  # seconds between looks for due deferred turns: one ZRANGEBYSCORE per worker
+PROMOTE_EVERY = 0.1  # seconds between the pool's looks for due deferred turns (one ZRANGEBYSCORE each)
+PROMOTE_AT_LEAST_EVERY = 2.0  # seconds: each worker looks at least this often, however many there are
+WORKERS_COUNTED_EVERY = 10.0  # seconds between counts of the pool's workers (RQ's worker set)
 STRANDED_AFTER = 10.0  # seconds a job may sit in RQ's intermediate queue before it is given back
 _intermediate_seen: dict[str, float] = {}  # job id -> when this process first saw it there (monotonic)
 WAITING = {JobStatus.QUEUED.value, JobStatus.DEFERRED.value}
@@ -212,32 +219,48 @@ def _job_state(r: Redis, run_id: str, job_id: str) -> str:
 
 class ReaperThread(threading.Thread):
     """Runs ``reap_once`` every ``interval`` seconds in whichever worker takes the lock first, and moves
-    due deferred turns onto the queue every ``PROMOTE_EVERY`` seconds in every worker: that move is
-    atomic (``deferred.promote_due``), so it needs no lock, and a turn is enqueued within a fraction of
-    a second of its due time while any worker lives."""
+    due deferred turns onto the queue in every worker: that move is atomic (``deferred.promote_due``), so
+    it needs no lock. Each of the pool's *n* workers looks every ``PROMOTE_EVERY`` × *n* seconds (at most
+    ``PROMOTE_AT_LEAST_EVERY``), at a random moment in that span: the pool looks about every
+    ``PROMOTE_EVERY`` seconds in all, and a turn is enqueued within a fraction of a second of its due time
+    while any worker lives (a killed worker's looks are simply missing from the others')."""
 
     def __init__(self, r: Redis, owner: str, interval: float) -> None:
         super().__init__(name="agentpool-reaper", daemon=True)
         self.r, self.owner, self.interval = r, owner, interval
         self.stopping = threading.Event()
+        self.workers = 1
+        self._counted_at = -WORKERS_COUNTED_EVERY
 
     def run(self) -> None:
         tick = min(self.interval, PROMOTE_EVERY)
         next_scan = time.monotonic() + self.interval
+        next_promote = 0.0
         while not self.stopping.wait(tick):
             try:
-                if time.monotonic() < next_scan:
+                now = time.monotonic()
+                if now >= next_scan:
+                    next_scan = now + self.interval
+                    if self.r.set(REAPER_LOCK, self.owner, nx=True, px=max(100, int(self.interval * 1000) - 50)):
+                        reap_once(self.r)  # which moves the due deferred turns first
+                        next_promote = now + self.promote_gap()
+                        continue
+                if now >= next_promote:
                     _promote(self.r)
-                    continue
-                next_scan = time.monotonic() + self.interval
-                if self.r.set(REAPER_LOCK, self.owner, nx=True, px=max(100, int(self.interval * 1000) - 50)):
-                    reap_once(self.r)
-                else:
-                    _promote(self.r)
+                    next_promote = now + self.promote_gap()
             except RedisError as exc:
                 log.warning("reaper: Redis unavailable (%s); will retry", exc)
             except Exception:
                 log.exception("reaper: unexpected error")
+
+    def promote_gap(self) -> float:
+        """Seconds until this worker's next look for due deferred turns: random, about the pool's size
+        times ``PROMOTE_EVERY`` (the size read from RQ's set of workers every ``WORKERS_COUNTED_EVERY`` s)."""
+        now = time.monotonic()
+        if now - self._counted_at >= WORKERS_COUNTED_EVERY:
+            self._counted_at = now
+            self.workers = max(1, int(self.r.scard(REDIS_WORKER_KEYS)))
+        return min(PROMOTE_AT_LEAST_EVERY, PROMOTE_EVERY * self.workers * random.uniform(0.5, 1.5))
 
     def stop(self) -> None:
         self.stopping.set()
