@@ -9,9 +9,7 @@ local function record_event(stream, stats, at)
   if not cap then return at end
   if cap == 0 then return at + 1 end
   local n = tonumber(ARGV[at + 1])
-  local fields = {}
-  for i = at + 2, at + 1 + 2 * n do fields[#fields + 1] = ARGV[i] end
-  redis.call('XADD', stream, 'MAXLEN', '~', cap, '*', unpack(fields))
+  redis.call('XADD', stream, 'MAXLEN', '~', cap, '*', unpack(ARGV, at + 2, at + 1 + 2 * n))
   local m_at = at + 2 + 2 * n
   local m = tonumber(ARGV[m_at])
   for i = m_at + 1, m_at + 2 * m, 2 do
