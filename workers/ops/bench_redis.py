@@ -170,7 +170,6 @@ class _Placement:
     runs between two), which costs it a good part of its CPU per turn: both figures are shown."""
 
     def __init__(self, lab: Lab) -> None:
-        self.lab = lab
         self.everything = sorted(os.sched_getaffinity(0))
         # Only a Redis this bench started can be placed, and only with a CPU left for the pool.
         self.redis_pid = int(lab.r.info("server")["process_id"]) if lab.server else 0
@@ -188,7 +187,10 @@ class _Placement:
 
 def _pin(pid: int, cpus: list[int]) -> None:
     for thread in os.listdir(f"/proc/{pid}/task"):
-        os.sched_setaffinity(int(thread), cpus)
+        try:
+            os.sched_setaffinity(int(thread), cpus)
+        except ProcessLookupError:  # a thread that ended meanwhile (one of the model's request threads)
+            pass
 
 
 def bench_redis(lab: Lab, turns: int, threads: int) -> None:
