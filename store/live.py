@@ -59,10 +59,11 @@ class WatchLookup:
         self._staged = False
 
     def stage(self, pipe: Pipeline, keys: RunKeys) -> None:
-        if time.monotonic() < _nobody_until.get(self._pool, 0.0):
-            return
-        pipe.exists(ANYONE_WATCHING, keys.watchers)
-        self._staged = True
+        # Decided afresh at every call: a round trip sent again (a script cache miss stages its reads
+        # anew) may find the hint set meanwhile by another turn of this process, and then stages nothing.
+        self._staged = time.monotonic() >= _nobody_until.get(self._pool, 0.0)
+        if self._staged:
+            pipe.exists(ANYONE_WATCHING, keys.watchers)
 
     def watched(self, replies: list[Any]) -> bool:
         """From the replies that followed the run's (none if nothing was staged)."""

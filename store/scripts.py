@@ -95,7 +95,8 @@ class _Scripts:
         stage: Callable[[Pipeline], None] | None = None,
     ) -> list[object]:
         """One round trip: the script once per ``(keys, args)``, then the commands ``stage`` adds,
-        which see what the scripts wrote. Replies in that order.
+        which see what the scripts wrote. Replies in that order. ``stage`` is called again for the
+        round trip sent after a script cache miss: what it stages must depend on that call only.
 
         (redis-py's own scripts in a pipeline cost a SCRIPT EXISTS round trip first; here EVALSHA
         goes out as is, and a cache miss loads the script and sends the lot again.)"""

@@ -137,3 +137,32 @@ def test_live_output_is_sealed_at_rest_when_encryption_is_on(r, pool, model):
         assert raw and not any(b"Bluebird" in entry or b"41 per" in entry for entry in raw)
     finally:
         crypto.configure(None)
+
+
+def test_the_watch_look_survives_a_script_cache_miss_while_another_turn_learns_nobody_watches(r):
+    """The lease's round trip carries the look at the watchers; a script cache miss (a Redis restarted,
+    a new one) sends the round trip again and stages its reads anew. If another turn of the process
+    learned meanwhile that nobody watches, the retry stages no look, and the turn must not read a reply
+    that is not there (it used to fail with an IndexError, its job failed, its run taken over)."""
+    from agentpool.store import live
+    from agentpool.store.lease import Acquire, acquire
+
+    run_id = enqueue_run("pool_agents:support", "a task", connection=r)
+    keys = RunKeys.of(run_id)
+    r.script_flush()  # the first attempt misses the cache
+    lookup = live.WatchLookup(r)
+    attempts = []
+
+    def then(pipe) -> None:
+        lookup.stage(pipe, keys)
+        attempts.append(len(pipe.command_stack))
+        # Between the two attempts, another turn of this process finds no run watched.
+        live.adopt_watch_hints({id(r.connection_pool): time.monotonic() + 60})
+
+    try:
+        got = acquire(r, keys, turn=0, worker_id="w.1", ttl_ms=10_000, then=then)
+    finally:
+        live._nobody_until.clear()
+    assert got.code is Acquire.ACQUIRED, got
+    assert len(attempts) == 2 and attempts[0] > attempts[1], "sent twice, the look staged only the first time"
+    assert lookup.watched(got.then) is False
