@@ -424,8 +424,7 @@ def commit_tool_results(
     assert enqueue_next is not None, "commit_tool_results needs next_job or enqueue_next"
 
     def read(pipe: Pipeline) -> tuple[list[tuple[str, Any]], int]:
-        waiting = inbox.read_waiting(pipe, keys)  # one LRANGE in the common case: nothing waits
-        return waiting, int(pipe.llen(keys.messages)) if waiting else 0
+        return inbox.read_for_delivery(pipe, keys)
 
     landed: list[str] = []
 

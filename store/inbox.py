@@ -59,6 +59,13 @@ def read_waiting(pipe: Pipeline | Redis, keys: RunKeys) -> list[tuple[str, Any]]
     return [(i, unpack_content(blob, f"message {i} to run {keys.run_id}")) for i, blob in zip(ids, blobs) if blob]
 
 
+def read_for_delivery(pipe: Pipeline | Redis, keys: RunKeys) -> tuple[list[tuple[str, Any]], int]:
+    """``read_waiting``, and where a user message delivering them would go (the conversation's length;
+    0 when nothing waits, which costs no read). Called under WATCH of ``keys.inbox``."""
+    waiting = read_waiting(pipe, keys)  # one LRANGE in the common case: nothing waits
+    return waiting, int(pipe.llen(keys.messages)) if waiting else 0
+
+
 def merged(message: Mapping[str, Any] | None, waiting: list[tuple[str, Any]]) -> dict[str, Any] | None:
     """The user message that closes a turn: its tool_results (``message``) first, then the waiting messages."""
     blocks = list(message["content"]) if message else []

@@ -45,8 +45,8 @@ def _stats(r: Redis) -> tuple[Counter[str], Counter[str], float, int]:
     calls: Counter[str] = Counter()
     usec: Counter[str] = Counter()
     for name, stat in r.info("commandstats").items():
-        calls[name.removeprefix("cmdstat_")] = int(stat["calls"])
-        usec[name.removeprefix("cmdstat_")] = int(stat["usec"])
+        command = name.removeprefix("cmdstat_")
+        calls[command], usec[command] = int(stat["calls"]), int(stat["usec"])
     cpu = r.info("cpu")
     reads = int(r.info("stats")["total_reads_processed"])
     return calls, usec, float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), reads
@@ -155,12 +155,9 @@ def _row(where: str, kind: str, job: str, sample: Sample, idle: Sample, turns: i
     ]
 
 
-def _top(sample: Sample, n: int, k: int = 8) -> str:
-    return ", ".join(f"{name.upper()} {calls / n:.1f}" for name, calls in sample.commands.most_common(k))
-
-
-def _top_time(sample: Sample, n: int, k: int = 8) -> str:
-    return ", ".join(f"{name.upper()} {usec / n:.1f}" for name, usec in sample.usec.most_common(k))
+def _top(per_command: Counter[str], n: int, k: int = 8) -> str:
+    """The ``k`` biggest of ``per_command`` (calls or µs), divided by ``n``."""
+    return ", ".join(f"{name.upper()} {value / n:.1f}" for name, value in per_command.most_common(k))
 
 
 class _Placement:
@@ -214,11 +211,11 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
                 ours = _runs(lab, turns)
                 for job, sample in (("bare RQ job (no-op)", bare), ("agentpool turn", ours)):
                     rows.append(_row(where, kind, job, sample, idle, turns))
-                    details.append(f"{kind}, Redis {where}, {job}: {_top(sample, turns)}")
-                    details.append(f"{kind}, Redis {where}, {job}, µs inside commands: {_top_time(sample, turns)}")
+                    details.append(f"{kind}, Redis {where}, {job}: {_top(sample.commands, turns)}")
+                    details.append(f"{kind}, Redis {where}, {job}, µs inside commands: {_top(sample.usec, turns)}")
                 details.append(
                     f"{kind}, Redis {where}, idle pool: {idle.total / idle.seconds:.1f} commands/s, "
-                    f"{idle.cpu_s * 1e6 / idle.seconds:.0f} µs CPU/s ({_top(idle, 1, 5)} over {idle.seconds:.1f} s)"
+                    f"{idle.cpu_s * 1e6 / idle.seconds:.0f} µs CPU/s ({_top(idle.commands, 1, 5)} over {idle.seconds:.1f} s)"
                 )
     finally:
         placement.set(False)

@@ -175,8 +175,7 @@ def resumed(pipe: Pipeline, state: RunState) -> Resumed:
     length = 0
     if state.phase != "tools":  # its next step is a model call (with pending tools, their save point B delivers them)
         pipe.watch(keys.inbox)
-        waiting = inbox.read_waiting(pipe, keys)
-        length = int(pipe.llen(keys.messages)) if waiting else 0
+        waiting, length = inbox.read_for_delivery(pipe, keys)
     return Resumed(state, header.requeues, caps, waits, waiting, length)
 
 
