@@ -8,7 +8,8 @@ delivered, in the same EXEC: a crash delivers a message once or not yet, never t
 would complete the run while messages wait is committed as a turn that goes on instead (save point A
 refuses to complete), so its save point B delivers them. A run that stopped with messages still waiting
 (a limit checked at a turn's start ends the run as it is) gets them in the write that restarts it
-(``send_message``, ``resume``), before the model call it goes on with.
+(``send_message``, ``resume``), before the model call it goes on with. An id whose content is missing
+(a damaged record) leaves the inbox with the messages delivered around it, named in the event as lost.
 
 ``received`` keeps every message after delivery too: a retried ``send_message`` with the same id finds
 it (delivered once), and ``wait_for_run(after_message=...)`` reads where it was delivered.
@@ -50,13 +51,18 @@ def as_blocks(content: Any) -> list[dict[str, Any]]:
 
 
 def read_waiting(pipe: Pipeline | Redis, keys: RunKeys) -> list[tuple[str, Any]]:
-    """The messages waiting for delivery, oldest first, as ``(message_id, content)``. Called while the
-    caller watches ``keys.inbox`` (immediate mode), so the list cannot change before its EXEC."""
+    """The inbox, oldest first, as ``(message_id, content)``; content is None for an id whose content is
+    missing from ``received`` (never written apart, so only a damaged record: it can never be delivered,
+    and delivery drops it from the inbox with the rest). Called while the caller watches ``keys.inbox``
+    (immediate mode), so the list cannot change before its EXEC."""
     ids = [i.decode() for i in pipe.lrange(keys.inbox, 0, -1)]
     if not ids:
         return []
     blobs = pipe.hmget(keys.received, ids)
-    return [(i, unpack_content(blob, f"message {i} to run {keys.run_id}")) for i, blob in zip(ids, blobs) if blob]
+    return [
+        (i, unpack_content(blob, f"message {i} to run {keys.run_id}") if blob else None)
+        for i, blob in zip(ids, blobs, strict=True)
+    ]
 
 
 def read_for_delivery(pipe: Pipeline | Redis, keys: RunKeys) -> tuple[list[tuple[str, Any]], int]:
@@ -70,17 +76,21 @@ def merged(message: Mapping[str, Any] | None, waiting: list[tuple[str, Any]]) ->
     """The user message that closes a turn: its tool_results (``message``) first, then the waiting messages."""
     blocks = list(message["content"]) if message else []
     for _id, content in waiting:
-        blocks.extend(as_blocks(content))
+        if content is not None:
+            blocks.extend(as_blocks(content))
     return {"role": "user", "content": blocks} if blocks else None
 
 
-def stage_delivered(pipe: Pipeline, keys: RunKeys, ids: list[str], *, turns: int, index: int) -> None:
-    """In MULTI: the ``ids`` (the head of the inbox, as read under WATCH) leave it, delivered in the
-    message at ``index`` while the run had counted ``turns`` turns."""
-    if not ids:
+def stage_delivered(pipe: Pipeline, keys: RunKeys, waiting: list[tuple[str, Any]], *, turns: int, index: int) -> None:
+    """In MULTI: the ``waiting`` messages (the head of the inbox, as read under WATCH: every id read, so
+    the trim never leaves one of them behind to be delivered twice) leave it, the ones with content
+    delivered in the message at ``index`` while the run had counted ``turns`` turns."""
+    if not waiting:
         return
-    pipe.ltrim(keys.inbox, len(ids), -1)
-    pipe.hset(keys.received, mapping={f"{i}:at": f"{turns}:{index}" for i in ids})
+    pipe.ltrim(keys.inbox, len(waiting), -1)
+    delivered = {f"{i}:at": f"{turns}:{index}" for i, content in waiting if content is not None}
+    if delivered:
+        pipe.hset(keys.received, mapping=delivered)
 
 
 def stage_user_message(
@@ -95,14 +105,18 @@ def stage_user_message(
     """In MULTI: the user message that closes a turn (``message``: its tool_results) or opens a resumed one
     (``message`` None), with the ``waiting`` messages (the head of the inbox, as read under WATCH) after
     any tool_result, appended at ``index``; those leave the inbox, delivered there at ``turns``, with one
-    ``message_delivered`` event. Appends nothing when both are empty. Returns the ids delivered."""
+    ``message_delivered`` event (which names as ``lost`` any id whose content was missing: dropped, not
+    delivered). Appends nothing when both are empty. Returns the ids delivered."""
     closing = merged(message, waiting)
-    ids = [i for i, _ in waiting]
-    if closing is not None:
-        pipe.rpush(keys.messages, pack_message(closing))
-        stage_delivered(pipe, keys, ids, turns=turns, index=index)
-    if ids:
-        Event.of(keys.run_id, "message_delivered", messages=",".join(ids), turn=turns).stage(pipe)
+    ids = [i for i, content in waiting if content is not None]
+    lost = [i for i, content in waiting if content is None]
+    if closing is not None or lost:
+        if closing is not None:
+            pipe.rpush(keys.messages, pack_message(closing))
+        stage_delivered(pipe, keys, waiting, turns=turns, index=index)
+    if ids or lost:
+        fields = {"lost": ",".join(lost)} if lost else {}
+        Event.of(keys.run_id, "message_delivered", messages=",".join(ids), turn=turns, **fields).stage(pipe)
     return ids
 
 
@@ -121,4 +135,4 @@ def delivery(r: Redis | Pipeline, keys: RunKeys, message_id: str) -> Delivery | 
 
 def waiting(r: Redis, keys: RunKeys) -> list[dict[str, Any]]:
     """The messages still waiting for delivery: ``{"id", "content"}``, oldest first."""
-    return [{"id": i, "content": content} for i, content in read_waiting(r, keys)]
+    return [{"id": i, "content": content} for i, content in read_waiting(r, keys) if content is not None]

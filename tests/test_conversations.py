@@ -19,6 +19,7 @@ from agentpool import (
     wait_for_run,
 )
 from agentpool.store import events
+from agentpool.store.keys import RunKeys
 
 from conftest import assert_valid_conversation, script_task, wait_for_status
 
@@ -422,3 +423,40 @@ def test_a_message_to_a_stopped_run_with_one_waiting_goes_in_behind_it_before_th
     assert user_texts(run.messages[-2]) == ["First this.", "Then this."], "in the order they were sent"
     assert run.inbox == []
     assert model.stats()["rejected"] == 0, model.stats()["rejections"]
+
+
+def test_an_inbox_id_whose_content_is_missing_is_dropped_and_no_message_is_delivered_twice(r, pool, model):
+    """A damaged inbox (an id whose kept content is gone) must not shift what delivery takes out of the
+    inbox: the messages around it are delivered once each, in order, and the inbox ends empty."""
+    limit = "This request would exceed your organization's monthly usage limit."
+    model.set_scripts(
+        {
+            "broke": [
+                {"error": {"status": 429, "type": "rate_limit_error", "times": 1, "message": limit}, "text": "Ok."},
+                {"text": "And again."},
+            ]
+        }
+    )
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:budgeted", script_task("broke"), connection=r)
+    assert wait_for_run(run_id, timeout=60, connection=r).status == "stopped"
+    _arrives_just_before_the_stop(r, run_id, "early-1", "First this.")
+    inbox_key = RunKeys.of(run_id).inbox
+    r.rpush(inbox_key, "gone")  # its content was never kept (a damaged record)
+    _arrives_just_before_the_stop(r, run_id, "early-2", "Second this.")
+    assert [m["id"] for m in get_run(run_id, connection=r).inbox] == ["early-1", "early-2"]
+
+    sent = send_message(run_id, "Then this.", connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+    assert (run.status, run.result) == ("completed", "Ok."), run.error
+    assert user_texts(run.messages[-2]) == ["First this.", "Second this.", "Then this."]
+    assert run.inbox == [] and r.llen(inbox_key) == 0
+    delivered = [f for _id, f in events.read(r, run_id) if f["kind"] == "message_delivered"]
+    assert [(f["messages"], f.get("lost")) for f in delivered] == [("early-1,early-2," + sent, "gone")]
+
+    again = send_message(run_id, "Once more.", connection=r)  # the next delivery takes only the new message
+    run = wait_for_run(run_id, timeout=60, connection=r, after_message=again)
+    assert run.result == "And again.", run.error
+    texts = [t for m in run.messages if m["role"] == "user" for t in user_texts(m)]
+    assert texts.count("Then this.") == 1 and texts.count("Second this.") == 1
+    assert_valid_conversation(run.messages)
