@@ -3,6 +3,7 @@ scripted Messages API server, and real `agentpool worker` processes (forking RQ 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +248,13 @@ def browser() -> Iterator[Any]:
         chromium = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield chromium
         chromium.close()
+
+
+def run_loop(coroutine: Any) -> Any:
+    """``asyncio.run`` in a thread of its own, as an app's event loop would be: a browser test that ran
+    earlier in this process (Playwright's sync API) leaves its own loop marked running in the main thread."""
+    with ThreadPoolExecutor(1) as thread:
+        return thread.submit(asyncio.run, coroutine).result()
 
 
 def dump(obj: object) -> str:

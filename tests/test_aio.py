@@ -4,8 +4,6 @@ Redis and real worker processes. Each test runs its app code in one event loop (
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import pytest
 import redis.asyncio as aredis
@@ -13,20 +11,13 @@ import redis.asyncio as aredis
 from agentpool import RunExists, RunNotFound, aio
 from agentpool import get_run as sync_get_run
 
-from conftest import assert_valid_conversation, script_task
+from conftest import assert_valid_conversation, run_loop, script_task
 
 APPROVAL = [
     {"tool_calls": [{"name": "deploy", "input": {"version": "2.4.1"}}]},
     {"text": "Deployed 2.4.1."},
     {"text": "You said: thanks."},
 ]
-
-
-def run_loop(coroutine: Any) -> Any:
-    """``asyncio.run`` in a thread of its own, as an app's event loop would be: a browser test that ran
-    earlier in this process (Playwright's sync API) leaves its own loop marked running in the main thread."""
-    with ThreadPoolExecutor(1) as thread:
-        return thread.submit(asyncio.run, coroutine).result()
 
 
 def _client(redis_server, **kwargs) -> aredis.Redis:

@@ -6,7 +6,6 @@ parent's shard; a caller's own id is found; a bad shard list is one line."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -29,9 +28,9 @@ from agentpool.store.children import child_id
 from agentpool.store.keys import RunKeys
 from agentpool.testing import LocalPool
 
-from conftest import ROOT, TESTS, script_task
+from conftest import ROOT, TESTS, run_loop, script_task
 from pool_agents import effects
-from test_dashboard import dashboard_process
+from test_dashboard import dashboard_process, expect
 
 pytestmark = pytest.mark.crash
 
@@ -83,7 +82,7 @@ def holder(pool: LocalPool, run_id: str) -> list[int]:
     return [n for n in range(2) if pool.shard(n).exists(RunKeys.of(run_id).run)]
 
 
-def test_runs_spread_over_two_shards_survive_sigkills_and_every_client_reads_them(tmp_path, monkeypatch):
+def test_runs_spread_over_two_shards_survive_sigkills_and_every_client_reads_them(tmp_path, monkeypatch, browser):
     with sharded_pool(tmp_path, scripts={"default": EMAIL_RUN}, workers=2) as pool:
         plain = [pool.enqueue("pool_agents:support", f"plain {i}") for i in range(6)]
         # Killed in the email tool, after its effect: the work horse alone (an OOM kill; its worker sees it
@@ -136,7 +135,7 @@ def test_runs_spread_over_two_shards_survive_sigkills_and_every_client_reads_the
             await agentpool.aio.aclose()
             return statuses
 
-        assert set(asyncio.run(from_asyncio())) == {"completed"}
+        assert set(run_loop(from_asyncio())) == {"completed"}
 
         # The CLI, the dashboard's JSON and the metrics, each reading both shards.
         env = shard_env(pool)
@@ -160,6 +159,20 @@ def test_runs_spread_over_two_shards_survive_sigkills_and_every_client_reads_the
             for run_id in (whole[0], whole[1], mine):
                 header = board.get(f"/api/runs/{run_id}")["run"]
                 assert header["status"] == "completed" and header["shard"] == homes[run_id][0]
+            # The page says it too: in the list, and on the run's own page.
+            context = browser.new_context()
+            try:
+                tab = context.new_page()
+                tab.set_default_timeout(60_000)
+                tab.goto(board.base + "/")
+                for run_id in (whole[0], whole[1], mine):
+                    shard = tab.locator(f'#runs-table tr[data-run-id="{run_id}"] .shard')
+                    expect(shard).to_have_text(f" · shard {homes[run_id][0]}")
+                    tab.goto(f"{board.base}/runs/{run_id}")
+                    expect(tab.locator("#run-shard")).to_have_text(f"shard {homes[run_id][0]}")
+                    tab.goto(board.base + "/")
+            finally:
+                context.close()
         samples = {
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(generate_latest(registry_for(pool.redis)).decode())
