@@ -15,7 +15,9 @@ lease keeper and reaper share that pool: one swallowed reply wedged a worker for
   (``DEQUEUE_BLOCK``: our workers override RQ's 405 s), the dashboard's and watchers' ``XREAD BLOCK``.
 - **TCP keepalive** (first probe after 5 s idle, then 3 probes 2 s apart): the kernel drops a
   connection whose peer is gone within ~11 s even while nothing is asked on it.
-- **health checks** (every 10 s): a pooled connection idle that long is PINGed before it is used.
+- **health checks** (every 10 s): a pooled connection idle that long is PINGed before it is used. A
+  connection opened this instant is not (``handshake``): redis-py's own handshake would PING it first,
+  a round trip on every new connection, and a forking worker's horse opens one every turn.
 
 The bound: a command sent on a connection that went silent is re-sent on a new connection after
 ``socket_timeout``. A lease renewal is sent a third of the TTL after the last one, so at the default
@@ -94,6 +96,13 @@ def silence_options(timeout: float | None = None) -> dict[str, Any]:
     }
 
 
+def handshake(connection: Any) -> None:
+    """A new connection's handshake (``HELLO``, ``AUTH``, ``SELECT``...) without the health check redis-py
+    sends before it: a ``PING`` that can only find the socket just opened alive. The handshake's replies
+    start the connection's health-check clock, as any reply does."""
+    connection.on_connect_check_health(check_health=False)
+
+
 def build(
     url: str, *, retry: Retry, max_connections: int | None = None, socket_timeout: float | None = None, **options: Any
 ) -> Redis:
@@ -101,7 +110,7 @@ def build(
     options, ``retry`` and ``options`` (which win). ``max_connections`` makes a plain URL's pool a
     blocking one (callers wait up to 30 s for a free connection; redis-py's default pool fails the 101st
     at once); Sentinel has no blocking pool in redis-py, so there it is the pool's hard cap."""
-    merged = {**silence_options(socket_timeout), "retry": retry, **options}
+    merged = {**silence_options(socket_timeout), "redis_connect_func": handshake, "retry": retry, **options}
     if url.lower().startswith("unix://"):
         merged.pop("socket_keepalive", None)  # TCP options mean nothing on a Unix socket
         merged.pop("socket_keepalive_options", None)
