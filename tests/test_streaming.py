@@ -153,9 +153,9 @@ def test_a_streamed_reply_is_the_message_a_create_returns_field_for_field(model,
     replies = {}
     for streaming in ("1", "0"):
         monkeypatch.setenv("AGENTPOOL_MODEL_STREAMING", streaming)
-        adapter._clients.clear()
+        adapter.reset_client()
         replies[streaming] = adapter.call_model(agent, messages)
-    adapter._clients.clear()
+    adapter.reset_client()
     streamed, created = replies["1"], replies["0"]
     assert _without_ids(streamed.message) == _without_ids(created.message)
     assert [b["type"] for b in streamed.message["content"]][-3:] == ["thinking", "text", "tool_use"]

@@ -141,6 +141,14 @@ def _client() -> tuple[anthropic.Anthropic, Settings]:
     return _clients[pid]
 
 
+def reset_client() -> None:
+    """Close this process's client, so that the next call builds one from the environment as it is now
+    (a test that changes ``ANTHROPIC_BASE_URL`` or ``AGENTPOOL_MODEL_STREAMING`` between calls)."""
+    made = _clients.pop(os.getpid(), None)
+    if made is not None:
+        made[0].close()
+
+
 def warm_up() -> None:
     """Do the SDK's lazy one-time work (imports, building the validators of the response and of every
     stream event type) in a process that forks work horses, so each horse does not pay for it on every
