@@ -108,13 +108,12 @@ def stage_user_message(
     ``message_delivered`` event (which names as ``lost`` any id whose content was missing: dropped, not
     delivered). Appends nothing when both are empty. Returns the ids delivered."""
     closing = merged(message, waiting)
+    if closing is not None:
+        pipe.rpush(keys.messages, pack_message(closing))
     ids = [i for i, content in waiting if content is not None]
-    lost = [i for i, content in waiting if content is None]
-    if closing is not None or lost:
-        if closing is not None:
-            pipe.rpush(keys.messages, pack_message(closing))
+    if waiting:
         stage_delivered(pipe, keys, waiting, turns=turns, index=index)
-    if ids or lost:
+        lost = [i for i, content in waiting if content is None]
         fields = {"lost": ",".join(lost)} if lost else {}
         Event.of(keys.run_id, "message_delivered", messages=",".join(ids), turn=turns, **fields).stage(pipe)
     return ids
