@@ -73,8 +73,10 @@ SECTIONS = {
         "redis: Redis commands and Redis CPU per turn",
         # Redis on a CPU of its own needs a second CPU for the pool.
         [
-            "bare RQ job (no-op)",
+            "bare RQ job (no-op), back to back",
             "agentpool turn",
+            "bare RQ job (no-op), turns' rate",
+            "round trip alone (PING), same rate",
             "shares all",
             *(["own CPU"] if len(os.sched_getaffinity(0)) > 1 else []),
         ],

@@ -7,7 +7,9 @@ by the turns. The bench's own polling is counted and taken out; the pool's backg
 dequeue waits, the reaper's scans, heartbeats) is measured alone for a few seconds and shown apart,
 since it costs per second, not per turn. Each is measured twice when this bench started the Redis and the
 machine has two CPUs or more: Redis sharing every CPU with the pool, and Redis on a CPU of its own
-(``_Placement``).
+(``_Placement``). A request costs a Redis that waits between requests more than a busy one (it wakes up
+for each), so the bare RQ job is measured twice, back to back and at the turns' own rate, and a lone
+``PING`` at the turns' rate of requests shows what a round trip costs before any command runs.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ from agentpool.ops.bench import AGENT, TURNS_PER_RUN, Lab, table, task, tool_ste
 
 POLL = 0.1  # the bench's own wait: one ZCARD a tenth of a second, counted and taken out
 IDLE = 4.0  # seconds of an idle pool measured for its background rate
+PING_SECONDS = 2.0  # how long the lone round trips are sent for
+BARE = "bare RQ job (no-op), back to back"
+OURS = "agentpool turn"
+BARE_PACED = "bare RQ job (no-op), turns' rate"
+PING = "round trip alone (PING), same rate"
 
 
 @dataclass
@@ -100,20 +107,30 @@ def _runs(lab: Lab, turns: int) -> Sample:
     return _measure(lab, work, done)
 
 
-def _bare(lab: Lab, jobs: int) -> Sample:
-    """Bare RQ jobs (a no-op function) enqueued as agentpool enqueues a turn: one pipeline each."""
+def _paced(count: int, rate: float | None, send: Callable[[int], object]) -> None:
+    """``send(i)`` for each of ``count``, back to back, or at ``rate`` a second (a request's arrival at the
+    rate of the turns measured beside it: how busy Redis is changes what a request costs it)."""
+    started = time.perf_counter()
+    for i in range(count):
+        if rate:
+            time.sleep(max(0.0, started + i / rate - time.perf_counter()))
+        send(i)
+
+
+def _bare(lab: Lab, jobs: int, rate: float | None = None) -> Sample:
+    """Bare RQ jobs (a no-op function) enqueued as agentpool enqueues a turn: one pipeline each, back to
+    back or at ``rate`` jobs a second."""
     from agentpool.runtime.jobs import turn_queue
 
     queue = turn_queue(lab.r)
     finished = queue.finished_job_registry.key
     before = lab.r.zcard(finished)
 
-    def work() -> None:
-        for i in range(jobs):
-            with lab.r.pipeline() as pipe:
-                pipe.multi()
-                queue.enqueue("agentpool.ops.bench.bare_noop", i, pipeline=pipe, description="bench baseline")
-                pipe.execute()
+    def enqueue(i: int) -> None:
+        with lab.r.pipeline() as pipe:
+            pipe.multi()
+            queue.enqueue("agentpool.ops.bench.bare_noop", i, pipeline=pipe, description="bench baseline")
+            pipe.execute()
 
     deadline = time.monotonic() + 60 + jobs
 
@@ -122,7 +139,12 @@ def _bare(lab: Lab, jobs: int) -> Sample:
             until(lambda: False, 0, f"{jobs} bare jobs", lab)
         return lab.r.zcard(finished) - before >= jobs
 
-    return _measure(lab, work, done)
+    return _measure(lab, lambda: _paced(jobs, rate, enqueue), done)
+
+
+def _pings(lab: Lab, count: int, rate: float) -> Sample:
+    """``count`` PINGs at ``rate`` a second: what a round trip alone costs Redis at that pace."""
+    return _measure(lab, lambda: _paced(count, rate, lambda _: lab.r.ping()), lambda: True)
 
 
 def _per_turn(sample: Sample, idle: Sample, n: int) -> tuple[float, float, float, float, float]:
@@ -139,7 +161,7 @@ def _per_turn(sample: Sample, idle: Sample, n: int) -> tuple[float, float, float
 
 def _row(where: str, kind: str, job: str, sample: Sample, idle: Sample, turns: int) -> list[str]:
     commands, cpu_us, net_commands, net_cpu_us, net_reads = _per_turn(sample, idle, turns)
-    ours_threaded = job == "agentpool turn" and "threaded" in kind
+    ours_threaded = job == OURS and "threaded" in kind
     return [
         where,
         kind,
@@ -151,7 +173,7 @@ def _row(where: str, kind: str, job: str, sample: Sample, idle: Sample, turns: i
         f"{cpu_us:.0f}",
         f"{net_cpu_us:.0f}",
         "<= 250" if ours_threaded else "",
-        f"{1e6 / max(net_cpu_us, 1e-9):,.0f}",
+        "" if job == PING else f"{1e6 / max(net_cpu_us, 1e-9):,.0f}",
     ]
 
 
@@ -209,10 +231,21 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
                 idle = _idle(lab)
                 bare = _bare(lab, turns)
                 ours = _runs(lab, turns)
-                for job, sample in (("bare RQ job (no-op)", bare), ("agentpool turn", ours)):
-                    rows.append(_row(where, kind, job, sample, idle, turns))
-                    details.append(f"{kind}, Redis {where}, {job}: {_top(sample.commands, turns)}")
-                    details.append(f"{kind}, Redis {where}, {job}, µs inside commands: {_top(sample.usec, turns)}")
+                # The same load as the turns': RQ's job at their rate, and a lone round trip at their rate
+                # of requests (a Redis that waits between requests pays for every wake-up).
+                paced = _bare(lab, turns, rate=turns / ours.seconds)
+                pings = max(100, round(ours.reads / ours.seconds * PING_SECONDS))
+                ping = _pings(lab, pings, rate=ours.reads / ours.seconds)
+                for job, sample, n in (
+                    (BARE, bare, turns),
+                    (OURS, ours, turns),
+                    (BARE_PACED, paced, turns),
+                    (PING, ping, pings),
+                ):
+                    rows.append(_row(where, kind, job, sample, idle, n))
+                    if job != PING:
+                        details.append(f"{kind}, Redis {where}, {job}: {_top(sample.commands, n)}")
+                        details.append(f"{kind}, Redis {where}, {job}, µs inside commands: {_top(sample.usec, n)}")
                 details.append(
                     f"{kind}, Redis {where}, idle pool: {idle.total / idle.seconds:.1f} commands/s, "
                     f"{idle.cpu_s * 1e6 / idle.seconds:.0f} µs CPU/s ({_top(idle.commands, 1, 5)} over {idle.seconds:.1f} s)"
@@ -248,7 +281,16 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
             "net of idle: less what the idle pool (dequeue waits, reaper, heartbeats) costs per second, for as long",
             (
                 "round trips: requests Redis read off its sockets (INFO stats total_reads_processed; a pipeline's "
-                "commands arrive in one), net of idle: most of Redis's CPU per turn goes to them, not to commands"
+                "commands arrive in one), net of idle"
+            ),
+            (
+                "back to back: the bare jobs enqueued as fast as the bench can, so Redis is busier than under the "
+                "turns; turns' rate: as many jobs a second as the turns measured beside them made, the fair "
+                "baseline (a Redis that waits between requests pays for waking up at each one)"
+            ),
+            (
+                "round trip alone: PINGs sent one at a time at the turns' rate of requests, its figures per PING: "
+                "what each of a turn's round trips costs Redis before any command runs"
             ),
             "turns/s per Redis core = 1,000,000 / net CPU µs per turn",
             (
