@@ -132,18 +132,28 @@ def test_racing_reapers_enqueue_each_deferred_turn_once(r, redis_server):
 def test_the_pool_looks_for_due_deferred_turns_about_ten_times_a_second_whatever_its_size(r, redis_server):
     """Each of n workers' reaper threads looks every 0.1 x n s on average: eight workers together ask
     about as often as one did alone (they used to ask ten times a second each), and a turn that comes
-    due is still moved to the queue by one of them."""
-    from rq.worker_registration import REDIS_WORKER_KEYS
+    due is still moved to the queue by one of them. n counts the pool's workers, not an app's own RQ
+    workers on the same Redis (200 of them here), which would make each look only every 2 s."""
+    from rq.worker_registration import REDIS_WORKER_KEYS, WORKERS_BY_QUEUE_KEY
 
     from agentpool.runtime.reaper import ReaperThread
+    from agentpool.store.keys import TURN_QUEUE
 
     workers = 8
-    r.sadd(REDIS_WORKER_KEYS, *(f"rq:worker:looker-{i}" for i in range(workers)))
+    lookers = [f"rq:worker:looker-{i}" for i in range(workers)]
+    apps = [f"rq:worker:app-{i}" for i in range(200)]
+    r.sadd(REDIS_WORKER_KEYS, *lookers, *apps)
+    r.sadd(WORKERS_BY_QUEUE_KEY % TURN_QUEUE, *lookers)
+    r.sadd(WORKERS_BY_QUEUE_KEY % "default", *apps)
     clients = [Redis.from_url(redis_server.url) for _ in range(workers)]
-    threads = [ReaperThread(client, owner=f"looker-{i}", interval=3600) for i, client in enumerate(clients)]
+    threads = [
+        ReaperThread(client, owner=f"looker-{i}", interval=3600, queues=[TURN_QUEUE])
+        for i, client in enumerate(clients)
+    ]
     for thread in threads:
         thread.start()
     time.sleep(1)  # each has counted the pool and made its first look
+    assert [thread.workers for thread in threads] == [workers] * workers, "the pool's size, not the Redis's"
     r.config_resetstat()
     with r.pipeline(transaction=True) as pipe:
         pipe.multi()

@@ -30,12 +30,12 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from redis import Redis
 from redis.exceptions import RedisError
 from rq.job import Job, JobStatus
-from rq.worker_registration import REDIS_WORKER_KEYS
+from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from agentpool.runtime import deferred, subagents
 from agentpool.runtime.approvals import expire_due
@@ -223,11 +223,14 @@ class ReaperThread(threading.Thread):
     it needs no lock. Each of the pool's *n* workers looks every ``PROMOTE_EVERY`` × *n* seconds (at most
     ``PROMOTE_AT_LEAST_EVERY``), at a random moment in that span: the pool looks about every
     ``PROMOTE_EVERY`` seconds in all, and a turn is enqueued within a fraction of a second of its due time
-    while any worker lives (a killed worker's looks are simply missing from the others')."""
+    while any worker lives (a killed worker's looks are simply missing from the others'). *n* counts the
+    workers of this worker's own queues (RQ's set of workers by queue), not every RQ worker of the Redis:
+    an app's own RQ workers on the same Redis would make the pool look too seldom."""
 
-    def __init__(self, r: Redis, owner: str, interval: float) -> None:
+    def __init__(self, r: Redis, owner: str, interval: float, queues: Sequence[str]) -> None:
         super().__init__(name="agentpool-reaper", daemon=True)
         self.r, self.owner, self.interval = r, owner, interval
+        self.queues = list(queues)
         self.stopping = threading.Event()
         self.workers = 1
         self._counted_at = -WORKERS_COUNTED_EVERY
@@ -255,11 +258,16 @@ class ReaperThread(threading.Thread):
 
     def promote_gap(self) -> float:
         """Seconds until this worker's next look for due deferred turns: random, about the pool's size
-        times ``PROMOTE_EVERY`` (the size read from RQ's set of workers every ``WORKERS_COUNTED_EVERY`` s)."""
+        times ``PROMOTE_EVERY`` (the size read every ``WORKERS_COUNTED_EVERY`` s: the most workers any of
+        this worker's queues has)."""
         now = time.monotonic()
         if now - self._counted_at >= WORKERS_COUNTED_EVERY:
             self._counted_at = now
-            self.workers = max(1, int(self.r.scard(REDIS_WORKER_KEYS)))
+            with self.r.pipeline(transaction=False) as pipe:
+                for queue in self.queues:
+                    pipe.scard(WORKERS_BY_QUEUE_KEY % queue)
+                counts = pipe.execute()
+            self.workers = max(1, *(int(count) for count in counts))
         return min(PROMOTE_AT_LEAST_EVERY, PROMOTE_EVERY * self.workers * random.uniform(0.5, 1.5))
 
     def stop(self) -> None:

@@ -291,7 +291,12 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         counters = StatsFlusher(connections.derive(self.connection))  # before any event can land
         counters.start()
         # The reaper gets its own connection pool: it runs beside the worker's blocking dequeue.
-        reaper = ReaperThread(connections.derive(self.connection), owner=self.name, interval=self.reaper_interval)
+        reaper = ReaperThread(
+            connections.derive(self.connection),
+            owner=self.name,
+            interval=self.reaper_interval,
+            queues=self.queue_names(),
+        )
         # So does the webhook thread: a receiver that hangs holds its connection to Redis idle meanwhile.
         hooks = WebhookThread(connections.derive(self.connection), worker=self.name)
         if self.reaper_interval > 0:

@@ -192,7 +192,9 @@ class ThreadedWorker(QuickUnsubscribe, LeanTurnJobs, BaseWorker):
         # The connection pool is thread-safe, and a blocking dequeue holds only one of its connections.
         counters = StatsFlusher(self.connection)  # before any turn counts: events land in its tally
         counters.start()
-        reaper = ReaperThread(self.connection, owner=self.name, interval=self.reaper_interval)
+        reaper = ReaperThread(
+            self.connection, owner=self.name, interval=self.reaper_interval, queues=self.queue_names()
+        )
         hooks = WebhookThread(self.connection, worker=self.name)
         if self.reaper_interval > 0:
             reaper.start()
