@@ -77,6 +77,7 @@ SECTIONS = {
             "agentpool turn",
             "bare RQ job (no-op), turns' rate",
             "round trip alone (PING), same rate",
+            "agentpool turn, rate limits learned",
             "shares all",
             *(["own CPU"] if len(os.sched_getaffinity(0)) > 1 else []),
         ],

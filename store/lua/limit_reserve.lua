@@ -70,12 +70,18 @@ for i, d in ipairs(dims) do
     level[i] = math.min(l, lv + math.max(0, now - at) * l / minute)
   end
 end
-redis.call('SADD', KEYS[5], ARGV[3])
+-- Listed among the models with a budget when its budget is first written here (settle lists it again
+-- with every limit it learns).
+if not h['at'] then redis.call('SADD', KEYS[5], ARGV[3]) end
 -- What the live tickets ahead of this one need (expired ones leave the line).
 local ahead = {0, 0, 0}
+local in_line = false  -- whether this call's ticket holds a place already (it waited before)
 local members = redis.call('ZRANGE', KEYS[3], 0, -1)
 for _, m in ipairs(members) do
-  if m == ARGV[4] then break end
+  if m == ARGV[4] then
+    in_line = true
+    break
+  end
   local rec = redis.call('HGET', KEYS[4], m)
   local r, i_, o, exp = string.match(rec or '', '^(%S+) (%S+) (%S+) (%S+)$')
   if not exp or tonumber(exp) < now then
@@ -109,7 +115,9 @@ for i, d in ipairs(dims) do
   if limit[i] > 0 then table.insert(fields, 'level:' .. d); table.insert(fields, level[i] - need[i]) end
 end
 redis.call('HSET', KEYS[1], unpack(fields))
-redis.call('ZREM', KEYS[3], ARGV[4])
-redis.call('HDEL', KEYS[4], ARGV[4])
+if in_line then
+  redis.call('ZREM', KEYS[3], ARGV[4])
+  redis.call('HDEL', KEYS[4], ARGV[4])
+end
 redis.call('HSET', KEYS[2], ARGV[5], need[2] .. ' ' .. need[3] .. ' ' .. now)
 return {1, 0}

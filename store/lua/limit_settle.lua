@@ -68,11 +68,12 @@ if now - tonumber(h['swept'] or 0) >= tonumber(ARGV[20]) then
   end
   table.insert(fields, 'swept'); table.insert(fields, now)
 end
+local learned_any = false
 for i, d in ipairs(dims) do
   local learned = tonumber(ARGV[8 + i])
   if learned > 0 then
     table.insert(fields, 'learned:' .. d); table.insert(fields, learned)
-    redis.call('SADD', KEYS[3], ARGV[15])
+    learned_any = true
   else
     learned = tonumber(h['learned:' .. d] or 0)
   end
@@ -94,4 +95,5 @@ for i, d in ipairs(dims) do
   end
 end
 redis.call('HSET', KEYS[1], unpack(fields))
+if learned_any then redis.call('SADD', KEYS[3], ARGV[15]) end
 return settled

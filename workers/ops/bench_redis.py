@@ -32,6 +32,7 @@ BARE = "bare RQ job (no-op), back to back"
 OURS = "agentpool turn"
 BARE_PACED = "bare RQ job (no-op), turns' rate"
 PING = "round trip alone (PING), same rate"
+OURS_LIMITED = "agentpool turn, rate limits learned"
 
 
 @dataclass
@@ -117,6 +118,20 @@ def _paced(count: int, rate: float | None, send: Callable[[int], object]) -> Non
         send(i)
 
 
+def _limited_runs(lab: Lab, turns: int) -> Sample:
+    """``_runs`` with the scripted model sending the API's rate-limit headers, as the API does: the pool
+    learns the limits from the first replies (warmed before the measure), and each turn then reserves its
+    call within them and settles it after. The limits are far above what the bench asks, so no call waits."""
+    from agentpool.testing.scripted_model.ratelimit import RateLimits
+
+    lab.model.set_rate_limits(RateLimits(rpm=1_000_000, itpm=1_000_000_000, otpm=100_000_000))
+    try:
+        _runs(lab, TURNS_PER_RUN)
+        return _runs(lab, turns)
+    finally:
+        lab.model.set_rate_limits(None)
+
+
 def _bare(lab: Lab, jobs: int, rate: float | None = None) -> Sample:
     """Bare RQ jobs (a no-op function) enqueued as agentpool enqueues a turn: one pipeline each, back to
     back or at ``rate`` jobs a second."""
@@ -161,7 +176,7 @@ def _per_turn(sample: Sample, idle: Sample, n: int) -> tuple[float, float, float
 
 def _row(where: str, kind: str, job: str, sample: Sample, idle: Sample, turns: int) -> list[str]:
     commands, cpu_us, net_commands, net_cpu_us, net_reads = _per_turn(sample, idle, turns)
-    ours_threaded = job == OURS and "threaded" in kind
+    ours_threaded = job in (OURS, OURS_LIMITED) and "threaded" in kind
     return [
         where,
         kind,
@@ -236,11 +251,13 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
                 paced = _bare(lab, turns, rate=turns / ours.seconds)
                 pings = max(100, round(ours.reads / ours.seconds * PING_SECONDS))
                 ping = _pings(lab, pings, rate=ours.reads / ours.seconds)
+                limited = _limited_runs(lab, turns)
                 for job, sample, n in (
                     (BARE, bare, turns),
                     (OURS, ours, turns),
                     (BARE_PACED, paced, turns),
                     (PING, ping, pings),
+                    (OURS_LIMITED, limited, turns),
                 ):
                     rows.append(_row(where, kind, job, sample, idle, n))
                     if job != PING:
@@ -291,6 +308,11 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
             (
                 "round trip alone: PINGs sent one at a time at the turns' rate of requests, its figures per PING: "
                 "what each of a turn's round trips costs Redis before any command runs"
+            ),
+            (
+                "rate limits learned: the scripted model sends the API's rate-limit headers (limits far above the "
+                "bench's pace), so each turn reserves its call within the learned limits and settles it after, as "
+                "against the API; the rows above have a model that sends none (one read of the budget a turn)"
             ),
             "turns/s per Redis core = 1,000,000 / net CPU µs per turn",
             (
