@@ -44,6 +44,7 @@ def test_an_operator_limit_admits_that_many_requests_then_says_how_long_to_wait(
     waited = take(r, "t3", Need(10, 10), limits)
     assert isinstance(waited, Wait)
     assert 0 < waited.seconds <= SLOW / 3 + 1  # one request refills in a third of the minute
+    assert [view.model for view in ratelimit.show(r)] == [MODEL], "a model with a budget is listed"
 
 
 def test_waiting_turns_go_in_the_order_they_began_to_wait(r: Redis) -> None:
@@ -58,6 +59,7 @@ def test_waiting_turns_go_in_the_order_they_began_to_wait(r: Redis) -> None:
     assert isinstance(take(r, "early", Need(600, 0), limits), Reservation)
     assert isinstance(take(r, "late", Need(300, 0), limits), Wait)  # 100 left, 300 needed
     assert r.zrange(LimitKeys.of(MODEL).waiting, 0, -1) == [b"late", b"newcomer"]
+    assert set(r.hkeys(LimitKeys.of(MODEL).needs)) == {b"late", b"newcomer"}, "the granted one left the line whole"
 
 
 def test_a_ticket_nobody_comes_back_for_stops_holding_its_place(r: Redis) -> None:
