@@ -50,7 +50,7 @@ from agentpool.store.records import (
     pack_result,
     unpack_message,
 )
-from agentpool.store.scripts import compact_source, run_script
+from agentpool.store.scripts import Rider, compact_source, run_script
 from agentpool.store.staged_job import EndedJob, StagedJob, flat
 
 # How long a committed turn may wait in the queue before the reaper checks that its job still exists.
@@ -236,6 +236,7 @@ def commit_response(
     pool_webhook: str = "",
     intents: Sequence[tuple[str, Mapping[str, Any], Event]] = (),
     clear_handback: bool = True,
+    riders: Sequence[Rider] = (),
 ) -> int:
     """Save point A: count the call's ``usage`` and cost with the ``responded`` event, then commit
     its response with the ``event`` that reports it. The spend counts even when the response can no
@@ -265,10 +266,13 @@ def commit_response(
     ``clear_handback``: delete the run's hand-back record (``store.handback``); False when the caller
     knows there is none (a turn that no re-enqueue brought: save point B deleted the last one).
 
+    ``riders``: other scripts sent in the same round trip, after this one's (the call's rate-limit
+    settle); each keeps its reply or error, and is sent whatever this one answers.
+
     Returns 2 when the run ended here and was the last open child of its parent (which is now due to
     be woken), 1 otherwise."""
     parent = tree_keys(ancestors_of(r, keys.run_id) if ancestors is None else ancestors)
-    code = run_script(
+    code = run_script.with_riders(
         "commit_response",
         r,
         [
@@ -314,6 +318,7 @@ def commit_response(
             *script_args(*(started for _, _, started in intents)),
             pool_webhook,
         ],
+        riders,
     )
     if int(code) not in (-4, -5) and responded:  # type: ignore[arg-type]
         responded.landed()

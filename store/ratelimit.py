@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from redis import Redis
 
 from agentpool.store.keys import LIMIT_MODELS, LimitKeys
-from agentpool.store.scripts import run_script
+from agentpool.store.scripts import Rider, run_script
 
 DIMENSIONS = ("requests", "input", "output")
 FORM = "AGENTPOOL_RATE_LIMITS is '<model>=rpm:N,itpm:N,otpm:N;*=rpm:N' (model '*' for every other model)"
@@ -179,6 +179,30 @@ def settle(
     leaves the held hash. Returns False if nothing was held under it: settled already, dropped (a call
     started unlimited a minute ago or more, or when ``mark_headerless`` ran), or none (``Unlimited(None)``,
     headers alone)."""
+    call = settle_call(
+        model,
+        reservation=reservation,
+        used_input=used_input,
+        used_output=used_output,
+        reported=reported,
+        limits=limits,
+        minute_s=minute_s,
+    )
+    return bool(run_script(call.name, r, call.keys, call.args))
+
+
+def settle_call(
+    model: str,
+    *,
+    reservation: Reservation | Unlimited | None,
+    used_input: int,
+    used_output: int,
+    reported: Reported,
+    limits: Limits,
+    minute_s: float,
+) -> Rider:
+    """``settle`` as a script call to send later, in another script's round trip (the turn's save point
+    A: ``agentpool.runtime.ratelimit``). Its reply is ``settle``'s, as an int."""
     keys = LimitKeys.of(model)
     rid, back_in, back_out = "", 0, 0
     started = (-1, -1, -1)
@@ -189,9 +213,8 @@ def settle(
         rid = reservation.id
         back_in = reservation.need.input - used_input
         back_out = reservation.need.output - used_output
-    code = run_script(
+    return Rider(
         "limit_settle",
-        r,
         [keys.budget, keys.held, LIMIT_MODELS],
         [
             0,  # unused: the scripts read Redis's clock
@@ -208,7 +231,6 @@ def settle(
             HELD_SWEEP_EVERY_MS,
         ],
     )
-    return bool(code)
 
 
 def mark_headerless(r: Redis, model: str) -> None:

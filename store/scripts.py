@@ -10,7 +10,8 @@ A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended, on
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -55,6 +56,18 @@ def compact_source(name: str) -> str:
     EVALSHA could meet an empty script cache), so a save does not send Redis the documentation."""
     lines = [line for line in source(name).splitlines() if line.strip() and not line.lstrip().startswith("--")]
     return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Rider:
+    """A script call that rides in another script's round trip (``run_script.with_riders``) instead of
+    making one of its own. ``sent`` once Redis had it; ``reply`` is then its reply, or the error it met."""
+
+    name: str
+    keys: list[str]
+    args: list[object]
+    sent: bool = False
+    reply: object = None
 
 
 class _Scripts:
@@ -115,6 +128,33 @@ class _Scripts:
             if isinstance(reply, Exception):
                 raise reply
         return replies
+
+    def with_riders(self, name: str, r: Redis, keys: list[str], args: list[object], riders: Sequence[Rider]) -> object:
+        """``name`` run now, as a call does, with the ``riders`` after it in the same round trip. The
+        scripts must not depend on one another (after a script cache miss only the ones that missed are
+        sent again). Only ``name``'s error is raised; each rider keeps its own reply or error."""
+        main: list[Rider] = [Rider(name, keys, args)]
+        todo = main + list(riders)
+        for attempt in range(2):
+            with r.pipeline(transaction=False) as pipe:
+                for call in todo:
+                    script = self._script(call.name)
+                    pipe.evalsha(script.sha, len(call.keys), *call.keys, *_safe_args(call.args))
+                replies = pipe.execute(raise_on_error=False)
+            missed = []
+            for call, reply in zip(todo, replies, strict=True):
+                if attempt == 0 and isinstance(reply, NoScriptError):  # a restarted or flushed Redis
+                    missed.append(call)
+                else:
+                    call.sent, call.reply = True, reply
+            for script_name in dict.fromkeys(call.name for call in missed):
+                r.script_load(self._script(script_name).script)
+            todo = missed
+            if not todo:
+                break
+        if isinstance(main[0].reply, Exception):
+            raise main[0].reply
+        return main[0].reply
 
 
 def _safe_args(args: list[object]) -> list[object]:

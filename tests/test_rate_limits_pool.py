@@ -70,3 +70,21 @@ def _cli(pool, *args: str) -> subprocess.CompletedProcess[str]:
         timeout=120,
         check=False,
     )
+
+
+def test_failed_calls_settle_their_reservations_though_no_save_point_a_follows(r: Redis, pool, model) -> None:
+    """A call's settle rides in save point A's round trip; a call that fails (a 500, the turn deferred,
+    no save point A) settles on its own, so nothing stays held against the budget."""
+    model.set_scripts(
+        {"down": [{"error": {"status": 500, "type": "api_error", "message": "boom", "times": 2}, "text": "back"}]}
+    )
+    model.set_rate_limits(RateLimits(rpm=1000))
+    pool.start(1, AGENTPOOL_MODEL_RETRIES="5")
+    run_id = enqueue_run("pool_agents:support", script_task("down"), connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed" and run.result == "back", (run.status, run.error, pool.logs())
+    assert model.stats()["requests"] == 3, model.stats()
+    (view,) = ratelimit.show(r)
+    assert view.learned == {"requests": 1000}
+    assert view.held["calls"] == 0, "a failed call's reservation is still held"
+    assert "could not settle" not in pool.logs()

@@ -7,7 +7,7 @@ import time
 import msgpack
 import pytest
 
-from agentpool.store import checkpoint, events, ledger, stats
+from agentpool.store import checkpoint, events, ledger, ratelimit, stats
 from agentpool.store.codec import pack, unpack
 from agentpool.store.errors import LeaseLost, RunNotActive, UnreadableRecord
 from agentpool.store.events import Event
@@ -242,7 +242,18 @@ def test_scripts_sent_in_a_pipeline_or_under_watch_survive_a_flushed_script_cach
     r.script_flush()  # as after a Redis restart without persistence of the script cache
     got = acquire(r, KEYS, turn=0, worker_id="w1.100", ttl_ms=5000, then=lambda pipe: checkpoint.stage_load(pipe, RUN))
     assert got.code is Acquire.ACQUIRED and checkpoint.decode_run(RUN, *got.then).status == "running"
-    checkpoint.commit_response(r, KEYS, got.token, turns_before=0, message=reply(), pending=[])
+    # The call's rate-limit settle rides in save point A's round trip: both scripts are missing here.
+    limits = ratelimit.Limits(rpm=10)
+    need = ratelimit.Need(10, 10)
+    held = ratelimit.reserve(r, "m", ticket="t", reservation_id="res", need=need, limits=limits, minute_s=60)
+    assert isinstance(held, ratelimit.Reservation)
+    r.script_flush()
+    settle = ratelimit.settle_call(
+        "m", reservation=held, used_input=5, used_output=5, reported=ratelimit.Reported(), limits=limits, minute_s=60
+    )
+    checkpoint.commit_response(r, KEYS, got.token, turns_before=0, message=reply(), pending=[], riders=[settle])
+    assert settle.sent and settle.reply == 1, settle
+    assert not r.hlen(ratelimit.LimitKeys.of("m").held), "the reservation was settled"
     r.script_flush()
     checkpoint.commit_tool_results(r, KEYS, got.token, message=None, enqueue_next=lambda pipe: None, turns=1)
     assert checkpoint.load_run(r, RUN).phase == "model" and not r.exists(KEYS.lease)

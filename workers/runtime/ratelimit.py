@@ -173,8 +173,7 @@ def limited_call(
             # A call started unlimited is held until it settles, headers or not.
             held = isinstance(reservation, ratelimit.Reservation) or (counted and not headerless)
             if held or learned.limits or learned.remaining:
-                ratelimit.settle(
-                    turn.r,
+                call = ratelimit.settle_call(
                     agent.model,
                     reservation=reservation,
                     used_input=used_in,
@@ -183,6 +182,7 @@ def limited_call(
                     limits=configured,
                     minute_s=minute,
                 )
+                turn.settle_later(call)  # in save point A's round trip, or on its own if the turn has none
         except Exception:
             # The budget is corrected by its own refill; the call's outcome matters more than this.
             log.exception("run %s: could not settle the rate-limit reservation", turn.run_id)

@@ -77,6 +77,7 @@ from agentpool.store.keys import RunKeys
 from agentpool.store.lease import Acquire, AcquireResult, acquire, release
 from agentpool.store.ledger import Outcome
 from agentpool.store.records import TERMINAL_STATUSES, RunState
+from agentpool.store.scripts import Rider, run_script
 
 log = logging.getLogger("agentpool.turn")
 
@@ -295,6 +296,7 @@ class Turn:
         self.responded = False  # save point A committed this turn's model reply
         self.slot_key = ""  # the concurrency key whose slot this turn holds
         self.ancestors: list[str] = []  # a child run's ancestors: its calls' spend counts in their trees
+        self.settles: list[Rider] = []  # the model calls' rate-limit settles not sent yet (settle_later)
 
     def run(self, header: dict[bytes, bytes], loaded: list[Any], watched: bool = False) -> str:
         """The turn, given the run's header and window (``store.window``) as read with the lease."""
@@ -328,20 +330,42 @@ class Turn:
             return held  # an ancestor's budget for the tree is used up: stopped, held, until it is resumed
         fault("before_model_call", self.run_id, self.turn)
         try:
-            state, reply = compaction.call(self, agent, state)
-        except WaitForBudget as wait:
-            return self.wait_for_budget(state, wait)
-        except ModelUnavailable as exc:
-            self.count_cut_stream(agent, exc)
-            return self.defer(state, exc)
-        except ModelQuotaExhausted as exc:
-            return self.stop(str(exc))
-        except ContextTooLong as exc:
-            return self.stop(_context_full(agent, str(exc)))
-        except ModelRejected as exc:
-            return self.end("failed", f"the model API rejected the request: {exc}")
-        fault("after_model_reply", self.run_id, self.turn)
-        return self.handle_reply(agent, state, reply, seconds=reply.seconds)
+            try:
+                state, reply = compaction.call(self, agent, state)
+            except WaitForBudget as wait:
+                return self.wait_for_budget(state, wait)
+            except ModelUnavailable as exc:
+                self.count_cut_stream(agent, exc)
+                return self.defer(state, exc)
+            except ModelQuotaExhausted as exc:
+                return self.stop(str(exc))
+            except ContextTooLong as exc:
+                return self.stop(_context_full(agent, str(exc)))
+            except ModelRejected as exc:
+                return self.end("failed", f"the model API rejected the request: {exc}")
+            fault("after_model_reply", self.run_id, self.turn)
+            return self.handle_reply(agent, state, reply, seconds=reply.seconds)
+        finally:
+            self.send_settles()  # what no save point A carried: the turn ended before one, or it failed
+
+    def settle_later(self, call: Rider) -> None:
+        """A model call's rate-limit settle (``agentpool.runtime.ratelimit``): it goes with save point A,
+        a round trip the turn makes right after the call anyway, instead of one of its own."""
+        self.settles.append(call)
+
+    def send_settles(self) -> None:
+        """Send, each on its own, the settles no save point A carried, and say which failed: the budget is
+        corrected by its own refill, and the call's outcome matters more than this."""
+        calls, self.settles = self.settles, []
+        for call in calls:
+            if call.sent:
+                if isinstance(call.reply, Exception):
+                    log.error("%s: could not settle a rate-limit reservation: %s", self.where, call.reply)
+                continue
+            try:
+                run_script(call.name, self.r, call.keys, call.args)
+            except Exception:
+                log.exception("%s: could not settle a rate-limit reservation", self.where)
 
     def live_output(self, purpose: str) -> LiveOutput:
         """Where a model call of this turn streams for watchers (``purpose``: ``reply`` or ``summary``)."""
@@ -444,6 +468,7 @@ class Turn:
                     pool_webhook=self.settings.pool_webhook,
                     intents=started if not final else (),
                     clear_handback=requeued(self.job),
+                    riders=[call for call in self.settles if not call.sent],
                 )
                 == 2
             ):
