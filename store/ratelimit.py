@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis import Redis
 
@@ -163,31 +164,11 @@ class Reported:
     remaining: dict[str, int] = field(default_factory=dict)
 
 
-def settle(
-    r: Redis,
-    model: str,
-    *,
-    reservation: Reservation | Unlimited | None,
-    used_input: int,
-    used_output: int,
-    reported: Reported,
-    limits: Limits,
-    minute_s: float,
-) -> bool:
-    """Correct ``reservation`` to what the call used (a failed call: what it was billed for, often 0)
-    and learn what the API reported. An ``Unlimited`` call gives nothing back (it took nothing) and
-    leaves the held hash. Returns False if nothing was held under it: settled already, dropped (a call
-    started unlimited a minute ago or more, or when ``mark_headerless`` ran), or none (``Unlimited(None)``,
-    headers alone)."""
-    call = settle_call(
-        model,
-        reservation=reservation,
-        used_input=used_input,
-        used_output=used_output,
-        reported=reported,
-        limits=limits,
-        minute_s=minute_s,
-    )
+def settle(r: Redis, model: str, **how: Any) -> bool:
+    """``settle_call`` (``how``: its keyword arguments) sent now, on its own. Returns False if nothing was
+    held under the reservation: settled already, dropped (a call started unlimited a minute ago or more,
+    or when ``mark_headerless`` ran), or none (``Unlimited(None)``, headers alone)."""
+    call = settle_call(model, **how)
     return bool(run_script(call.name, r, call.keys, call.args))
 
 
@@ -201,8 +182,10 @@ def settle_call(
     limits: Limits,
     minute_s: float,
 ) -> Rider:
-    """``settle`` as a script call to send later, in another script's round trip (the turn's save point
-    A: ``agentpool.runtime.ratelimit``). Its reply is ``settle``'s, as an int."""
+    """The script call that corrects ``reservation`` to what the call used (a failed call: what it was
+    billed for, often 0) and learns what the API reported; an ``Unlimited`` call gives nothing back (it
+    took nothing) and leaves the held hash. Sent later, in another script's round trip (the turn's save
+    point A: ``agentpool.runtime.ratelimit``), or now by ``settle``; it answers 1 if it settled."""
     keys = LimitKeys.of(model)
     rid, back_in, back_out = "", 0, 0
     started = (-1, -1, -1)
