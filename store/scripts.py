@@ -133,8 +133,8 @@ class _Scripts:
         """``name`` run now, as a call does, with the ``riders`` after it in the same round trip. The
         scripts must not depend on one another (after a script cache miss only the ones that missed are
         sent again). Only ``name``'s error is raised; each rider keeps its own reply or error."""
-        main: list[Rider] = [Rider(name, keys, args)]
-        todo = main + list(riders)
+        first = Rider(name, keys, args)
+        todo = [first, *riders]
         for attempt in range(2):
             with r.pipeline(transaction=False) as pipe:
                 for call in todo:
@@ -152,9 +152,9 @@ class _Scripts:
             todo = missed
             if not todo:
                 break
-        if isinstance(main[0].reply, Exception):
-            raise main[0].reply
-        return main[0].reply
+        if isinstance(first.reply, Exception):
+            raise first.reply
+        return first.reply
 
 
 def _safe_args(args: list[object]) -> list[object]:
