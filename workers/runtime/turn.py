@@ -330,19 +330,19 @@ class Turn:
             return held  # an ancestor's budget for the tree is used up: stopped, held, until it is resumed
         fault("before_model_call", self.run_id, self.turn)
         try:
-            try:
-                state, reply = compaction.call(self, agent, state)
-            except WaitForBudget as wait:
-                return self.wait_for_budget(state, wait)
-            except ModelUnavailable as exc:
-                self.count_cut_stream(agent, exc)
-                return self.defer(state, exc)
-            except ModelQuotaExhausted as exc:
-                return self.stop(str(exc))
-            except ContextTooLong as exc:
-                return self.stop(_context_full(agent, str(exc)))
-            except ModelRejected as exc:
-                return self.end("failed", f"the model API rejected the request: {exc}")
+            state, reply = compaction.call(self, agent, state)
+        except WaitForBudget as wait:
+            return self.wait_for_budget(state, wait)
+        except ModelUnavailable as exc:
+            self.count_cut_stream(agent, exc)
+            return self.defer(state, exc)
+        except ModelQuotaExhausted as exc:
+            return self.stop(str(exc))
+        except ContextTooLong as exc:
+            return self.stop(_context_full(agent, str(exc)))
+        except ModelRejected as exc:
+            return self.end("failed", f"the model API rejected the request: {exc}")
+        else:
             fault("after_model_reply", self.run_id, self.turn)
             return self.handle_reply(agent, state, reply, seconds=reply.seconds)
         finally:
