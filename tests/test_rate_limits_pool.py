@@ -4,13 +4,17 @@ holding no worker) instead of meeting 429s, and every run completes."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 
 from redis import Redis
 
 from agentpool import enqueue_run, wait_for_run
 from agentpool.store import events, ratelimit
+from agentpool.store.keys import LimitKeys
 from agentpool.testing.localpool import WorkerProcesses
 from agentpool.testing.scripted_model import RateLimits
 
@@ -88,3 +92,61 @@ def test_failed_calls_settle_their_reservations_though_no_save_point_a_follows(r
     assert view.learned == {"requests": 1000}
     assert view.held["calls"] == 0, "a failed call's reservation is still held"
     assert "could not settle" not in pool.logs()
+
+
+def test_a_model_whose_replies_carry_no_rate_limit_headers_is_called_without_a_budget_read_each_time(
+    r: Redis, pool, model
+) -> None:
+    """A worker process that found a model unlimited, its replies without rate-limit headers, calls it
+    for a second without reading its budget (one round trip a turn less); once the model's replies
+    carry the headers, the pool learns the limits and reserves within them again."""
+    calls = 8
+    model.set_scripts({"many": [{"tool_calls": [READ]}] * (calls - 1) + [{"text": "All done."}]})
+    WorkerProcesses.start(pool, 1, "--log-level", "INFO", "--concurrency", "2")
+    budget = LimitKeys.of("claude-sonnet-5-5").budget
+    with _commands_seen(pool) as seen:
+        run = wait_for_run(
+            enqueue_run("pool_agents:support", script_task("many"), connection=r), timeout=60, connection=r
+        )
+    assert run.status == "completed" and run.turns == calls, (run.status, run.error, pool.logs())
+    reads = [c for c in seen if c.startswith("HGETALL") and budget in c]
+    # The first call counts what it starts (nothing is known yet), the second finds the model headerless;
+    # the calls after it, within the second, read nothing. Each reading would make it `calls`.
+    assert 1 <= len(reads) <= calls // 2, (len(reads), seen)
+
+    model.set_rate_limits(RateLimits(rpm=1000))
+    again = wait_for_run(
+        enqueue_run("pool_agents:support", script_task("many"), connection=r), timeout=60, connection=r
+    )
+    assert again.status == "completed", (again.status, again.error, pool.logs())
+    (view,) = ratelimit.show(r)
+    assert view.learned == {"requests": 1000} and view.held["calls"] == 0
+    # The calls after the first reply with headers took their request from the budget.
+    assert view.levels["requests"] < 1000
+
+
+@contextlib.contextmanager
+def _commands_seen(pool) -> Iterator[list[str]]:
+    """Every command Redis ran meanwhile (Lua's included), from its MONITOR feed, as 'NAME key ...'."""
+    seen: list[str] = []
+    watcher = Redis.from_url(pool.env["REDIS_URL"])
+    started, stop = threading.Event(), threading.Event()
+
+    def listen() -> None:
+        with watcher.monitor() as feed:
+            started.set()
+            for entry in feed.listen():
+                if stop.is_set():
+                    return
+                seen.append(entry["command"])
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    started.wait(10)
+    try:
+        yield seen
+    finally:
+        stop.set()
+        Redis.from_url(pool.env["REDIS_URL"]).ping()  # one more command wakes the feed up to see the stop
+        thread.join(10)
+        watcher.close()

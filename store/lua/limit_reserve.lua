@@ -11,6 +11,8 @@
 -- KEYS[1] budget hash  KEYS[2] held hash (reservation id -> "in out ms", or for a call started while
 -- unlimited "in out ms requests r i o")  KEYS[3] waiting zset
 -- KEYS[4] needs hash (ticket -> "requests in out expires_ms")  KEYS[5] set of models with a budget
+-- The budget hash's 'line' is 1 once a ticket joined the line and '0' once a call found it empty, so a
+-- call reads the line only when somebody may be in it (no field: look, as a budget written before it).
 -- ARGV[1] unused  ARGV[2] minute ms  ARGV[3] model  ARGV[4] ticket  ARGV[5] reservation id
 -- ARGV[6..8] needed requests, input tokens, output tokens  ARGV[9..11] operator limits rpm, itpm, otpm
 -- (0: none)  ARGV[12] ticket slack ms
@@ -38,27 +40,31 @@ end
 -- costs this script's one read.
 local unlimited = limit[1] == 0 and limit[2] == 0 and limit[3] == 0
 if unlimited and h['headerless'] then return {3, 0} end
-local mine = redis.call('HGET', KEYS[2], ARGV[5])
-if mine then
-  local r, i_, o = string.match(mine, '^%S+ %S+ %S+ %S+ (%S+) (%S+) (%S+)$')
-  if r then return {3, 0, tonumber(r), tonumber(i_), tonumber(o)} end
-  return {2, 0}
-end
 -- Redis's clock, not the caller's: every worker's refill is measured on one clock.
 local t = redis.call('TIME')
 local now, minute = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), tonumber(ARGV[2])
--- Nothing limits the model yet, but the first replies may teach limits: count what the call starts
--- and hold it as in flight (no budget taken) until it settles.
+-- The call's entry in the held hash, taken first: a re-sent call finds it there and answers as the first
+-- did (one HSETNX where a look and a write would be two; a call that waits gives it back below).
+local started, counted = {3, 0}, {'started:at', now}
+local entry = need[2] .. ' ' .. need[3] .. ' ' .. now
 if unlimited then
-  local started, fields = {3, 0}, {'started:at', now}
   for i, d in ipairs(dims) do
     local n = tonumber(h['started:' .. d] or 0) + need[i]
     table.insert(started, n)
-    table.insert(fields, 'started:' .. d); table.insert(fields, n)
+    table.insert(counted, 'started:' .. d); table.insert(counted, n)
   end
-  redis.call('HSET', KEYS[1], unpack(fields))
-  redis.call('HSET', KEYS[2], ARGV[5], need[2] .. ' ' .. need[3] .. ' ' .. now .. ' ' .. need[1] .. ' '
-    .. started[3] .. ' ' .. started[4] .. ' ' .. started[5])
+  entry = entry .. ' ' .. need[1] .. ' ' .. started[3] .. ' ' .. started[4] .. ' ' .. started[5]
+end
+if redis.call('HSETNX', KEYS[2], ARGV[5], entry) == 0 then
+  local mine = redis.call('HGET', KEYS[2], ARGV[5])
+  local r, i_, o = string.match(mine or '', '^%S+ %S+ %S+ %S+ (%S+) (%S+) (%S+)$')
+  if r then return {3, 0, tonumber(r), tonumber(i_), tonumber(o)} end
+  return {2, 0}
+end
+-- Nothing limits the model yet, but the first replies may teach limits: count what the call starts
+-- and hold it as in flight (no budget taken) until it settles.
+if unlimited then
+  redis.call('HSET', KEYS[1], unpack(counted))
   return started
 end
 local at = tonumber(h['at'] or now)
@@ -71,24 +77,30 @@ for i, d in ipairs(dims) do
   end
 end
 -- Listed among the models with a budget when its budget is first written here (settle lists it again
--- with every limit it learns).
+-- when it learns a limit it did not know).
 if not h['at'] then redis.call('SADD', KEYS[5], ARGV[3]) end
--- What the live tickets ahead of this one need (expired ones leave the line).
+-- What the live tickets ahead of this one need (expired ones leave the line). The budget's 'line' says
+-- whether anybody may be in line: '0' once a call found it empty, so the usual call reads no line at all.
 local ahead = {0, 0, 0}
 local in_line = false  -- whether this call's ticket holds a place already (it waited before)
-local members = redis.call('ZRANGE', KEYS[3], 0, -1)
-for _, m in ipairs(members) do
-  if m == ARGV[4] then
-    in_line = true
-    break
-  end
-  local rec = redis.call('HGET', KEYS[4], m)
-  local r, i_, o, exp = string.match(rec or '', '^(%S+) (%S+) (%S+) (%S+)$')
-  if not exp or tonumber(exp) < now then
-    redis.call('ZREM', KEYS[3], m)
-    redis.call('HDEL', KEYS[4], m)
-  else
-    ahead[1], ahead[2], ahead[3] = ahead[1] + tonumber(r), ahead[2] + tonumber(i_), ahead[3] + tonumber(o)
+local behind = 0  -- live tickets left in line once this call is through
+if h['line'] ~= '0' then
+  local members = redis.call('ZRANGE', KEYS[3], 0, -1)
+  for n, m in ipairs(members) do
+    if m == ARGV[4] then
+      in_line = true
+      behind = behind + #members - n
+      break
+    end
+    local rec = redis.call('HGET', KEYS[4], m)
+    local r, i_, o, exp = string.match(rec or '', '^(%S+) (%S+) (%S+) (%S+)$')
+    if not exp or tonumber(exp) < now then
+      redis.call('ZREM', KEYS[3], m)
+      redis.call('HDEL', KEYS[4], m)
+    else
+      ahead[1], ahead[2], ahead[3] = ahead[1] + tonumber(r), ahead[2] + tonumber(i_), ahead[3] + tonumber(o)
+      behind = behind + 1
+    end
   end
 end
 local wait = 0
@@ -105,7 +117,9 @@ if wait > 0 then
   for i, d in ipairs(dims) do
     if limit[i] > 0 then table.insert(fields, 'level:' .. d); table.insert(fields, level[i]) end
   end
+  table.insert(fields, 'line'); table.insert(fields, 1)
   redis.call('HSET', KEYS[1], unpack(fields))
+  redis.call('HDEL', KEYS[2], ARGV[5])  -- not granted: nothing held
   redis.call('ZADD', KEYS[3], 'NX', now, ARGV[4])
   redis.call('HSET', KEYS[4], ARGV[4],
     need[1] .. ' ' .. need[2] .. ' ' .. need[3] .. ' ' .. (now + wait + tonumber(ARGV[12])))
@@ -114,10 +128,10 @@ end
 for i, d in ipairs(dims) do
   if limit[i] > 0 then table.insert(fields, 'level:' .. d); table.insert(fields, level[i] - need[i]) end
 end
+if h['line'] ~= '0' and behind == 0 then table.insert(fields, 'line'); table.insert(fields, 0) end
 redis.call('HSET', KEYS[1], unpack(fields))
 if in_line then
   redis.call('ZREM', KEYS[3], ARGV[4])
   redis.call('HDEL', KEYS[4], ARGV[4])
 end
-redis.call('HSET', KEYS[2], ARGV[5], need[2] .. ' ' .. need[3] .. ' ' .. now)
 return {1, 0}

@@ -68,12 +68,14 @@ if now - tonumber(h['swept'] or 0) >= tonumber(ARGV[20]) then
   end
   table.insert(fields, 'swept'); table.insert(fields, now)
 end
-local learned_any = false
+-- The model is listed among those with a budget when a limit is learned that the budget did not hold
+-- (the reply of every call reports them again; one SADD a call would be one command a turn for nothing).
+local learned_new = false
 for i, d in ipairs(dims) do
   local learned = tonumber(ARGV[8 + i])
   if learned > 0 then
     table.insert(fields, 'learned:' .. d); table.insert(fields, learned)
-    learned_any = true
+    if tonumber(h['learned:' .. d]) ~= learned then learned_new = true end
   else
     learned = tonumber(h['learned:' .. d] or 0)
   end
@@ -95,5 +97,5 @@ for i, d in ipairs(dims) do
   end
 end
 redis.call('HSET', KEYS[1], unpack(fields))
-if learned_any then redis.call('SADD', KEYS[3], ARGV[15]) end
+if learned_new then redis.call('SADD', KEYS[3], ARGV[15]) end
 return settled
