@@ -62,6 +62,23 @@ def test_waiting_turns_go_in_the_order_they_began_to_wait(r: Redis) -> None:
     assert set(r.hkeys(LimitKeys.of(MODEL).needs)) == {b"late", b"newcomer"}, "the granted one left the line whole"
 
 
+def test_a_line_that_emptied_holds_newcomers_again_once_a_turn_waits(r: Redis) -> None:
+    """A call reads the line only when the budget says somebody may be in it: it must say so again as
+    soon as a turn waits, and a budget an earlier version wrote, which never said, has its line read."""
+    limits = Limits(itpm=1000)
+    keys = LimitKeys.of(MODEL)
+    first = take(r, "a", Need(1000, 0), limits)  # the bucket is empty now
+    assert isinstance(take(r, "b", Need(600, 0), limits), Wait)
+    assert settle(r, first, used_in=0, limits=limits)  # all 1000 back
+    assert isinstance(take(r, "b", Need(600, 0), limits), Reservation)  # "b" leaves: nobody in line
+    assert r.zcard(keys.waiting) == 0
+    assert isinstance(take(r, "c", Need(600, 0), limits), Wait)  # 400 left
+    assert isinstance(take(r, "d", Need(50, 0), limits), Wait), "a newcomer went ahead of a waiting turn"
+    r.hdel(keys.budget, "line")  # as an earlier version left it
+    assert isinstance(take(r, "e", Need(50, 0), limits), Wait), "a budget that never said was not read"
+    assert r.zrange(keys.waiting, 0, -1) == [b"c", b"d", b"e"]
+
+
 def test_a_ticket_nobody_comes_back_for_stops_holding_its_place(r: Redis) -> None:
     limits = Limits(rpm=1)
     take(r, "a", Need(1, 1), limits, minute=0.5)
