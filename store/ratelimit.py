@@ -10,6 +10,8 @@ lower one holds. A dimension with neither is not limited.
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,11 @@ TICKET_SLACK_MS = 30_000  # how long past its expected wait a ticket keeps its p
 # were would only find nothing held when it settles, and give back nothing of its estimate.
 HELD_STALE_MS = 3_600_000
 HELD_SWEEP_EVERY_MS = 600_000
+# How long a worker process trusts that a model is unlimited with replies that carry no rate-limit
+# headers (a gateway that strips them, a scripted model), and so calls it without reading its budget.
+UNLIMITED_TRUSTED_FOR = 1.0
+# "<connection pool id>|<model>" (a shard's budget) -> monotonic time the trust holds until
+_unlimited_until: dict[str, float] = {}
 
 
 @dataclass(frozen=True)
@@ -214,6 +221,41 @@ def settle_call(
             HELD_SWEEP_EVERY_MS,
         ],
     )
+
+
+def known_unlimited(r: Redis, model: str) -> bool:
+    """Whether this process found ``model`` unlimited and headerless on ``r``'s budget (``reserve``
+    answering ``Unlimited(None)``) less than ``UNLIMITED_TRUSTED_FOR`` ago: its calls need no
+    reservation meanwhile, one round trip and two commands a turn less. Nothing is lost: that answer
+    takes no budget and counts nothing. A reply that does carry the headers teaches the budget its limits
+    as before (``forget_unlimited`` ends the trust in the process that got it; the others ask again
+    within the second). An operator's limit for the model means ``reserve`` never answers so."""
+    return _unlimited_until.get(_unlimited_key(r, model), 0.0) > time.monotonic()
+
+
+def remember_unlimited(r: Redis, model: str) -> None:
+    _unlimited_until[_unlimited_key(r, model)] = time.monotonic() + UNLIMITED_TRUSTED_FOR
+
+
+def forget_unlimited(r: Redis, model: str) -> None:
+    _unlimited_until.pop(_unlimited_key(r, model), None)
+
+
+def unlimited_hints() -> dict[str, float]:
+    """What this process trusts of unlimited models, until when, for a process that did not look itself:
+    a forking worker's work horse hands it to its worker (``adopt_unlimited_hints``), whose next horse
+    inherits it. ``time.monotonic`` is the system's, the same in both processes."""
+    return dict(_unlimited_until)
+
+
+def adopt_unlimited_hints(hints: Mapping[str, float]) -> None:
+    for key, until in hints.items():
+        _unlimited_until[str(key)] = max(_unlimited_until.get(str(key), 0.0), float(until))
+
+
+def _unlimited_key(r: Redis, model: str) -> str:
+    # Per connection pool, as a shard's budget is its own (a model id holds no "|").
+    return f"{id(r.connection_pool)}|{model}"
 
 
 def mark_headerless(r: Redis, model: str) -> None:

@@ -12,12 +12,13 @@ import threading
 import time
 from collections.abc import Iterator
 
+import pytest
 from redis import Redis
 
 from agentpool import enqueue_run, wait_for_run
-from agentpool.runtime.ratelimit import UNLIMITED_TRUSTED_FOR
 from agentpool.store import events, ratelimit
 from agentpool.store.keys import LimitKeys
+from agentpool.store.ratelimit import UNLIMITED_TRUSTED_FOR
 from agentpool.testing.localpool import WorkerProcesses
 from agentpool.testing.scripted_model import RateLimits
 
@@ -97,17 +98,19 @@ def test_failed_calls_settle_their_reservations_though_no_save_point_a_follows(r
     assert "could not settle" not in pool.logs()
 
 
+@pytest.mark.parametrize("kind", [["--concurrency", "2"], []], ids=["threaded", "forking"])
 def test_a_model_whose_replies_carry_no_rate_limit_headers_is_called_without_a_budget_read_each_time(
-    r: Redis, pool, model
+    r: Redis, pool, model, kind: list[str]
 ) -> None:
     """A worker process that found a model unlimited, its replies without rate-limit headers, calls it
-    for a second without reading its budget (one round trip a turn less); once the model's replies
-    carry the headers, the pool learns the limits and reserves within them again."""
+    for a second without reading its budget (one round trip a turn less; a forking worker's horse hands
+    what it found to the worker, whose next horses inherit it); once the model's replies carry the
+    headers, the pool learns the limits and reserves within them again."""
     calls = 10
     model.set_scripts(
         {"many": [{"tool_calls": [READ]}] * (calls - 1) + [{"text": "All done."}], "one": [{"text": "Hi."}]}
     )
-    WorkerProcesses.start(pool, 1, "--log-level", "INFO", "--concurrency", "2")
+    WorkerProcesses.start(pool, 1, "--log-level", "INFO", *kind)
     # A first run finds the model's replies headerless (and has the worker up and warm).
     first = wait_for_run(enqueue_run("pool_agents:support", script_task("one"), connection=r), timeout=60, connection=r)
     assert first.status == "completed", (first.status, first.error, pool.logs())

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-import time
 import uuid
-import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,17 +33,12 @@ from agentpool.store.errors import AgentPoolError
 from agentpool.store.ratelimit import Limits, Need, Reported
 
 if TYPE_CHECKING:
-    from redis import Redis
-
     from agentpool.runtime.turn import Turn
 
 log = logging.getLogger("agentpool.ratelimit")
 
 CHARS_PER_TOKEN = 3  # cautious: JSON and code run ~3 characters a token; the reservation is corrected after
 MIN_WAIT = 0.05
-# How long a worker process trusts that a model is unlimited with replies that carry no rate-limit
-# headers (a gateway that strips them, a scripted model), and so calls it without reading its budget.
-UNLIMITED_TRUSTED_FOR = 1.0
 _DIMENSIONS = {"requests": "requests", "input-tokens": "input", "output-tokens": "output"}
 
 
@@ -56,34 +48,6 @@ class WaitForBudget(AgentPoolError):
     def __init__(self, model: str, seconds: float) -> None:
         super().__init__(f"waiting {seconds:.2f} s for {model}'s rate-limit budget")
         self.model, self.seconds = model, max(MIN_WAIT, seconds)
-
-
-class _KnownUnlimited:
-    """The models this worker process found unlimited and headerless (``limit_reserve`` answering
-    ``Unlimited(None)``), per Redis shard, and until when it trusts that without asking again. Such a
-    model's budget is read once a second by the process instead of once a call: one round trip and two
-    commands a turn less. Nothing is lost meanwhile: no budget would be taken, nothing counted or held.
-    A reply that does carry the headers teaches the budget its limits as before and ends the trust at
-    once in this process; other processes ask again within ``UNLIMITED_TRUSTED_FOR``."""
-
-    def __init__(self) -> None:
-        self._until: weakref.WeakKeyDictionary[Redis, dict[str, float]] = weakref.WeakKeyDictionary()
-        self._lock = threading.Lock()
-
-    def holds(self, r: Redis, model: str) -> bool:
-        with self._lock:
-            return self._until.get(r, {}).get(model, 0.0) > time.monotonic()
-
-    def remember(self, r: Redis, model: str) -> None:
-        with self._lock:
-            self._until.setdefault(r, {})[model] = time.monotonic() + UNLIMITED_TRUSTED_FOR
-
-    def forget(self, r: Redis, model: str) -> None:
-        with self._lock:
-            self._until.get(r, {}).pop(model, None)
-
-
-known_unlimited = _KnownUnlimited()
 
 
 def limits_for(configured: Mapping[str, Limits], model: str) -> Limits:
@@ -171,7 +135,7 @@ def limited_call(
     need = Need(estimate_input(agent, messages, None if summary else last_reply), int(max_tokens))
     # An operator's limit for the model makes limit_reserve never answer Unlimited(None), so it is never
     # remembered and every call reserves.
-    if known_unlimited.holds(turn.r, agent.model):
+    if ratelimit.known_unlimited(turn.r, agent.model):
         got: ratelimit.Reservation | ratelimit.Wait | ratelimit.Unlimited = ratelimit.Unlimited(None)
     else:
         got = ratelimit.reserve(
@@ -184,7 +148,7 @@ def limited_call(
             minute_s=minute,
         )
         if got == ratelimit.Unlimited(None):
-            known_unlimited.remember(turn.r, agent.model)
+            ratelimit.remember_unlimited(turn.r, agent.model)
     if isinstance(got, ratelimit.Wait):
         raise WaitForBudget(agent.model, got.seconds)
     reservation = got
@@ -207,7 +171,7 @@ def limited_call(
     finally:
         learned = shard_reported(reported(headers), shards)
         if learned.limits:
-            known_unlimited.forget(turn.r, agent.model)  # the model has limits after all: reserve again
+            ratelimit.forget_unlimited(turn.r, agent.model)  # the model has limits after all: reserve again
         counted = isinstance(reservation, ratelimit.Unlimited) and bool(reservation.started)
         headerless = answered and counted and not learned.limits
         try:

@@ -16,7 +16,8 @@
 - Pool-wide counters are added up in this process and flushed about once a second
   (``agentpool.runtime.stats_flush``); a horse hands what its turn counted to its worker through a pipe
   as it ends (a horse killed outright loses its turn's counts), with what it learnt of "nobody watches
-  any run" (``agentpool.store.live``), so that the next horse need not look again for a second.
+  any run" (``agentpool.store.live``) and of models found unlimited (``agentpool.store.ratelimit``), so
+  that the next horse need not look again for a second.
 - It never runs RQ's scheduler: a deferred turn is enqueued by the reaper (``agentpool.runtime.deferred``).
 - Jobs are msgpack; warm shutdown on SIGTERM lets the current turn finish, as RQ does. An idle worker's
   SIGTERM never strands a turn in RQ's intermediate queue: a turn dequeued as the stop came is given
@@ -49,7 +50,7 @@ from agentpool.runtime.settings import Settings
 from agentpool.runtime.stats_flush import StatsFlusher
 from agentpool.runtime.takeover import forget_turn_job, hand_over_dead_holder, is_turn_job
 from agentpool.runtime.webhook_delivery import WebhookThread
-from agentpool.store import live, stats
+from agentpool.store import live, ratelimit, stats
 from agentpool.store.keys import TURN_QUEUE, RunKeys
 from agentpool.worker.channel import QuickUnsubscribe
 from agentpool.worker.groups import GroupWatcher, die_with_parent, end_process_group
@@ -222,7 +223,12 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         if self._counts_pipe is None:
             return
         done, seconds = self.take_job_counts()
-        counted = {"stats": stats.accumulate().take(), "jobs": [done, seconds], "watch": live.watch_hints()}
+        counted = {
+            "stats": stats.accumulate().take(),
+            "jobs": [done, seconds],
+            "watch": live.watch_hints(),
+            "unlimited": ratelimit.unlimited_hints(),
+        }
         try:
             # A few dozen counters: far below a pipe's buffer, so the write never waits for the worker.
             os.write(self._counts_pipe[1], json.dumps(counted).encode())
@@ -243,6 +249,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
                 stats.count(counted["stats"])
                 self.count_jobs(*counted["jobs"])
                 live.adopt_watch_hints(counted.get("watch") or {})  # the next horse skips a look it need not make
+                ratelimit.adopt_unlimited_hints(counted.get("unlimited") or {})  # and a budget read
         except (OSError, ValueError) as exc:
             log.warning("worker %s: could not read its work horse's counters: %s", self.name, exc)
         finally:
