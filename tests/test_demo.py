@@ -52,7 +52,8 @@ def test_with_redis_url_it_refuses_a_database_in_use_and_wipes_an_empty_one_afte
     out = demo("--redis-url", spare)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Every run finished" in out.stdout and "keys the demo wrote deleted" in out.stdout
-    assert Redis.from_url(spare).dbsize() == 0, "the borrowed database is empty again"
+    with Redis.from_url(spare) as borrowed:
+        assert borrowed.dbsize() == 0, "the borrowed database is empty again"
 
 
 def test_when_the_runs_do_not_complete_it_says_which_and_why_with_the_workers_logs():

@@ -624,7 +624,8 @@ def test_workers_and_check_say_when_redis_would_evict_runs(model, agentpool_path
         assert plain.returncode == 0 and plain.stdout.strip() == "ok" and warning in plain.stderr, plain
         assert strict.returncode == 1 and warning in strict.stderr, strict
         assert worker.returncode == 0 and warning in worker.stderr, worker
-        Redis.from_url(evicting.url).config_set("maxmemory-policy", "noeviction")
+        with Redis.from_url(evicting.url) as admin:
+            admin.config_set("maxmemory-policy", "noeviction")
         fixed = run("agentpool", "check", "--strict")
         assert fixed.returncode == 0 and fixed.stderr == "", fixed
     finally:

@@ -161,6 +161,7 @@ def _commands_seen(pool) -> Iterator[list[str]]:
         yield seen
     finally:
         stop.set()
-        Redis.from_url(pool.env["REDIS_URL"]).ping()  # one more command wakes the feed up to see the stop
+        with Redis.from_url(pool.env["REDIS_URL"]) as waker:
+            waker.ping()  # one more command wakes the feed up to see the stop
         thread.join(10)
         watcher.close()

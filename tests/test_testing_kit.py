@@ -178,8 +178,8 @@ def test_local_pool_runs_an_apps_own_agents_and_survives_a_killed_worker(tmp_pat
         assert pool.kills == [killed]
         url = pool.redis_url
     assert pool.workers.alive() == []
-    with pytest.raises(RedisError):  # the throwaway redis-server is gone with the pool
-        Redis.from_url(url, socket_connect_timeout=1).ping()
+    with pytest.raises(RedisError), Redis.from_url(url, socket_connect_timeout=1) as gone:
+        gone.ping()  # the throwaway redis-server is gone with the pool
 
 
 # An app whose unsafe tool leaves a trace of each charge where the test can count them.

@@ -223,14 +223,14 @@ def test_reap_once_says_what_it_did_or_that_there_was_nothing_to_do(r, redis_ser
 
 
 def test_a_decode_responses_client_works_like_any_other(r, pool, model, redis_server):
-    text_client = Redis.from_url(redis_server.url, decode_responses=True)
     model.set_scripts({"hi": [{"text": "hello"}]})
     pool.start(1)
-    run_id = enqueue_run("pool_agents:support", script_task("hi"), connection=text_client)
-    run = wait_for_run(run_id, timeout=60, connection=text_client)
-    assert (run.status, run.result) == ("completed", "hello")
-    assert get_run(run_id, connection=text_client).messages == get_run(run_id, connection=r).messages
-    assert [x.id for x in list_runs(connection=text_client)] == [run_id]
+    with Redis.from_url(redis_server.url, decode_responses=True) as text_client:
+        run_id = enqueue_run("pool_agents:support", script_task("hi"), connection=text_client)
+        run = wait_for_run(run_id, timeout=60, connection=text_client)
+        assert (run.status, run.result) == ("completed", "hello")
+        assert get_run(run_id, connection=text_client).messages == get_run(run_id, connection=r).messages
+        assert [x.id for x in list_runs(connection=text_client)] == [run_id]
 
 
 def test_the_public_errors_are_exported_with_the_api(r):

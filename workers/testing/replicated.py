@@ -195,7 +195,8 @@ class ReplicatedRedis:
 
 def _synced(port: int) -> bool:
     try:
-        return Redis(port=port).info("replication").get("master_link_status") == "up"
+        with Redis(port=port) as client:  # closed here: a socket left to the collector is a ResourceWarning
+            return client.info("replication").get("master_link_status") == "up"
     except RedisError:
         return False
 
