@@ -20,7 +20,6 @@ its last write; a new call starts it afresh.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +27,7 @@ from redis import Redis
 from redis.client import Pipeline
 
 from agentpool.store import crypto
+from agentpool.store.hints import Hints, pool_key
 from agentpool.store.keys import ANYONE_WATCHING, RunKeys
 
 LIVE_MAXLEN = 512
@@ -39,7 +39,7 @@ WATCH_TTL_MS = 10_000  # a watcher renews its presence well within this
 # Seconds a worker process trusts "no run is watched" (``ap:watching`` absent) before it looks again:
 # the model call's own looks (every second, agentpool.runtime.stream) find a watcher who arrives meanwhile.
 NOBODY_FOR = 1.0
-_nobody_until: dict[int, float] = {}  # per connection pool (a shard): monotonic time the answer holds until
+nobody_watched = Hints()  # "no run of the pool watched", per connection pool (a shard)
 
 
 def mark_watching(r: Redis, keys: RunKeys, ttl_ms: int = WATCH_TTL_MS) -> None:
@@ -55,13 +55,13 @@ class WatchLookup:
     run watched less than ``NOBODY_FOR`` ago."""
 
     def __init__(self, r: Redis) -> None:
-        self._pool = id(r.connection_pool)
+        self._pool = pool_key(r)
         self._staged = False
 
     def stage(self, pipe: Pipeline, keys: RunKeys) -> None:
         # Decided afresh at every call: a round trip sent again (a script cache miss stages its reads
         # anew) may find the hint set meanwhile by another turn of this process, and then stages nothing.
-        self._staged = time.monotonic() >= _nobody_until.get(self._pool, 0.0)
+        self._staged = not nobody_watched.holds(self._pool)
         if self._staged:
             pipe.exists(ANYONE_WATCHING, keys.watchers)
 
@@ -71,20 +71,8 @@ class WatchLookup:
             return False
         found = int(replies[0])
         if found == 0:
-            _nobody_until[self._pool] = time.monotonic() + NOBODY_FOR
+            nobody_watched.remember(self._pool, NOBODY_FOR)
         return found == 2
-
-
-def watch_hints() -> dict[int, float]:
-    """What this process knows of "no run watched" (per connection pool, until when), for a process that
-    did not look itself: a forking worker's work horse hands it to its worker (``adopt_watch_hints``),
-    whose next horse inherits it. ``time.monotonic`` is the system's, the same in both processes."""
-    return dict(_nobody_until)
-
-
-def adopt_watch_hints(hints: Mapping[Any, float]) -> None:
-    for pool, until in hints.items():
-        _nobody_until[int(pool)] = max(_nobody_until.get(int(pool), 0.0), float(until))
 
 
 def is_watched(r: Redis, keys: RunKeys) -> bool:

@@ -10,13 +10,12 @@ lower one holds. A dimension with neither is not limited.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
 
+from agentpool.store.hints import Hints, pool_key
 from agentpool.store.keys import LIMIT_MODELS, LimitKeys
 from agentpool.store.scripts import Rider, run_script
 
@@ -31,8 +30,7 @@ HELD_SWEEP_EVERY_MS = 600_000
 # How long a worker process trusts that a model is unlimited with replies that carry no rate-limit
 # headers (a gateway that strips them, a scripted model), and so calls it without reading its budget.
 UNLIMITED_TRUSTED_FOR = 1.0
-# "<connection pool id>|<model>" (a shard's budget) -> monotonic time the trust holds until
-_unlimited_until: dict[str, float] = {}
+unlimited_models = Hints()  # per connection pool (a shard's budget) and model (a model id holds no "|")
 
 
 @dataclass(frozen=True)
@@ -175,8 +173,7 @@ def settle(r: Redis, model: str, **how: Any) -> bool:
     """``settle_call`` (``how``: its keyword arguments) sent now, on its own. Returns False if nothing was
     held under the reservation: settled already, dropped (a call started unlimited a minute ago or more,
     or when ``mark_headerless`` ran), or none (``Unlimited(None)``, headers alone)."""
-    call = settle_call(model, **how)
-    return bool(run_script(call.name, r, call.keys, call.args))
+    return bool(settle_call(model, **how).run(r))
 
 
 def settle_call(
@@ -230,32 +227,15 @@ def known_unlimited(r: Redis, model: str) -> bool:
     takes no budget and counts nothing. A reply that does carry the headers teaches the budget its limits
     as before (``forget_unlimited`` ends the trust in the process that got it; the others ask again
     within the second). An operator's limit for the model means ``reserve`` never answers so."""
-    return _unlimited_until.get(_unlimited_key(r, model), 0.0) > time.monotonic()
+    return unlimited_models.holds(pool_key(r, model))
 
 
 def remember_unlimited(r: Redis, model: str) -> None:
-    _unlimited_until[_unlimited_key(r, model)] = time.monotonic() + UNLIMITED_TRUSTED_FOR
+    unlimited_models.remember(pool_key(r, model), UNLIMITED_TRUSTED_FOR)
 
 
 def forget_unlimited(r: Redis, model: str) -> None:
-    _unlimited_until.pop(_unlimited_key(r, model), None)
-
-
-def unlimited_hints() -> dict[str, float]:
-    """What this process trusts of unlimited models, until when, for a process that did not look itself:
-    a forking worker's work horse hands it to its worker (``adopt_unlimited_hints``), whose next horse
-    inherits it. ``time.monotonic`` is the system's, the same in both processes."""
-    return dict(_unlimited_until)
-
-
-def adopt_unlimited_hints(hints: Mapping[str, float]) -> None:
-    for key, until in hints.items():
-        _unlimited_until[str(key)] = max(_unlimited_until.get(str(key), 0.0), float(until))
-
-
-def _unlimited_key(r: Redis, model: str) -> str:
-    # Per connection pool, as a shard's budget is its own (a model id holds no "|").
-    return f"{id(r.connection_pool)}|{model}"
+    unlimited_models.forget(pool_key(r, model))
 
 
 def mark_headerless(r: Redis, model: str) -> None:

@@ -69,6 +69,10 @@ class Rider:
     sent: bool = False
     reply: object = None
 
+    def run(self, r: Redis) -> object:
+        """Sent now, on its own round trip."""
+        return run_script(self.name, r, self.keys, self.args)
+
 
 class _Scripts:
     """Script objects are bound to no client: each call passes the connection (or pipeline) to use."""

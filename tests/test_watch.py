@@ -12,6 +12,7 @@ import time
 from agentpool import enqueue_run, wait_for_run, watch
 from agentpool.store import crypto
 from agentpool.store.crypto import Cipher, generate_key
+from agentpool.store.hints import pool_key
 from agentpool.store.keys import RunKeys
 
 from conftest import ROOT, script_task
@@ -157,12 +158,12 @@ def test_the_watch_look_survives_a_script_cache_miss_while_another_turn_learns_n
         lookup.stage(pipe, keys)
         attempts.append(len(pipe.command_stack))
         # Between the two attempts, another turn of this process finds no run watched.
-        live.adopt_watch_hints({id(r.connection_pool): time.monotonic() + 60})
+        live.nobody_watched.adopt({pool_key(r): time.monotonic() + 60})
 
     try:
         got = acquire(r, keys, turn=0, worker_id="w.1", ttl_ms=10_000, then=then)
     finally:
-        live._nobody_until.clear()
+        live.nobody_watched.clear()
     assert got.code is Acquire.ACQUIRED, got
     assert len(attempts) == 2 and attempts[0] > attempts[1], "sent twice, the look staged only the first time"
     assert lookup.watched(got.then) is False

@@ -77,7 +77,7 @@ from agentpool.store.keys import RunKeys
 from agentpool.store.lease import Acquire, AcquireResult, acquire, release
 from agentpool.store.ledger import Outcome
 from agentpool.store.records import TERMINAL_STATUSES, RunState
-from agentpool.store.scripts import Rider, run_script
+from agentpool.store.scripts import Rider
 
 log = logging.getLogger("agentpool.turn")
 
@@ -363,7 +363,7 @@ class Turn:
                     log.error("%s: could not settle a rate-limit reservation: %s", self.where, call.reply)
                 continue
             try:
-                run_script(call.name, self.r, call.keys, call.args)
+                call.run(self.r)
             except Exception:
                 log.exception("%s: could not settle a rate-limit reservation", self.where)
 

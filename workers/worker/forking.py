@@ -226,8 +226,8 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         counted = {
             "stats": stats.accumulate().take(),
             "jobs": [done, seconds],
-            "watch": live.watch_hints(),
-            "unlimited": ratelimit.unlimited_hints(),
+            "watch": live.nobody_watched.export(),
+            "unlimited": ratelimit.unlimited_models.export(),
         }
         try:
             # A few dozen counters: far below a pipe's buffer, so the write never waits for the worker.
@@ -248,8 +248,9 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
                 counted = json.loads(b"".join(chunks))
                 stats.count(counted["stats"])
                 self.count_jobs(*counted["jobs"])
-                live.adopt_watch_hints(counted.get("watch") or {})  # the next horse skips a look it need not make
-                ratelimit.adopt_unlimited_hints(counted.get("unlimited") or {})  # and a budget read
+                # The next horse skips the looks it need not make (agentpool.store.hints).
+                live.nobody_watched.adopt(counted.get("watch") or {})
+                ratelimit.unlimited_models.adopt(counted.get("unlimited") or {})
         except (OSError, ValueError) as exc:
             log.warning("worker %s: could not read its work horse's counters: %s", self.name, exc)
         finally:
