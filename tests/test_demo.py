@@ -38,6 +38,9 @@ def test_the_demo_leaves_the_apps_redis_alone(r, redis_server):
     assert "LAST EVENT" not in out.stdout, out.stdout
     events = re.findall(r"^\d\d:\d\d:\d\d\.\d{3} (r_\w+) +(\w+)", out.stdout, re.MULTILINE)
     assert len({run for run, _kind in events}) == 2 and ("status" in {kind for _run, kind in events}), out.stdout
+    # The two runs' events interleaved as they happened, not one run's batch after the other's.
+    stamps = re.findall(r"^(\d\d:\d\d:\d\d\.\d{3}) r_", out.stdout, re.MULTILINE)
+    assert stamps == sorted(stamps), out.stdout
     assert r.keys("*") == [b"the-apps-own-key"], "nothing enqueued, counted or registered in the app's Redis"
 
 

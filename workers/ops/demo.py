@@ -50,16 +50,27 @@ class Screen:
     def __init__(self) -> None:
         self.tty = sys.stdout.isatty()
         self.lines = 0
-        self.seen: dict[str, str] = {}  # off a terminal: the last event printed, per run
+        self.seen: dict[str, str] = {}  # off a terminal: the last event read, per run
+        self.held: list[tuple[tuple[int, int], str, str, dict[str, str]]] = []  # read, not yet printed
 
-    def show(self, r: Redis, run_ids: list[str], note: str) -> None:
+    def show(self, r: Redis, run_ids: list[str], note: str, *, final: bool = False) -> None:
         if self.tty:
             self.draw(_table(r, run_ids, note))
             return
+        # Every run's events in the order they happened (a stream id is Redis's clock at the write), not
+        # run by run, which reads as time going back. An event is printed once Redis's clock has passed
+        # its millisecond before the runs were read: none written earlier can turn up in a later look.
+        seconds, micros = r.time()
+        settled = seconds * 1000 + micros // 1000
         for run_id in run_ids:
             for event_id, event in read_events(r, run_id, after=self.seen.get(run_id, "0-0")):
                 self.seen[run_id] = event_id
-                print(_event_line(run_id, event_id, event), flush=True)
+                self.held.append((_stream_order(event_id), run_id, event_id, event))
+        self.held.sort(key=lambda row: row[0])
+        due = [row for row in self.held if row[0][0] < settled or final]
+        self.held = self.held[len(due) :]
+        for _, run_id, event_id, event in due:
+            print(_event_line(run_id, event_id, event), flush=True)
 
     def draw(self, rows: list[str]) -> None:
         if self.lines:
@@ -90,6 +101,11 @@ def _table(r: Redis, run_ids: list[str], note: str) -> list[str]:
         rows.append(f"{run.id:<26} {run.status:<10} {run.turns:>5} {run.total_tokens:>7}  {detail[:40]}")
     rows.append(note)
     return rows
+
+
+def _stream_order(event_id: str) -> tuple[int, int]:
+    ms, _, seq = event_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _event_line(run_id: str, event_id: str, event: dict[str, str]) -> str:
@@ -231,12 +247,13 @@ def _drive(r: Redis, run_ids: list[str], workers: WorkerProcesses, screen: Scree
     while time.monotonic() - started < timeout:
         statuses = {run.id: run.status for run in list_runs(connection=r, limit=len(run_ids) + 50)}
         if all(statuses.get(i) not in ACTIVE_STATUSES for i in run_ids):
-            screen.show(r, run_ids, note)
+            screen.show(r, run_ids, note, final=True)
             return crashes
         if not workers.alive():
             raise click.ClickException(
                 "every worker exited before the runs finished:\n" + _diagnosis(r, run_ids, workers)
             )
+        screen.show(r, run_ids, note)  # what happened so far, before a kill's notice
         if plan and time.monotonic() - started >= plan[0][1]:
             busy = _busy_workers(workers)
             if busy and len(workers.alive()) > 1:
@@ -254,7 +271,6 @@ def _drive(r: Redis, run_ids: list[str], workers: WorkerProcesses, screen: Scree
                     )
                 crashes.append(note)
                 screen.say(f"\n*** {note}\n")
-        screen.show(r, run_ids, note)
         time.sleep(0.25)
     raise click.ClickException(f"runs still active after {timeout:g} s:\n" + _diagnosis(r, run_ids, workers))
 
