@@ -213,6 +213,30 @@ def _check(code: int, keys: RunKeys, r: Redis) -> None:
         raise RunNotFound(keys.run_id)
 
 
+def _ending_keys(keys: RunKeys, parent: Sequence[str]) -> list[str]:
+    """KEYS of the scripts that can end a run (``commit_response``, ``finish``), laid out the way
+    ``store/lua/_retention.lua`` reads them: the run's own keys, a child run's ``parent`` keys, then the
+    webhook's two (``store/lua/_webhook.lua`` takes them off the end)."""
+    return [
+        keys.run,
+        keys.lease,
+        keys.messages,
+        RUNS_WATCH,
+        STATS,
+        keys.events,
+        keys.handback,
+        keys.ledger,
+        keys.approvals,
+        keys.inbox,
+        keys.received,
+        keys.children,
+        keys.joins,
+        keys.webhooks,
+        *parent,
+        *webhooks.script_keys(keys),
+    ]
+
+
 def commit_response(
     r: Redis,
     keys: RunKeys,
@@ -275,24 +299,7 @@ def commit_response(
     code = run_script.with_riders(
         "commit_response",
         r,
-        [
-            keys.run,
-            keys.lease,
-            keys.messages,
-            RUNS_WATCH,
-            STATS,
-            keys.events,
-            keys.handback,
-            keys.ledger,
-            keys.approvals,
-            keys.inbox,
-            keys.received,
-            keys.children,
-            keys.joins,
-            keys.webhooks,
-            *parent,
-            *webhooks.script_keys(keys),
-        ],
+        _ending_keys(keys, parent),
         [
             token,
             turns_before,
@@ -571,24 +578,7 @@ def finish(
     code = run_script(
         "finish",
         r,
-        [
-            keys.run,
-            keys.lease,
-            keys.messages,
-            RUNS_WATCH,
-            STATS,
-            keys.events,
-            keys.handback,
-            keys.ledger,
-            keys.approvals,
-            keys.inbox,
-            keys.received,
-            keys.children,
-            keys.joins,
-            keys.webhooks,
-            *parent,
-            *webhooks.script_keys(keys),
-        ],
+        _ending_keys(keys, parent),
         [
             token,
             status,
