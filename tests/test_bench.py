@@ -103,6 +103,11 @@ MORE_TABLES = {
     ],
 }
 
+# What else a section's output must say: the ratios its targets are judged by, measured in the same run.
+MORE_LINES = {
+    "redis": ["CPU vs bare RQ", "forking turn / threaded turn, Redis shares all: commands"],
+}
+
 
 def run_bench(*args: str) -> str:
     done = subprocess.run(
@@ -126,6 +131,8 @@ def test_bench_section_prints_its_table_of_figures(section):
     check_table(out, title, rows, at_least)
     for more_title, more_rows in MORE_TABLES.get(section, []):
         check_table(out, more_title, more_rows, 1)
+    for line in MORE_LINES.get(section, []):
+        assert line in out, out
 
 
 def check_table(out: str, title: str, rows: list[str], at_least: int) -> None:

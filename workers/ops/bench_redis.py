@@ -174,7 +174,10 @@ def _per_turn(sample: Sample, idle: Sample, n: int) -> tuple[float, float, float
     return commands, cpu_us, net_commands, net_cpu_us, net_reads
 
 
-def _row(where: str, kind: str, job: str, sample: Sample, idle: Sample, turns: int) -> list[str]:
+def _row(
+    where: str, kind: str, job: str, sample: Sample, idle: Sample, turns: int, baseline_cpu_us: float
+) -> list[str]:
+    """One row of the table; ``baseline_cpu_us``: the bare RQ job's net CPU at the turns' rate beside it."""
     commands, cpu_us, net_commands, net_cpu_us, net_reads = _per_turn(sample, idle, turns)
     ours_threaded = job in (OURS, OURS_LIMITED) and "threaded" in kind
     return [
@@ -188,8 +191,24 @@ def _row(where: str, kind: str, job: str, sample: Sample, idle: Sample, turns: i
         f"{cpu_us:.0f}",
         f"{net_cpu_us:.0f}",
         "<= 250" if ours_threaded else "",
+        f"{net_cpu_us / max(baseline_cpu_us, 1e-9):.2f}x" if job in (OURS, OURS_LIMITED) else "",
         "" if job == PING else f"{1e6 / max(net_cpu_us, 1e-9):,.0f}",
     ]
+
+
+def _forking_against_threaded(figures: dict[tuple[str, str], tuple[float, float, float, float, float]]) -> list[str]:
+    """Issue 22's forking target, within 1.2x of the threaded turn: the forking turn over the threaded one
+    (net commands, net CPU), per placement of Redis."""
+    lines = []
+    for where in dict.fromkeys(w for w, _ in figures):
+        forking = next((f for (w, k), f in figures.items() if w == where and k.startswith("forking")), None)
+        threaded = next((f for (w, k), f in figures.items() if w == where and k.startswith("threaded")), None)
+        if forking and threaded:
+            lines.append(
+                f"forking turn / threaded turn, Redis {where}: commands {forking[2] / threaded[2]:.2f}x, "
+                f"CPU {forking[3] / max(threaded[3], 1e-9):.2f}x (target: within 1.2x)"
+            )
+    return lines
 
 
 def _top(per_command: Counter[str], n: int, k: int = 8) -> str:
@@ -229,6 +248,7 @@ def _pin(pid: int, cpus: list[int]) -> None:
 
 def bench_redis(lab: Lab, turns: int, threads: int) -> None:
     rows, details = [], []
+    turn_figures: dict[tuple[str, str], tuple[float, float, float, float, float]] = {}
     placement = _Placement(lab)
     placements = [False, True] if placement.can_isolate else [False]
     try:
@@ -252,6 +272,8 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
                 pings = max(100, round(ours.reads / ours.seconds * PING_SECONDS))
                 ping = _pings(lab, pings, rate=ours.reads / ours.seconds)
                 limited = _limited_runs(lab, turns)
+                baseline = _per_turn(paced, idle, turns)[3]
+                turn_figures[where, kind] = _per_turn(ours, idle, turns)
                 for job, sample, n in (
                     (BARE, bare, turns),
                     (OURS, ours, turns),
@@ -259,7 +281,7 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
                     (PING, ping, pings),
                     (OURS_LIMITED, limited, turns),
                 ):
-                    rows.append(_row(where, kind, job, sample, idle, n))
+                    rows.append(_row(where, kind, job, sample, idle, n, baseline))
                     if job != PING:
                         details.append(f"{kind}, Redis {where}, {job}: {_top(sample.commands, n)}")
                         details.append(f"{kind}, Redis {where}, {job}, µs inside commands: {_top(sample.usec, n)}")
@@ -270,6 +292,7 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
     finally:
         placement.set(False)
         lab.workers.stop()  # started under the last placement
+    details[:0] = _forking_against_threaded(turn_figures)
     if not placement.can_isolate:
         details.insert(
             0, "Redis was not given a CPU of its own: it was not started by this bench, or the machine has one CPU"
@@ -287,6 +310,7 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
             "CPU µs",
             "net of idle",
             "target",
+            "CPU vs bare RQ",
             "turns/s per Redis core",
         ],
         rows,
@@ -313,6 +337,10 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
                 "rate limits learned: the scripted model sends the API's rate-limit headers (limits far above the "
                 "bench's pace), so each turn reserves its call within the learned limits and settles it after, as "
                 "against the API; the rows above have a model that sends none (one read of the budget a turn)"
+            ),
+            (
+                "CPU vs bare RQ: the turn's net CPU over the bare RQ job's at the turns' rate, on the same worker "
+                "and placement (measured in this run, beside it)"
             ),
             "turns/s per Redis core = 1,000,000 / net CPU µs per turn",
             (
