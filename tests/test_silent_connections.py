@@ -18,6 +18,7 @@ from test_delivered_twice import load_scripts, script
 
 from agentpool import enqueue_run, wait_for_run
 from agentpool.pricing import price_of
+from agentpool.runtime.connections import socket_timeout
 from agentpool.runtime.settings import connect
 from agentpool.testing import assert_valid_conversation
 from agentpool.testing.localpool import WorkerProcesses
@@ -79,21 +80,23 @@ def test_connections_gone_silent_cost_a_socket_timeout_and_every_run_completes(
             assert proxy.pending_cuts() == 0, "a chosen connection never went silent"
             assert proxy.black_holed > 8, proxy.black_holed
 
-            # No worker is wedged: both are alive and both still take turns.
+            # No worker is wedged: both are alive and both still take turns. A worker may still be waiting
+            # out a dequeue that went silent just before the proxy stopped swallowing replies (up to its
+            # socket timeout), while the other takes every turn: runs keep coming until both have taken
+            # some, for two socket timeouts and three heartbeats (agentpool.worker.lean adds a worker's
+            # jobs to RQ's count with its next heartbeat, every few seconds).
             assert len(pool.alive()) == 2, pool.logs()
             before = _successful_jobs(r)
             proxy.black_hole = 0.0
-            more = [enqueue_run("pool_agents:support", script_task("silent0"), connection=r) for _ in range(6)]
-            for run_id in more:
-                assert wait_for_run(run_id, timeout=RUN_TIMEOUT, connection=r).status == "completed", pool.logs()
-            # A worker adds its jobs to RQ's count with its next heartbeat (agentpool.worker.lean: every
-            # few seconds), so the count may trail the runs' end by that much.
-            deadline = time.monotonic() + 3 * HEARTBEAT_EVERY
+            deadline = time.monotonic() + 2 * socket_timeout() + 3 * HEARTBEAT_EVERY
             after = _successful_jobs(r)
             while not (len(after) == 2 and all(after[n] > before.get(n, 0) for n in after)):
                 if time.monotonic() > deadline:
                     pool.dump_stacks()  # where the idle worker waits, into its log
                     raise AssertionError((before, after, pool.logs(12000)))
+                more = [enqueue_run("pool_agents:support", script_task("silent0"), connection=r) for _ in range(6)]
+                for run_id in more:
+                    assert wait_for_run(run_id, timeout=RUN_TIMEOUT, connection=r).status == "completed", pool.logs()
                 time.sleep(0.2)
                 after = _successful_jobs(r)
         finally:
