@@ -17,7 +17,8 @@ lease keeper and reaper share that pool: one swallowed reply wedged a worker for
   connection whose peer is gone within ~11 s even while nothing is asked on it.
 - **health checks** (every 10 s): a pooled connection idle that long is PINGed before it is used. A
   connection opened this instant is not (``handshake``): redis-py's own handshake would PING it first,
-  a round trip on every new connection, and a forking worker's horse opens one every turn.
+  a round trip on every new connection (a forking worker's horses share one their worker opens,
+  ``agentpool.worker.handdown``, and open their own when it cannot be handed on).
 
 The bound: a command sent on a connection that went silent is re-sent on a new connection after
 ``socket_timeout``. A lease renewal is sent a third of the TTL after the last one, so at the default

@@ -18,6 +18,9 @@
   as it ends (a horse killed outright loses its turn's counts), with what it learnt of "nobody watches
   any run" (``agentpool.store.live``) and of models found unlimited (``agentpool.store.ratelimit``), so
   that the next horse need not look again for a second.
+- Its horses share one Redis connection, handed down from one horse to the next
+  (``agentpool.worker.handdown``), instead of each opening its own: a horse that fails, is killed, or
+  leaves it anything but idle hands nothing on, and the worker opens another.
 - It never runs RQ's scheduler: a deferred turn is enqueued by the reaper (``agentpool.runtime.deferred``).
 - Jobs are msgpack; warm shutdown on SIGTERM lets the current turn finish, as RQ does. An idle worker's
   SIGTERM never strands a turn in RQ's intermediate queue: a turn dequeued as the stop came is given
@@ -54,6 +57,7 @@ from agentpool.store import live, ratelimit, stats
 from agentpool.store.keys import TURN_QUEUE, RunKeys
 from agentpool.worker.channel import QuickUnsubscribe
 from agentpool.worker.groups import GroupWatcher, die_with_parent, end_process_group
+from agentpool.worker.handdown import HandDown
 from agentpool.worker.lean import LeanTurnJobs
 
 log = logging.getLogger("agentpool.worker")
@@ -86,6 +90,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         self._agents: dict[str, str] = {}
         self._group_watcher = GroupWatcher()
         self._counts_pipe: tuple[int, int] | None = None  # the horse's counters come back through it
+        self._hand_down: HandDown | None = None  # the Redis connection each horse gets (made at the first fork)
 
     @property
     def dequeue_timeout(self) -> int:
@@ -208,26 +213,35 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         durability.before_fork(self.connection)  # decided here, inherited by the horse: not once per horse
         self._worker_pid = os.getpid()  # the horse, forked next, dies with this process
         self._counts_pipe = os.pipe()
+        if self._hand_down is None:
+            self._hand_down = HandDown(self.connection, f"{self.name}:horses")
+        self._hand_down.before_fork()
         super().fork_work_horse(job, queue)
         os.close(self._counts_pipe[1])  # only the worker gets here: the horse exits in RQ's code
         self._group_watcher.watch(self._horse_pid)
 
     def perform_job(self, job: Any, queue: Any, execution: Any) -> bool:
         """In the horse: the turn, then what it counted goes back to the worker (``_take_horse_counts``)."""
+        succeeded = False
         try:
-            return super().perform_job(job, queue, execution)  # type: ignore[no-any-return]
+            succeeded = super().perform_job(job, queue, execution)
+            return succeeded
         finally:
-            self._send_counts()
+            self._send_counts(succeeded)
 
-    def _send_counts(self) -> None:
+    def _send_counts(self, succeeded: bool) -> None:
         if self._counts_pipe is None:
             return
+        # A job that failed may have been cut short between a command and its reply (RQ's timeout is a
+        # SIGALRM raised anywhere): its horse hands no connection on (agentpool.worker.handdown).
+        handed_on = self._hand_down.give_back_from_horse() if self._hand_down and succeeded else None
         done, seconds = self.take_job_counts()
         counted = {
             "stats": stats.accumulate().take(),
             "jobs": [done, seconds],
             "watch": live.nobody_watched.export(),
             "unlimited": ratelimit.unlimited_models.export(),
+            "connection": handed_on,
         }
         try:
             # A few dozen counters: far below a pipe's buffer, so the write never waits for the worker.
@@ -241,6 +255,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
             return
         reader, self._counts_pipe = self._counts_pipe[0], None
         chunks = []
+        counted: dict[str, Any] = {}
         try:
             while chunk := os.read(reader, 1 << 16):
                 chunks.append(chunk)
@@ -255,8 +270,14 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
             log.warning("worker %s: could not read its work horse's counters: %s", self.name, exc)
         finally:
             os.close(reader)
+            if self._hand_down is not None:
+                self._hand_down.after_horse(counted.get("connection") if isinstance(counted, dict) else None)
 
     def setup_work_horse_signals(self) -> None:
+        # The first thing a horse does (RQ's main_work_horse): before any command, the connection its
+        # worker handed down joins its pool.
+        if self._hand_down is not None:
+            self._hand_down.take_in_horse()
         # The horse counts its own turn from nothing (its copy of the worker's tally is the worker's to
         # flush) and hands the counts back through the pipe's write end (``perform_job``).
         stats.stop_accumulating()
@@ -319,3 +340,5 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
             reaper.stop()
             counters.stop()
             hooks.stop()
+            if self._hand_down is not None:
+                self._hand_down.close()
