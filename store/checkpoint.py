@@ -108,11 +108,14 @@ def create_run(
             _check_same_request(r, run_id, header, agent=agent, task=task, limits=limits)
             return False
         pipe.multi()
-        stage_create(pipe, run_id, agent=agent, task=task, limits=limits, now=now, extra=extra)
+        # The header is new (WATCHed, read empty): its ring of writes is this one alone, in its HSET.
+        remembered = {writes.OTHERS: writes.ring_of_one(write_id)}
+        stage_create(
+            pipe, run_id, agent=agent, task=task, limits=limits, now=now, extra={**(extra or {}), **remembered}
+        )
         stage_enqueue(pipe)
         if event:
             event.stage(pipe)
-        writes.stage_remember(pipe, keys.run, write_id)
         pipe.execute()
         return True
 

@@ -53,6 +53,13 @@ def landed(recent: bytes | None, write_id: str) -> str | None:
     return None
 
 
+def ring_of_one(write_id: str, result: str = "1") -> str:
+    """The ring ``remember`` leaves in a field that was empty (``_once.lua``'s ``ring_with``): for a
+    transaction that creates the hash under WATCH, and so writes the field with its own HSET instead of
+    a script."""
+    return f"{write_id}={result};"
+
+
 def stage_remember(pipe: Any, key: str, write_id: str, result: str = "1", *, field: str = OTHERS) -> None:
     """Inside MULTI: record ``write_id`` in ``key``'s ``field`` with the rest of the transaction: by
     default the ring of writes not made by the lease holder, which ``FIELD`` is for."""

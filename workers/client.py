@@ -177,7 +177,7 @@ def enqueue_run(
     second one); if it exists for anything else, ``RunExists`` is raised and nothing changes. An
     existing run is never reset."""
     from agentpool.agent import check_agent_path
-    from agentpool.runtime.jobs import stage_turn
+    from agentpool.runtime.jobs import job_id, stage_turn
 
     check_agent_path(agent)
     if check_agent:
@@ -211,12 +211,13 @@ def enqueue_run(
     r, shard = shards.home(connection, run_id, concurrency_key)  # one Redis, or the run's shard
     run_id = run_id if run_id is not None else new_run_id(shard)
     parent = tracing.current_parent()  # the app's span, the parent of the run's trace
+    if parent:
+        extra[tracing.PARENT_FIELD] = parent
+    extra["job"] = job_id(run_id, 0)  # the first turn's job, written with the header (one HSET)
 
     def stage_enqueue(pipe: Pipeline) -> None:
-        if parent:
-            pipe.hset(RunKeys.of(run_id).run, tracing.PARENT_FIELD, parent)
         # RQ's enqueue joins the transaction; a new run's window starts at its first message.
-        stage_turn(pipe, r, run_id, 0, queue=queue, window=0)
+        stage_turn(pipe, r, run_id, 0, queue=queue, window=0, with_header=False)
 
     checkpoint.create_run(
         r,
