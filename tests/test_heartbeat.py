@@ -55,6 +55,9 @@ def test_turns_that_commit_while_their_lease_is_being_renewed_are_not_reported_l
     # short turns at once, on a short TTL, make that race common: none of them lost its lease.
     caplog.set_level(logging.WARNING, logger="agentpool.heartbeat")
     ttl_ms = 150  # renewed every 50 ms
+    # A lease this short can really lapse on a machine starved for a moment (the keeper's thread not run
+    # for 150 ms): its turn finds it gone at its commit, and "lease lost" is then the truth.
+    lapsed: set[str] = set()
 
     def turns(n: int) -> None:
         rng = random.Random(n)
@@ -63,6 +66,8 @@ def test_turns_that_commit_while_their_lease_is_being_renewed_are_not_reported_l
             r.set(keys.lease, token, px=ttl_ms)
             with keep_alive(r, keys, token, ttl_ms):
                 time.sleep(rng.uniform(0.03, 0.12))
+                if r.get(keys.lease) != token.encode():
+                    lapsed.add(keys.run_id)
                 r.delete(keys.lease)  # the commit that ends the turn
 
     threads = [threading.Thread(target=turns, args=(n,)) for n in range(30)]
@@ -70,4 +75,6 @@ def test_turns_that_commit_while_their_lease_is_being_renewed_are_not_reported_l
         thread.start()
     for thread in threads:
         thread.join()
-    assert not [m for m in caplog.messages if "lease lost" in m], caplog.messages[:5]
+    reported = {m.split(":")[0].removeprefix("run ") for m in caplog.messages if "lease lost" in m}
+    assert not reported - lapsed, (sorted(reported - lapsed)[:5], len(lapsed))
+    assert len(lapsed) < 60, f"{len(lapsed)} of 600 leases lapsed: the machine was too slow to test the race"
