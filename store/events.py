@@ -95,6 +95,12 @@ def emit(r: Redis, run_id: str, kind: str, **fields: Any) -> None:
         stats.count(event.counters)
 
 
+def stream_order(stream_id: str) -> tuple[int, int]:
+    """A stream entry id as (milliseconds of Redis's clock at the write, sequence): ids sort by it."""
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
 def read(
     r: Redis, run_id: str, after: str = "0-0", count: int = 1000, block_ms: int | None = None
 ) -> list[tuple[str, dict[str, str]]]:

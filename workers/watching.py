@@ -19,6 +19,7 @@ from agentpool.runtime import shards
 from agentpool.runtime.progress import why_waiting
 from agentpool.store import live
 from agentpool.store.errors import RunNotFound
+from agentpool.store.events import stream_order
 from agentpool.store.keys import RunKeys
 
 END_STATUSES = frozenset({"completed", "failed", "cancelled", "stopped"})
@@ -26,14 +27,9 @@ DELTAS = frozenset({"text_delta", "thinking_delta", "input_json_delta"})
 RENEW_EVERY = 3.0  # seconds between renewals of the watcher's presence (it lives live.WATCH_TTL_MS)
 
 
-def _order(stream_id: str) -> tuple[int, int]:
-    ms, _, seq = stream_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 def _event(stream_id: str, fields: dict[str, str]) -> dict[str, Any]:
     kind = fields.pop("kind", "?")
-    return {"type": kind, "id": stream_id, "at": _order(stream_id)[0] / 1000, **fields}
+    return {"type": kind, "id": stream_id, "at": stream_order(stream_id)[0] / 1000, **fields}
 
 
 def live_item(stream_id: str, fields: dict[str, str]) -> dict[str, Any]:
@@ -117,6 +113,6 @@ def _read(r: Redis, keys: RunKeys, cursors: dict[str, str], block_ms: int | None
         for stream_id, fields in live.decode_entries(rows):
             cursors[key] = stream_id
             item = _event(stream_id, fields) if key == keys.events else live_item(stream_id, fields)
-            items.append((_order(stream_id), item))
+            items.append((stream_order(stream_id), item))
     for _, item in sorted(items, key=lambda pair: pair[0]):
         yield item

@@ -196,17 +196,16 @@ def _row(
     ]
 
 
-def _forking_against_threaded(figures: dict[tuple[str, str], tuple[float, float, float, float, float]]) -> list[str]:
+def _forking_against_threaded(figures: dict[str, dict[str, tuple[float, float]]]) -> list[str]:
     """Issue 22's forking target, within 1.2x of the threaded turn: the forking turn over the threaded one
-    (net commands, net CPU), per placement of Redis."""
+    (``figures``: per placement of Redis, per worker kind, net commands and net CPU µs a turn)."""
     lines = []
-    for where in dict.fromkeys(w for w, _ in figures):
-        forking = next((f for (w, k), f in figures.items() if w == where and k.startswith("forking")), None)
-        threaded = next((f for (w, k), f in figures.items() if w == where and k.startswith("threaded")), None)
-        if forking and threaded:
+    for where, kinds in figures.items():
+        if "forking" in kinds and "threaded" in kinds:
+            (commands, cpu_us), (threaded_commands, threaded_cpu_us) = kinds["forking"], kinds["threaded"]
             lines.append(
-                f"forking turn / threaded turn, Redis {where}: commands {forking[2] / threaded[2]:.2f}x, "
-                f"CPU {forking[3] / max(threaded[3], 1e-9):.2f}x (target: within 1.2x)"
+                f"forking turn / threaded turn, Redis {where}: commands {commands / threaded_commands:.2f}x, "
+                f"CPU {cpu_us / max(threaded_cpu_us, 1e-9):.2f}x (target: within 1.2x)"
             )
     return lines
 
@@ -248,7 +247,7 @@ def _pin(pid: int, cpus: list[int]) -> None:
 
 def bench_redis(lab: Lab, turns: int, threads: int) -> None:
     rows, details = [], []
-    turn_figures: dict[tuple[str, str], tuple[float, float, float, float, float]] = {}
+    turn_figures: dict[str, dict[str, tuple[float, float]]] = {}  # placement -> worker kind -> turn's net figures
     placement = _Placement(lab)
     placements = [False, True] if placement.can_isolate else [False]
     try:
@@ -273,7 +272,8 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
                 ping = _pings(lab, pings, rate=ours.reads / ours.seconds)
                 limited = _limited_runs(lab, turns)
                 baseline = _per_turn(paced, idle, turns)[3]
-                turn_figures[where, kind] = _per_turn(ours, idle, turns)
+                _, _, net_commands, net_cpu_us, _ = _per_turn(ours, idle, turns)
+                turn_figures.setdefault(where, {})[kind.split()[0]] = (net_commands, net_cpu_us)
                 for job, sample, n in (
                     (BARE, bare, turns),
                     (OURS, ours, turns),

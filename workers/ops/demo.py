@@ -30,6 +30,7 @@ from agentpool.ops.redisconn import quick_client
 from agentpool.runtime import connections
 from agentpool.runtime.settings import redact_url
 from agentpool.store.events import read as read_events
+from agentpool.store.events import stream_order
 from agentpool.store.records import ACTIVE_STATUSES
 from agentpool.testing.localpool import (
     RedisNotInstalled,
@@ -51,7 +52,7 @@ class Screen:
         self.tty = sys.stdout.isatty()
         self.lines = 0
         self.seen: dict[str, str] = {}  # off a terminal: the last event read, per run
-        self.held: list[tuple[tuple[int, int], str, str, dict[str, str]]] = []  # read, not yet printed
+        self.held: list[tuple[str, str, dict[str, str]]] = []  # read, not yet printed: (run, event id, event)
 
     def show(self, r: Redis, run_ids: list[str], note: str, *, final: bool = False) -> None:
         if self.tty:
@@ -65,11 +66,11 @@ class Screen:
         for run_id in run_ids:
             for event_id, event in read_events(r, run_id, after=self.seen.get(run_id, "0-0")):
                 self.seen[run_id] = event_id
-                self.held.append((_stream_order(event_id), run_id, event_id, event))
-        self.held.sort(key=lambda row: row[0])
-        due = [row for row in self.held if row[0][0] < settled or final]
+                self.held.append((run_id, event_id, event))
+        self.held.sort(key=lambda row: stream_order(row[1]))
+        due = [row for row in self.held if final or stream_order(row[1])[0] < settled]
         self.held = self.held[len(due) :]
-        for _, run_id, event_id, event in due:
+        for run_id, event_id, event in due:
             print(_event_line(run_id, event_id, event), flush=True)
 
     def draw(self, rows: list[str]) -> None:
@@ -103,13 +104,8 @@ def _table(r: Redis, run_ids: list[str], note: str) -> list[str]:
     return rows
 
 
-def _stream_order(event_id: str) -> tuple[int, int]:
-    ms, _, seq = event_id.partition("-")
-    return int(ms), int(seq or 0)
-
-
 def _event_line(run_id: str, event_id: str, event: dict[str, str]) -> str:
-    at = int(event_id.partition("-")[0]) / 1000
+    at = stream_order(event_id)[0] / 1000
     stamp = time.strftime("%H:%M:%S", time.localtime(at)) + f".{int(at * 1000) % 1000:03d}"
     kind = event.get("kind", "?")
     detail = " ".join(

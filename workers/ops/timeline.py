@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from agentpool.store.events import stream_order
+
 END_STATUSES = frozenset({"completed", "failed", "cancelled", "stopped"})
 TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 
 def _seconds(stream_id: str) -> float:
-    return int(stream_id.partition("-")[0]) / 1000
+    return stream_order(stream_id)[0] / 1000
 
 
 class _Builder:
