@@ -22,6 +22,7 @@ from redis.client import Pipeline
 from agentpool.store.clock import now_ms
 from agentpool.store.events import Event, script_args
 from agentpool.store.keys import RUNS_WATCH, STATS, RunKeys
+from agentpool.store.ratelimit import Reservation, ReserveRequest, Unlimited, Wait
 from agentpool.store.records import SCHEMA_VERSION
 from agentpool.store.scripts import run_script
 from agentpool.store.writes import new_id
@@ -43,6 +44,7 @@ class AcquireResult:
     detail: str  # the token when acquired; otherwise what the code refers to
     then: list[Any] = field(default_factory=list)  # the replies of the reads staged after the script
     recorded: bool = False  # the event (turn_started) was recorded with this acquisition
+    reserved: Reservation | Wait | Unlimited | None = None  # what reserving the call with the lease answered
 
     @property
     def token(self) -> str:
@@ -59,22 +61,41 @@ def acquire(
     ttl_ms: int,
     event: Event | None = None,
     then: Callable[[Pipeline], None] | None = None,
+    reserve: ReserveRequest | None = None,
 ) -> AcquireResult:
     """Take the lease for ``turn``. ``event`` is recorded with it if the turn is to call the model;
     the reads ``then`` stages go out in the same round trip, after the script (their replies are
     wasted when the lease is not taken: a rare stale or duplicate job). They are plain commands, not
     part of the script: a reply Lua hands back costs Redis several times what the same reply costs as a
-    command's (an HGETALL of a header: 13 µs against 3 µs here)."""
+    command's (an HGETALL of a header: 13 µs against 3 µs here). ``reserve``: the turn's model call,
+    reserved in the pool's rate-limit budget by the same script once the lease is taken, unless the
+    turn settles tools first (``reserved`` says what the budget answered; None: nothing reserved)."""
     script_keys = [keys.run, keys.lease, RUNS_WATCH, keys.events, STATS]
-    args = [worker_id, ttl_ms, now_ms(), keys.run_id, turn, SCHEMA_VERSION, new_id(), *script_args(event)]
+    reserving: list[object] = []
+    if reserve is not None:
+        script_keys += reserve.keys()
+        reserving = reserve.args()
+    args = [
+        worker_id,
+        ttl_ms,
+        now_ms(),
+        keys.run_id,
+        turn,
+        SCHEMA_VERSION,
+        new_id(),
+        len(reserving),
+        *reserving,
+        *script_args(event),
+    ]
     reply, *after = run_script.pipelined(r, "lease_acquire", [(script_keys, args)], then)
-    code, detail, *flag = reply  # type: ignore[misc]
-    recorded = bool(flag and flag[0])
+    code, detail, *rest = reply  # type: ignore[misc]
+    recorded = bool(rest and rest[0])
     if event and recorded:
         event.landed()
+    reserved = reserve.answer(rest[1:]) if reserve is not None and len(rest) > 1 else None
     # A corrupt header can hold any bytes (the status of a NOT_ACTIVE answer): never fail on decoding them.
     text = detail.decode("utf-8", errors="replace") if isinstance(detail, bytes) else str(detail)
-    return AcquireResult(Acquire(int(code)), text, after, recorded)
+    return AcquireResult(Acquire(int(code)), text, after, recorded, reserved)
 
 
 def renew(r: Redis, keys: RunKeys, token: str, ttl_ms: int) -> bool:

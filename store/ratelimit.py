@@ -129,36 +129,66 @@ class Unlimited:
     id: str = ""
 
 
+@dataclass(frozen=True)
+class ReserveRequest:
+    """One call's reservation as ``limit_reserve`` takes it: made on its own (``reserve``) or by the
+    lease's script, with the turn's lease (``agentpool.store.lease.acquire``)."""
+
+    model: str
+    ticket: str
+    reservation_id: str
+    need: Need
+    limits: Limits
+    minute_s: float
+
+    def keys(self) -> list[str]:
+        keys = LimitKeys.of(self.model)
+        return [keys.budget, keys.held, keys.waiting, keys.needs, LIMIT_MODELS]
+
+    def args(self) -> list[object]:
+        return [
+            0,  # unused: the scripts read Redis's clock
+            int(self.minute_s * 1000),
+            self.model,
+            self.ticket,
+            self.reservation_id,
+            self.need.requests,
+            self.need.input,
+            self.need.output,
+            *self.limits.args(),
+            TICKET_SLACK_MS,
+        ]
+
+    def answer(self, reply: list[Any]) -> Reservation | Wait | Unlimited:
+        """What ``limit_reserve``'s reply says."""
+        granted, wait_ms, *started = reply
+        if int(granted) == 0:
+            return Wait(int(wait_ms) / 1000)
+        if int(granted) == 3:
+            if not started:
+                return Unlimited(None)
+            return Unlimited(tuple(int(n) for n in started), self.reservation_id)  # type: ignore[arg-type]
+        return Reservation(self.model, self.reservation_id, self.need)
+
+
 def reserve(
     r: Redis, model: str, *, ticket: str, reservation_id: str, need: Need, limits: Limits, minute_s: float
 ) -> Reservation | Wait | Unlimited:
     """The call's budget, taken now, or how long to wait for it (the ticket then holds a place in line),
     or ``Unlimited`` when no limit is set or learned for the model yet."""
+    request = ReserveRequest(model, ticket, reservation_id, need, limits, minute_s)
+    return request.answer(run_script("limit_reserve", r, request.keys(), request.args()))  # type: ignore[arg-type]
+
+
+def leave_line(r: Redis, model: str, ticket: str) -> None:
+    """Take ``ticket`` out of the line of calls waiting for ``model``'s budget: its turn will not call
+    (a reservation answered with the lease, for a turn that then ended otherwise). Left there, it would
+    hold back the calls behind it until it expired."""
     keys = LimitKeys.of(model)
-    granted, wait_ms, *started = run_script(  # type: ignore[misc]
-        "limit_reserve",
-        r,
-        [keys.budget, keys.held, keys.waiting, keys.needs, LIMIT_MODELS],
-        [
-            0,  # unused: the scripts read Redis's clock
-            int(minute_s * 1000),
-            model,
-            ticket,
-            reservation_id,
-            need.requests,
-            need.input,
-            need.output,
-            *limits.args(),
-            TICKET_SLACK_MS,
-        ],
-    )
-    if int(granted) == 0:
-        return Wait(int(wait_ms) / 1000)
-    if int(granted) == 3:
-        if not started:
-            return Unlimited(None)
-        return Unlimited(tuple(int(n) for n in started), reservation_id)  # type: ignore[arg-type]
-    return Reservation(model, reservation_id, need)
+    with r.pipeline(transaction=False) as pipe:
+        pipe.zrem(keys.waiting, ticket)
+        pipe.hdel(keys.needs, ticket)
+        pipe.execute()
 
 
 @dataclass(frozen=True)
@@ -185,10 +215,12 @@ def settle_call(
     reported: Reported,
     limits: Limits,
     minute_s: float,
+    never_called: bool = False,
 ) -> Rider:
     """The script call that corrects ``reservation`` to what the call used (a failed call: what it was
     billed for, often 0) and learns what the API reported; an ``Unlimited`` call gives nothing back (it
-    took nothing) and leaves the held hash. Sent later, in another script's round trip (the turn's save
+    took nothing) and leaves the held hash. ``never_called``: the call was reserved but never made (its
+    turn ended before it), so its request goes back too. Sent later, in another script's round trip (the turn's save
     point A: ``agentpool.runtime.ratelimit``), or now by ``settle``; it answers 1 if it settled."""
     keys = LimitKeys.of(model)
     rid, back_in, back_out = "", 0, 0
@@ -204,7 +236,7 @@ def settle_call(
         "limit_settle",
         [keys.budget, keys.held, LIMIT_MODELS],
         [
-            0,  # unused: the scripts read Redis's clock
+            1 if never_called and isinstance(reservation, Reservation) else 0,  # requests to give back
             int(minute_s * 1000),
             rid,
             back_in,

@@ -5,7 +5,8 @@ A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended, on
 ``store/lua/_spend.lua``, one that calls ``join_parent`` gets ``store/lua/_join.lua``, one that calls
 ``roll_up_spend`` or ``tree_exhausted`` gets ``store/lua/_tree.lua``, one that calls
 ``take_webhook`` gets ``store/lua/_webhook.lua``, one that calls ``expire_run_keys`` gets
-``store/lua/_retention.lua``: Redis has no includes.
+``store/lua/_retention.lua``, one that calls ``reserve_budget`` gets ``store/lua/_reserve.lua``: Redis has no
+includes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ _HELPERS = (
     ("_tree", "tree_exhausted("),
     ("_webhook", "take_webhook("),
     ("_retention", "expire_run_keys("),
+    ("_reserve", "reserve_budget("),
 )
 
 

@@ -19,6 +19,7 @@ from agentpool import enqueue_run, wait_for_run
 from agentpool.store import events, ratelimit
 from agentpool.store.keys import LimitKeys
 from agentpool.store.ratelimit import UNLIMITED_TRUSTED_FOR
+from agentpool.store.scripts import run_script
 from agentpool.testing.localpool import WorkerProcesses
 from agentpool.testing.scripted_model import RateLimits
 
@@ -137,6 +138,57 @@ def test_a_model_whose_replies_carry_no_rate_limit_headers_is_called_without_a_b
     assert view.learned == {"requests": 1000} and view.held["calls"] == 0
     # The calls after the first reply with headers took their request from the budget.
     assert view.levels["requests"] < 1000
+
+
+# Operator limits (no headers to learn from) and a minute so long that nothing refills during a test: the
+# budget's levels count exactly what was taken and given back.
+SLOW_MINUTE = {"AGENTPOOL_RATE_LIMIT_MINUTE": "100000"}
+
+
+def _operator_rpm(rpm: int) -> dict[str, str]:
+    return {"AGENTPOOL_RATE_LIMITS": f"claude-sonnet-5-5=rpm:{rpm}", **SLOW_MINUTE}
+
+
+def test_a_turn_reserves_its_call_with_its_lease(r: Redis, pool, model) -> None:
+    """The turn before knows what the next call needs, so the next turn's lease reserves it in the same
+    script: one round trip and one script a turn less on the API's path. Only the first turn, whose
+    call nobody knew, reserves on its own."""
+    model.set_scripts({"steps": [{"tool_calls": [READ]}] * 4 + [{"text": "All done."}]})
+    pool.start(1, **_operator_rpm(1000))
+    with _commands_seen(pool) as seen:
+        run_id = enqueue_run("pool_agents:support", script_task("steps"), connection=r)
+        run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed" and run.turns == 5, (run.status, run.error, pool.logs())
+    budget = LimitKeys.of("claude-sonnet-5-5").budget
+    reserve_sha, lease_sha = (run_script._script(name).sha for name in ("limit_reserve", "lease_acquire"))
+    # The tickets (run:turn) reserved: a script Redis did not have yet is sent twice (NOSCRIPT, then loaded).
+    alone = {c.split()[11] for c in seen if c.startswith(f"EVALSHA {reserve_sha} ")}
+    with_lease = {c.split()[24] for c in seen if c.startswith(f"EVALSHA {lease_sha} ") and budget in c}
+    assert alone == {f"{run_id}:0"}, alone
+    assert with_lease == {f"{run_id}:{turn}" for turn in range(1, 5)}, with_lease
+    (view,) = ratelimit.show(r)
+    assert view.held["calls"] == 0 and view.waiting == 0
+    assert math.floor(view.levels["requests"]) == 1000 - 5  # one request a call, each taken once
+
+
+@pytest.mark.parametrize("rpm", [4, 3], ids=["granted", "waiting"])
+def test_a_call_reserved_with_the_lease_but_never_made_goes_back_to_the_budget(r: Redis, pool, model, rpm: int) -> None:
+    """A run stopped by max_turns after its third call: the fourth turn's lease reserved a call (rpm 4:
+    the last request left) or put it in line (rpm 3: none left) before the turn found the run must stop.
+    The request goes back, or the place in line is left, so no budget and no turn behind it is held for
+    a call that is never made."""
+    model.set_scripts({"steps": [{"tool_calls": [READ]}] * 4 + [{"text": "All done."}]})
+    pool.start(1, **_operator_rpm(rpm))
+    run = wait_for_run(
+        enqueue_run("pool_agents:support", script_task("steps"), max_turns=3, connection=r), timeout=60, connection=r
+    )
+    assert run.status == "stopped" and "max_turns=3" in (run.error or ""), (run.status, run.error, pool.logs())
+    assert model.stats()["requests"] == 3
+    (view,) = ratelimit.show(r)
+    assert view.held["calls"] == 0, "the call reserved with the lease is still held"
+    assert view.waiting == 0, "the stopped turn still holds a place in line"
+    assert math.floor(view.levels["requests"]) == rpm - 3, view.levels
+    assert "could not give back" not in pool.logs()
 
 
 @contextlib.contextmanager

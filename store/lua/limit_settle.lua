@@ -4,7 +4,8 @@
 -- The headers come first, then the correction: the API's remaining was counted before this call's
 -- own correction too (it holds max_tokens until the reply ends, as the reservation did).
 -- KEYS[1] budget hash  KEYS[2] held hash  KEYS[3] set of models with a budget
--- ARGV[1] unused  ARGV[2] minute ms  ARGV[3] reservation id ('' for headers alone)
+-- ARGV[1] requests to give back (1: the call was reserved but never made)  ARGV[2] minute ms
+-- ARGV[3] reservation id ('' for headers alone)
 -- ARGV[4..5] input, output tokens to give back (negative: taken)
 -- ARGV[6..8] operator limits rpm, itpm, otpm (0: none)
 -- ARGV[9..11] learned limits requests, input, output (0: not reported)
@@ -32,7 +33,7 @@ local now, minute = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), t
 local settled = 0
 if ARGV[3] ~= '' and redis.call('HDEL', KEYS[2], ARGV[3]) == 1 then settled = 1 end
 local dims = {'requests', 'input', 'output'}
-local back = {0, tonumber(ARGV[4]), tonumber(ARGV[5])}
+local back = {tonumber(ARGV[1]), tonumber(ARGV[4]), tonumber(ARGV[5])}
 if settled == 0 then back = {0, 0, 0} end
 local state = redis.call('HGETALL', KEYS[1])
 local h = {}

@@ -134,6 +134,7 @@ def turn_job(
     at_front: bool = False,
     queue: str | None = None,
     window: int | None = None,
+    call: tuple[str, int, int] | None = None,
 ) -> StagedJob:
     """The turn's RQ job on the run's queue (``queue``, or the one its header names), as the writes that
     enqueue it: its hash as RQ writes it (one HSET; its result is not kept) and the push, ``at_front``
@@ -141,7 +142,9 @@ def turn_job(
     set of queues when this process has not lately (``keep_queues_registered``). The run's header
     names the job (``job``): the reaper checks that job is still alive. ``window``: where the run's
     window starts, when the caller knows (the turn before): the turn reads its messages from there with
-    the lease, without reading the header's ``window`` first."""
+    the lease, without reading the header's ``window`` first. ``call``: the model call the turn is to
+    make, as (model, input tokens, output tokens) its rate-limit reservation needs, when the turn
+    before knows it: the turn reserves it with its lease (``agentpool.runtime.ratelimit``)."""
     from rq.job import JobStatus
     from rq.utils import now
 
@@ -151,7 +154,7 @@ def turn_job(
         TURN_FUNC,
         args=(run_id, turn),
         # In the job's meta, not its args: a worker of an older release ignores it (a rolling deploy).
-        meta=None if window is None else {"window": window},
+        meta={k: v for k, v in (("window", window), ("call", call)) if v is not None} or None,
         job_id=jid,
         timeout=int(Settings.from_env().turn_timeout),
         result_ttl=RESULT_TTL,

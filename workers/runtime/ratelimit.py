@@ -8,6 +8,12 @@ does not count them toward the input-token limit on current models), and what a 
 goes back. The limits are learned from the API's ``anthropic-ratelimit-*`` headers with no configuration;
 ``AGENTPOOL_RATE_LIMITS`` sets or caps them.
 
+A turn's call is usually reserved with the turn's lease, in the lease's own script: the turn before
+knows what the call will need (``next_call``) and its job carries it (``lease_reservation``). A turn
+that then makes no call (it stops at a limit, waits for a slot, ends otherwise) gives the reservation
+back, its request included (``Turn.give_back_prereserved``). Other turns (the first, a retry, a
+takeover) reserve just before the call.
+
 A call the budget cannot cover now raises ``WaitForBudget``: the turn is deferred (like a backoff: no
 worker, thread or lease is held while it waits) and comes back when its place in line (the order it
 began to wait in) and the budget allow. A 429 still backs off as before; it also tells the budget the
@@ -30,9 +36,13 @@ from agentpool.agent import Agent
 from agentpool.runtime.model import ModelReply, ModelUnavailable, call_model
 from agentpool.store import ratelimit
 from agentpool.store.errors import AgentPoolError
-from agentpool.store.ratelimit import Limits, Need, Reported
+from agentpool.store.keys import LimitKeys
+from agentpool.store.ratelimit import Limits, Need, Reported, ReserveRequest
 
 if TYPE_CHECKING:
+    from redis import Redis
+
+    from agentpool.runtime.settings import Settings
     from agentpool.runtime.turn import Turn
 
 log = logging.getLogger("agentpool.ratelimit")
@@ -114,6 +124,52 @@ def _after_last_reply(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
+def configured_limits(settings: Settings, model: str) -> Limits:
+    """The limits an operator set for ``model``, this shard's part of them."""
+    return shard_part(limits_for(settings.rate_limits, model), len(settings.shards))
+
+
+def next_call(
+    turn: Turn, agent: Agent, context_tokens: int, added: list[dict[str, Any]]
+) -> tuple[str, int, int] | None:
+    """The next turn's call as its job carries it, for its lease to reserve: (model, input tokens, output
+    tokens), estimated as ``limited_call`` will (the context ``context_tokens`` counted by this turn's reply,
+    and the messages ``added`` after it). None when nothing is to be reserved (the limiter off, the model
+    known unlimited here) or nothing tells the context's size."""
+    if not turn.settings.rate_limiter or not context_tokens or ratelimit.known_unlimited(turn.r, agent.model):
+        return None
+    return agent.model, int(context_tokens) + _tokens(added), int(agent.max_tokens)
+
+
+def lease_reservation(r: Redis, settings: Settings, run_id: str, turn: int, carried: Any) -> ReserveRequest | None:
+    """The reservation of the call a turn's job carries (``next_call``), to be made with the turn's lease;
+    None when the limiter is off, the model is known unlimited here, or the job carries none (or nonsense)."""
+    if not settings.rate_limiter or not isinstance(carried, (list, tuple)) or len(carried) != 3:
+        return None
+    model, tokens_in, tokens_out = carried
+    counts = (tokens_in, tokens_out)
+    if not isinstance(model, str) or any(type(n) is not int or n < 1 for n in counts):
+        return None
+    try:
+        LimitKeys.of(model)
+    except ValueError:
+        return None
+    if ratelimit.known_unlimited(r, model):
+        return None
+    return ReserveRequest(
+        model,
+        ticket=_ticket(run_id, turn),
+        reservation_id=uuid.uuid4().hex,
+        need=Need(tokens_in, tokens_out),
+        limits=configured_limits(settings, model),
+        minute_s=settings.rate_limit_minute,
+    )
+
+
+def _ticket(run_id: str, turn: int) -> str:
+    return f"{run_id}:{turn}"
+
+
 def limited_call(
     turn: Turn,
     agent: Agent,
@@ -124,29 +180,31 @@ def limited_call(
     **kwargs: Any,
 ) -> ModelReply:
     """``call_model`` inside the pool's budget for ``agent.model``; raises ``WaitForBudget`` instead of
-    calling when the budget cannot cover it yet."""
+    calling when the budget cannot cover it yet. The call reserved with the turn's lease, if any, is
+    this one (the first of the turn for its model)."""
     settings = turn.settings
     if not settings.rate_limiter:
         return call_model(agent, messages, summary=summary, **kwargs)
     shards = len(settings.shards)
-    configured = shard_part(limits_for(settings.rate_limits, agent.model), shards)
+    configured = configured_limits(settings, agent.model)
     minute = settings.rate_limit_minute
     max_tokens = agent.compaction.summary_max_tokens if summary and agent.compaction else agent.max_tokens
     need = Need(estimate_input(agent, messages, None if summary else last_reply), int(max_tokens))
-    # An operator's limit for the model makes limit_reserve never answer Unlimited(None), so it is never
-    # remembered and every call reserves.
-    if ratelimit.known_unlimited(turn.r, agent.model):
-        got: ratelimit.Reservation | ratelimit.Wait | ratelimit.Unlimited = ratelimit.Unlimited(None)
-    else:
+    got = turn.take_prereserved(agent.model)  # what the budget answered the lease, or None
+    if got is None and ratelimit.known_unlimited(turn.r, agent.model):
+        got = ratelimit.Unlimited(None)
+    elif got is None:
         got = ratelimit.reserve(
             turn.r,
             agent.model,
-            ticket=f"{turn.run_id}:{turn.turn}",
+            ticket=_ticket(turn.run_id, turn.turn),
             reservation_id=uuid.uuid4().hex,
             need=need,
             limits=configured,
             minute_s=minute,
         )
+        # An operator's limit for the model makes limit_reserve never answer Unlimited(None), so it is
+        # never remembered and every call reserves.
         if got == ratelimit.Unlimited(None):
             ratelimit.remember_unlimited(turn.r, agent.model)
     if isinstance(got, ratelimit.Wait):

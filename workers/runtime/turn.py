@@ -54,12 +54,12 @@ from agentpool.runtime.jobs import (
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.loader import AgentNotFound, load_agent
 from agentpool.runtime.model import ContextTooLong, ModelQuotaExhausted, ModelRejected, ModelReply, ModelUnavailable
-from agentpool.runtime.ratelimit import WaitForBudget
+from agentpool.runtime.ratelimit import WaitForBudget, configured_limits, lease_reservation, next_call
 from agentpool.runtime.settings import Settings, connect
 from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
 from agentpool.runtime.stream import LiveOutput
 from agentpool.runtime.subagents import late_answer, wake_parent_of
-from agentpool.store import checkpoint, concurrency, handback, live, spend, window
+from agentpool.store import checkpoint, concurrency, handback, live, ratelimit, spend, window
 from agentpool.store.clock import now_ms
 from agentpool.store.crypto import EncryptionKeyMissing, KeyNotHeld
 from agentpool.store.durability import NotReplicated
@@ -116,18 +116,25 @@ def _window_from(job: Job | None) -> int | None:
     return start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else None
 
 
+def _carried_call(job: Job | None) -> Any:
+    """The model call the job's meta says the turn is to make (``runtime.ratelimit.next_call``), if any."""
+    return (job.meta or {}).get("call") if job is not None else None
+
+
 def run_turn(run_id: str, turn: int) -> str:
     """The RQ job function. Returns a one-word summary RQ keeps briefly; the checkpoint is the truth.
     The job's meta may say where the run's window started when the turn before queued this one
     (``window``: see ``store.window``), so the lease's round trip reads the messages from there with no
-    look at the header first."""
+    look at the header first, and what the turn's model call will need (``call``), so the lease's script
+    reserves it in the pool's rate-limit budget."""
     job = get_current_job()
     r = job.connection if job is not None else connect()
     settings = Settings.from_env()
     keys = RunKeys.of(run_id)
     window_from = _window_from(job)
     watch = live.WatchLookup(r)
-    # One round trip takes the lease (recording turn_started) and reads the run it now owns.
+    reserving = lease_reservation(r, settings, run_id, turn, _carried_call(job))
+    # One round trip takes the lease (recording turn_started), reserves the call and reads the run it now owns.
     got = acquire(
         r,
         keys,
@@ -136,6 +143,7 @@ def run_turn(run_id: str, turn: int) -> str:
         ttl_ms=settings.lease_ttl_ms,
         event=Event.of(run_id, "turn_started", turn=turn),
         then=lambda pipe: (window.stage_load(pipe, keys, start=window_from), watch.stage(pipe, keys)),
+        reserve=reserving,
     )
     job_id = job.id if job is not None else ""
     if got.code is Acquire.TOO_NEW:
@@ -151,6 +159,10 @@ def run_turn(run_id: str, turn: int) -> str:
         return got.code.name.lower()
     token = got.token
     work = Turn(r, keys, token, turn, settings, window_from=window_from, job=job)
+    if reserving is not None and got.reserved is not None:
+        work.prereserved = (reserving, got.reserved)
+        if got.reserved == ratelimit.Unlimited(None):
+            ratelimit.remember_unlimited(r, reserving.model)
     with keep_alive(r, keys, token, settings.lease_ttl_ms), tracing.turn_span(r, keys, turn, got.then[0]) as span:
         try:
             header, loaded, *rest = got.then
@@ -191,6 +203,7 @@ def run_turn(run_id: str, turn: int) -> str:
             release(r, keys, token, recheck_in_ms=CRASH_RECHECK_MS)
             raise
         finally:
+            work.give_back_prereserved()
             work.release_slot()
 
 
@@ -297,6 +310,10 @@ class Turn:
         self.slot_key = ""  # the concurrency key whose slot this turn holds
         self.ancestors: list[str] = []  # a child run's ancestors: its calls' spend counts in their trees
         self.settles: list[Rider] = []  # the model calls' rate-limit settles not sent yet (settle_later)
+        # The call reserved with the lease and what the budget answered, until a call takes it.
+        self.prereserved: (
+            tuple[ratelimit.ReserveRequest, ratelimit.Reservation | ratelimit.Wait | ratelimit.Unlimited] | None
+        ) = None
 
     def run(self, header: dict[bytes, bytes], loaded: list[Any], watched: bool = False) -> str:
         """The turn, given the run's header and window (``store.window``) as read with the lease."""
@@ -366,6 +383,39 @@ class Turn:
                 call.run(self.r)
             except Exception:
                 log.exception("%s: could not settle a rate-limit reservation", self.where)
+
+    def take_prereserved(self, model: str) -> ratelimit.Reservation | ratelimit.Wait | ratelimit.Unlimited | None:
+        """What the budget answered the lease for this turn's call of ``model``, for the first call that
+        asks (None for the others, and for a call of another model)."""
+        if self.prereserved is None or self.prereserved[0].model != model:
+            return None
+        answer, self.prereserved = self.prereserved[1], None
+        return answer
+
+    def give_back_prereserved(self) -> None:
+        """The turn ends without the call reserved with its lease (it stopped, waited for a slot, lost its
+        lease, another model was called): the budget gets it back, its request included, and a place in
+        line it took is left."""
+        if self.prereserved is None:
+            return
+        (request, answer), self.prereserved = self.prereserved, None
+        try:
+            if isinstance(answer, ratelimit.Wait):
+                ratelimit.leave_line(self.r, request.model, request.ticket)
+            elif isinstance(answer, ratelimit.Reservation) or answer.started:
+                ratelimit.settle_call(
+                    request.model,
+                    reservation=answer,
+                    used_input=0,
+                    used_output=0,
+                    reported=ratelimit.Reported(),
+                    limits=configured_limits(self.settings, request.model),
+                    minute_s=self.settings.rate_limit_minute,
+                    never_called=True,
+                ).run(self.r)
+        except Exception:
+            # The budget is corrected by its own refill, and a ticket expires: nothing else depends on it.
+            log.exception("%s: could not give back the call reserved with the lease", self.where)
 
     def live_output(self, purpose: str) -> LiveOutput:
         """Where a model call of this turn streams for watchers (``purpose``: ``reply`` or ``summary``)."""
@@ -503,17 +553,25 @@ class Turn:
             turns=state.turns + 1,
             window_at=compaction.window_hint(state, reply),
             window_from=state.window_start,
+            call=next_call(self, agent, reply.meta.get("context_tokens") or 0, _added_after(results)),
         )
 
     # -- ends of a turn ----------------------------------------------------------------------
 
     def after_tools(
-        self, results: list[dict[str, Any]], *, turns: int, window_at: int | None = None, window_from: int = 0
+        self,
+        results: list[dict[str, Any]],
+        *,
+        turns: int,
+        window_at: int | None = None,
+        window_from: int = 0,
+        call: tuple[str, int, int] | None = None,
     ) -> str:
         """Save point B, then the next turn (numbered by the turns counted so far) is queued; ``window_at``
         moves the run's window to a compaction block this turn's reply brought. The next turn's job
-        carries where its window starts (``window_at``, or this turn's ``window_from``)."""
-        job = turn_job(self.r, self.run_id, turns, window=window_from if window_at is None else window_at)
+        carries where its window starts (``window_at``, or this turn's ``window_from``) and ``call``, what
+        its model call will need (``runtime.ratelimit.next_call``)."""
+        job = turn_job(self.r, self.run_id, turns, window=window_from if window_at is None else window_at, call=call)
         if window_at is not None:
             job = replace(job, header={**job.header, "window": window_at})
         with tracing.span(
@@ -658,6 +716,12 @@ def _context_full(agent: Agent, detail: str) -> str:
         f"the request is longer than the model's context window even after compaction ({detail}); lower "
         "the agent's Compaction(trigger=...) or shorten its tool results, and resume the run"
     )
+
+
+def _added_after(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages save point B adds after the reply: what the next call sends beyond this one's context."""
+    message = _results_message(results)
+    return [message] if message else []
 
 
 def _results_message(results: list[dict[str, Any]]) -> dict[str, Any] | None:
