@@ -73,7 +73,11 @@ class _Link:
             self.upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
+            # The client closed under us (a setsockopt on it fails): close() may have run before the
+            # upstream connection existed, and found none to close.
             self.close()
+            if self.upstream is not None:
+                self.upstream.close()
             return
         if self.closed.is_set():
             # Closed (a retarget, a drop, the proxy's stop) while connecting: close() found no upstream
