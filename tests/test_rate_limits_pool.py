@@ -149,12 +149,13 @@ def _operator_rpm(rpm: int) -> dict[str, str]:
     return {"AGENTPOOL_RATE_LIMITS": f"claude-sonnet-5-5=rpm:{rpm}", **SLOW_MINUTE}
 
 
-def test_a_turn_reserves_its_call_with_its_lease(r: Redis, pool, model) -> None:
+@pytest.mark.parametrize("kind", [["--concurrency", "2"], []], ids=["threaded", "forking"])
+def test_a_turn_reserves_its_call_with_its_lease(r: Redis, pool, model, kind: list[str]) -> None:
     """The turn before knows what the next call needs, so the next turn's lease reserves it in the same
     script: one round trip and one script a turn less on the API's path. Only the first turn, whose
     call nobody knew, reserves on its own."""
     model.set_scripts({"steps": [{"tool_calls": [READ]}] * 4 + [{"text": "All done."}]})
-    pool.start(1, **_operator_rpm(1000))
+    WorkerProcesses.start(pool, 1, *kind, **_operator_rpm(1000))
     with _commands_seen(pool) as seen:
         run_id = enqueue_run("pool_agents:support", script_task("steps"), connection=r)
         run = wait_for_run(run_id, timeout=60, connection=r)
