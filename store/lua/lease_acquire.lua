@@ -5,10 +5,10 @@
 -- Safe to deliver twice: the request id is kept in the header (`acq`); a re-delivery of the request
 -- that took the lease finds it there and answers as the first delivery did (the same token, no new
 -- fence, no second event) instead of "held by someone" (itself).
--- KEYS[1] run header (hash)   KEYS[2] lease (string)   KEYS[3] ap:runs:watch (zset)
 -- Reserves the turn's model call in the pool's rate-limit budget when asked (the call's need came with
 -- the job: the turn before knew it), saving the turn a round trip and a script of its own; not for a
 -- turn that settles tools first (it calls no model).
+-- KEYS[1] run header (hash)   KEYS[2] lease (string)   KEYS[3] ap:runs:watch (zset)
 -- KEYS[4] events (stream)   KEYS[5] ap:stats (hash)   KEYS[6..10] limit_reserve's KEYS, when reserving
 -- ARGV[1] worker id  ARGV[2] ttl ms  ARGV[3] now ms  ARGV[4] run id  ARGV[5] turn of the job
 -- ARGV[6] highest schema version this code understands  ARGV[7] request id
