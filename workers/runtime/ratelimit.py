@@ -188,12 +188,12 @@ def limited_call(
     shards = len(settings.shards)
     configured = configured_limits(settings, agent.model)
     minute = settings.rate_limit_minute
-    max_tokens = agent.compaction.summary_max_tokens if summary and agent.compaction else agent.max_tokens
-    need = Need(estimate_input(agent, messages, None if summary else last_reply), int(max_tokens))
     got = turn.take_prereserved(agent.model)  # what the budget answered the lease, or None
     if got is None and ratelimit.known_unlimited(turn.r, agent.model):
         got = ratelimit.Unlimited(None)
     elif got is None:
+        max_tokens = agent.compaction.summary_max_tokens if summary and agent.compaction else agent.max_tokens
+        need = Need(estimate_input(agent, messages, None if summary else last_reply), int(max_tokens))
         got = ratelimit.reserve(
             turn.r,
             agent.model,
