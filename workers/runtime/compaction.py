@@ -19,14 +19,14 @@ A turn sends its run's window (``agentpool.store.window``: from the latest compa
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from agentpool.agent import SUMMARY_PREAMBLE, Agent
 from agentpool.pricing import price_of
 from agentpool.runtime import tracing
 from agentpool.runtime.faults import fault
 from agentpool.runtime.model import ContextTooLong, ModelReply, ModelUnavailable
-from agentpool.runtime.ratelimit import limited_call
+from agentpool.runtime.ratelimit import CHARS_PER_TOKEN, after_last_reply, limited_call
 from agentpool.store import window
 from agentpool.store.events import Event
 from agentpool.store.records import RunState
@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from agentpool.runtime.turn import Turn
 
 OVERFLOW = "model_context_window_exceeded"
-CHARS_PER_TOKEN = 3  # a cautious estimate of what was added since the last call (JSON and code run ~3)
 
 
 def due(agent: Agent, state: RunState) -> str | None:
@@ -48,16 +47,9 @@ def due(agent: Agent, state: RunState) -> str | None:
         return "overflow"
     if agent.compaction_mode == "server":
         return None  # the API compacts the request itself
-    added = _after_last_reply(state.messages)
+    added = after_last_reply(state.messages)
     estimate = int(reply.get("context_tokens") or 0) + len(json.dumps(added, ensure_ascii=False)) // CHARS_PER_TOKEN
     return "trigger" if estimate >= compaction.trigger else None  # type: ignore[union-attr]
-
-
-def _after_last_reply(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    for i in range(len(messages) - 1, -1, -1):
-        if messages[i]["role"] == "assistant":
-            return messages[i + 1 :]
-    return messages
 
 
 def call(turn: Turn, agent: Agent, state: RunState) -> tuple[RunState, ModelReply]:

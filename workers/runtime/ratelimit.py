@@ -107,7 +107,7 @@ def estimate_input(agent: Agent, messages: list[dict[str, Any]], last_reply: Map
     """Input tokens the call may count: the last call's context and what came after it, or (no last
     call, or a summary) the whole request."""
     if last_reply and last_reply.get("context_tokens"):
-        added = _after_last_reply(messages)
+        added = after_last_reply(messages)
         return int(last_reply["context_tokens"]) + _tokens(added)
     tools = [t.to_param() for t in agent.tools]
     return _tokens([agent.system or "", tools, messages])
@@ -117,7 +117,8 @@ def _tokens(value: Any) -> int:
     return max(1, len(json.dumps(value, ensure_ascii=False, default=str)) // CHARS_PER_TOKEN)
 
 
-def _after_last_reply(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def after_last_reply(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages after the last assistant one: what a call sends beyond the last call's context."""
     for i in range(len(messages) - 1, -1, -1):
         if messages[i]["role"] == "assistant":
             return messages[i + 1 :]
