@@ -192,6 +192,30 @@ def test_a_call_reserved_with_the_lease_but_never_made_goes_back_to_the_budget(r
     assert "could not give back" not in pool.logs()
 
 
+@pytest.mark.crash
+def test_a_work_horse_killed_after_its_lease_reserved_the_call_costs_the_budget_that_call_only(
+    r: Redis, pool, model
+) -> None:
+    """Every turn's work horse is SIGKILLed once between its lease (which reserved the call, from turn 1
+    on) and the call. The turn taken over reserves again and the run completes; a dead attempt's
+    reservation stays held (its worker never comes back to settle it) until the hourly sweep, and
+    nothing else is taken twice."""
+    model.set_scripts({"steps": [{"tool_calls": [READ]}] * 2 + [{"text": "All done."}]})
+    pool.start(2, AGENTPOOL_FAULTS="before_model_call", **_operator_rpm(1000))
+    run_id = enqueue_run("pool_agents:support", script_task("steps"), connection=r)
+    run = wait_for_run(run_id, timeout=120, connection=r)
+    assert run.status == "completed" and run.turns == 3, (run.status, run.error, pool.logs())
+    assert_valid_conversation(run.messages)
+    assert model.stats()["requests"] == 3, model.stats()
+    kills = len(list(pool.tmp.glob(f"fault-before_model_call-{run_id}-*")))
+    takeovers = [f for _, f in events.read(r, run_id) if f["kind"] == "takeover"]
+    assert kills == 3 and len(takeovers) == 3, (kills, takeovers)
+    (view,) = ratelimit.show(r)
+    # Turn 0 reserves just before its call, after the kill point; turns 1 and 2 reserved with the lease.
+    assert view.held["calls"] == 2, view.held
+    assert math.floor(view.levels["requests"]) == 1000 - 3 - 2, view.levels
+
+
 @contextlib.contextmanager
 def _commands_seen(pool) -> Iterator[list[str]]:
     """Every command Redis ran meanwhile (Lua's included), from its MONITOR feed, as 'NAME key ...'."""
