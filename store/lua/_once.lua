@@ -14,9 +14,13 @@
 local WRITES_KEPT = 16
 local function replayed_in(recent, id)
   if id == '' or not recent then return nil end
-  local at = string.find(';' .. recent, ';' .. id .. '=', 1, true)
+  -- An id counts only at an entry's start: the ring's first, or right after a ';' (plain finds, no
+  -- copy of the ring).
+  local key = id .. '='
+  local at = string.sub(recent, 1, #key) == key and 1 or string.find(recent, ';' .. key, 1, true)
   if not at then return nil end
-  return string.match(recent, '^([^;]*)', at + string.len(id) + 1)
+  if at > 1 then at = at + 1 end
+  return string.match(recent, '^([^;]*)', at + #key)
 end
 local function replayed(hash, id, field)
   if id == '' then return nil end
@@ -24,12 +28,13 @@ local function replayed(hash, id, field)
 end
 local function ring_with(recent, id, result)
   local ring = id .. '=' .. tostring(result) .. ';' .. (recent or '')
-  local n = 0
-  for pos in string.gmatch(ring, '();') do
-    n = n + 1
-    if n == WRITES_KEPT then return string.sub(ring, 1, pos) end
+  -- Cut after the WRITES_KEPT-th ';' (a plain find per entry: a pattern would try every character).
+  local pos = 0
+  for _ = 1, WRITES_KEPT do
+    pos = string.find(ring, ';', pos + 1, true)
+    if not pos then return ring end
   end
-  return ring
+  return string.sub(ring, 1, pos)
 end
 local function remember(hash, id, result, field)
   if id == '' then return end

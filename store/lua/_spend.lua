@@ -11,8 +11,8 @@ local SPEND_FIELDS = {'input_tokens', 'output_tokens', 'cache_read_input_tokens'
 local function spend_fields(header, first, current)
   local fields = {}
   for i, field in ipairs(SPEND_FIELDS) do
-    local add = tonumber(ARGV[first + i - 1])
-    if add ~= 0 then
+    local add = ARGV[first + i - 1]
+    if add ~= '0' and tonumber(add) ~= 0 then  -- most calls add no cache tokens: no conversion for those
       current = current or redis.call('HMGET', header, unpack(SPEND_FIELDS))
       local total = (tonumber(current[i]) or 0) + add
       -- The tokens stay integers (HINCRBY-compatible); the cost keeps every digit a double has.

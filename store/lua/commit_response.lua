@@ -66,7 +66,7 @@ if ARGV[7] ~= '' and parent_keys > 0 then
   end
 end
 -- One HSET: the turn counted, the reply's tool_uses pending, the schema stamped, this write's id kept.
-redis.call('HSET', KEYS[1], 'turns', tonumber(h[2]) + 1, 'phase', 'tools', 'pending', ARGV[4], 'model_errors', 0,
+redis.call('HSET', KEYS[1], 'turns', h[2] + 1, 'phase', 'tools', 'pending', ARGV[4], 'model_errors', '0',
   'updated_at', ARGV[5], 'v', ARGV[10], 'writes', ring_with(h[4], ARGV[17], joined), unpack(spend))
 if ARGV[22] == '1' then redis.call('DEL', KEYS[7]) end
 local after = record_event(KEYS[6], KEYS[5], committed_event)  -- before the retention's EXPIRE, which it must not outlive

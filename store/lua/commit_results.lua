@@ -28,7 +28,7 @@ if redis.call('LLEN', KEYS[3]) > 0 then return {-9} end
 -- Each list of pairs is passed on as a range of ARGV (unpack(ARGV, first, last)), not copied into a table.
 local at = 11
 local function pairs_at()
-  local first, last = at + 1, at + 2 * tonumber(ARGV[at])
+  local first, last = at + 1, at + 2 * ARGV[at]
   at = last + 1
   return first, last
 end
@@ -38,13 +38,13 @@ local job_first, job_last = pairs_at()
 
 if ARGV[4] ~= '' then redis.call('RPUSH', KEYS[4], ARGV[4]) end
 if notes_last >= notes_first then redis.call('HSET', KEYS[5], unpack(ARGV, notes_first, notes_last)) end
-redis.call('HSET', KEYS[2], 'phase', 'model', 'pending', '', 'attempt', 0, 'updated_at', ARGV[5],
-  'writes', ring_with(h[4], ARGV[2], 1), unpack(ARGV, header_first, header_last))
+redis.call('HSET', KEYS[2], 'phase', 'model', 'pending', '', 'attempt', '0', 'updated_at', ARGV[5],
+  'writes', ring_with(h[4], ARGV[2], '1'), unpack(ARGV, header_first, header_last))
 redis.call('ZADD', KEYS[6], ARGV[6], ARGV[7])
 if ARGV[10] == '1' then redis.call('SADD', KEYS[12], KEYS[11]) end
 redis.call('HSET', KEYS[10], unpack(ARGV, job_first, job_last))
 if ARGV[9] == '1' then redis.call('LPUSH', KEYS[11], ARGV[8]) else redis.call('RPUSH', KEYS[11], ARGV[8]) end
-local events = tonumber(ARGV[at])
+local events = ARGV[at] + 0
 at = at + 1
 for _ = 1, events do at = record_event(KEYS[7], KEYS[8], at) end
 if KEYS[13] then

@@ -47,14 +47,16 @@ if current ~= tonumber(ARGV[5]) then return {-2, tostring(current)} end
 -- clock is past every fence handed out before the failover, as long as clocks are within the failover
 -- time of each other (seconds). Milliseconds keep the number exact in Lua's doubles and in tostring.
 local clock = redis.call('TIME')
-local now_fence = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local fence = math.max((tonumber(h[6]) or 0) + 1, now_fence)
+local now_fence = clock[1] * 1000 + math.floor(clock[2] / 1000)
+-- Made a string once: the token and the header take it as it is (each number given to Redis or joined
+-- to a string is formatted again).
+local fence = tostring(math.max((tonumber(h[6]) or 0) + 1, now_fence))
 local token = fence .. ':' .. ARGV[1]
 -- NX: the lease is taken only if nobody holds it (one command where a GET and a SET would be two; the
 -- holder is read only in the rare case that it is held).
 if not redis.call('SET', KEYS[2], token, 'NX', 'PX', ARGV[2]) then return {0, redis.call('GET', KEYS[2]) or ''} end
 redis.call('HSET', KEYS[1], 'fence', fence, 'status', 'running', 'updated_at', ARGV[3], 'acq', ARGV[7])
-redis.call('ZADD', KEYS[3], tonumber(ARGV[3]) + tonumber(ARGV[2]), ARGV[4])
+redis.call('ZADD', KEYS[3], ARGV[3] + ARGV[2], ARGV[4])
 if h[4] == 'tools' or ARGV[9 + n] == '0' then return acquired(token, 0, now_fence) end
 record_event(KEYS[4], KEYS[5], 9 + n)
 return acquired(token, 1, now_fence)
