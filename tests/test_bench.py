@@ -83,6 +83,12 @@ SECTIONS = {
         ],
         4,
     ),
+    "instructions": (
+        ["--redis-turns", "20", "--threads", "2"],
+        "instructions: Redis instructions per turn, counted by callgrind",
+        ["bare RQ job (no-op)", "agentpool turn", "agentpool turn, rate limits learned"],
+        6,
+    ),
     "shards": (
         ["--shard-turns", "20", "--threads", "2"],
         "shards: the same runs on one Redis and on two shards",
@@ -106,6 +112,7 @@ MORE_TABLES = {
 # What else a section's output must say: the ratios its targets are judged by, measured in the same run.
 MORE_LINES = {
     "redis": ["CPU vs bare RQ", "forking turn / threaded turn, Redis shares all: commands"],
+    "instructions": ["in scripts: inside EVAL and EVALSHA"],
 }
 
 

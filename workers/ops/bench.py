@@ -4,11 +4,12 @@ Every figure is measured in one invocation against its own redis-server (or an e
 with ``--url``), its own scripted model server and real ``agentpool worker`` processes, with the
 baseline run beside it on the same worker class. It prints figures with their targets and judges
 nothing. Sections: ``overhead``, ``saves``, ``memory``, ``recovery``, ``deferred``, ``durability``, ``long``, ``limits``,
-``redis`` (``--only``; default all; the long-run figures and streaming's share of the overhead are in
+``redis``, ``instructions``, ``shards`` (``--only``; default all; the long-run figures and streaming's share of the overhead are in
 ``bench_long.py``, the deferred turns' lateness under kills in ``bench_ha.py``, the rate limiter's
 429 share and throughput against the limit and two tenants sharing the pool in ``bench_limits.py``,
 webhooks to a failing receiver in ``bench_webhooks.py``, Redis's commands and CPU per turn in
-``bench_redis.py``, ``shards``: the same runs on one Redis and on two shards in ``bench_shards.py``).
+``bench_redis.py``, ``instructions``: the same counted in Redis's instructions by callgrind in
+``bench_instructions.py``, ``shards``: the same runs on one Redis and on two shards in ``bench_shards.py``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,19 @@ from agentpool.context import current_call
 from agentpool.runtime import connections
 from agentpool.tools import tool
 
-SECTIONS = ("overhead", "saves", "memory", "recovery", "deferred", "durability", "long", "limits", "redis", "shards")
+SECTIONS = (
+    "overhead",
+    "saves",
+    "memory",
+    "recovery",
+    "deferred",
+    "durability",
+    "long",
+    "limits",
+    "redis",
+    "instructions",
+    "shards",
+)
 AGENT = "agentpool.ops.bench:bench_agent"
 MODEL = "claude-sonnet-5-5"
 GB = 1e9  # figures per GB use 10^9 bytes
@@ -892,7 +905,11 @@ def _lab(url: str | None) -> Iterator[Lab]:
     help="limits: seconds the webhook receiver is down (after failing 3 deliveries).",
 )
 @click.option(
-    "--redis-turns", type=click.IntRange(min=20), default=400, show_default=True, help="redis: turns measured."
+    "--redis-turns",
+    type=click.IntRange(min=20),
+    default=400,
+    show_default=True,
+    help="redis, instructions: turns measured.",
 )
 @click.option(
     "--shard-turns", type=click.IntRange(min=20), default=400, show_default=True, help="shards: turns measured."
@@ -982,6 +999,10 @@ def bench(
             from agentpool.ops.bench_redis import bench_redis
 
             bench_redis(lab, redis_turns, threads)
+        if "instructions" in sections:
+            from agentpool.ops.bench_instructions import bench_instructions
+
+            bench_instructions(redis_turns, threads)
         if "shards" in sections:
             from agentpool.ops.bench_shards import bench_shards
 

@@ -18,7 +18,8 @@ import math
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from redis import Redis
@@ -88,7 +89,11 @@ def _idle(lab: Lab) -> Sample:
     return _measure(lab, lambda: time.sleep(IDLE), lambda: True)
 
 
-def _runs(lab: Lab, turns: int) -> Sample:
+Load = tuple[Callable[[], object], Callable[[], bool]]  # the work to start, and whether it is done
+
+
+def runs_load(lab: Lab, turns: int) -> Load:
+    """Runs of ``TURNS_PER_RUN`` turns enough for ``turns``: enqueued by ``work``, all ended when ``done``."""
     from agentpool.client import enqueue_run
     from agentpool.store.keys import RUNS_WATCH
 
@@ -105,7 +110,11 @@ def _runs(lab: Lab, turns: int) -> Sample:
             until(lambda: False, 0, f"{runs} runs", lab)
         return lab.r.zcard(RUNS_WATCH) == 0  # ended runs leave the watch set
 
-    return _measure(lab, work, done)
+    return work, done
+
+
+def _runs(lab: Lab, turns: int) -> Sample:
+    return _measure(lab, *runs_load(lab, turns))
 
 
 def _paced(count: int, rate: float | None, send: Callable[[int], object]) -> None:
@@ -118,21 +127,28 @@ def _paced(count: int, rate: float | None, send: Callable[[int], object]) -> Non
         send(i)
 
 
-def _limited_runs(lab: Lab, turns: int) -> Sample:
-    """``_runs`` with the scripted model sending the API's rate-limit headers, as the API does: the pool
-    learns the limits from the first replies (warmed before the measure), and each turn then reserves its
-    call within them and settles it after. The limits are far above what the bench asks, so no call waits."""
+@contextmanager
+def limits_learned(lab: Lab) -> Iterator[None]:
+    """The scripted model sends the API's rate-limit headers, as the API does, and the pool has learned
+    the limits from the first replies: each turn then reserves its call within them and settles it after.
+    The limits are far above what the bench asks, so no call waits."""
     from agentpool.testing.scripted_model.ratelimit import RateLimits
 
     lab.model.set_rate_limits(RateLimits(rpm=1_000_000, itpm=1_000_000_000, otpm=100_000_000))
     try:
         _runs(lab, TURNS_PER_RUN)
-        return _runs(lab, turns)
+        yield
     finally:
         lab.model.set_rate_limits(None)
 
 
-def _bare(lab: Lab, jobs: int, rate: float | None = None) -> Sample:
+def _limited_runs(lab: Lab, turns: int) -> Sample:
+    """``_runs`` within learned limits (``limits_learned``)."""
+    with limits_learned(lab):
+        return _runs(lab, turns)
+
+
+def bare_load(lab: Lab, jobs: int, rate: float | None = None) -> Load:
     """Bare RQ jobs (a no-op function) enqueued as agentpool enqueues a turn: one pipeline each, back to
     back or at ``rate`` jobs a second."""
     from agentpool.runtime.jobs import turn_queue
@@ -154,7 +170,11 @@ def _bare(lab: Lab, jobs: int, rate: float | None = None) -> Sample:
             until(lambda: False, 0, f"{jobs} bare jobs", lab)
         return lab.r.zcard(finished) - before >= jobs
 
-    return _measure(lab, lambda: _paced(jobs, rate, enqueue), done)
+    return lambda: _paced(jobs, rate, enqueue), done
+
+
+def _bare(lab: Lab, jobs: int, rate: float | None = None) -> Sample:
+    return _measure(lab, *bare_load(lab, jobs, rate))
 
 
 def _pings(lab: Lab, count: int, rate: float) -> Sample:

@@ -40,6 +40,7 @@ class RedisServer:
         port: int | None = None,
         extra_args: tuple[str, ...] = (),
         url: str | None = None,
+        wrapper: tuple[str, ...] = (),
     ) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -51,10 +52,12 @@ class RedisServer:
         self.port = port or free_port()
         self.extra_args = extra_args  # TLS, ACL users...: then give the ``url`` clients must use
         self.url = (url or "redis://127.0.0.1:{port}/0").format(port=self.port)
+        self.wrapper = wrapper  # a command the server runs under (valgrind...)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
         args = [
+            *self.wrapper,
             self.binary,
             "--port",
             str(self.port),

@@ -1,0 +1,153 @@
+"""``agentpool bench --only instructions``: what one turn costs Redis in instructions, counted by callgrind.
+
+Redis's CPU time per turn (``--only redis``) moves with the machine and its load more than with the code:
+the same code measured 217 and 495 µs a turn on two days. Valgrind's callgrind counts the instructions
+redis-server runs instead, which for the same binary and the same work come out the same within a fraction
+of a percent, whatever else the machine does. So a change to a script or to a turn's commands shows here
+as a figure that can be compared from one day to the next.
+
+This section runs a redis-server of its own under callgrind with counting off, and counts only while the
+measured turns or bare RQ jobs run (``callgrind_control -i on`` / ``off``), dumping the count of each
+window apart. What it leaves out: the kernel's side of each round trip (the socket reads, writes and
+wake-ups: ``--only redis`` counts the round trips), and time: an instruction count is not a duration.
+The bench's own polls (a ``ZCARD`` a tenth of a second) are counted with the turns, a few hundred
+instructions a turn at most.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import click
+
+from agentpool.ops.bench import TURNS_PER_RUN, Lab, table, tool_steps
+from agentpool.ops.bench_redis import POLL, Load, bare_load, limits_learned, runs_load
+
+INSTALL_HINT = "valgrind is not installed (Debian/Ubuntu: apt-get install -y valgrind)"
+TOTALS = re.compile(r"^totals:\s*(\d+)", re.MULTILINE)
+# callgrind_annotate --inclusive=yes: "70,004,988 (74.45%)  ???:evalGenericCommand [/usr/bin/redis-server]"
+IN_SCRIPTS = re.compile(r"^\s*([\d,]+) \([^)]*\)\s+\S*:evalGenericCommand\b", re.MULTILINE)
+
+
+class Callgrind:
+    """A redis-server under callgrind, counting only inside ``count``."""
+
+    def __init__(self, workdir: Path) -> None:
+        from agentpool.testing.localpool import RedisServer
+
+        self.out = workdir / "callgrind.out"
+        self.server = RedisServer(
+            workdir, wrapper=("valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={self.out}")
+        )
+        self.dumps = 0
+
+    def start(self) -> Callgrind:
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def _control(self, *args: str) -> None:
+        assert self.server.proc is not None
+        subprocess.run(
+            ["callgrind_control", *args, str(self.server.proc.pid)], check=True, capture_output=True, timeout=60
+        )
+
+    def count(self, load: Load) -> tuple[int, int | None]:
+        """Redis's instructions while ``load`` runs to its end, and those inside scripts (``EVAL``,
+        ``EVALSHA``, with the commands they call; None when the binary does not name the function)."""
+        work, done = load
+        self._control("-i", "on")
+        work()
+        while not done():
+            time.sleep(POLL)
+        self._control("-i", "off")
+        self._control("-d")  # written to <out>.<n>; the counters start again from zero
+        self.dumps += 1
+        dump = Path(f"{self.out}.{self.dumps}")
+        total = int(TOTALS.search(dump.read_text()).group(1))  # type: ignore[union-attr]
+        annotated = subprocess.run(
+            ["callgrind_annotate", "--inclusive=yes", str(dump)], capture_output=True, text=True, check=False
+        ).stdout
+        scripts = IN_SCRIPTS.search(annotated)
+        return total, int(scripts.group(1).replace(",", "")) if scripts else None
+
+
+def bench_instructions(turns: int, threads: int) -> None:
+    from agentpool.testing.localpool import scratch_dir
+
+    if not (shutil.which("valgrind") and shutil.which("callgrind_control") and shutil.which("callgrind_annotate")):
+        raise click.ClickException(f"instructions: {INSTALL_HINT}")
+    workdir = scratch_dir("agentpool-bench-callgrind-")
+    callgrind = Callgrind(workdir).start()
+    lab = Lab(callgrind.server.url, workdir)
+    rows: list[list[str]] = []
+    turn_figures: dict[str, float] = {}
+    try:
+        for kind, args in (
+            ("forking (--concurrency 1)", ()),
+            (f"threaded (--concurrency {threads})", ("--concurrency", str(threads))),
+        ):
+            lab.reset({"redis": tool_steps(TURNS_PER_RUN)})
+            lab.start(*args)
+            callgrind.count(runs_load(lab, TURNS_PER_RUN))  # warm: imports, connections, scripts loaded
+            callgrind.count(bare_load(lab, 5))
+            bare, _ = callgrind.count(bare_load(lab, turns))
+            ours, ours_scripts = callgrind.count(runs_load(lab, turns))
+            with limits_learned(lab):
+                limited, limited_scripts = callgrind.count(runs_load(lab, turns))
+            turn_figures[kind.split()[0]] = ours / turns
+            for job, total, scripts in (
+                ("bare RQ job (no-op)", bare, None),
+                ("agentpool turn", ours, ours_scripts),
+                ("agentpool turn, rate limits learned", limited, limited_scripts),
+            ):
+                rows.append(
+                    [
+                        kind,
+                        job,
+                        f"{total / turns / 1000:,.0f}",
+                        f"{scripts / total:.0%}" if scripts is not None else "",
+                        f"{total / bare:.2f}x",
+                    ]
+                )
+    finally:
+        lab.close()
+        callgrind.stop()
+    forking, threaded = turn_figures["forking"], turn_figures["threaded"]
+    for row in rows:
+        mine = row[1] == "agentpool turn"
+        row.append(f"{forking / threaded:.2f}x" if mine and row[0].startswith("forking") else "")
+        row.append("<= 1.2x" if mine and row[0].startswith("forking") else "")
+    version = subprocess.run(["valgrind", "--version"], capture_output=True, text=True, check=False).stdout.strip()
+    table(
+        f"instructions: Redis instructions per turn, counted by callgrind ({turns} turns, {TURNS_PER_RUN} per run; "
+        f"bare RQ: {turns} jobs)",
+        [
+            "worker",
+            "job",
+            "thousand instructions a turn",
+            "in scripts",
+            "vs bare RQ job",
+            "forking turn vs threaded",
+            "target",
+        ],
+        rows,
+        (
+            (
+                f"counted by {version} (callgrind) in redis-server's own process while the turns ran: the same binary "
+                "and work give the same count within a fraction of a percent, on any day; the kernel's side of each "
+                "round trip is not in it (see --only redis for round trips and CPU time)"
+            ),
+            "in scripts: inside EVAL and EVALSHA, the commands they call included",
+            (
+                "forking turn vs threaded: issue 22's target for the forking worker's Redis CPU, here without the "
+                "wake-ups its slower pace costs the kernel"
+            ),
+        ),
+    )
