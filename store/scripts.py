@@ -5,8 +5,8 @@ A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended, on
 ``store/lua/_spend.lua``, one that calls ``join_parent`` gets ``store/lua/_join.lua``, one that calls
 ``roll_up_spend`` or ``tree_exhausted`` gets ``store/lua/_tree.lua``, one that calls
 ``take_webhook`` gets ``store/lua/_webhook.lua``, one that calls ``expire_run_keys`` gets
-``store/lua/_retention.lua``, one that calls ``reserve_budget`` gets ``store/lua/_reserve.lua``: Redis has no
-includes.
+``store/lua/_retention.lua``, one that calls ``reserve_budget`` gets ``store/lua/_reserve.lua``, one that calls
+``read_budget`` (``_reserve.lua`` does) gets ``store/lua/_budget.lua``: Redis has no includes.
 """
 
 from __future__ import annotations
@@ -40,16 +40,27 @@ _HELPERS = (
     ("_tree", "tree_exhausted("),
     ("_webhook", "take_webhook("),
     ("_retention", "expire_run_keys("),
+    ("_budget", "read_budget("),
     ("_reserve", "reserve_budget("),
 )
 
 
 @cache
+def _helper(name: str) -> str:
+    return (_LUA_DIR / f"{name}.lua").read_text()
+
+
+@cache
 def source(name: str) -> str:
-    """The script's text with the helpers it calls prepended."""
+    """The script's text with the helpers it calls prepended, and the helpers those call, each once in
+    ``_HELPERS``' order (a helper another one calls comes before it: Lua resolves a local when it compiles)."""
     text = (_LUA_DIR / f"{name}.lua").read_text()
-    needed = dict.fromkeys(helper for helper, call in _HELPERS if call in text)
-    return "".join((_LUA_DIR / f"{helper}.lua").read_text() for helper in needed) + text
+    needed: set[str] = set()
+    searched = text
+    while more := {helper for helper, call in _HELPERS if call in searched} - needed:
+        needed |= more
+        searched = "".join(_helper(helper) for helper in more)
+    return "".join(_helper(helper) for helper in dict.fromkeys(h for h, _ in _HELPERS) if helper in needed) + text
 
 
 @cache

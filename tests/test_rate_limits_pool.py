@@ -123,7 +123,7 @@ def test_a_model_whose_replies_carry_no_rate_limit_headers_is_called_without_a_b
         )
         took = time.monotonic() - started
     assert run.status == "completed" and run.turns == calls, (run.status, run.error, pool.logs())
-    reads = [c for c in seen if c.startswith("HGETALL") and budget in c]
+    reads = [c for c in seen if c.startswith("HMGET") and budget in c]
     # One read a second at most, where reading at every call would make it `calls`.
     most = math.ceil(took / UNLIMITED_TRUSTED_FOR)
     assert most < calls, f"the run took {took:.1f} s: too long to tell a read a call from a read a second"

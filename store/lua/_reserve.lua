@@ -3,35 +3,33 @@
 -- reserve_budget(budget, held, waiting, needs, models, a, now): the keys, the arguments `a` laid out as
 -- limit_reserve's ARGV, and Redis's clock in ms when the caller read it already (nil: read here).
 local function reserve_budget(budget, held, waiting, needs, models, a, now)
-  local dims = {'requests', 'input', 'output'}
-  local need = {tonumber(a[6]), tonumber(a[7]), tonumber(a[8])}
-  local state = redis.call('HGETALL', budget)
-  local h = {}
-  for i = 1, #state, 2 do h[state[i]] = state[i + 1] end
+  -- The arguments are numbers as the worker wrote them: arithmetic converts each once (tonumber, twice).
+  local need = {a[6] + 0, a[7] + 0, a[8] + 0}
+  local b, b_learned, b_level, b_started = read_budget(budget)
   local limit = {}
-  for i, d in ipairs(dims) do
-    local set, learned = tonumber(a[8 + i]), tonumber(h['learned:' .. d] or 0)
+  for i = 1, 3 do
+    local set, learned = a[8 + i] + 0, (b_learned[i] or 0) + 0
     if set > 0 and learned > 0 then limit[i] = math.min(set, learned) elseif set > 0 then limit[i] = set else limit[i] = learned end
   end
   -- Nothing limits the model and nothing will be learned: the common case of a model without limits
   -- costs this script's one read.
   local unlimited = limit[1] == 0 and limit[2] == 0 and limit[3] == 0
-  if unlimited and h['headerless'] then return {3, 0} end
+  if unlimited and b.headerless then return {3, 0} end
   -- Redis's clock, not the caller's: every worker's refill is measured on one clock.
   if not now then
     local t = redis.call('TIME')
-    now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    now = t[1] * 1000 + math.floor(t[2] / 1000)
   end
-  local minute = tonumber(a[2])
+  local minute = a[2] + 0
   -- The call's entry in the held hash, taken first: a re-sent call finds it there and answers as the first
   -- did (one HSETNX where a look and a write would be two; a call that waits gives it back below).
   local started, counted = {3, 0}, {'started:at', now}
-  local entry = need[2] .. ' ' .. need[3] .. ' ' .. now
+  local entry = a[7] .. ' ' .. a[8] .. ' ' .. now
   if unlimited then
-    for i, d in ipairs(dims) do
-      local n = tonumber(h['started:' .. d] or 0) + need[i]
+    for i = 1, 3 do
+      local n = (b_started[i] or 0) + need[i]
       table.insert(started, n)
-      table.insert(counted, 'started:' .. d); table.insert(counted, n)
+      table.insert(counted, STARTED[i]); table.insert(counted, n)
     end
     entry = entry .. ' ' .. need[1] .. ' ' .. started[3] .. ' ' .. started[4] .. ' ' .. started[5]
   end
@@ -47,24 +45,24 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
     redis.call('HSET', budget, unpack(counted))
     return started
   end
-  local at = tonumber(h['at'] or now)
+  local at = (b.at or now) + 0
   local level = {}
-  for i, d in ipairs(dims) do
+  for i = 1, 3 do
     local l = limit[i]
     if l > 0 then
-      local lv = tonumber(h['level:' .. d] or l)
+      local lv = (b_level[i] or l) + 0
       level[i] = math.min(l, lv + math.max(0, now - at) * l / minute)
     end
   end
   -- Listed among the models with a budget when its budget is first written here (settle lists it again
   -- when it learns a limit it did not know).
-  if not h['at'] then redis.call('SADD', models, a[3]) end
+  if not b.at then redis.call('SADD', models, a[3]) end
   -- What the live tickets ahead of this one need (expired ones leave the line). The budget's 'line' says
   -- whether anybody may be in line: '0' once a call found it empty, so the usual call reads no line at all.
   local ahead = {0, 0, 0}
   local in_line = false  -- whether this call's ticket holds a place already (it waited before)
   local behind = 0  -- live tickets left in line once this call is through
-  if h['line'] ~= '0' then
+  if b.line ~= '0' then
     local members = redis.call('ZRANGE', waiting, 0, -1)
     for n, m in ipairs(members) do
       if m == a[4] then
@@ -94,8 +92,8 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
   end
   local fields = {'at', now}
   if wait > 0 then
-    for i, d in ipairs(dims) do
-      if limit[i] > 0 then table.insert(fields, 'level:' .. d); table.insert(fields, level[i]) end
+    for i = 1, 3 do
+      if limit[i] > 0 then table.insert(fields, LEVEL[i]); table.insert(fields, level[i]) end
     end
     table.insert(fields, 'line'); table.insert(fields, 1)
     redis.call('HSET', budget, unpack(fields))
@@ -105,10 +103,10 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
       need[1] .. ' ' .. need[2] .. ' ' .. need[3] .. ' ' .. (now + wait + tonumber(a[12])))
     return {0, wait}
   end
-  for i, d in ipairs(dims) do
-    if limit[i] > 0 then table.insert(fields, 'level:' .. d); table.insert(fields, level[i] - need[i]) end
+  for i = 1, 3 do
+    if limit[i] > 0 then table.insert(fields, LEVEL[i]); table.insert(fields, level[i] - need[i]) end
   end
-  if h['line'] ~= '0' and behind == 0 then table.insert(fields, 'line'); table.insert(fields, 0) end
+  if b.line ~= '0' and behind == 0 then table.insert(fields, 'line'); table.insert(fields, 0) end
   redis.call('HSET', budget, unpack(fields))
   if in_line then
     redis.call('ZREM', waiting, a[4])

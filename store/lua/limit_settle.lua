@@ -29,19 +29,17 @@
 -- learned).
 -- Redis's clock, not the caller's: every worker's refill is measured on one clock.
 local t = redis.call('TIME')
-local now, minute = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), tonumber(ARGV[2])
+-- The arguments are numbers as the worker wrote them: arithmetic converts each once (tonumber, twice).
+local now, minute = t[1] * 1000 + math.floor(t[2] / 1000), ARGV[2] + 0
 local settled = 0
 if ARGV[3] ~= '' and redis.call('HDEL', KEYS[2], ARGV[3]) == 1 then settled = 1 end
-local dims = {'requests', 'input', 'output'}
-local back = {tonumber(ARGV[1]), tonumber(ARGV[4]), tonumber(ARGV[5])}
+local back = {ARGV[1] + 0, ARGV[4] + 0, ARGV[5] + 0}
 if settled == 0 then back = {0, 0, 0} end
-local state = redis.call('HGETALL', KEYS[1])
-local h = {}
-for i = 1, #state, 2 do h[state[i]] = state[i + 1] end
-local started_at = {tonumber(ARGV[16]), tonumber(ARGV[17]), tonumber(ARGV[18])}
+local b, b_learned, b_level, b_started = read_budget(KEYS[1])
+local started_at = {ARGV[16] + 0, ARGV[17] + 0, ARGV[18] + 0}
 -- What the calls started unlimited before this one and still in flight need.
 local before = {0, 0, 0}
-local sweep = h['started:at'] and now - tonumber(h['started:at']) >= minute
+local sweep = b.started_at and now - b.started_at >= minute
 if started_at[1] >= 0 or sweep then
   local held = redis.call('HGETALL', KEYS[2])
   for i = 1, #held, 2 do
@@ -56,12 +54,12 @@ if started_at[1] >= 0 or sweep then
   end
   if sweep then redis.call('HDEL', KEYS[1], 'started:at') end
 end
-local at = tonumber(h['at'] or now)
+local at = (b.at or now) + 0
 local fields = {'at', now}
 -- A reservation made within limits whose worker died never settles either: every ARGV[20] ms, the ones
 -- older than ARGV[19] ms (far longer than a call stays in flight) leave the held hash. Their budget
 -- refilled long ago; left there, they would count as calls in flight (`agentpool limits`) for ever.
-if now - tonumber(h['swept'] or 0) >= tonumber(ARGV[20]) then
+if now - (b.swept or 0) >= ARGV[20] + 0 then
   local held = redis.call('HGETALL', KEYS[2])
   for i = 1, #held, 2 do
     local ms = tonumber(string.match(held[i + 1], '^%S+ %S+ (%S+)$'))
@@ -72,29 +70,32 @@ end
 -- The model is listed among those with a budget when a limit is learned that the budget did not hold
 -- (the reply of every call reports them again; one SADD a call would be one command a turn for nothing).
 local learned_new = false
-for i, d in ipairs(dims) do
-  local learned = tonumber(ARGV[8 + i])
+for i = 1, 3 do
+  local learned = ARGV[8 + i] + 0
   if learned > 0 then
-    table.insert(fields, 'learned:' .. d); table.insert(fields, learned)
-    if tonumber(h['learned:' .. d]) ~= learned then learned_new = true end
+    -- Written only when it changed: every reply reports the same limits again.
+    if tonumber(b_learned[i]) ~= learned then
+      learned_new = true
+      table.insert(fields, LEARNED[i]); table.insert(fields, ARGV[8 + i])
+    end
   else
-    learned = tonumber(h['learned:' .. d] or 0)
+    learned = (b_learned[i] or 0) + 0
   end
-  local set = tonumber(ARGV[5 + i])
+  local set = ARGV[5 + i] + 0
   local l = 0
   if set > 0 and learned > 0 then l = math.min(set, learned) elseif set > 0 then l = set else l = learned end
   if l > 0 then
-    local lv = tonumber(h['level:' .. d] or l)
+    local lv = (b_level[i] or l) + 0
     lv = math.min(l, lv + math.max(0, now - at) * l / minute)
-    local remaining = tonumber(ARGV[11 + i])
+    local remaining = ARGV[11 + i] + 0
     if remaining >= 0 then
       if started_at[i] >= 0 then
-        remaining = remaining - (tonumber(h['started:' .. d] or 0) - started_at[i]) - before[i]
+        remaining = remaining - ((b_started[i] or 0) - started_at[i]) - before[i]
       end
       lv = math.min(lv, remaining)
     end
     lv = math.min(l, lv + back[i])
-    table.insert(fields, 'level:' .. d); table.insert(fields, lv)
+    table.insert(fields, LEVEL[i]); table.insert(fields, lv)
   end
 end
 redis.call('HSET', KEYS[1], unpack(fields))
