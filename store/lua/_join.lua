@@ -20,7 +20,6 @@
 -- packed by the caller) goes to the parent's inbox under `late_id`, once, unless the parent has ended
 -- (completed, failed, cancelled): the answer then stays readable from the child.
 -- Returns 2 if the parent was woken, 1 if only marked, 3 if a late answer was queued, 0 if nothing was done.
-local USAGE = {'input_tokens', 'output_tokens', 'cache_read_input_tokens', 'cache_creation_input_tokens'}
 local function join_parent(child, at, watch, child_id, parent_id, now, late_id, late_blob, ended_as)
   local parent, joins, events = KEYS[at], KEYS[at + 1], KEYS[at + 2]
   local joined = redis.call('HGET', joins, child_id)
@@ -38,7 +37,8 @@ local function join_parent(child, at, watch, child_id, parent_id, now, late_id, 
   end
   redis.call('HSET', joins, child_id, 'ended', child_id .. ':end', ended_as or redis.call('HGET', child, 'status'))
   if redis.call('HEXISTS', child, 'ancestors') == 0 then
-    for _, name in ipairs(USAGE) do
+    -- (a table made here, not at the helper's top: see store/scripts.py)
+    for _, name in ipairs({'input_tokens', 'output_tokens', 'cache_read_input_tokens', 'cache_creation_input_tokens'}) do
       local h = redis.call('HMGET', child, name, 'tree_' .. name)
       local n = (tonumber(h[1]) or 0) + (tonumber(h[2]) or 0)
       if n ~= 0 then redis.call('HINCRBY', parent, 'tree_' .. name, n) end

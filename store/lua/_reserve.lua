@@ -6,6 +6,7 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
   -- The arguments are numbers as the worker wrote them: arithmetic converts each once (tonumber, twice).
   local need = {a[6] + 0, a[7] + 0, a[8] + 0}
   local b, b_learned, b_level, b_started = read_budget(budget)
+  local _, LEVEL, STARTED = budget_fields()
   local limit = {}
   for i = 1, 3 do
     local set, learned = a[8 + i] + 0, (b_learned[i] or 0) + 0

@@ -12,13 +12,14 @@
 --       written when it starts a child run), else nil
 --   keys_from(i), ancestor_headers(at, join_keys) -> tables of KEYS: KEYS[i..]; KEYS[at] then
 --       KEYS[at + join_keys ..] (the parent's header followed by the keys beyond its join keys)
-local TREE_USAGE = {'tree_input_tokens', 'tree_output_tokens', 'tree_cache_read_input_tokens',
-  'tree_cache_creation_input_tokens'}
 local function roll_up_spend(run, headers, first)
   if #headers == 0 or redis.call('HEXISTS', run, 'ancestors') == 0 then return end
+  -- made here, not at the helper's top (see store/scripts.py)
+  local tree_usage = {'tree_input_tokens', 'tree_output_tokens', 'tree_cache_read_input_tokens',
+    'tree_cache_creation_input_tokens'}
   for _, header in ipairs(headers) do
     if redis.call('EXISTS', header) == 1 then
-      for i, name in ipairs(TREE_USAGE) do
+      for i, name in ipairs(tree_usage) do
         if tonumber(ARGV[first + i - 1]) ~= 0 then redis.call('HINCRBY', header, name, ARGV[first + i - 1]) end
       end
       if tonumber(ARGV[first + 4]) ~= 0 then redis.call('HINCRBYFLOAT', header, 'tree_cost_usd', ARGV[first + 4]) end

@@ -13,9 +13,6 @@
 -- RESULT_BYTES of its result beside it, state pending, and the delivery's id in the due set, due now.
 -- Call it after the status is written and before the retention's EXPIRE. Returns n, or 0.
 local WEBHOOK_RESULT_BYTES = 40000  -- the 10,000 characters a body carries, at up to 4 bytes each
-local WEBHOOK_FIELDS = {'agent', 'turns', 'error', 'queue', 'parent', 'created_at', 'cost_usd', 'tree_cost_usd',
-  'input_tokens', 'output_tokens', 'cache_read_input_tokens', 'cache_creation_input_tokens',
-  'tree_input_tokens', 'tree_output_tokens', 'tree_cache_read_input_tokens', 'tree_cache_creation_input_tokens'}
 local function take_webhook()
   local pool = table.remove(ARGV)
   local due = table.remove(KEYS)
@@ -28,6 +25,10 @@ local function record_webhook(w, header, run_id, status, now)
   local wants = own[1] and (own[2] or 'ended') or (maybe and 'ended') or w.pool or ''
   if not string.find(',' .. wants .. ',', ',' .. event .. ',', 1, true) then return 0 end
   local n = redis.call('HINCRBY', header, 'webhook_n', 1)
+  -- Made here, not at the helper's top (see store/scripts.py).
+  local WEBHOOK_FIELDS = {'agent', 'turns', 'error', 'queue', 'parent', 'created_at', 'cost_usd', 'tree_cost_usd',
+    'input_tokens', 'output_tokens', 'cache_read_input_tokens', 'cache_creation_input_tokens',
+    'tree_input_tokens', 'tree_output_tokens', 'tree_cache_read_input_tokens', 'tree_cache_creation_input_tokens'}
   local values = redis.call('HMGET', header, unpack(WEBHOOK_FIELDS))
   local summary = {event = event, status = status, at = tonumber(now), url = own[1] or '', maybe = maybe and 1 or 0}
   for i, name in ipairs(WEBHOOK_FIELDS) do

@@ -36,6 +36,7 @@ if ARGV[3] ~= '' and redis.call('HDEL', KEYS[2], ARGV[3]) == 1 then settled = 1 
 local back = {ARGV[1] + 0, ARGV[4] + 0, ARGV[5] + 0}
 if settled == 0 then back = {0, 0, 0} end
 local b, b_learned, b_level, b_started = read_budget(KEYS[1])
+local LEARNED, LEVEL = budget_fields()
 local started_at = {ARGV[16] + 0, ARGV[17] + 0, ARGV[18] + 0}
 -- What the calls started unlimited before this one and still in flight need.
 local before = {0, 0, 0}

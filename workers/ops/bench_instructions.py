@@ -2,8 +2,8 @@
 
 Redis's CPU time per turn (``--only redis``) moves with the machine and its load more than with the code:
 the same code measured 217 and 495 µs a turn on two days. Valgrind's callgrind counts the instructions
-redis-server runs instead, which for the same binary and the same work come out the same within a fraction
-of a percent, whatever else the machine does. So a change to a script or to a turn's commands shows here
+redis-server runs instead, which for the same binary and the same work come out the same within about
+one percent, whatever else the machine does. So a change to a script or to a turn's commands shows here
 as a figure that can be compared from one day to the next.
 
 This section runs a redis-server of its own under callgrind with counting off, and counts only while the
@@ -141,7 +141,7 @@ def bench_instructions(turns: int, threads: int) -> None:
         (
             (
                 f"counted by {version} (callgrind) in redis-server's own process while the turns ran: the same binary "
-                "and work give the same count within a fraction of a percent, on any day; the kernel's side of each "
+                "and work give the same count within about one percent, on any day; the kernel's side of each "
                 "round trip is not in it (see --only redis for round trips and CPU time)"
             ),
             "in scripts: inside EVAL and EVALSHA, the commands they call included",
