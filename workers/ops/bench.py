@@ -1002,7 +1002,7 @@ def bench(
         if "instructions" in sections:
             from agentpool.ops.bench_instructions import bench_instructions
 
-            bench_instructions(redis_turns, threads)
+            bench_instructions(redis_turns, threads, asked="instructions" in only)
         if "shards" in sections:
             from agentpool.ops.bench_shards import bench_shards
 
