@@ -19,3 +19,14 @@ local function read_budget(key)
   return {at = v[1], line = v[2], headerless = v[3], started_at = v[4], swept = v[5]}, {v[6], v[7], v[8]},
     {v[9], v[10], v[11]}, {v[12], v[13], v[14]}
 end
+-- limit_in_force(set, learned) -> the lower of the operator's limit and the API's, either one alone, 0 for none.
+local function limit_in_force(set, learned)
+  if set > 0 and learned > 0 then return math.min(set, learned) end
+  if set > 0 then return set end
+  return learned
+end
+-- refilled(stored, limit, at, now, minute) -> a bucket's level (`stored`, a string or nil for a full bucket)
+-- refilled from `at` to `now` at `limit` a minute, never past the limit.
+local function refilled(stored, limit, at, now, minute)
+  return math.min(limit, (stored or limit) + math.max(0, now - at) * limit / minute)
+end

@@ -9,8 +9,7 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
   local _, LEVEL, STARTED = budget_fields()
   local limit = {}
   for i = 1, 3 do
-    local set, learned = a[8 + i] + 0, (b_learned[i] or 0) + 0
-    if set > 0 and learned > 0 then limit[i] = math.min(set, learned) elseif set > 0 then limit[i] = set else limit[i] = learned end
+    limit[i] = limit_in_force(a[8 + i] + 0, (b_learned[i] or 0) + 0)
   end
   -- Nothing limits the model and nothing will be learned: the common case of a model without limits
   -- costs this script's one read.
@@ -49,11 +48,7 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
   local at = (b.at or now) + 0
   local level = {}
   for i = 1, 3 do
-    local l = limit[i]
-    if l > 0 then
-      local lv = (b_level[i] or l) + 0
-      level[i] = math.min(l, lv + math.max(0, now - at) * l / minute)
-    end
+    if limit[i] > 0 then level[i] = refilled(b_level[i], limit[i], at, now, minute) end
   end
   -- Listed among the models with a budget when its budget is first written here (settle lists it again
   -- when it learns a limit it did not know).

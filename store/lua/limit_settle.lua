@@ -82,12 +82,9 @@ for i = 1, 3 do
   else
     learned = (b_learned[i] or 0) + 0
   end
-  local set = ARGV[5 + i] + 0
-  local l = 0
-  if set > 0 and learned > 0 then l = math.min(set, learned) elseif set > 0 then l = set else l = learned end
+  local l = limit_in_force(ARGV[5 + i] + 0, learned)
   if l > 0 then
-    local lv = (b_level[i] or l) + 0
-    lv = math.min(l, lv + math.max(0, now - at) * l / minute)
+    local lv = refilled(b_level[i], l, at, now, minute)
     local remaining = ARGV[11 + i] + 0
     if remaining >= 0 then
       if started_at[i] >= 0 then
