@@ -92,7 +92,7 @@ def acquire(
     recorded = bool(rest and rest[0])
     if event and recorded:
         event.landed()
-    reserved = reserve.answer(rest[1:]) if reserve is not None and len(rest) > 1 else None
+    reserved = reserve.answer(r, rest[1:]) if reserve is not None and len(rest) > 1 else None
     # A corrupt header can hold any bytes (the status of a NOT_ACTIVE answer): never fail on decoding them.
     text = detail.decode("utf-8", errors="replace") if isinstance(detail, bytes) else str(detail)
     return AcquireResult(Acquire(int(code)), text, after, recorded, reserved)

@@ -159,13 +159,16 @@ class ReserveRequest:
             TICKET_SLACK_MS,
         ]
 
-    def answer(self, reply: list[Any]) -> Reservation | Wait | Unlimited:
-        """What ``limit_reserve``'s reply says."""
+    def answer(self, r: Redis, reply: list[Any]) -> Reservation | Wait | Unlimited:
+        """What ``limit_reserve``'s reply from ``r`` says. An answer that the model is unlimited and its
+        replies headerless is remembered by this process (``known_unlimited``). An operator's limit for the
+        model makes the script never answer so: then it is never remembered, and every call reserves."""
         granted, wait_ms, *started = reply
         if int(granted) == 0:
             return Wait(int(wait_ms) / 1000)
         if int(granted) == 3:
             if not started:
+                remember_unlimited(r, self.model)
                 return Unlimited(None)
             return Unlimited(tuple(int(n) for n in started), self.reservation_id)  # type: ignore[arg-type]
         return Reservation(self.model, self.reservation_id, self.need)
@@ -177,7 +180,7 @@ def reserve(
     """The call's budget, taken now, or how long to wait for it (the ticket then holds a place in line),
     or ``Unlimited`` when no limit is set or learned for the model yet."""
     request = ReserveRequest(model, ticket, reservation_id, need, limits, minute_s)
-    return request.answer(run_script("limit_reserve", r, request.keys(), request.args()))  # type: ignore[arg-type]
+    return request.answer(r, run_script("limit_reserve", r, request.keys(), request.args()))  # type: ignore[arg-type]
 
 
 def leave_line(r: Redis, model: str, ticket: str) -> None:

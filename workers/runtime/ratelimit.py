@@ -204,10 +204,6 @@ def limited_call(
             limits=configured,
             minute_s=minute,
         )
-        # An operator's limit for the model makes limit_reserve never answer Unlimited(None), so it is
-        # never remembered and every call reserves.
-        if got == ratelimit.Unlimited(None):
-            ratelimit.remember_unlimited(turn.r, agent.model)
     if isinstance(got, ratelimit.Wait):
         raise WaitForBudget(agent.model, got.seconds)
     reservation = got

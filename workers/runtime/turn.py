@@ -161,8 +161,6 @@ def run_turn(run_id: str, turn: int) -> str:
     work = Turn(r, keys, token, turn, settings, window_from=window_from, job=job)
     if reserving is not None and got.reserved is not None:
         work.prereserved = (reserving, got.reserved)
-        if got.reserved == ratelimit.Unlimited(None):
-            ratelimit.remember_unlimited(r, reserving.model)
     with keep_alive(r, keys, token, settings.lease_ttl_ms), tracing.turn_span(r, keys, turn, got.then[0]) as span:
         try:
             header, loaded, *rest = got.then
