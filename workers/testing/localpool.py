@@ -55,6 +55,17 @@ class RedisServer:
         self.wrapper = wrapper  # a command the server runs under (valgrind...)
         self.proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def log(self) -> Path:
+        return self.workdir / "redis-server.log"
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The end of the server's log, for an error that says why it would not start or sync."""
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
     def start(self) -> RedisServer:
         args = [
             *self.wrapper,
@@ -69,6 +80,13 @@ class RedisServer:
             "",
             "--maxmemory-policy",
             "noeviction",
+            # A primary's first sync to a replica waits 5 s by default (for more replicas to share it);
+            # a replica of a replica waits for that sync, then 5 s more: 10 s idle, past 30 s on a loaded
+            # machine, before a replicated test can begin.
+            "--repl-diskless-sync-delay",
+            "0",
+            "--logfile",
+            str(self.log),
         ]
         args += ["--appendonly", "yes", "--appendfsync", "everysec"] if self.durable else ["--appendonly", "no"]
         args += self.extra_args
@@ -83,7 +101,8 @@ class RedisServer:
                     time.sleep(0.02)
         finally:
             client.close()
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        self.stop(signal.SIGKILL)  # not left running for the garbage collector to warn about
+        raise RuntimeError(f"redis-server did not start on port {self.port}:\n{self.log_tail()}")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc and self.proc.poll() is None:

@@ -63,6 +63,14 @@ class ReplicatedRedis:
         return path
 
     def start(self) -> ReplicatedRedis:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()  # a server left running would outlive the test that failed to start it
+            raise
+        return self
+
+    def _start(self) -> None:
         self.primary.start()
         for replica in self.replicas:
             replica.start()
@@ -81,7 +89,6 @@ class ReplicatedRedis:
             [self.primary.binary, str(conf), "--sentinel"], stdout=self._log, stderr=subprocess.STDOUT
         )
         self.wait_primary(self.primary.port)
-        return self
 
     def sentinel_client(self) -> Redis:
         return Redis(port=self.sentinel_port, socket_timeout=2, password=self.sentinel_password)
@@ -101,14 +108,14 @@ class ReplicatedRedis:
                 raise RuntimeError(f"the sentinel never named port {port} primary (it says {self.primary_port()})")
             time.sleep(0.05)
 
-    def wait_replicas(self, n: int, timeout: float = 30) -> None:
+    def wait_replicas(self, n: int, timeout: float = 60) -> None:
         client = Redis(port=self.primary.port)
         deadline = time.monotonic() + timeout
         while client.info("replication").get("connected_slaves", 0) < n or not all(
             _synced(replica.port) for replica in self.replicas
         ):
             if time.monotonic() > deadline:
-                raise RuntimeError("the replica never synced")
+                raise RuntimeError("the replica never synced:\n" + _logs(self.replicas))
             time.sleep(0.05)
 
     def cut_replication(self) -> None:
@@ -193,6 +200,10 @@ class ReplicatedRedis:
             self._log.close()
 
 
+def _logs(servers: list[RedisServer]) -> str:
+    return "\n".join(f"--- port {server.port}:\n{server.log_tail()}" for server in servers)
+
+
 def _synced(port: int) -> bool:
     try:
         with Redis(port=port) as client:  # closed here: a socket left to the collector is a ResourceWarning
@@ -226,18 +237,25 @@ class FollowingEndpoint:
         return self.endpoint.url
 
     def start(self) -> FollowingEndpoint:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()  # a server left running would outlive the test that failed to start it
+            raise
+        return self
+
+    def _start(self) -> None:
         self.primary.start()
         self.replica_link.start()
         self.replica.extra_args = ("--replicaof", "127.0.0.1", str(self.replica_link.port))
         self.replica.start()
         self.sub_replica.start()
         self.endpoint.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not (_synced(self.replica.port) and _synced(self.sub_replica.port)):
             if time.monotonic() > deadline:
-                raise RuntimeError("the replicas never synced")
+                raise RuntimeError("the replicas never synced:\n" + _logs([self.replica, self.sub_replica]))
             time.sleep(0.05)
-        return self
 
     def promote(self) -> None:
         """SIGKILL the primary, promote ``replica`` (its own replica stays attached) and re-point the
