@@ -57,7 +57,7 @@ class RedisServer:
 
     @property
     def log(self) -> Path:
-        return self.workdir / "redis-server.log"
+        return self.workdir / f"redis-server-{self.port}.log"  # two servers may share a workdir
 
     def log_tail(self, lines: int = 20) -> str:
         """The end of the server's log, for an error that says why it would not start or sync."""
