@@ -95,10 +95,16 @@ class RedisServer:
         try:
             for _ in range(500):
                 try:
-                    client.ping()
-                    return self
+                    client.ping()  # refused while an AOF loads
+                    # The answer must come from this server: one that found its port taken (another
+                    # process bound it between free_port() and now) exits, and the ping reaches the other.
+                    if int(client.info("server")["process_id"]) == self.proc.pid:
+                        return self
                 except RedisError:
-                    time.sleep(0.02)
+                    pass
+                if self.proc.poll() is not None:
+                    break  # it exited (its port taken, a bad argument): its log says why
+                time.sleep(0.02)
         finally:
             client.close()
         self.stop(signal.SIGKILL)  # not left running for the garbage collector to warn about
