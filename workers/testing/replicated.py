@@ -96,7 +96,8 @@ class ReplicatedRedis:
     def primary_port(self) -> int | None:
         """Where the sentinel says the primary is now."""
         try:
-            found = self.sentinel_client().execute_command("SENTINEL", "get-master-addr-by-name", MASTER)
+            with self.sentinel_client() as sentinel:  # closed here: it is asked many times a second
+                found = sentinel.execute_command("SENTINEL", "get-master-addr-by-name", MASTER)
         except RedisError:
             return None
         return int(found[1]) if found else None
@@ -109,14 +110,14 @@ class ReplicatedRedis:
             time.sleep(0.05)
 
     def wait_replicas(self, n: int, timeout: float = 60) -> None:
-        client = Redis(port=self.primary.port)
         deadline = time.monotonic() + timeout
-        while client.info("replication").get("connected_slaves", 0) < n or not all(
-            _synced(replica.port) for replica in self.replicas
-        ):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the replica never synced:\n" + _logs(self.replicas))
-            time.sleep(0.05)
+        with Redis(port=self.primary.port) as client:
+            while client.info("replication").get("connected_slaves", 0) < n or not all(
+                _synced(replica.port) for replica in self.replicas
+            ):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the replica never synced:\n" + _logs(self.replicas))
+                time.sleep(0.05)
 
     def cut_replication(self) -> None:
         """Cut every replica off the primary (their links partitioned: silence, as across a cut network).
@@ -179,14 +180,15 @@ class ReplicatedRedis:
         assert primary is not None and primary != port
         self.servers[port].extra_args = ("--replicaof", "127.0.0.1", str(primary), "--replica-priority", "0")
         self.servers[port].start()
-        replica = Redis(port=port)
         deadline = time.monotonic() + 60
-        while replica.info("replication").get("master_link_status") != "up":
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"port {port} never synced as a replica of {primary}")
-            time.sleep(0.05)
-        replica.config_set("replica-priority", 100)
-        replica.close()
+        with Redis(port=port) as replica:
+            while replica.info("replication").get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"port {port} never synced as a replica of {primary}:\n{_logs([self.servers[port]])}"
+                    )
+                time.sleep(0.05)
+            replica.config_set("replica-priority", 100)
 
     def stop(self) -> None:
         if self.sentinel and self.sentinel.poll() is None:
