@@ -126,14 +126,15 @@ def bench_instructions(turns: int, threads: int, *, asked: bool = True) -> None:
                 ("agentpool turn", ours, ours_scripts, ours_seconds),
                 ("agentpool turn, rate limits learned", limited, limited_scripts, limited_seconds),
             ):
+                net = _net(total, seconds, idle_rate, turns)
                 rows.append(
                     [
                         kind,
                         job,
                         f"{total / turns / 1000:,.0f}",
-                        f"{_net(total, seconds, idle_rate, turns) / 1000:,.0f}",
+                        f"{net / 1000:,.0f}",
                         f"{scripts / total:.0%}" if scripts is not None else "",
-                        f"{_net(total, seconds, idle_rate, turns) / bare_net:.2f}x",
+                        f"{net / bare_net:.2f}x",
                     ]
                 )
             details.append(

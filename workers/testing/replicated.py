@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 from urllib.parse import quote
@@ -63,11 +64,7 @@ class ReplicatedRedis:
         return path
 
     def start(self) -> ReplicatedRedis:
-        try:
-            self._start()
-        except BaseException:
-            self.stop()  # a server left running would outlive the test that failed to start it
-            raise
+        _start_or_stop(self._start, self.stop)
         return self
 
     def _start(self) -> None:
@@ -202,6 +199,16 @@ class ReplicatedRedis:
             self._log.close()
 
 
+def _start_or_stop(start: Callable[[], None], stop: Callable[[], None]) -> None:
+    """``start()``, or ``stop()`` what it started if it fails: a server left running would outlive the test
+    that failed to start it (and its collected process handle fail another test with a ResourceWarning)."""
+    try:
+        start()
+    except BaseException:
+        stop()
+        raise
+
+
 def _logs(servers: list[RedisServer]) -> str:
     return "\n".join(f"--- port {server.port}:\n{server.log_tail()}" for server in servers)
 
@@ -239,11 +246,7 @@ class FollowingEndpoint:
         return self.endpoint.url
 
     def start(self) -> FollowingEndpoint:
-        try:
-            self._start()
-        except BaseException:
-            self.stop()  # a server left running would outlive the test that failed to start it
-            raise
+        _start_or_stop(self._start, self.stop)
         return self
 
     def _start(self) -> None:
