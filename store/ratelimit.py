@@ -10,6 +10,8 @@ lower one holds. A dimension with neither is not limited.
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +23,9 @@ from agentpool.store.scripts import Rider, run_script
 
 DIMENSIONS = ("requests", "input", "output")
 FORM = "AGENTPOOL_RATE_LIMITS is '<model>=rpm:N,itpm:N,otpm:N;*=rpm:N' (model '*' for every other model)"
+SETTLE_BATCH = 400  # settles one script call takes at most (13 arguments each; Lua unpacks up to ~8,000)
 TICKET_SLACK_MS = 30_000  # how long past its expected wait a ticket keeps its place in line
-# A reservation whose worker died never settles: after an hour it leaves the held hash, looked through
+# A reservation whose worker died never settles: after an hour it leaves the calls in flight, looked through
 # every 10 minutes. No call is in flight that long (AGENTPOOL_MODEL_CALL_TIMEOUT: 10 minutes); one that
 # were would only find nothing held when it settles, and give back nothing of its estimate.
 HELD_STALE_MS = 3_600_000
@@ -108,6 +111,9 @@ class Reservation:
     model: str
     id: str
     need: Need
+    # Granted with room to spare: nobody in line and every limited bucket at least half full after it (its
+    # settle may wait to go with others: ``DeferredSettles``).
+    roomy: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,7 @@ class ReserveRequest:
                 remember_unlimited(r, self.model)
                 return Unlimited(None)
             return Unlimited(tuple(int(n) for n in started), self.reservation_id)  # type: ignore[arg-type]
-        return Reservation(self.model, self.reservation_id, self.need)
+        return Reservation(self.model, self.reservation_id, self.need, roomy=int(granted) == 1 and started == [1])
 
 
 def reserve(
@@ -222,10 +228,30 @@ def settle_call(
 ) -> Rider:
     """The script call that corrects ``reservation`` to what the call used (a failed call: what it was
     billed for, often 0) and learns what the API reported; an ``Unlimited`` call gives nothing back (it
-    took nothing) and leaves the held hash. ``never_called``: the call was reserved but never made (its
+    took nothing) and leaves the calls in flight. ``never_called``: the call was reserved but never made (its
     turn ended before it), so its request goes back too. Sent later, in another script's round trip (the turn's save
     point A: ``agentpool.runtime.ratelimit``), or now by ``settle``; it answers 1 if it settled."""
-    keys = LimitKeys.of(model)
+    entry = settle_entry(
+        reservation=reservation,
+        used_input=used_input,
+        used_output=used_output,
+        reported=reported,
+        never_called=never_called,
+    )
+    return Rider(
+        "limit_settle", _settle_keys(model), [*_settle_head(model, limits.args(), int(minute_s * 1000)), *entry]
+    )
+
+
+def settle_entry(
+    *,
+    reservation: Reservation | Unlimited | None,
+    used_input: int,
+    used_output: int,
+    reported: Reported,
+    never_called: bool = False,
+) -> list[int | str]:
+    """One settle's arguments to ``limit_settle`` (see ``settle_call``), 13 values."""
     rid, back_in, back_out = "", 0, 0
     started = (-1, -1, -1)
     if isinstance(reservation, Unlimited):
@@ -235,24 +261,143 @@ def settle_call(
         rid = reservation.id
         back_in = reservation.need.input - used_input
         back_out = reservation.need.output - used_output
-    return Rider(
-        "limit_settle",
-        [keys.budget, keys.held, LIMIT_MODELS],
-        [
-            1 if never_called and isinstance(reservation, Reservation) else 0,  # requests to give back
-            int(minute_s * 1000),
-            rid,
-            back_in,
-            back_out,
-            *limits.args(),
-            *(int(reported.limits.get(d, 0)) for d in DIMENSIONS),
-            *(int(reported.remaining.get(d, -1)) for d in DIMENSIONS),
-            model,
-            *started,
-            HELD_STALE_MS,
-            HELD_SWEEP_EVERY_MS,
-        ],
-    )
+    return [
+        1 if never_called and isinstance(reservation, Reservation) else 0,  # requests to give back
+        rid,
+        back_in,
+        back_out,
+        *(int(reported.limits.get(d, 0)) for d in DIMENSIONS),
+        *(int(reported.remaining.get(d, -1)) for d in DIMENSIONS),
+        *started,
+    ]
+
+
+def _settle_keys(model: str) -> list[str]:
+    keys = LimitKeys.of(model)
+    return [keys.budget, keys.held, LIMIT_MODELS]
+
+
+def _settle_head(model: str, limits: Sequence[int], minute_ms: int) -> list[int | str]:
+    return [minute_ms, *limits, model, HELD_STALE_MS, HELD_SWEEP_EVERY_MS]
+
+
+def may_wait(reservation: Reservation | Unlimited | None, reported: Reported) -> bool:
+    """Whether a call's settle may wait up to a second to go with the worker's others (``DeferredSettles``):
+    its reservation was granted with room to spare, and its reply says the API's budget is at least half
+    left in every dimension it reports. Nearer a limit a give-back is wanted at once (turns may be waiting
+    for it), and a call that failed, was started unlimited or taught the limits first settles at once."""
+    if not isinstance(reservation, Reservation) or not reservation.roomy:
+        return False
+    return all(reported.remaining.get(d, -1) * 2 >= limit for d, limit in reported.limits.items())
+
+
+class DeferredSettles:
+    """A worker process's settles that may wait (``may_wait``), sent about once a second with the pool-wide
+    counters (``agentpool.runtime.stats_flush``): one ``limit_settle`` call per model for all of them,
+    where each would have been a script call and four commands of its own in its turn's save point A.
+
+    While they wait, their unused estimates are not back in the buckets (the budget is a little lower
+    than it could be, never higher) and ``agentpool limits`` counts their calls as in flight. A worker
+    killed outright loses the last second's: their calls stay counted as in flight until the budget's
+    hourly sweep, and their unused estimates come back as the buckets refill (within the minute). A warm
+    stop sends them. Sending one twice (its first delivery's reply lost) gives back once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sending = threading.Lock()
+        # (model, operator limits' arguments, minute in ms) -> the settles' arguments (settle_entry)
+        self._pending: dict[tuple[str, tuple[int, ...], int], list[list[int | str]]] = {}
+        self._closed = False
+
+    def add(self, model: str, limits: Limits, minute_s: float, entry: list[int | str]) -> bool:
+        """False once closed: the caller sends the settle with its turn."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._pending.setdefault((model, tuple(limits.args()), int(minute_s * 1000)), []).append(entry)
+            return True
+
+    def close(self) -> None:
+        """No settle waits here any more (its worker stops): what waits is sent by one more ``send``."""
+        global _deferred
+        with self._lock:
+            self._closed = True
+        if _deferred is self:
+            _deferred = None
+
+    def take(self) -> list[list[Any]]:
+        """Everything not sent yet, as JSON can carry it (a forked work horse hands it to its worker)."""
+        with self._lock:
+            taken, self._pending = self._pending, {}
+        return [[model, list(limits), minute_ms, entries] for (model, limits, minute_ms), entries in taken.items()]
+
+    def adopt(self, taken: list[list[Any]]) -> bool:
+        """What ``take`` took (here or in a work horse) waits here again; False once closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            for model, limits, minute_ms, entries in taken:
+                self._pending.setdefault((model, tuple(limits), minute_ms), []).extend(entries)
+            return True
+
+    def send(self, r: Redis) -> None:
+        """One script call per model (and ``SETTLE_BATCH`` settles). What a Redis error kept from being
+        sent is kept and sent by the next call; the error is raised."""
+        with self._sending:
+            with self._lock:
+                taken, self._pending = self._pending, {}
+            groups = list(taken.items())
+            try:
+                while groups:
+                    (model, limits, minute_ms), entries = groups[0]
+                    batch = entries[:SETTLE_BATCH]
+                    args = [*_settle_head(model, limits, minute_ms), *(v for e in batch for v in e)]
+                    run_script("limit_settle", r, _settle_keys(model), args)
+                    if len(entries) > len(batch):
+                        groups[0] = ((model, limits, minute_ms), entries[len(batch) :])
+                    else:
+                        groups.pop(0)
+            finally:
+                if groups:  # kept for the next call, closed or not
+                    with self._lock:
+                        for key, entries in groups:
+                            self._pending.setdefault(key, []).extend(entries)
+
+
+_deferred: DeferredSettles | None = None
+
+
+def defer_settles() -> DeferredSettles:
+    """Let settles wait in this process from now on (a worker's); the caller sends them regularly, and
+    closes them and sends the last when it stops."""
+    global _deferred
+    if _deferred is None:
+        _deferred = DeferredSettles()
+    return _deferred
+
+
+def stop_deferring_settles() -> None:
+    """In a forked work horse: its worker's settles are the worker's to send; the horse's own wait in a
+    ``defer_settles()`` of its own and go to the worker as the horse ends (``agentpool.worker.forking``)."""
+    global _deferred
+    _deferred = None
+
+
+def adopt_settles(r: Redis, taken: list[list[Any]]) -> None:
+    """A work horse's deferred settles (``DeferredSettles.take``) into this process's, or sent now where
+    settles no longer wait here."""
+    deferred = _deferred
+    if deferred is None or not deferred.adopt(taken):
+        now = DeferredSettles()
+        now.adopt(taken)
+        now.send(r)
+
+
+def settle_soon(model: str, limits: Limits, minute_s: float, entry: list[int | str]) -> bool:
+    """``entry`` (``settle_entry``) into this process's deferred settles; False where settles do not wait
+    (not a worker process): the caller sends it with its turn instead."""
+    deferred = _deferred
+    return deferred is not None and deferred.add(model, limits, minute_s, entry)
 
 
 def known_unlimited(r: Redis, model: str) -> bool:
@@ -276,20 +421,22 @@ def forget_unlimited(r: Redis, model: str) -> None:
 def mark_headerless(r: Redis, model: str) -> None:
     """A reply of ``model`` came back with no rate-limit headers (a gateway that strips them, a scripted
     model without limits): while nothing limits it, its calls stop counting what they start and are not
-    held (nothing will be learned), and the calls started unlimited leave the held hash now, this one's
+    held (nothing will be learned), and the calls started unlimited leave the calls in flight now, this one's
     and any whose worker died. Done by the calls in flight when the model is found out, not after."""
     keys = LimitKeys.of(model)
     with r.pipeline(transaction=False) as pipe:
         # The flag first: a reservation after it adds no entry, and one before it is in what is read.
         pipe.hset(keys.budget, "headerless", 1)
-        pipe.hgetall(keys.held)
-        _, held = pipe.execute()
-    started_unlimited = [rid for rid, value in held.items() if _started_unlimited(value)]
-    with r.pipeline(transaction=False) as pipe:
-        if started_unlimited:
-            pipe.hdel(keys.held, *started_unlimited)
-        pipe.hdel(keys.budget, "started:at")
-        pipe.execute()
+        pipe.hgetall(keys.budget)
+        _, budget = pipe.execute()
+    started_unlimited = [name for name, value in _held(budget).items() if _started_unlimited(value)]
+    # 'held:<id>' fields, deleted by name: a reservation made meanwhile is another field, left as it is.
+    r.hdel(keys.budget, *started_unlimited, "started:at")
+
+
+def _held(budget: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    """The calls in flight of a budget hash as read whole: its 'held:<reservation id>' fields."""
+    return {name: value for name, value in budget.items() if name.startswith(b"held:")}
 
 
 def _started_unlimited(held_value: bytes) -> bool:
@@ -318,12 +465,12 @@ def show(r: Redis) -> list[BudgetView]:
         keys = LimitKeys.of(model)
         with r.pipeline(transaction=False) as pipe:
             pipe.hgetall(keys.budget)
-            pipe.hvals(keys.held)
             pipe.zcard(keys.waiting)
-            budget, held, waiting = pipe.execute()
-        fields = {k.decode(): v.decode() for k, v in budget.items()}
+            budget, waiting = pipe.execute()
+        held = _held(budget)
+        fields = {k.decode(): v.decode() for k, v in budget.items() if k not in held}
         inflight = {"calls": len(held), "input": 0, "output": 0}
-        for value in held:
+        for value in held.values():
             parts = value.decode().split()
             inflight["input"] += int(float(parts[0]))
             inflight["output"] += int(float(parts[1]))

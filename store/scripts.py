@@ -46,6 +46,7 @@ _HELPERS = (
     ("_webhook", "take_webhook("),
     ("_retention", "expire_run_keys("),
     ("_budget", "read_budget("),
+    ("_budget", "held_entries("),
     ("_budget", "budget_fields("),
     ("_budget", "limit_in_force("),
     ("_budget", "refilled("),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import subprocess
 import sys
 import threading
@@ -30,6 +31,18 @@ STEPS = [{"tool_calls": [READ]}, {"tool_calls": [READ]}, {"text": "All done."}]
 RUNS = 12
 
 
+def _budget(r: Redis, held: int = 0) -> ratelimit.BudgetView:
+    """The model's budget once ``held`` calls are left in flight. A call reserved with room to spare
+    settles with its worker's others, up to a second after its turn (``DeferredSettles``): wait for that,
+    not longer (a settle that never comes leaves the view as it is, and the test's assertion says so)."""
+    deadline = time.monotonic() + 5
+    while True:
+        (view,) = ratelimit.show(r)
+        if view.held["calls"] == held or time.monotonic() > deadline:
+            return view
+        time.sleep(0.05)
+
+
 def test_runs_beyond_the_limit_wait_for_the_budget_instead_of_meeting_429s(r: Redis, pool, model) -> None:
     model.set_scripts({"steps": STEPS})
     # 8 requests a (scaled) minute of 2 s: 36 calls need several refills; 8 turns at once could all ask.
@@ -46,7 +59,7 @@ def test_runs_beyond_the_limit_wait_for_the_budget_instead_of_meeting_429s(r: Re
     assert model.stats()["rate_limited"] == 0, model.stats()
     waits = [f for run_id in run_ids for _, f in events.read(r, run_id) if f["kind"] == "waiting_for_budget"]
     assert waits, "no turn ever waited for the budget: the limit was never reached"
-    (view,) = ratelimit.show(r)
+    view = _budget(r)
     assert view.learned == {"requests": 8} and view.waiting == 0 and view.held["calls"] == 0
     shown = _cli(pool, "limits", "show")
     assert shown.returncode == 0, shown.stderr
@@ -93,7 +106,7 @@ def test_failed_calls_settle_their_reservations_though_no_save_point_a_follows(r
     run = wait_for_run(run_id, timeout=60, connection=r)
     assert run.status == "completed" and run.result == "back", (run.status, run.error, pool.logs())
     assert model.stats()["requests"] == 3, model.stats()
-    (view,) = ratelimit.show(r)
+    view = _budget(r)
     assert view.learned == {"requests": 1000}
     assert view.held["calls"] == 0, "a failed call's reservation is still held"
     assert "could not settle" not in pool.logs()
@@ -134,10 +147,44 @@ def test_a_model_whose_replies_carry_no_rate_limit_headers_is_called_without_a_b
         enqueue_run("pool_agents:support", script_task("many"), connection=r), timeout=60, connection=r
     )
     assert again.status == "completed", (again.status, again.error, pool.logs())
-    (view,) = ratelimit.show(r)
+    view = _budget(r)
     assert view.learned == {"requests": 1000} and view.held["calls"] == 0
     # The calls after the first reply with headers took their request from the budget.
     assert view.levels["requests"] < 1000
+
+
+@pytest.mark.parametrize("kind", [["--concurrency", "2"], []], ids=["threaded", "forking"])
+def test_calls_with_room_to_spare_settle_together_in_one_script_call(r: Redis, pool, model, kind: list[str]) -> None:
+    """Far from the limits (the budget more than half full, the API saying more than half is left), a
+    call's settle waits for the worker's next flush and goes with the others in one script call, instead
+    of one a turn (a forking worker's horse hands it to its worker). Here the flush is a minute away, so
+    every call waits until the worker's warm stop sends them; then the budget is exact: every call
+    settled once, nothing held."""
+    calls = 12
+    model.set_scripts(
+        {"many": [{"tool_calls": [READ]}] * (calls - 1) + [{"text": "All done."}], "one": [{"text": "Hi."}]}
+    )
+    model.set_rate_limits(RateLimits(rpm=100_000))
+    WorkerProcesses.start(pool, 1, *kind, AGENTPOOL_FLUSH_INTERVAL="60")
+    first = wait_for_run(enqueue_run("pool_agents:support", script_task("one"), connection=r), timeout=60, connection=r)
+    assert first.status == "completed", (first.status, first.error, pool.logs())  # its reply taught the limits
+    settle_sha = run_script._script("limit_settle").sha
+    with _commands_seen(pool) as seen:
+        run = wait_for_run(
+            enqueue_run("pool_agents:support", script_task("many"), connection=r), timeout=60, connection=r
+        )
+        assert run.status == "completed" and run.turns == calls, (run.status, run.error, pool.logs())
+        (waiting,) = ratelimit.show(r)
+        during = sum(c.startswith(f"EVALSHA {settle_sha} ") for c in seen)
+        pool.stop(signal.SIGTERM)
+        (view,) = ratelimit.show(r)
+        after = sum(c.startswith(f"EVALSHA {settle_sha} ") for c in seen) - during
+    assert during == 0, f"{during} settles sent with their turns"
+    assert waiting.held["calls"] == calls, waiting.held  # every call's settle waits in the worker
+    assert after == 1, f"the warm stop sent {after} script calls"
+    assert view.held["calls"] == 0, "the warm stop did not settle every call"
+    assert math.floor(view.levels["requests"]) >= 100_000 - 2 * calls, view.levels
+    assert "could not settle" not in pool.logs() and "could not flush" not in pool.logs()
 
 
 # Operator limits (no headers to learn from) and a minute so long that nothing refills during a test: the
@@ -167,7 +214,7 @@ def test_a_turn_reserves_its_call_with_its_lease(r: Redis, pool, model, kind: li
     with_lease = {c.split()[24] for c in seen if c.startswith(f"EVALSHA {lease_sha} ") and budget in c}
     assert alone == {f"{run_id}:0"}, alone
     assert with_lease == {f"{run_id}:{turn}" for turn in range(1, 5)}, with_lease
-    (view,) = ratelimit.show(r)
+    view = _budget(r)
     assert view.held["calls"] == 0 and view.waiting == 0
     assert math.floor(view.levels["requests"]) == 1000 - 5  # one request a call, each taken once
 
@@ -185,7 +232,7 @@ def test_a_call_reserved_with_the_lease_but_never_made_goes_back_to_the_budget(r
     )
     assert run.status == "stopped" and "max_turns=3" in (run.error or ""), (run.status, run.error, pool.logs())
     assert model.stats()["requests"] == 3
-    (view,) = ratelimit.show(r)
+    view = _budget(r)
     assert view.held["calls"] == 0, "the call reserved with the lease is still held"
     assert view.waiting == 0, "the stopped turn still holds a place in line"
     assert math.floor(view.levels["requests"]) == rpm - 3, view.levels
@@ -210,8 +257,8 @@ def test_a_work_horse_killed_after_its_lease_reserved_the_call_costs_the_budget_
     kills = len(list(pool.tmp.glob(f"fault-before_model_call-{run_id}-*")))
     takeovers = [f for _, f in events.read(r, run_id) if f["kind"] == "takeover"]
     assert kills == 3 and len(takeovers) == 3, (kills, takeovers)
-    (view,) = ratelimit.show(r)
     # Turn 0 reserves just before its call, after the kill point; turns 1 and 2 reserved with the lease.
+    view = _budget(r, held=2)
     assert view.held["calls"] == 2, view.held
     assert math.floor(view.levels["requests"]) == 1000 - 3 - 2, view.levels
 

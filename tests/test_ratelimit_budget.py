@@ -25,6 +25,11 @@ def take(r: Redis, ticket: str, need: Need, limits: Limits = UNLIMITED, minute: 
     )
 
 
+def in_flight(r: Redis) -> list[bytes]:
+    """The reservation ids of the calls in flight: the budget's 'held:<id>' fields."""
+    return sorted(k.removeprefix(b"held:") for k in r.hkeys(LimitKeys.of(MODEL).budget) if k.startswith(b"held:"))
+
+
 def settle(r: Redis, got, used_in: int = 0, used_out: int = 0, reported: Reported = NOTHING, **kw) -> bool:
     return ratelimit.settle(
         r,
@@ -105,6 +110,62 @@ def test_settling_gives_back_what_the_call_did_not_use_once(r: Redis) -> None:
     assert isinstance(take(r, "v", Need(10, 200), limits), Wait)  # ...and only once: 100 left
 
 
+def test_a_reservation_says_whether_it_left_room_to_spare(r: Redis) -> None:
+    """Roomy: nobody in line and every limited bucket at least half full once the call is taken (its
+    settle may then wait a second to go with others)."""
+    limits = Limits(rpm=4, otpm=1000)
+    assert take(r, "a", Need(1, 100), limits).roomy  # 3 requests and 900 tokens left
+    assert take(r, "b", Need(1, 100), limits).roomy  # 2 and 800: half the requests, still half
+    assert not take(r, "c", Need(1, 100), limits).roomy  # 1 request left: under half
+    r.delete(LimitKeys.of(MODEL).budget)  # full again
+    limits = Limits(otpm=1000)
+    assert not take(r, "x", Need(1, 900), limits).roomy  # 100 tokens left
+    assert isinstance(take(r, "y", Need(1, 200), limits), Wait)  # in line
+    r.hdel(LimitKeys.of(MODEL).budget, "level:output")  # the bucket full again; "y" still in line
+    newcomer = take(r, "z", Need(1, 10), limits)
+    assert isinstance(newcomer, Reservation) and not newcomer.roomy, "granted with a turn in line: not roomy"
+    waited = take(r, "y", Need(1, 200), limits)
+    assert isinstance(waited, Reservation) and waited.roomy  # 790 left and the line empty
+    assert not take(r, "y", Need(1, 200), limits).roomy, "a re-sent reservation is answered, not roomy"
+
+
+def test_settles_sent_together_give_back_each_once_as_they_would_one_by_one(r: Redis) -> None:
+    """A worker's deferred settles go in one script call (``DeferredSettles``): each reservation gives
+    back what its call did not use, once, though the batch is sent again; the budget ends where the
+    same settles sent one by one leave it, and what the headers report is learned."""
+    limits = Limits(otpm=10_000)
+    keys = LimitKeys.of(MODEL)
+    got = [take(r, f"t{i}", Need(10, 1000), limits) for i in range(5)]  # 5000 tokens taken
+    assert all(isinstance(g, Reservation) for g in got)
+    reported = Reported(limits={"requests": 500}, remaining={"requests": 400})
+    batch = ratelimit.DeferredSettles()
+    for g in got[:4]:
+        batch.add(
+            MODEL,
+            limits,
+            SLOW,
+            ratelimit.settle_entry(reservation=g, used_input=10, used_output=100, reported=reported),
+        )
+    batch.add(
+        MODEL,
+        limits,
+        SLOW,
+        ratelimit.settle_entry(reservation=got[0], used_input=10, used_output=100, reported=reported),
+    )
+    resent = batch.take()
+    batch.adopt(resent)
+    batch.send(r)
+    assert batch.take() == [], "everything was sent"
+    assert [k for k in r.hkeys(keys.budget) if k.startswith(b"held:")] == [b"held:res-t4"], "the four settled left"
+    (view,) = ratelimit.show(r)
+    assert math.floor(view.levels["output"]) == 10_000 - 5000 + 4 * 900  # got[0] twice, given back once
+    assert view.learned == {"requests": 500} and math.floor(view.levels["requests"]) == 400
+    batch.adopt(resent)  # the same batch again, as after a reply lost to a dropped connection
+    batch.send(r)
+    (again,) = ratelimit.show(r)
+    assert math.floor(again.levels["output"]) == math.floor(view.levels["output"]), "a settle gave back twice"
+
+
 def test_a_resent_reservation_takes_the_budget_once(r: Redis) -> None:
     limits = Limits(rpm=2)
     assert isinstance(take(r, "t", Need(1, 1), limits, rid="same"), Reservation)
@@ -158,7 +219,7 @@ def test_a_call_started_unlimited_that_never_settles_stops_counting_after_a_minu
     said = Reported(limits={"requests": 5}, remaining={"requests": 4})
     assert settle(r, b, reported=said, minute=0.2)
     assert float(r.hget(keys.budget, "level:requests")) == 4  # not 3: the dead call no longer counts
-    assert r.hlen(keys.held) == 0  # ...nor is it kept
+    assert in_flight(r) == []  # ...nor is it kept
 
 
 def test_a_dead_call_still_counted_when_the_limits_are_learned_is_dropped_a_minute_later(r: Redis) -> None:
@@ -168,29 +229,35 @@ def test_a_dead_call_still_counted_when_the_limits_are_learned_is_dropped_a_minu
     said = Reported(limits={"requests": 5}, remaining={"requests": 4})
     assert settle(r, b, reported=said)
     assert float(r.hget(keys.budget, "level:requests")) == 3  # it may still be admitted: it counts
-    assert r.hkeys(keys.held) == [b"res-dead"]
+    assert in_flight(r) == [b"res-dead"]
     time.sleep(0.3)
     # Within the limits now, no call started unlimited settles again: the next settle a minute (of
     # 0.2 s) after the last of them started drops what is left of them.
     got = take(r, "c", Need(10, 10), Limits(), minute=0.2)
     assert isinstance(got, Reservation)
     assert settle(r, got, minute=0.2)
-    assert r.hlen(keys.held) == 0 and not r.hexists(keys.budget, "started:at")
+    assert in_flight(r) == [] and not r.hexists(keys.budget, "started:at")
     (view,) = ratelimit.show(r)
     assert view.held == {"calls": 0, "input": 0, "output": 0}
 
 
-def test_a_reservation_within_limits_whose_worker_died_leaves_the_held_hash_after_an_hour(r: Redis) -> None:
+def test_a_reservation_within_limits_whose_worker_died_stops_counting_as_in_flight_after_an_hour(r: Redis) -> None:
     keys = LimitKeys.of(MODEL)
     rpm = Limits(rpm=100)
     alive = take(r, "alive", Need(10, 10), rpm)
-    # A reservation made two hours ago by a worker that died before its call settled.
+    # A reservation made two hours ago by a worker that died before its call settled, and one an earlier
+    # version left in the held hash it kept the calls in flight in.
     (seconds, micros) = r.time()
     two_hours_ago = seconds * 1000 + micros // 1000 - 2 * 3_600_000
-    r.hset(keys.held, "res-dead", f"10 10 {two_hours_ago}")
+    r.hset(keys.budget, "held:res-dead", f"10 10 {two_hours_ago}")
+    r.hset(
+        keys.held,
+        mapping={"res-dead-earlier": f"10 10 {two_hours_ago}", "res-earlier": f"10 10 {two_hours_ago + 7_000_000}"},
+    )
     done = take(r, "done", Need(10, 10), rpm)
     assert settle(r, done, limits=rpm)
-    assert r.hkeys(keys.held) == [b"res-alive"], "the dead one is gone, the call in flight is kept"
+    assert in_flight(r) == [b"res-alive"], "the dead one is gone, the call in flight is kept"
+    assert r.hkeys(keys.held) == [b"res-earlier"], "the earlier version's dead one is gone, its call in flight kept"
     (view,) = ratelimit.show(r)
     assert view.held["calls"] == 1
     assert settle(r, alive, limits=rpm)
@@ -201,7 +268,7 @@ def test_a_resent_reservation_while_unlimited_counts_once(r: Redis) -> None:
     assert isinstance(got, ratelimit.Unlimited) and got.started == (1, 10, 10)
     assert take(r, "a", Need(10, 10), rid="same") == got  # the first answer again, nothing counted twice
     assert r.hget(LimitKeys.of(MODEL).budget, "started:requests") == b"1"
-    assert r.hlen(LimitKeys.of(MODEL).held) == 1
+    assert in_flight(r) == [b"same"]
     # Re-sent after the limits were learned, it is still the call that started unlimited.
     settle(r, None, reported=Reported(limits={"requests": 5}))
     assert take(r, "a", Need(10, 10), rid="same") == got
@@ -212,7 +279,7 @@ def test_a_model_whose_replies_carry_no_rate_limit_headers_stops_counting_its_ca
     assert isinstance(got, ratelimit.Unlimited) and got.started == (1, 10, 10)
     ratelimit.mark_headerless(r, MODEL)
     keys = LimitKeys.of(MODEL)
-    assert r.hlen(keys.held) == 0  # nothing will be learned: the calls started unlimited are not kept
+    assert in_flight(r) == []  # nothing will be learned: the calls started unlimited are not kept
     r.config_resetstat()
     assert take(r, "b", Need(10, 10)) == ratelimit.Unlimited(None)
     ran = {name.removeprefix("cmdstat_"): stat["calls"] for name, stat in r.info("commandstats").items()}
@@ -220,7 +287,7 @@ def test_a_model_whose_replies_carry_no_rate_limit_headers_stops_counting_its_ca
     assert {cmd: n for cmd, n in ran.items() if not cmd.startswith(aside)} == {"hmget": 1}  # one read
     assert r.hget(keys.budget, "started:requests") == b"1"  # nothing more counted
     assert not settle(r, got)  # a call in flight then settles to nothing
-    assert r.hlen(keys.held) == 0
+    assert in_flight(r) == []
     # An operator's limit still holds for it.
     assert isinstance(take(r, "c", Need(10, 10), Limits(rpm=5)), Reservation)
 

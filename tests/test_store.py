@@ -247,13 +247,14 @@ def test_scripts_sent_in_a_pipeline_or_under_watch_survive_a_flushed_script_cach
     need = ratelimit.Need(10, 10)
     held = ratelimit.reserve(r, "m", ticket="t", reservation_id="res", need=need, limits=limits, minute_s=60)
     assert isinstance(held, ratelimit.Reservation)
+    assert r.hexists(ratelimit.LimitKeys.of("m").budget, "held:res"), "the call is in flight"
     r.script_flush()
     settle = ratelimit.settle_call(
         "m", reservation=held, used_input=5, used_output=5, reported=ratelimit.Reported(), limits=limits, minute_s=60
     )
     checkpoint.commit_response(r, KEYS, got.token, turns_before=0, message=reply(), pending=[], riders=[settle])
     assert settle.sent and settle.reply == 1, settle
-    assert not r.hlen(ratelimit.LimitKeys.of("m").held), "the reservation was settled"
+    assert not r.hexists(ratelimit.LimitKeys.of("m").budget, "held:res"), "the reservation was settled"
     r.script_flush()
     checkpoint.commit_tool_results(r, KEYS, got.token, message=None, enqueue_next=lambda pipe: None, turns=1)
     assert checkpoint.load_run(r, RUN).phase == "model" and not r.exists(KEYS.lease)

@@ -7,17 +7,39 @@ local function budget_fields()
   return {'learned:requests', 'learned:input', 'learned:output'}, {'level:requests', 'level:input', 'level:output'},
     {'started:requests', 'started:input', 'started:output'}
 end
--- read_budget(key) -> the fields the scripts read of a budget, in one HMGET, without a loop that builds a
--- table of the whole hash (about the same cost in Redis's instructions, measured with callgrind):
+-- read_budget(key, held) -> the fields the scripts read of a budget, in one HMGET, without a loop that
+-- builds a table of the whole hash (about the same cost in Redis's instructions, measured with callgrind):
 --   b:       b.at, b.line, b.headerless, b.started_at ('started:at'), b.swept
 --   learned, level, started: by dimension, the fields above
+--   entries: the held entries of the reservation ids in the list `held`, in its order
 -- Each value as stored (a string), nil when the field is not there.
-local function read_budget(key)
-  local v = redis.call('HMGET', key, 'at', 'line', 'headerless', 'started:at', 'swept', 'learned:requests',
-    'learned:input', 'learned:output', 'level:requests', 'level:input', 'level:output', 'started:requests',
-    'started:input', 'started:output')
+-- (A turn's reservation or settle asks for one id: its HMGET is spelled out, a list built only for more.)
+local function read_budget(key, held)
+  local v
+  if #held <= 1 then
+    v = redis.call('HMGET', key, 'at', 'line', 'headerless', 'started:at', 'swept', 'learned:requests',
+      'learned:input', 'learned:output', 'level:requests', 'level:input', 'level:output', 'started:requests',
+      'started:input', 'started:output', 'held:' .. (held[1] or ''))
+  else
+    local names = {'at', 'line', 'headerless', 'started:at', 'swept', 'learned:requests', 'learned:input',
+      'learned:output', 'level:requests', 'level:input', 'level:output', 'started:requests', 'started:input',
+      'started:output'}
+    for _, rid in ipairs(held) do table.insert(names, 'held:' .. rid) end
+    v = redis.call('HMGET', key, unpack(names))
+  end
+  local entries = {}
+  for j = 1, #held do entries[j] = v[14 + j] end
   return {at = v[1], line = v[2], headerless = v[3], started_at = v[4], swept = v[5]}, {v[6], v[7], v[8]},
-    {v[9], v[10], v[11]}, {v[12], v[13], v[14]}
+    {v[9], v[10], v[11]}, {v[12], v[13], v[14]}, entries
+end
+-- held_entries(key) -> {reservation id, entry} of every call in flight (the budget's 'held:<id>' fields).
+local function held_entries(key)
+  local all, out = redis.call('HGETALL', key), {}
+  for i = 1, #all, 2 do
+    local rid = string.match(all[i], '^held:(.*)$')
+    if rid then table.insert(out, {rid, all[i + 1]}) end
+  end
+  return out
 end
 -- limit_in_force(set, learned) -> the lower of the operator's limit and the API's, either one alone, 0 for none.
 local function limit_in_force(set, learned)

@@ -2,10 +2,12 @@
 -- reserves the turn's call with its lease: see store/scripts.py).
 -- reserve_budget(budget, held, waiting, needs, models, a, now): the keys, the arguments `a` laid out as
 -- limit_reserve's ARGV, and Redis's clock in ms when the caller read it already (nil: read here).
+-- `held` is not written: the calls in flight are the budget's 'held:<reservation id>' fields (the held
+-- hash of earlier versions, still passed, is only swept: limit_settle).
 local function reserve_budget(budget, held, waiting, needs, models, a, now)
   -- The arguments are numbers as the worker wrote them: arithmetic converts each once (tonumber, twice).
   local need = {a[6] + 0, a[7] + 0, a[8] + 0}
-  local b, b_learned, b_level, b_started = read_budget(budget)
+  local b, b_learned, b_level, b_started, mine = read_budget(budget, {a[5]})
   local _, LEVEL, STARTED = budget_fields()
   local limit = {}
   for i = 1, 3 do
@@ -21,8 +23,13 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
     now = t[1] * 1000 + math.floor(t[2] / 1000)
   end
   local minute = a[2] + 0
-  -- The call's entry in the held hash, taken first: a re-sent call finds it there and answers as the first
-  -- did (one HSETNX where a look and a write would be two; a call that waits gives it back below).
+  -- A re-sent call finds the entry its first delivery left in the budget (read above) and answers as the
+  -- first did; a call that waited left none.
+  if mine[1] then
+    local r, i_, o = string.match(mine[1], '^%S+ %S+ %S+ %S+ (%S+) (%S+) (%S+)$')
+    if r then return {3, 0, tonumber(r), tonumber(i_), tonumber(o)} end
+    return {2, 0}
+  end
   local started, counted = {3, 0}, {'started:at', now}
   local entry = a[7] .. ' ' .. a[8] .. ' ' .. now
   if unlimited then
@@ -33,15 +40,13 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
     end
     entry = entry .. ' ' .. need[1] .. ' ' .. started[3] .. ' ' .. started[4] .. ' ' .. started[5]
   end
-  if redis.call('HSETNX', held, a[5], entry) == 0 then
-    local mine = redis.call('HGET', held, a[5])
-    local r, i_, o = string.match(mine or '', '^%S+ %S+ %S+ %S+ (%S+) (%S+) (%S+)$')
-    if r then return {3, 0, tonumber(r), tonumber(i_), tonumber(o)} end
-    return {2, 0}
-  end
+  -- The call is in flight until it settles: its entry ('held:<reservation id>') is written with the
+  -- budget's own fields, in the one write a granted call makes.
+  local held_field = 'held:' .. a[5]
   -- Nothing limits the model yet, but the first replies may teach limits: count what the call starts
   -- and hold it as in flight (no budget taken) until it settles.
   if unlimited then
+    table.insert(counted, held_field); table.insert(counted, entry)
     redis.call('HSET', budget, unpack(counted))
     return started
   end
@@ -92,8 +97,7 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
       if limit[i] > 0 then table.insert(fields, LEVEL[i]); table.insert(fields, level[i]) end
     end
     table.insert(fields, 'line'); table.insert(fields, 1)
-    redis.call('HSET', budget, unpack(fields))
-    redis.call('HDEL', held, a[5])  -- not granted: nothing held
+    redis.call('HSET', budget, unpack(fields))  -- not granted: nothing held
     redis.call('ZADD', waiting, 'NX', now, a[4])
     redis.call('HSET', needs, a[4],
       need[1] .. ' ' .. need[2] .. ' ' .. need[3] .. ' ' .. (now + wait + tonumber(a[12])))
@@ -103,10 +107,18 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
     if limit[i] > 0 then table.insert(fields, LEVEL[i]); table.insert(fields, level[i] - need[i]) end
   end
   if b.line ~= '0' and behind == 0 then table.insert(fields, 'line'); table.insert(fields, 0) end
+  table.insert(fields, held_field); table.insert(fields, entry)
   redis.call('HSET', budget, unpack(fields))
   if in_line then
     redis.call('ZREM', waiting, a[4])
     redis.call('HDEL', needs, a[4])
   end
-  return {1, 0}
+  -- Room to spare: nobody in line, and every limited bucket at least half full once this call is
+  -- taken. Its settle may then wait a second to go with others (agentpool.store.ratelimit).
+  local roomy = 1
+  if ahead[1] + ahead[2] + ahead[3] > 0 or behind > 0 then roomy = 0 end
+  for i = 1, 3 do
+    if limit[i] > 0 and (level[i] - need[i]) * 2 < limit[i] then roomy = 0 end
+  end
+  return {1, 0, roomy}
 end

@@ -6,20 +6,22 @@
 -- if the budget covers it after what every live ticket ahead of it needs, so waiting turns go in the
 -- order they started waiting however their retries interleave. A ticket lives until ARGV[10] past its
 -- expected wait; a turn that never comes back (cancelled, its run gone) stops holding its place then.
--- Idempotent per reservation id: a re-sent call (redis-py retry) finds its entry in the held hash and
+-- Idempotent per reservation id: a re-sent call (redis-py retry) finds its entry in the budget and
 -- takes nothing, counts nothing, and answers as the first did.
--- KEYS[1] budget hash  KEYS[2] held hash (reservation id -> "in out ms", or for a call started while
--- unlimited "in out ms requests r i o")  KEYS[3] waiting zset
+-- KEYS[1] budget hash, whose 'held:<reservation id>' fields are the calls in flight ("in out ms", or for
+-- a call started while unlimited "in out ms requests r i o")  KEYS[2] the held hash of earlier versions
+-- (not used here)  KEYS[3] waiting zset
 -- KEYS[4] needs hash (ticket -> "requests in out expires_ms")  KEYS[5] set of models with a budget
 -- The budget hash's 'line' is 1 once a ticket joined the line and '0' once a call found it empty, so a
 -- call reads the line only when somebody may be in it (no field: look, as a budget written before it).
 -- ARGV[1] unused  ARGV[2] minute ms  ARGV[3] model  ARGV[4] ticket  ARGV[5] reservation id
 -- ARGV[6..8] needed requests, input tokens, output tokens  ARGV[9..11] operator limits rpm, itpm, otpm
 -- (0: none)  ARGV[12] ticket slack ms
--- Returns {1, 0} granted, {0, wait_ms} wait (the ticket is in line), {2, 0} already granted,
+-- Returns {1, 0, roomy} granted (roomy 1: nobody in line, and every limited bucket at least half full
+-- once the call is taken), {0, wait_ms} wait (the ticket is in line), {2, 0} already granted,
 -- {3, 0, r, i, o} nothing limits this model yet (no limit set or learned): no budget is taken. r, i, o
 -- are the requests and tokens started while unlimited, this call's included (the budget's 'started:'
--- counters; 'started:at' is when the last such call started). The call stays in the held hash, with
+-- counters; 'started:at' is when the last such call started). The call stays in flight (held), with
 -- its need and those counters, until it settles: when a reply's headers teach the limits,
 -- limit_settle takes off the remaining they report what was started after that call and what the
 -- calls started before it and still in flight need (the API may admit those after it).

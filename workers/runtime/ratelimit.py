@@ -14,6 +14,10 @@ that then makes no call (it stops at a limit, waits for a slot, ends otherwise) 
 back, its request included (``Turn.give_back_prereserved``). Other turns (the first, a retry, a
 takeover) reserve just before the call.
 
+A call reserved with room to spare (nobody in line, every bucket at least half full) whose reply says
+the API's budget is at least half left settles with the worker's others, about once a second, in one
+script call (``agentpool.store.ratelimit.DeferredSettles``); any other settles with its turn's save point A.
+
 A call the budget cannot cover now raises ``WaitForBudget``: the turn is deferred (like a backoff: no
 worker, thread or lease is held while it waits) and comes back when its place in line (the order it
 began to wait in) and the budget allow. A 429 still backs off as before; it also tells the budget the
@@ -232,21 +236,17 @@ def limited_call(
         try:
             if headerless:
                 # A reply that carries no rate-limit headers: nothing will be learned, so stop counting
-                # (this call leaves the held hash, with every other call started unlimited).
+                # (this call leaves the calls in flight, with every other call started unlimited).
                 ratelimit.mark_headerless(turn.r, agent.model)
             # A call started unlimited is held until it settles, headers or not.
             held = isinstance(reservation, ratelimit.Reservation) or (counted and not headerless)
             if held or learned.limits or learned.remaining:
-                call = ratelimit.settle_call(
-                    agent.model,
-                    reservation=reservation,
-                    used_input=used_in,
-                    used_output=used_out,
-                    reported=learned,
-                    limits=configured,
-                    minute_s=minute,
-                )
-                turn.settle_later(call)  # in save point A's round trip, or on its own if the turn has none
+                how = {"reservation": reservation, "used_input": used_in, "used_output": used_out, "reported": learned}
+                # With room to spare, with the worker's others within a second; otherwise in save point A's
+                # round trip, or on its own if the turn has none.
+                soon = answered and ratelimit.may_wait(reservation, learned)
+                if not (soon and ratelimit.settle_soon(agent.model, configured, minute, ratelimit.settle_entry(**how))):
+                    turn.settle_later(ratelimit.settle_call(agent.model, limits=configured, minute_s=minute, **how))
         except Exception:
             # The budget is corrected by its own refill; the call's outcome matters more than this.
             log.exception("run %s: could not settle the rate-limit reservation", turn.run_id)

@@ -136,6 +136,9 @@ class Settings:
     webhook_secret: str = field(default="", repr=False)
     webhook_timeout: float = 10.0
     webhook_max_age: float = 86400.0
+    # Seconds between a worker process's flushes of the pool-wide counters and of the rate-limit settles
+    # that may wait (agentpool.runtime.stats_flush): what a worker killed outright loses at most.
+    flush_interval: float = 1.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -144,6 +147,7 @@ class Settings:
             lease_ttl=_env_float("AGENTPOOL_LEASE_TTL", 15.0),
             turn_timeout=_env_float("AGENTPOOL_TURN_TIMEOUT", 3600.0),
             reaper_interval=_env_float("AGENTPOOL_REAPER_INTERVAL", 1.0, zero_ok=True),  # 0: no reaper thread
+            flush_interval=_env_float("AGENTPOOL_FLUSH_INTERVAL", 1.0),
             model_retries=int(_env_float("AGENTPOOL_MODEL_RETRIES", 6, zero_ok=True)),
             retention=int(_env_float("AGENTPOOL_RETENTION_SECONDS", 7 * 24 * 3600, zero_ok=True)),
             takeover_margin=_env_float("AGENTPOOL_TAKEOVER_MARGIN", 5.0, zero_ok=True),

@@ -6,8 +6,11 @@ instead (``agentpool.store.stats``) and this thread adds the sums to ``ap:stats`
 second: ``/metrics`` lags by up to a second, and a process killed outright (SIGKILL, OOM) loses what it
 counted in its last second. A warm stop flushes what is left.
 
+The same thread sends the rate-limit settles that may wait (``agentpool.store.ratelimit.DeferredSettles``):
+one script call a second for all of them.
+
 A forking worker's work horses are forked for one turn each and never run this thread: a horse hands
-what it counted to its worker through a pipe as it ends (``agentpool.worker.forking``).
+what it counted, and its settles, to its worker through a pipe as it ends (``agentpool.worker.forking``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import threading
 from redis import Redis
 from redis.exceptions import RedisError
 
-from agentpool.store import stats
+from agentpool.store import ratelimit, stats
 
 log = logging.getLogger("agentpool.stats")
 FLUSH_EVERY = 1.0  # seconds
@@ -29,6 +32,7 @@ class StatsFlusher(threading.Thread):
         super().__init__(name="agentpool-stats", daemon=True)
         self.r, self.interval = r, interval
         self.tally = stats.accumulate()
+        self.settles = ratelimit.defer_settles()
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -36,16 +40,18 @@ class StatsFlusher(threading.Thread):
             self._flush()
 
     def _flush(self) -> None:
-        try:
-            self.tally.flush(self.r)
-        except RedisError as exc:  # kept, and sent again as it was by the next flush
-            log.warning("stats: could not flush the counters (%s); will retry", exc)
-        except Exception:
-            log.exception("stats: unexpected error flushing the counters")
+        for what, send in (("the counters", self.tally.flush), ("the rate-limit settles", self.settles.send)):
+            try:
+                send(self.r)
+            except RedisError as exc:  # kept, and sent again by the next flush
+                log.warning("stats: could not flush %s (%s); will retry", what, exc)
+            except Exception:
+                log.exception("stats: unexpected error flushing %s", what)
 
     def stop(self) -> None:
-        """The last flush, on a warm stop."""
+        """The last flush, on a warm stop. A settle made after it (a turn still ending) goes with its turn."""
         self.stopping.set()
         if self.is_alive():
             self.join(timeout=10)
+        self.settles.close()
         self._flush()

@@ -15,7 +15,8 @@
 - The durability guard is decided here too, before each fork (at most every 10 s), and inherited.
 - Pool-wide counters are added up in this process and flushed about once a second
   (``agentpool.runtime.stats_flush``); a horse hands what its turn counted to its worker through a pipe
-  as it ends (a horse killed outright loses its turn's counts), with what it learnt of "nobody watches
+  as it ends (a horse killed outright loses its turn's counts), with the rate-limit settles that may
+  wait (``agentpool.store.ratelimit.DeferredSettles``), with what it learnt of "nobody watches
   any run" (``agentpool.store.live``) and of models found unlimited (``agentpool.store.ratelimit``), so
   that the next horse need not look again for a second.
 - Its horses share one Redis connection, handed down from one horse to the next
@@ -87,6 +88,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         # SIGTERM to SIGKILL for what a horse left: under a third of the lease TTL, so the hand-over comes
         # before the dead horse's lease could lapse and the reaper re-enqueue its turn on its own.
         self.group_grace = min(3.0, settings.lease_ttl / 3)
+        self.flush_interval = settings.flush_interval
         self._agents: dict[str, str] = {}
         self._group_watcher = GroupWatcher()
         self._counts_pipe: tuple[int, int] | None = None  # the horse's counters come back through it
@@ -241,6 +243,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
             "jobs": [done, seconds],
             "watch": live.nobody_watched.export(),
             "unlimited": ratelimit.unlimited_models.export(),
+            "settles": ratelimit.defer_settles().take(),
             "connection": handed_on,
         }
         try:
@@ -266,6 +269,10 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
                 # The next horse skips the looks it need not make (agentpool.store.hints).
                 live.nobody_watched.adopt(counted.get("watch") or {})
                 ratelimit.unlimited_models.adopt(counted.get("unlimited") or {})
+                if counted.get("settles"):
+                    ratelimit.adopt_settles(self.connection, counted["settles"])
+        except redis.exceptions.RedisError as exc:  # only when settles no longer wait here: sent at once
+            log.warning("worker %s: could not settle its work horse's calls (%s): the budget refills", self.name, exc)
         except (OSError, ValueError) as exc:
             log.warning("worker %s: could not read its work horse's counters: %s", self.name, exc)
         finally:
@@ -282,6 +289,8 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         # flush) and hands the counts back through the pipe's write end (``perform_job``).
         stats.stop_accumulating()
         stats.accumulate()
+        ratelimit.stop_deferring_settles()  # the worker's own are the worker's to send
+        ratelimit.defer_settles()
         self.take_job_counts()  # the worker's own, not yet sent with its heartbeat: not the horse's to send
         if self._counts_pipe is not None:
             os.close(self._counts_pipe[0])
@@ -317,7 +326,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         from agentpool.runtime.model import warm_up
 
         warm_up()
-        counters = StatsFlusher(connections.derive(self.connection))  # before any event can land
+        counters = StatsFlusher(connections.derive(self.connection), self.flush_interval)  # before any event can land
         counters.start()
         # The reaper gets its own connection pool: it runs beside the worker's blocking dequeue.
         reaper = ReaperThread(

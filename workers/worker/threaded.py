@@ -159,6 +159,7 @@ class ThreadedWorker(QuickUnsubscribe, LeanTurnJobs, BaseWorker):
         settings = Settings.from_env()
         self.reaper_interval = reaper_interval if reaper_interval is not None else settings.reaper_interval
         self.max_abandoned_tools = settings.max_abandoned_tools
+        self.flush_interval = settings.flush_interval
         self.exit_code = 0
         self._slots = TurnSlots(concurrency, on_idle=self._now_idle)
         self._beating = threading.Event()
@@ -190,7 +191,9 @@ class ThreadedWorker(QuickUnsubscribe, LeanTurnJobs, BaseWorker):
         # its lock; deferred turns are enqueued by the reaper (agentpool.runtime.deferred).
         self._install_signal_handlers()
         # The connection pool is thread-safe, and a blocking dequeue holds only one of its connections.
-        counters = StatsFlusher(self.connection)  # before any turn counts: events land in its tally
+        counters = StatsFlusher(
+            self.connection, self.flush_interval
+        )  # before any turn counts: events land in its tally
         counters.start()
         reaper = ReaperThread(
             self.connection, owner=self.name, interval=self.reaper_interval, queues=self.queue_names()
