@@ -166,6 +166,26 @@ def test_settles_sent_together_give_back_each_once_as_they_would_one_by_one(r: R
     assert math.floor(again.levels["output"]) == math.floor(view.levels["output"]), "a settle gave back twice"
 
 
+def test_more_settles_than_one_script_call_takes_go_in_several(r: Redis) -> None:
+    limits = Limits(rpm=10_000)
+    count = ratelimit.SETTLE_BATCH + 50
+    batch = ratelimit.DeferredSettles()
+    for i in range(count):
+        got = take(r, f"t{i}", Need(1, 1), limits)
+        batch.add(
+            MODEL, limits, SLOW, ratelimit.settle_entry(reservation=got, used_input=1, used_output=1, reported=NOTHING)
+        )
+    r.config_resetstat()
+    batch.send(r)
+    ran = r.info("commandstats")
+    scripts = sum(ran.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))
+    scripts -= sum(ran.get(f"cmdstat_{c}", {}).get("failed_calls", 0) for c in ("evalsha", "eval"))  # NOSCRIPT
+    assert scripts == 2, ("one script call per SETTLE_BATCH settles", ran)
+    assert in_flight(r) == [] and batch.take() == []
+    (view,) = ratelimit.show(r)
+    assert math.floor(view.levels["requests"]) == 10_000 - count
+
+
 def test_a_resent_reservation_takes_the_budget_once(r: Redis) -> None:
     limits = Limits(rpm=2)
     assert isinstance(take(r, "t", Need(1, 1), limits, rid="same"), Reservation)
