@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
+from redis.exceptions import ResponseError
 
 from agentpool.store.hints import Hints, pool_key
 from agentpool.store.keys import LIMIT_MODELS, LimitKeys
@@ -341,22 +342,26 @@ class DeferredSettles:
             return True
 
     def send(self, r: Redis) -> None:
-        """One script call per model (and ``SETTLE_BATCH`` settles). What a Redis error kept from being
-        sent is kept and sent by the next call; the error is raised."""
+        """One script call per model (and ``SETTLE_BATCH`` settles). What a lost connection kept from being
+        sent is kept and sent by the next call; the error is raised. A batch the script refused (a
+        ``ResponseError``: a budget hash it cannot read) is dropped, as a settle sent with its turn would be,
+        and the error raised: sent again it would meet the same error every second."""
         with self._sending:
             with self._lock:
                 taken, self._pending = self._pending, {}
             groups = list(taken.items())
             try:
                 while groups:
-                    (model, limits, minute_ms), entries = groups[0]
-                    batch = entries[:SETTLE_BATCH]
+                    key, entries = groups[0]
+                    model, limits, minute_ms = key
+                    batch, rest = entries[:SETTLE_BATCH], entries[SETTLE_BATCH:]
                     args = [*_settle_head(model, limits, minute_ms), *(v for e in batch for v in e)]
-                    run_script("limit_settle", r, _settle_keys(model), args)
-                    if len(entries) > len(batch):
-                        groups[0] = ((model, limits, minute_ms), entries[len(batch) :])
-                    else:
-                        groups.pop(0)
+                    try:
+                        run_script("limit_settle", r, _settle_keys(model), args)
+                    except ResponseError:
+                        groups[0:1] = [(key, rest)] if rest else []  # refused: sent again, it would fail again
+                        raise
+                    groups[0:1] = [(key, rest)] if rest else []
             finally:
                 if groups:  # kept for the next call, closed or not
                     with self._lock:

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from redis import Redis
+from redis.exceptions import ResponseError
 
 from agentpool.store import ratelimit
 from agentpool.store.keys import LimitKeys
@@ -184,6 +185,35 @@ def test_more_settles_than_one_script_call_takes_go_in_several(r: Redis) -> None
     assert in_flight(r) == [] and batch.take() == []
     (view,) = ratelimit.show(r)
     assert math.floor(view.levels["requests"]) == 10_000 - count
+
+
+def test_settles_the_script_refuses_are_dropped_not_sent_again_for_ever(r: Redis) -> None:
+    """A budget hash the script cannot read (a level that is not a number) fails the batch with the
+    script's error; sent again every second it would fail again, so it is dropped (as a settle sent with
+    its turn would be), and the settles of another model are kept."""
+    limits = Limits(rpm=100)
+    batch = ratelimit.DeferredSettles()
+    got = take(r, "t", Need(1, 1), limits)
+    batch.add(
+        MODEL, limits, SLOW, ratelimit.settle_entry(reservation=got, used_input=1, used_output=1, reported=NOTHING)
+    )
+    other = ratelimit.reserve(
+        r, "other-model", ticket="o", reservation_id="res-o", need=Need(1, 1), limits=limits, minute_s=SLOW
+    )
+    batch.add(
+        "other-model",
+        limits,
+        SLOW,
+        ratelimit.settle_entry(reservation=other, used_input=1, used_output=1, reported=NOTHING),
+    )
+    r.hset(LimitKeys.of(MODEL).budget, "level:requests", "not a number")
+    with pytest.raises(ResponseError):
+        batch.send(r)
+    left = batch.take()
+    assert [model for model, *_ in left] == ["other-model"], left
+    batch.adopt(left)
+    batch.send(r)
+    assert batch.take() == []
 
 
 def test_a_resent_reservation_takes_the_budget_once(r: Redis) -> None:

@@ -19,7 +19,7 @@ import logging
 import threading
 
 from redis import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from agentpool.store import ratelimit, stats
 
@@ -43,6 +43,10 @@ class StatsFlusher(threading.Thread):
         for what, send in (("the counters", self.tally.flush), ("the rate-limit settles", self.settles.send)):
             try:
                 send(self.r)
+            except ResponseError as exc:
+                # The counters are kept and sent again; a batch of settles the script refused is dropped
+                # (sent again, it would fail again): the budget corrects itself as it refills.
+                log.error("stats: could not flush %s (%s)", what, exc)
             except RedisError as exc:  # kept, and sent again by the next flush
                 log.warning("stats: could not flush %s (%s); will retry", what, exc)
             except Exception:
