@@ -47,6 +47,7 @@ _HELPERS = (
     ("_retention", "expire_run_keys("),
     ("_budget", "read_budget("),
     ("_budget", "held_entries("),
+    ("_budget", "as_hashtable("),
     ("_budget", "budget_fields("),
     ("_budget", "limit_in_force("),
     ("_budget", "refilled("),

@@ -216,6 +216,23 @@ def test_settles_the_script_refuses_are_dropped_not_sent_again_for_ever(r: Redis
     assert batch.take() == []
 
 
+def test_the_budget_is_kept_a_hash_table_where_a_field_is_found_without_scanning_the_calls_in_flight(
+    r: Redis,
+) -> None:
+    """The calls in flight are fields of the budget: as a listpack (Redis's small-hash encoding, up to
+    128 or 512 fields) every field a reservation reads or writes would be found by scanning them all.
+    A budget written before this field existed is converted by its next write."""
+    keys = LimitKeys.of(MODEL)
+    limits = Limits(rpm=1000)
+    assert isinstance(take(r, "a", Need(1, 1), limits), Reservation)
+    assert r.object("encoding", keys.budget) == b"hashtable"
+    r.delete(keys.budget)
+    r.hset(keys.budget, mapping={"at": 1, "level:requests": 500, "line": 0})  # as an earlier version left it
+    assert r.object("encoding", keys.budget) == b"listpack"
+    assert isinstance(take(r, "b", Need(1, 1), limits), Reservation)
+    assert r.object("encoding", keys.budget) == b"hashtable"
+
+
 def test_a_resent_reservation_takes_the_budget_once(r: Redis) -> None:
     limits = Limits(rpm=2)
     assert isinstance(take(r, "t", Need(1, 1), limits, rid="same"), Reservation)

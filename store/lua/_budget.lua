@@ -9,7 +9,7 @@ local function budget_fields()
 end
 -- read_budget(key, held) -> the fields the scripts read of a budget, in one HMGET, without a loop that
 -- builds a table of the whole hash (about the same cost in Redis's instructions, measured with callgrind):
---   b:       b.at, b.line, b.headerless, b.started_at ('started:at'), b.swept
+--   b:       b.at, b.line, b.headerless, b.started_at ('started:at'), b.swept, b.hashtable
 --   learned, level, started: by dimension, the fields above
 --   entries: the held entries of the reservation ids in the list `held`, in its order
 -- Each value as stored (a string), nil when the field is not there.
@@ -19,18 +19,31 @@ local function read_budget(key, held)
   if #held <= 1 then
     v = redis.call('HMGET', key, 'at', 'line', 'headerless', 'started:at', 'swept', 'learned:requests',
       'learned:input', 'learned:output', 'level:requests', 'level:input', 'level:output', 'started:requests',
-      'started:input', 'started:output', 'held:' .. (held[1] or ''))
+      'started:input', 'started:output', 'hashtable', 'held:' .. (held[1] or ''))
   else
     local names = {'at', 'line', 'headerless', 'started:at', 'swept', 'learned:requests', 'learned:input',
       'learned:output', 'level:requests', 'level:input', 'level:output', 'started:requests', 'started:input',
-      'started:output'}
+      'started:output', 'hashtable'}
     for _, rid in ipairs(held) do table.insert(names, 'held:' .. rid) end
     v = redis.call('HMGET', key, unpack(names))
   end
   local entries = {}
-  for j = 1, #held do entries[j] = v[14 + j] end
-  return {at = v[1], line = v[2], headerless = v[3], started_at = v[4], swept = v[5]}, {v[6], v[7], v[8]},
-    {v[9], v[10], v[11]}, {v[12], v[13], v[14]}, entries
+  for j = 1, #held do entries[j] = v[15 + j] end
+  return {at = v[1], line = v[2], headerless = v[3], started_at = v[4], swept = v[5], hashtable = v[15]},
+    {v[6], v[7], v[8]}, {v[9], v[10], v[11]}, {v[12], v[13], v[14]}, entries
+end
+-- as_hashtable(b, fields): `fields` (to be written to the budget read as `b`) with the budget's
+-- 'hashtable' field when it has none yet. Its value is longer than hash-max-listpack-value (64 bytes by
+-- default), so Redis converts the budget to a hash table and keeps it so. As a listpack (up to 128 or
+-- 512 fields, by the server's setting), every field a command names is found by scanning the whole
+-- hash, calls in flight included: with 300 calls in flight, the reservation's read took 23 µs instead
+-- of 0.8 (measured, Redis 7.0).
+local function as_hashtable(b, fields)
+  if not b.hashtable then
+    table.insert(fields, 'hashtable')
+    table.insert(fields, 'kept a hash table: calls in flight are fields here, and a listpack is scanned whole')
+  end
+  return fields
 end
 -- held_entries(key) -> {reservation id, entry} of every call in flight (the budget's 'held:<id>' fields).
 local function held_entries(key)

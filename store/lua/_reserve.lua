@@ -47,7 +47,7 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
   -- and hold it as in flight (no budget taken) until it settles.
   if unlimited then
     table.insert(counted, held_field); table.insert(counted, entry)
-    redis.call('HSET', budget, unpack(counted))
+    redis.call('HSET', budget, unpack(as_hashtable(b, counted)))
     return started
   end
   local at = (b.at or now) + 0
@@ -97,7 +97,7 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
       if limit[i] > 0 then table.insert(fields, LEVEL[i]); table.insert(fields, level[i]) end
     end
     table.insert(fields, 'line'); table.insert(fields, 1)
-    redis.call('HSET', budget, unpack(fields))  -- not granted: nothing held
+    redis.call('HSET', budget, unpack(as_hashtable(b, fields)))  -- not granted: nothing held
     redis.call('ZADD', waiting, 'NX', now, a[4])
     redis.call('HSET', needs, a[4],
       need[1] .. ' ' .. need[2] .. ' ' .. need[3] .. ' ' .. (now + wait + tonumber(a[12])))
@@ -108,7 +108,7 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
   end
   if b.line ~= '0' and behind == 0 then table.insert(fields, 'line'); table.insert(fields, 0) end
   table.insert(fields, held_field); table.insert(fields, entry)
-  redis.call('HSET', budget, unpack(fields))
+  redis.call('HSET', budget, unpack(as_hashtable(b, fields)))
   if in_line then
     redis.call('ZREM', waiting, a[4])
     redis.call('HDEL', needs, a[4])

@@ -146,6 +146,6 @@ for i = 1, 3 do
   end
   if level[i] then table.insert(fields, LEVEL[i]); table.insert(fields, level[i]) end
 end
-redis.call('HSET', KEYS[1], unpack(fields))
+redis.call('HSET', KEYS[1], unpack(as_hashtable(b, fields)))
 if listed then redis.call('SADD', KEYS[3], ARGV[5]) end
 return settled
