@@ -43,6 +43,8 @@ Global::
     ap:runs                 zset    run id -> created-at (ms); the listing behind `agentpool runs`;
                                     the ids of expired runs are swept out by the reaper
     ap:runs:sweep           string  where that sweep goes on (a ZSCAN cursor)
+    ap:runs:sweep:pass      string  when its last pass over the index began (ms): a pass begins at
+                                    most every 10 minutes
     ap:runs:watch           zset    run id -> when the reaper should next look at it (ms); holds
                                     every run that is queued or running (and one waiting for an
                                     approval with a deadline); changed only by scripts or
@@ -113,6 +115,7 @@ PREFIX = "ap"
 RUNS = f"{PREFIX}:runs"
 RUNS_WATCH = f"{PREFIX}:runs:watch"
 RUNS_SWEEP = f"{PREFIX}:runs:sweep"
+RUNS_SWEEP_PASS = f"{PREFIX}:runs:sweep:pass"
 REAPER_LOCK = f"{PREFIX}:reaper:lock"
 ANYONE_WATCHING = f"{PREFIX}:watching"
 TURNS_DEFERRED = f"{PREFIX}:turns:deferred"

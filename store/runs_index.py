@@ -4,7 +4,11 @@ swept of the ids of runs that expired after their retention.
 A finished run's keys expire (``AGENTPOOL_RETENTION_SECONDS``), but Redis cannot expire a member of a
 sorted set: without the sweep the index would keep an entry for every run ever made. The reaper takes
 one step of the sweep per scan; the cursor lives in Redis, so whichever worker reaps next goes on
-where the last one stopped.
+where the last one stopped. A pass over the index begins at most every ``SWEEP_PASS_EVERY`` seconds:
+runs expire after a retention of hours or days, so an entry that outlives its run by minutes costs
+nothing, where looking at a small index whole every second cost Redis a few commands and an ``EXISTS``
+per run, every second (an idle pool's largest cost after its dequeue waits). An index too large for
+one pass in that time is swept without a pause, ``SWEEP_COUNT`` entries a scan.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ from collections.abc import Callable, Iterator
 
 from redis import Redis
 
-from agentpool.store.keys import RUNS, RUNS_SWEEP, RunKeys
+from agentpool.store.clock import now_ms
+from agentpool.store.keys import RUNS, RUNS_SWEEP, RUNS_SWEEP_PASS, RunKeys
 from agentpool.store.scripts import run_script
 
 PAGE = 500  # run headers read per round trip
 SWEEP_COUNT = 200  # index entries looked at per sweep step (ZSCAN's COUNT, a hint)
+SWEEP_PASS_EVERY = 600.0  # seconds: a pass over the whole index begins at most this often
 
 
 def iter_headers(
@@ -70,10 +76,16 @@ def _pages(r: Redis, page: int, scan: int | None) -> Iterator[list[str]]:
             return
 
 
-def sweep_expired(r: Redis, *, count: int = SWEEP_COUNT) -> int:
+def sweep_expired(r: Redis, *, count: int = SWEEP_COUNT, pass_every: float = SWEEP_PASS_EVERY) -> int:
     """One step of the sweep: look at about ``count`` index entries from where the last step stopped
-    and drop those whose run is gone. Returns how many were dropped."""
-    cursor = int(r.get(RUNS_SWEEP) or 0)
+    and drop those whose run is gone; between two passes, nothing until ``pass_every`` seconds after
+    the last pass began (one read). Returns how many were dropped."""
+    raw_cursor, raw_began = r.mget(RUNS_SWEEP, RUNS_SWEEP_PASS)
+    cursor, now = int(raw_cursor or 0), now_ms()
+    if cursor == 0:
+        if raw_began is not None and now - int(raw_began) < pass_every * 1000:
+            return 0
+        r.set(RUNS_SWEEP_PASS, now)
     cursor, entries = r.zscan(RUNS, cursor, count=count)
     ids = [member.decode() for member, _ in entries]
     dropped = run_script("index_prune", r, [RUNS, *(RunKeys.of(run_id).run for run_id in ids)], ids) if ids else 0

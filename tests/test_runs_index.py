@@ -69,3 +69,21 @@ def test_the_sweep_drops_expired_runs_from_the_index_and_keeps_the_rest(r):
     indexed = {m.decode() for m in r.zrange(RUNS, 0, -1)}
     assert indexed == {f"r_sweep{i:03d}" for i in range(450)} - expired
     assert len({run_id for run_id, _ in runs_index.iter_headers(r)}) == 300
+
+
+def test_a_pass_of_the_sweep_begins_at_most_every_ten_minutes(r):
+    """A small index is looked at whole in one step; the next steps read where the sweep is and look at
+    nothing until the next pass is due, so an idle pool does not look at every run every second."""
+    for i in range(5):
+        create(r, f"r_pace{i}", time.time())
+    r.pexpire(RunKeys.of("r_pace0").run, 1)
+    time.sleep(0.05)
+    assert runs_index.sweep_expired(r) == 1  # one step: the whole pass
+    assert int(r.get("ap:runs:sweep")) == 0
+    r.pexpire(RunKeys.of("r_pace1").run, 1)
+    time.sleep(0.05)
+    r.config_resetstat()
+    assert runs_index.sweep_expired(r) == 0, "a pass began before the last one was ten minutes old"
+    ran = {name.removeprefix("cmdstat_"): stat["calls"] for name, stat in r.info("commandstats").items()}
+    assert {c: n for c, n in ran.items() if not c.startswith(("config", "info"))} == {"mget": 1}
+    assert runs_index.sweep_expired(r, pass_every=0) == 1  # once due, the next pass drops it
