@@ -40,6 +40,7 @@ from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 from agentpool.runtime import deferred, subagents
 from agentpool.runtime.approvals import expire_due
 from agentpool.runtime.jobs import give_back, queue_of, turn_queue
+from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import fail_corrupt, read_header, requeue_turn
 from agentpool.store import handback, runs_index, watch
 from agentpool.store.checkpoint import QUEUED_RECHECK_MS
@@ -89,10 +90,17 @@ def reap_once(
             # A bug, not a damaged record (those fail their run): say it once a recheck, not every scan.
             log.exception("reaper: could not check run %s", run_id)
             watch.reschedule_active(r, run_id, now_ms() + QUEUED_RECHECK_MS)
-    swept = runs_index.sweep_expired(r)
+    swept = runs_index.sweep_expired(r, pass_every=_sweep_pass_every())
     if swept and report:
         report("-", f"{swept} expired run(s) dropped from the run index")
     return requeued
+
+
+def _sweep_pass_every() -> float:
+    """Seconds between two passes of the run index's sweep: ``SWEEP_PASS_EVERY``, or this worker's
+    retention if shorter, so an entry outlives its run by no longer than the run was kept once it ended."""
+    retention = Settings.from_env().retention
+    return min(runs_index.SWEEP_PASS_EVERY, retention) if retention > 0 else runs_index.SWEEP_PASS_EVERY
 
 
 def _give_back_stranded(r: Redis, after: float) -> list[str]:
