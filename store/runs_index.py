@@ -4,11 +4,13 @@ swept of the ids of runs that expired after their retention.
 A finished run's keys expire (``AGENTPOOL_RETENTION_SECONDS``), but Redis cannot expire a member of a
 sorted set: without the sweep the index would keep an entry for every run ever made. The reaper takes
 one step of the sweep per scan; the cursor lives in Redis, so whichever worker reaps next goes on
-where the last one stopped. A pass over the index begins at most every ``SWEEP_PASS_EVERY`` seconds (the
-reaper passes a shorter retention instead): runs expire after a retention of hours or days, so an entry
-that outlives its run by minutes costs nothing, where looking at a small index whole every second cost Redis a few commands and an ``EXISTS``
-per run, every second (an idle pool's largest cost after its dequeue waits). An index too large for
-one pass in that time is swept without a pause, ``SWEEP_COUNT`` entries a scan.
+where the last one stopped.
+
+A pass over the index begins at most every ``SWEEP_PASS_EVERY`` seconds (the reaper passes a shorter
+retention instead). Runs expire after a retention of hours or days, so an entry that outlives its run
+by minutes costs nothing; looking at a small index whole every second cost Redis a few commands and an
+``EXISTS`` per run, every second (an idle pool's largest cost after its dequeue waits). An index too
+large for one pass in that time is swept without a pause, ``SWEEP_COUNT`` entries a scan.
 """
 
 from __future__ import annotations

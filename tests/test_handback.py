@@ -296,19 +296,13 @@ def test_a_tool_the_guard_refuses_never_runs_and_is_not_counted_as_a_call(r, poo
 
 
 def _turns_and_calls(r: Redis, expected: tuple[float, float] = (2, 2)) -> tuple[float, float]:
-    """Turns started and model calls counted, once the workers' flushes have landed: up to 30 s for
-    ``expected`` (a worker's flush thread can be late by seconds on a loaded machine; counts a worker lost
-    never come), then until nothing changes any more (a count beyond ``expected`` shows too)."""
+    """Turns started and model calls counted, once ``expected`` has been reached (or 30 s went by) and
+    nothing changes any more (a count beyond ``expected`` shows too)."""
 
-    def counted() -> tuple[float, float]:
-        now = stats.read_all(r)
-        return now.get("turns", 0.0), now.get("model_call_seconds_count", 0.0)
+    def pair(counted: dict[str, float]) -> tuple[float, float]:
+        return counted.get("turns", 0.0), counted.get("model_call_seconds_count", 0.0)
 
-    deadline = time.monotonic() + 30
-    while counted() != expected and time.monotonic() < deadline:
-        time.sleep(0.2)
-    settled = settled_stats(r)
-    return settled.get("turns", 0.0), settled.get("model_call_seconds_count", 0.0)
+    return pair(settled_stats(r, until=lambda counted: pair(counted) == expected))
 
 
 def test_turns_keep_up_with_model_calls_after_a_not_replicated_hand_back(r, pool, model):

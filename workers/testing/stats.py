@@ -5,16 +5,29 @@ last flush first."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from agentpool.runtime.stats_flush import FLUSH_EVERY
 from agentpool.store import stats
 
 
-def settled_stats(r: Any, *, timeout: float = 120.0) -> dict[str, float]:
+def settled_stats(
+    r: Any,
+    *,
+    timeout: float = 120.0,
+    until: Callable[[dict[str, float]], bool] | None = None,
+    until_timeout: float = 30.0,
+) -> dict[str, float]:
     """The counters behind ``/metrics`` once no worker has added anything for more than two flush
-    periods: call it when the runs you count have ended (and nothing else is running)."""
+    periods: call it when the runs you count have ended (and nothing else is running). ``until``: first
+    wait up to ``until_timeout`` for the counters to say so (a worker's flush can come seconds late on a
+    loaded machine, after a quiet spell; counts a worker lost never come, and the caller's check says so)."""
     quiet = 2 * FLUSH_EVERY + 0.5
+    if until is not None:
+        waited = time.monotonic() + until_timeout
+        while not until(stats.read_all(r)) and time.monotonic() < waited:
+            time.sleep(0.2)
     deadline = time.monotonic() + timeout
     seen, since = stats.read_all(r), time.monotonic()
     while time.monotonic() - since < quiet:

@@ -191,9 +191,8 @@ class ThreadedWorker(QuickUnsubscribe, LeanTurnJobs, BaseWorker):
         # its lock; deferred turns are enqueued by the reaper (agentpool.runtime.deferred).
         self._install_signal_handlers()
         # The connection pool is thread-safe, and a blocking dequeue holds only one of its connections.
-        counters = StatsFlusher(
-            self.connection, self.flush_interval
-        )  # before any turn counts: events land in its tally
+        # Before any turn counts: events land in its tally.
+        counters = StatsFlusher(self.connection, self.flush_interval)
         counters.start()
         reaper = ReaperThread(
             self.connection, owner=self.name, interval=self.reaper_interval, queues=self.queue_names()
