@@ -9,10 +9,13 @@ import time
 import pytest
 from redis import Redis
 from redis.exceptions import ResponseError
+from test_delivered_twice import load_scripts, script
 
+from agentpool.runtime.settings import connect
 from agentpool.store import ratelimit
 from agentpool.store.keys import LimitKeys
 from agentpool.store.ratelimit import Limits, Need, Reported, Reservation, Wait, parse_limits
+from agentpool.testing.netfault import NetFault
 
 MODEL = "claude-sonnet-5-5"
 SLOW = 3600.0  # a "minute" of an hour: nothing refills visibly during a test
@@ -165,6 +168,35 @@ def test_settles_sent_together_give_back_each_once_as_they_would_one_by_one(r: R
     batch.send(r)
     (again,) = ratelimit.show(r)
     assert math.floor(again.levels["output"]) == math.floor(view.levels["output"]), "a settle gave back twice"
+
+
+def test_settles_sent_on_a_connection_that_goes_silent_give_back_once_after_the_socket_timeout(
+    r: Redis, redis_server
+) -> None:
+    """The flush thread's batch reaches Redis, which applies it; the connection then goes silent (no
+    reply, no close: a dropped NAT entry). The send gives up on it within the socket timeout, sends the
+    batch again on a new connection, and each reservation is given back once: the budget ends where one
+    delivery leaves it, and nothing waits to be sent again."""
+    limits = Limits(otpm=10_000)
+    got = [take(r, f"t{i}", Need(10, 1000), limits) for i in range(3)]
+    batch = ratelimit.DeferredSettles()
+    for g in got:
+        batch.add(
+            MODEL, limits, SLOW, ratelimit.settle_entry(reservation=g, used_input=10, used_output=100, reported=NOTHING)
+        )
+    load_scripts(r)
+    with NetFault.to(redis_server.url) as proxy:
+        silent = connect(proxy.url)
+        proxy.black_hole_next(script("limit_settle"))
+        batch.send(silent)
+        assert proxy.pending_cuts() == 0 and proxy.black_holed == 1, "the first delivery's reply was swallowed"
+        silent.close()
+    assert batch.take() == [], "sent: nothing kept for the next flush"
+    assert in_flight(r) == [], "every call settled"
+    (view,) = ratelimit.show(r)
+    # 10,000 - 3 x 100 used, plus what refilled during the socket timeout (under 3 a second: a "minute" of
+    # an hour); a batch that gave back twice would have filled the bucket (9,700 + 3 x 900, capped).
+    assert 9_700 <= view.levels["output"] < 9_800, "each unused estimate given back once"
 
 
 def test_more_settles_than_one_script_call_takes_go_in_several(r: Redis) -> None:
