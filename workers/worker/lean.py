@@ -65,7 +65,9 @@ HEARTBEAT_EVERY = 5.0  # seconds between the worker's own heartbeats (RQ's worke
 SUSPENSION_EVERY = 1.0  # seconds between looks at `rq suspend`'s flag
 # A BLMOVE answered within this found its job waiting, so others may wait behind it: the claim asks the
 # queue's length. One that waited longer took a job just pushed to an empty queue, and asks nothing.
-QUICK_DEQUEUE = 0.005
+# Generous: a wrong guess either way costs little (an LLEN in the claim's round trip, or the next turn
+# dequeued in two round trips instead of one), and a loaded machine can take milliseconds to answer.
+QUICK_DEQUEUE = 0.02
 _counts_lock = threading.Lock()  # a threaded worker's turn threads count their jobs concurrently
 
 
