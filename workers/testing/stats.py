@@ -18,12 +18,15 @@ def settled_stats(
     timeout: float = 120.0,
     until: Callable[[dict[str, float]], bool] | None = None,
     until_timeout: float = 30.0,
+    flush_interval: float = FLUSH_EVERY,
 ) -> dict[str, float]:
     """The counters behind ``/metrics`` once no worker has added anything for more than two flush
     periods: call it when the runs you count have ended (and nothing else is running). ``until``: first
     wait up to ``until_timeout`` for the counters to say so (a worker's flush can come seconds late on a
-    loaded machine, after a quiet spell; counts a worker lost never come, and the caller's check says so)."""
-    quiet = 2 * FLUSH_EVERY + 0.5
+    loaded machine, after a quiet spell; counts a worker lost never come, and the caller's check says so).
+    ``flush_interval``: the workers' ``AGENTPOOL_FLUSH_INTERVAL`` when the test gives them one (their
+    environment is not this process's)."""
+    quiet = 2 * flush_interval + 0.5
     if until is not None:
         waited = time.monotonic() + until_timeout
         while not until(stats.read_all(r)) and time.monotonic() < waited:
