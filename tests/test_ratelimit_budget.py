@@ -265,6 +265,24 @@ def test_the_budget_is_kept_a_hash_table_where_a_field_is_found_without_scanning
     assert r.object("encoding", keys.budget) == b"hashtable"
 
 
+def test_the_budget_stays_a_hash_table_on_a_server_tuned_to_keep_long_values_in_listpacks(r: Redis) -> None:
+    """An operator who raised ``hash-max-listpack-value`` (64 bytes by default) keeps short hashes with
+    longer values as listpacks (here up to 200 bytes); the budget's marker field (256 bytes) is longer than
+    any tuning up to four times the default, and one an earlier version wrote (85 bytes) is lengthened by
+    the next write."""
+    keys = LimitKeys.of(MODEL)
+    limits = Limits(rpm=1000)
+    default = r.config_get("hash-max-listpack-value")["hash-max-listpack-value"]
+    r.config_set("hash-max-listpack-value", 200)
+    try:
+        r.hset(keys.budget, mapping={"at": 1, "level:requests": 500, "line": 0, "hashtable": "x" * 85})
+        assert r.object("encoding", keys.budget) == b"listpack", "an 85-byte marker no longer converts it"
+        assert isinstance(take(r, "c", Need(1, 1), limits), Reservation)
+        assert r.object("encoding", keys.budget) == b"hashtable"
+    finally:
+        r.config_set("hash-max-listpack-value", default)
+
+
 def test_a_resent_reservation_takes_the_budget_once(r: Redis) -> None:
     limits = Limits(rpm=2)
     assert isinstance(take(r, "t", Need(1, 1), limits, rid="same"), Reservation)
