@@ -24,7 +24,7 @@ from pathlib import Path
 from redis import Redis
 from redis.client import Pipeline
 from redis.commands.core import Script
-from redis.exceptions import ConnectionError, NoScriptError, TimeoutError
+from redis.exceptions import NoScriptError
 
 from agentpool.store.codec import safe_text
 
@@ -155,29 +155,6 @@ class _Scripts:
             if isinstance(reply, Exception):
                 raise reply
         return replies
-
-    def once(self, name: str, r: Redis, keys: list[str], args: list[object]) -> object:
-        """The script with one delivery: redis-py's retry, which sends a request again when its reply was
-        lost, is not used. A ConnectionError or TimeoutError then means Redis may or may not have run
-        it, and the caller finds out (a script that is not safe to run twice). A cache miss is loaded and
-        sent again: NOSCRIPT means nothing ran."""
-        script = self._script(name)
-        pool = r.connection_pool
-        connection = pool.get_connection()
-        try:
-            for _ in range(2):
-                connection.send_command("EVALSHA", script.sha, len(keys), *keys, *_safe_args(args))
-                try:
-                    return connection.read_response()
-                except NoScriptError:
-                    connection.send_command("SCRIPT", "LOAD", script.script)
-                    connection.read_response()
-            raise NoScriptError(f"script {name} is not in Redis's cache after loading it")
-        except (ConnectionError, TimeoutError):
-            connection.disconnect()
-            raise
-        finally:
-            pool.release(connection)
 
     def with_riders(self, name: str, r: Redis, keys: list[str], args: list[object], riders: Sequence[Rider]) -> object:
         """``name`` run now, as a call does, with the ``riders`` after it in the same round trip. The

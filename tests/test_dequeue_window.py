@@ -127,37 +127,3 @@ def test_a_worker_killed_after_claiming_a_turn_before_its_lease_strands_nothing(
     assert r.zcard(queue.failed_job_registry.key) == 0, "nor as failed: its run went on"
     if kind == "threaded":
         assert supervisor.poll() is None, "the supervisor outlived its child"
-
-
-def test_a_worker_killed_after_taking_a_waiting_turn_in_one_step_strands_nothing(r, pool, model, tmp_path):
-    """With a backlog, a worker takes each waiting turn and starts it in one round trip
-    (``LeanTurnJobs.take_waiting``): the pop and the claim are one step, so a SIGKILL right after it
-    leaves the turn claimed, never popped and unclaimed. The reaper takes it over when the run's recheck
-    comes due; every run completes, the killed turn's model call is made once, and the turns behind it
-    wait on the queue untouched."""
-    model.set_scripts({"short": [{"text": "Done."}]})
-    run_ids = [enqueue_run("pool_agents:support", script_task("short"), connection=r) for _ in range(4)]
-    victim = run_ids[2]
-    arms = tmp_path / "arms"
-    arms.mkdir()
-    (arms / f"after_claim_killed-{victim}").write_text("")
-    r.config_resetstat()
-    killed = pool.start(1, AGENTPOOL_FAULT_ARMS=str(arms), AGENTPOOL_REAPER_INTERVAL="0")[0]
-    assert killed.wait(timeout=60) == -signal.SIGKILL, pool.logs()
-    # The victim's turn was the third dequeued: a BLMOVE for the first (two, if that one was slow to answer
-    # and so did not ask what waits behind it), takes after it.
-    assert int(r.info("commandstats")["cmdstat_blmove"]["calls"]) < 3, "the victim's turn came by a take"
-    queue = turn_queue(r)
-    job = r.hget(RunKeys.of(victim).run, "job").decode()
-    assert r.zscan(queue.started_job_registry.key, match=f"{job}:*")[1], "claimed: in the started registry"
-    assert r.llen(queue.intermediate_queue_key) == 0, "never in the intermediate queue"
-    assert queue.get_job_ids() == [r.hget(RunKeys.of(run_ids[3]).run, "job").decode()], "the last still waits"
-
-    pool.start(1)
-    for run_id in run_ids:
-        run = wait_for_run(run_id, timeout=90, connection=r)
-        assert run.status == "completed", (run.error, pool.logs())
-    takeovers = [e["cause_kind"] for _i, e in read_events(r, victim) if e["kind"] == "takeover"]
-    assert takeovers == ["lease_expiry"], takeovers
-    assert model.stats()["by_script"] == {"short": 4}, "each run's model call made once"
-    assert r.zcard(queue.started_job_registry.key) == 0

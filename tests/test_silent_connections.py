@@ -1,8 +1,7 @@
 """A connection that goes silent (no FIN, no RST) costs a bounded wait, never a wedged worker.
 
 Two real worker processes (forking, or threaded under their supervisor) reach Redis through ``agentpool.testing.netfault`` in black-hole mode: for
-one reply in a hundred (and for a few chosen ones: a dequeue, a take of a waiting turn, a lease renewal,
-save point A, a MULTI),
+one reply in a hundred (and for a few chosen ones: a dequeue, a lease renewal, save point A, a MULTI),
 Redis applies the request, the proxy swallows the answer and leaves that connection open and silent
 for good, as a dropped NAT or conntrack entry does. Every client agentpool builds must give up on the
 silent socket within its socket timeout, re-send on a new connection (every write is safe to deliver
@@ -58,10 +57,9 @@ def test_connections_gone_silent_cost_a_socket_timeout_and_every_run_completes(
     load_scripts(r)
     with NetFault.to(redis_server.url, black_hole=0.01, seed=7) as proxy:
         # Besides one reply in a hundred at random, the connections of these go silent for sure: a worker's
-        # blocking dequeue and its one-step take of a waiting turn, the lease keeper's renewal, save point A
-        # and an RQ bookkeeping transaction.
+        # blocking dequeue, the lease keeper's renewal, save point A and an RQ bookkeeping transaction.
         proxy.black_hole_next(resp_command("BLMOVE"), times=2)
-        for name in ("dequeue_claim", "lease_renew", "commit_response"):
+        for name in ("lease_renew", "commit_response"):
             proxy.black_hole_next(script(name), times=2)
         proxy.black_hole_next(resp_command("EXEC"), times=2)
         pool = Pool(proxy.url, model, tmp_path)

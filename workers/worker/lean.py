@@ -13,8 +13,7 @@ here do instead:
   ``busy`` only if it was not. The execution's id starts with a tag of the worker's name
   (``execution_tag``): the supervisor finds a dead threaded worker's turns in the started registries by
   it, so RQ's per-worker execution index is not written twice a turn. With the workers' own dequeue
-  (``dequeue_claimed``) the start rides in the round trip that fetches the job just dequeued (and,
-  while jobs wait on the queue, in the round trip that pops it: ``take_waiting``), and the
+  (``dequeue_claimed``) the start rides in the round trip that fetches the job just dequeued, and the
   job hash keeps saying ``queued`` (its entry in the started registry says it runs, which is what the
   reaper, the supervisor and RQ's cleanup read);
 - end: the job hash and its registry entry are deleted, by the turn's save point B itself when it
@@ -46,7 +45,6 @@ import uuid
 from typing import Any
 
 from redis.client import Pipeline
-from redis.exceptions import ConnectionError, TimeoutError
 from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
@@ -58,16 +56,10 @@ from rq.worker import WorkerStatus
 from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import ended_by_turn, keep_queues_registered, note_execution, turn_of_job_id
 from agentpool.runtime.takeover import is_turn_job
-from agentpool.store.scripts import run_script
 from agentpool.store.staged_job import EndedJob
 
 HEARTBEAT_EVERY = 5.0  # seconds between the worker's own heartbeats (RQ's worker TTL is 420 s)
 SUSPENSION_EVERY = 1.0  # seconds between looks at `rq suspend`'s flag
-# A BLMOVE answered within this found its job waiting, so others may wait behind it: the claim asks the
-# queue's length. One that waited longer took a job just pushed to an empty queue, and asks nothing.
-# Generous: a wrong guess either way costs little (an LLEN in the claim's round trip, or the next turn
-# dequeued in two round trips instead of one), and a loaded machine can take milliseconds to answer.
-QUICK_DEQUEUE = 0.02
 _counts_lock = threading.Lock()  # a threaded worker's turn threads count their jobs concurrently
 
 
@@ -92,7 +84,6 @@ class LeanTurnJobs:
     _jobs_done = 0  # turn jobs ended since the last heartbeat, and their working time
     _jobs_time = 0.0
     _written_state: str | None = None  # the state Redis has for this worker
-    _jobs_waiting = False  # the last dequeue left jobs on the queue: the next one takes without blocking
 
     # -- the worker's own records ----------------------------------------------------------------
 
@@ -179,23 +170,10 @@ class LeanTurnJobs:
     def dequeue_claimed(self, timeout: int | None) -> tuple[Job, Queue] | None:
         """``Queue.dequeue_any`` (BLMOVE into the intermediate queue from a single queue, BLPOP from
         several; None when ``timeout`` passes, or at once with None if nothing is queued), then
-        ``claim_dequeued``: the job's fetch and a turn job's start in one round trip. When the last
-        dequeue left jobs waiting (and in burst mode, which never waits), ``take_waiting`` first: the
-        pop, the fetch and the start in one round trip."""
+        ``claim_dequeued``: the job's fetch and a turn job's start in one round trip."""
         queues = self._ordered_queues  # type: ignore[attr-defined]
         keys = [queue.key for queue in queues]
         while True:
-            if timeout is None or self._jobs_waiting:
-                taken = self.take_waiting(queues)
-                if taken is not None:
-                    queue, job = taken
-                    if job is None:
-                        continue  # its hash was gone: RQ skips such a job too
-                    break
-                self._jobs_waiting = False
-                if timeout is None:
-                    return None
-            asked = time.monotonic()
             try:
                 if len(keys) == 1 and self.get_redis_server_version() >= (6, 2, 0):  # type: ignore[attr-defined]
                     popped = self.queue_class.lmove(self.connection, keys[0], timeout)  # type: ignore[attr-defined]
@@ -207,104 +185,56 @@ class LeanTurnJobs:
                 return None
             queue_key, job_id = (as_text(part) for part in popped)
             self.after_pop(job_id)
-            queue = self._queue(queue_key)
-            job = self.claim_dequeued(queue, job_id, look_behind=time.monotonic() - asked < QUICK_DEQUEUE)
+            queue = self.queue_class.from_queue_key(  # type: ignore[attr-defined]
+                queue_key,
+                connection=self.connection,
+                job_class=self.job_class,  # type: ignore[attr-defined]
+                serializer=self.serializer,  # type: ignore[attr-defined]
+                death_penalty_class=self.death_penalty_class,  # type: ignore[attr-defined]
+            )
+            job = self.claim_dequeued(queue, job_id)
             if job is not None:
                 break
         self.reorder_queues(reference_queue=queue)  # type: ignore[attr-defined]
         job.redis_server_version = self.get_redis_server_version()  # type: ignore[attr-defined]
         return job, queue
 
-    def _queue(self, queue_key: str) -> Queue:
-        return self.queue_class.from_queue_key(  # type: ignore[attr-defined,no-any-return]
-            queue_key,
-            connection=self.connection,
-            job_class=self.job_class,  # type: ignore[attr-defined]
-            serializer=self.serializer,  # type: ignore[attr-defined]
-            death_penalty_class=self.death_penalty_class,  # type: ignore[attr-defined]
-        )
-
     def after_pop(self, job_id: str) -> None:
-        """Called between the pop and the claim (a job in RQ's intermediate queue only): a fault point.
-        After ``take_waiting``, which pops and claims at once, it is called once the job is claimed."""
+        """Called between the pop and the claim (a job in RQ's intermediate queue only): a fault point."""
 
     def claimed_member(self, job: Job) -> str:
         """The job's member in its queue's started registry if this worker claimed it, else ''."""
         claimed = getattr(job, "_agentpool_claimed", None)
         return f"{job.id}:{claimed}" if claimed else ""
 
-    def _start_ttl(self) -> int:
-        return self.job_monitoring_interval + 60  # get_heartbeat_ttl for a fresh job; the heartbeat refines it
-
-    def take_waiting(self, queues: list[Queue]) -> tuple[Queue, Job | None] | None:
-        """The next job waiting on ``queues`` (in their order), taken and, for a turn job, started in one
-        round trip (``dequeue_claim.lua``); None when every queue is empty. The job is None when its
-        hash was gone or does not decode (see ``claim_dequeued``)."""
-        execution_id = self._new_execution_id()
-        keys = [
-            key for queue in queues for key in (queue.key, queue.intermediate_queue_key, queue.started_job_registry.key)
-        ]
-        state = "" if self._written_state == WorkerStatus.BUSY else WorkerStatus.BUSY
-        args = [execution_id, repr(time.time() + self._start_ttl()), state, Job.key_for(""), ""]
-        try:
-            reply = run_script.once("dequeue_claim", self.connection, [*keys, self.key], args)
-        except (ConnectionError, TimeoutError):
-            # Popped and started, or not: ask again for what this take took (redis-py's retry, sent with
-            # the same execution id, rides out the connection) before popping anything else.
-            args[-1] = "1"
-            reply = run_script("dequeue_claim", self.connection, [*keys, self.key], args)
-        if not reply:
-            return None
-        at, job_id, started, *fields = reply  # type: ignore[misc]
-        job_id = as_text(job_id)
-        queue = queues[int(at) - 1]
-        member = f"{job_id}:{execution_id}" if started else ""
-        if member and state:
-            self._state = self._written_state = WorkerStatus.BUSY
-        self._jobs_waiting = True  # a job was waiting: likely more are
-        self.after_pop(job_id)
-        data = dict(zip(fields[::2], fields[1::2], strict=True))
-        return queue, self._restored(queue, job_id, data, member, execution_id)
-
-    def claim_dequeued(self, queue: Queue, job_id: str, look_behind: bool = False) -> Job | None:
+    def claim_dequeued(self, queue: Queue, job_id: str) -> Job | None:
         """Fetch the job just dequeued from ``queue``; a turn job's start (``_stage_start``) rides in the same
         round trip, so ``prepare_execution`` has nothing left to write. None if the job hash is gone (RQ
         skips such a job too). A turn job's hash keeps ``status: queued`` (one write less a turn): its entry
-        in the started registry is what says it runs (``agentpool.runtime.reaper``, the supervisor).
-        ``look_behind`` (the dequeue found its job at once, so others may wait behind it): the queue's
-        length rides along too, and jobs still waiting make the next dequeue ``take_waiting``."""
-        lean = turn_of_job_id(job_id) is not None  # a guess by the id: the job's function tells for sure
+        in the started registry is what says it runs (``agentpool.runtime.reaper``, the supervisor)."""
+        turn = turn_of_job_id(job_id)
+        lean = turn is not None  # a guess by the id: the job's function tells for sure
         execution_id = self._new_execution_id()
         member = f"{job_id}:{execution_id}"  # Execution.composite_key
         with self.connection.pipeline(transaction=False) as pipe:
             pipe.hgetall(Job.key_for(job_id))
-            if look_behind:
-                pipe.llen(queue.key)
             if lean:
-                self._stage_start(pipe, queue, job_id, member, self._start_ttl())
-            data, *rest = pipe.execute()
-        self._jobs_waiting = look_behind and rest[0] > 0
+                ttl = self.job_monitoring_interval + 60  # get_heartbeat_ttl for a fresh job; the heartbeat refines it
+                self._stage_start(pipe, queue, job_id, member, ttl)
+            data, *_ = pipe.execute()
         if lean:
             self._state = self._written_state = WorkerStatus.BUSY
-        return self._restored(queue, job_id, data, member if lean else "", execution_id)
-
-    def _restored(
-        self, queue: Queue, job_id: str, data: dict[bytes, bytes], member: str, execution_id: str
-    ) -> Job | None:
-        """The job of ``data`` (its hash), claimed under ``execution_id`` if ``member`` (its entry in the
-        started registry) was written; None if the hash was gone or a turn job's does not decode."""
-        turn = turn_of_job_id(job_id)
         job = self.job_class(job_id, connection=self.connection, serializer=self.serializer)  # type: ignore[attr-defined]
         try:
             if not data:
                 raise NoSuchJobError(job_id)
             job.restore(data)
         except Exception as exc:
-            if member:  # nothing runs under that execution
+            if lean:  # nothing runs under that execution
                 self.connection.zrem(queue.started_job_registry.key, member)
             if isinstance(exc, NoSuchJobError):
                 return None
-            if turn is not None:
+            if lean:
                 # Out of every queue now, so no worker takes it again (and dies on it again): its run's
                 # checkpoint is the truth, and the reaper re-enqueues the turn under a new job.
                 self.log.error("Worker %s: job %s does not decode (%s); dropped", self.name, job_id, exc)  # type: ignore[attr-defined]
@@ -314,7 +244,7 @@ class LeanTurnJobs:
         if turn is not None and is_turn_job(job):
             job._agentpool_claimed = execution_id  # type: ignore[attr-defined]
             fault("after_claim_killed", *turn)
-        elif member:  # not a turn job after all: RQ's whole bookkeeping, under an execution of its own
+        elif lean:  # not a turn job after all: RQ's whole bookkeeping, under an execution of its own
             self.connection.zrem(queue.started_job_registry.key, member)
         return job
 
