@@ -69,7 +69,7 @@ SECTIONS = {
         2,
     ),
     "redis": (
-        ["--redis-turns", "20", "--threads", "2"],
+        ["--redis-turns", "20", "--threads", "2", "--redis-rounds", "2"],
         "redis: Redis commands and Redis CPU per turn",
         # Redis on a CPU of its own needs a second CPU for the pool.
         [
@@ -119,6 +119,11 @@ MORE_LINES = {
     ],
     "instructions": ["in scripts: inside EVAL and EVALSHA"],
 }
+# What a section's output must show in a form (a regular expression): the redis section's medians of
+# rounds, with the CPU's range and the forking ratio's.
+MORE_PATTERNS = {
+    "redis": [r"  \d+ \(\d+-\d+\)  ", r"CPU [\d.]+x \([\d.]+x-[\d.]+x\)", "2 rounds, interleaved"],
+}
 
 
 def run_bench(*args: str) -> str:
@@ -145,6 +150,8 @@ def test_bench_section_prints_its_table_of_figures(section):
         check_table(out, more_title, more_rows, 1)
     for line in MORE_LINES.get(section, []):
         assert line in out, out
+    for pattern in MORE_PATTERNS.get(section, []):
+        assert re.search(pattern, out), f"nothing like {pattern!r}:\n{out}"
 
 
 def check_table(out: str, title: str, rows: list[str], at_least: int) -> None:

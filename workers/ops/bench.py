@@ -912,6 +912,13 @@ def _lab(url: str | None) -> Iterator[Lab]:
     help="redis, instructions: turns measured.",
 )
 @click.option(
+    "--redis-rounds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="redis: interleaved rounds of every row (each figure is the median of its rounds, CPU with its range).",
+)
+@click.option(
     "--shard-turns", type=click.IntRange(min=20), default=400, show_default=True, help="shards: turns measured."
 )
 def bench(
@@ -948,6 +955,7 @@ def bench(
     webhook_runs: int,
     webhook_down: float,
     redis_turns: int,
+    redis_rounds: int,
     shard_turns: int,
 ) -> None:
     """Measure agentpool on this machine: per-turn overhead, save cost, memory, crash recovery."""
@@ -998,7 +1006,7 @@ def bench(
         if "redis" in sections:
             from agentpool.ops.bench_redis import bench_redis
 
-            bench_redis(lab, redis_turns, threads)
+            bench_redis(lab, redis_turns, threads, redis_rounds)
         if "instructions" in sections:
             from agentpool.ops.bench_instructions import bench_instructions
 

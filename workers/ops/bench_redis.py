@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ BARE_PACED = "bare RQ job (no-op), turns' rate"
 PING = "round trip alone (PING), same rate"
 OURS_LIMITED = "agentpool turn, rate limits learned"
 OURS_AT_FORKING_PACE = "agentpool turn, the forking turns' rate"
+AT_FORKING_PACE = "threaded, forking's rate"  # the key of that row's figures beside the two kinds'
 
 
 @dataclass
@@ -208,47 +210,83 @@ def _per_turn(sample: Sample, idle: Sample, n: int) -> tuple[float, float, float
     return commands, cpu_us, net_commands, net_cpu_us, net_reads
 
 
-def _row(
-    where: str, kind: str, job: str, sample: Sample, idle: Sample, turns: int, baseline_cpu_us: float
-) -> list[str]:
-    """One row of the table; ``baseline_cpu_us``: the bare RQ job's net CPU at the turns' rate beside it."""
-    commands, cpu_us, net_commands, net_cpu_us, net_reads = _per_turn(sample, idle, turns)
-    ours_threaded = job in (OURS, OURS_LIMITED) and "threaded" in kind
-    at_rate = f" ({turns / sample.seconds:.0f}/s)" if job == OURS_AT_FORKING_PACE else ""
+@dataclass
+class _Measured:
+    """One row of one round: where Redis ran, on which worker, which job; its sample and what it is set against."""
+
+    where: str
+    kind: str
+    job: str
+    sample: Sample
+    idle: Sample
+    n: int
+    baseline_cpu_us: float  # the bare RQ job's net CPU at the turns' rate beside it
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return self.where, self.kind, self.job
+
+    @property
+    def figures(self) -> tuple[float, float, float, float, float]:
+        return _per_turn(self.sample, self.idle, self.n)
+
+    @property
+    def vs_bare(self) -> float:
+        return self.figures[3] / max(self.baseline_cpu_us, 1e-9)
+
+
+def _spread(values: list[float], fmt: str, unit: str = "") -> str:
+    """The median of the rounds' values, and their range when there were several rounds."""
+    lowest, mid, highest = (format(v, fmt) + unit for v in (min(values), statistics.median(values), max(values)))
+    return mid if len(values) == 1 else f"{mid} ({lowest}-{highest})"
+
+
+def _row(rounds: list[_Measured]) -> list[str]:
+    """One row of the table: the median of each figure over the rounds (``rounds``: the same row's
+    measurement in each), with the range of the CPU figures, which wander between rounds; the commands and
+    round trips do not."""
+    first = rounds[0]
+    figures = [m.figures for m in rounds]
+    commands, cpu_us, net_commands, net_cpu_us, net_reads = ([f[i] for f in figures] for i in range(5))
+    ours_threaded = first.job in (OURS, OURS_LIMITED) and "threaded" in first.kind
+    rate = statistics.median(m.n / m.sample.seconds for m in rounds)
+    at_rate = f" ({rate:.0f}/s)" if first.job == OURS_AT_FORKING_PACE else ""
     return [
-        where,
-        kind,
-        job + at_rate,
-        f"{commands:.1f}",
-        f"{net_commands:.1f}",
+        first.where,
+        first.kind,
+        first.job + at_rate,
+        f"{statistics.median(commands):.1f}",
+        f"{statistics.median(net_commands):.1f}",
         "<= 40" if ours_threaded else "",
-        f"{net_reads:.1f}",
-        f"{cpu_us:.0f}",
-        f"{net_cpu_us:.0f}",
+        f"{statistics.median(net_reads):.1f}",
+        _spread(cpu_us, ".0f"),
+        _spread(net_cpu_us, ".0f"),
         "<= 250" if ours_threaded else "",
-        f"{net_cpu_us / max(baseline_cpu_us, 1e-9):.2f}x" if job in (OURS, OURS_LIMITED) else "",
-        "" if job == PING else f"{1e6 / max(net_cpu_us, 1e-9):,.0f}",
+        _spread([m.vs_bare for m in rounds], ".2f", "x") if first.job in (OURS, OURS_LIMITED) else "",
+        "" if first.job == PING else f"{1e6 / max(statistics.median(net_cpu_us), 1e-9):,.0f}",
     ]
 
 
-def _forking_against_threaded(figures: dict[str, dict[str, tuple[float, float]]]) -> list[str]:
+def _forking_against_threaded(rounds: list[dict[str, dict[str, tuple[float, float]]]]) -> list[str]:
     """Issue 22's forking target, within 1.2x of the threaded turn: the forking turn over the threaded one,
-    and over the threaded one at the forking turns' rate (``figures``: per placement of Redis, per worker
-    kind, net commands and net CPU µs a turn; ``threaded, forking's rate`` when it was measured)."""
+    and over the threaded one at the forking turns' rate (each of ``rounds``: per placement of Redis, per
+    worker kind, net commands and net CPU µs a turn; ``threaded, forking's rate`` when it was measured).
+    Each ratio is taken within a round, then their median (and range) over the rounds."""
     lines = []
-    for where, kinds in figures.items():
-        if "forking" in kinds and "threaded" in kinds:
-            (commands, cpu_us), (threaded_commands, threaded_cpu_us) = kinds["forking"], kinds["threaded"]
-            line = (
-                f"forking turn / threaded turn, Redis {where}: commands {commands / threaded_commands:.2f}x, "
-                f"CPU {cpu_us / max(threaded_cpu_us, 1e-9):.2f}x (target: within 1.2x)"
-            )
-            if paced := kinds.get("threaded, forking's rate"):
-                line += (
-                    f"; against the threaded turn at the forking turns' rate: commands "
-                    f"{commands / paced[0]:.2f}x, CPU {cpu_us / max(paced[1], 1e-9):.2f}x"
-                )
-            lines.append(line)
+    for where in rounds[0]:
+        pairs = [figures[where] for figures in rounds if "forking" in figures[where] and "threaded" in figures[where]]
+        if not pairs:
+            continue
+
+        def ratios(against: str, pairs=pairs) -> str:
+            commands = [kinds["forking"][0] / kinds[against][0] for kinds in pairs]
+            cpu = [kinds["forking"][1] / max(kinds[against][1], 1e-9) for kinds in pairs]
+            return f"commands {statistics.median(commands):.2f}x, CPU {_spread(cpu, '.2f', 'x')}"
+
+        line = f"forking turn / threaded turn, Redis {where}: {ratios('threaded')} (target: within 1.2x)"
+        if all(AT_FORKING_PACE in kinds for kinds in pairs):
+            line += f"; against the threaded turn at the forking turns' rate: {ratios(AT_FORKING_PACE)}"
+        lines.append(line)
     return lines
 
 
@@ -268,6 +306,7 @@ class _Placement:
         # Only a Redis this bench started can be placed, and only with a CPU left for the pool.
         self.redis_pid = int(lab.r.info("server")["process_id"]) if lab.server else 0
         self.can_isolate = bool(self.redis_pid) and len(self.everything) >= 2
+        self.placements = [False, True] if self.can_isolate else [False]
 
     def set(self, isolated: bool) -> None:
         pool = self.everything[:-1] if isolated else self.everything
@@ -287,62 +326,101 @@ def _pin(pid: int, cpus: list[int]) -> None:
             pass
 
 
-def bench_redis(lab: Lab, turns: int, threads: int) -> None:
-    rows, details = [], []
-    turn_figures: dict[str, dict[str, tuple[float, float]]] = {}  # placement -> worker kind -> turn's net figures
+def _round(
+    lab: Lab, placement: _Placement, turns: int, threads: int
+) -> tuple[list[_Measured], dict[str, dict[str, tuple[float, float]]]]:
+    """One round: every row, under each placement of Redis and on each worker kind; and per placement, per
+    worker kind, the turn's net commands and CPU (``_forking_against_threaded``)."""
+    measured: list[_Measured] = []
+    turn_figures: dict[str, dict[str, tuple[float, float]]] = {}
     forking_rate: dict[str, float] = {}  # placement -> the forking worker's turns a second
+    for isolated in placement.placements:
+        placement.set(isolated)
+        where = f"own CPU ({placement.everything[-1]})" if isolated else "shares all"
+        for kind, args in (
+            ("forking (--concurrency 1)", ()),
+            (f"threaded (--concurrency {threads})", ("--concurrency", str(threads))),
+        ):
+            lab.reset({"redis": tool_steps(TURNS_PER_RUN)})
+            lab.start(*args)
+            _runs(lab, TURNS_PER_RUN)  # warm: imports, connections, scripts loaded
+            _bare(lab, 5)
+            idle = _idle(lab)
+            bare = _bare(lab, turns)
+            ours = _runs(lab, turns)
+            # The same load as the turns': RQ's job at their rate, and a lone round trip at their rate
+            # of requests (a Redis that waits between requests pays for every wake-up).
+            paced = _bare(lab, turns, rate=turns / ours.seconds)
+            pings = max(100, round(ours.reads / ours.seconds * PING_SECONDS))
+            ping = _pings(lab, pings, rate=ours.reads / ours.seconds)
+            samples = [(BARE, bare, turns), (OURS, ours, turns), (BARE_PACED, paced, turns), (PING, ping, pings)]
+            figures = turn_figures.setdefault(where, {})
+            figures[kind.split()[0]] = _per_turn(ours, idle, turns)[2:4]
+            if kind.startswith("forking"):
+                forking_rate[where] = turns / ours.seconds
+            elif where in forking_rate:  # before the limits are learned: they stay learned
+                slowed = _runs_at_rate(lab, turns, forking_rate[where], threads * ours.seconds / turns, threads)
+                figures[AT_FORKING_PACE] = _per_turn(slowed, idle, turns)[2:4]
+                samples.append((OURS_AT_FORKING_PACE, slowed, turns))
+            samples.append((OURS_LIMITED, _limited_runs(lab, turns), turns))
+            baseline = _per_turn(paced, idle, turns)[3]
+            measured += [_Measured(where, kind, job, sample, idle, n, baseline) for job, sample, n in samples]
+    return measured, turn_figures
+
+
+def _details(measured: list[_Measured]) -> list[str]:
+    """Each row's biggest commands and their time, and each idle pool's, summed over the rounds."""
+    rows: dict[tuple[str, str, str], list[_Measured]] = {}
+    for m in measured:
+        rows.setdefault(m.key, []).append(m)
+    details = []
+    for (where, kind, job), rounds in rows.items():
+        n = sum(m.n for m in rounds)
+        if job != PING:
+            commands = sum((m.sample.commands for m in rounds), Counter())
+            usec = sum((m.sample.usec for m in rounds), Counter())
+            details.append(f"{kind}, Redis {where}, {job}: {_top(commands, n)}")
+            details.append(f"{kind}, Redis {where}, {job}, µs inside commands: {_top(usec, n)}")
+        if job == OURS:  # one idle pool per worker kind and placement in each round
+            idle = [m.idle for m in rounds]
+            seconds = sum(i.seconds for i in idle)
+            details.append(
+                f"{kind}, Redis {where}, idle pool: {sum(i.total for i in idle) / seconds:.1f} commands/s, "
+                f"{sum(i.cpu_s for i in idle) * 1e6 / seconds:.0f} µs CPU/s "
+                f"({_top(sum((i.commands for i in idle), Counter()), len(idle), 5)} over {seconds / len(idle):.1f} s)"
+            )
+    return details
+
+
+def bench_redis(lab: Lab, turns: int, threads: int, rounds: int = 1) -> None:
+    """The table of ``rounds`` rounds of every row, interleaved (each round measures every row in turn,
+    so a change in the machine's speed hits every row alike): each figure is the median of its rounds."""
     placement = _Placement(lab)
-    placements = [False, True] if placement.can_isolate else [False]
+    measured: list[_Measured] = []
+    turn_figures: list[dict[str, dict[str, tuple[float, float]]]] = []
     try:
-        for isolated in placements:
-            placement.set(isolated)
-            where = f"own CPU ({placement.everything[-1]})" if isolated else "shares all"
-            for kind, args in (
-                ("forking (--concurrency 1)", ()),
-                (f"threaded (--concurrency {threads})", ("--concurrency", str(threads))),
-            ):
-                lab.reset({"redis": tool_steps(TURNS_PER_RUN)})
-                lab.start(*args)
-                _runs(lab, TURNS_PER_RUN)  # warm: imports, connections, scripts loaded
-                _bare(lab, 5)
-                idle = _idle(lab)
-                bare = _bare(lab, turns)
-                ours = _runs(lab, turns)
-                # The same load as the turns': RQ's job at their rate, and a lone round trip at their rate
-                # of requests (a Redis that waits between requests pays for every wake-up).
-                paced = _bare(lab, turns, rate=turns / ours.seconds)
-                pings = max(100, round(ours.reads / ours.seconds * PING_SECONDS))
-                ping = _pings(lab, pings, rate=ours.reads / ours.seconds)
-                samples = [(BARE, bare, turns), (OURS, ours, turns), (BARE_PACED, paced, turns), (PING, ping, pings)]
-                figures = turn_figures.setdefault(where, {})
-                figures[kind.split()[0]] = _per_turn(ours, idle, turns)[2:4]
-                if kind.startswith("forking"):
-                    forking_rate[where] = turns / ours.seconds
-                elif where in forking_rate:  # before the limits are learned: they stay learned
-                    slowed = _runs_at_rate(lab, turns, forking_rate[where], threads * ours.seconds / turns, threads)
-                    figures["threaded, forking's rate"] = _per_turn(slowed, idle, turns)[2:4]
-                    samples.append((OURS_AT_FORKING_PACE, slowed, turns))
-                samples.append((OURS_LIMITED, _limited_runs(lab, turns), turns))
-                baseline = _per_turn(paced, idle, turns)[3]
-                for job, sample, n in samples:
-                    rows.append(_row(where, kind, job, sample, idle, n, baseline))
-                    if job != PING:
-                        details.append(f"{kind}, Redis {where}, {job}: {_top(sample.commands, n)}")
-                        details.append(f"{kind}, Redis {where}, {job}, µs inside commands: {_top(sample.usec, n)}")
-                details.append(
-                    f"{kind}, Redis {where}, idle pool: {idle.total / idle.seconds:.1f} commands/s, "
-                    f"{idle.cpu_s * 1e6 / idle.seconds:.0f} µs CPU/s ({_top(idle.commands, 1, 5)} over {idle.seconds:.1f} s)"
-                )
+        for _ in range(rounds):
+            round_measured, round_figures = _round(lab, placement, turns, threads)
+            measured += round_measured
+            turn_figures.append(round_figures)
     finally:
         placement.set(False)
         lab.workers.stop()  # started under the last placement
+    by_row: dict[tuple[str, str, str], list[_Measured]] = {}
+    for m in measured:
+        by_row.setdefault(m.key, []).append(m)
+    rows = [_row(row_rounds) for row_rounds in by_row.values()]
+    details = _details(measured)
     details[:0] = _forking_against_threaded(turn_figures)
     if not placement.can_isolate:
         details.insert(
             0, "Redis was not given a CPU of its own: it was not started by this bench, or the machine has one CPU"
         )
     table(
-        f"redis: Redis commands and Redis CPU per turn ({turns} turns, {TURNS_PER_RUN} per run; bare RQ: {turns} jobs)",
+        (
+            f"redis: Redis commands and Redis CPU per turn ({turns} turns, {TURNS_PER_RUN} per run; bare RQ: "
+            f"{turns} jobs; {rounds} round{'s' if rounds > 1 else ''})"
+        ),
         [
             "Redis",
             "worker",
@@ -362,6 +440,14 @@ def bench_redis(lab: Lab, turns: int, threads: int) -> None:
             (
                 "measured by Redis itself (INFO commandstats, INFO cpu: the server's user + system CPU) from the "
                 "first enqueue to the last turn's end; the bench's own polls are taken out"
+            ),
+            (
+                f"{rounds} rounds, interleaved (each round measures every row in turn): each figure is the median "
+                "of the rounds, the CPU's with the lowest and highest round in brackets (the same code's CPU "
+                "wanders between runs on a shared machine; its commands and round trips do not); a ratio is "
+                "taken within each round, then its median"
+                if rounds > 1
+                else "one round: CPU figures can wander by much between runs; --redis-rounds 3 or more gives medians"
             ),
             "net of idle: less what the idle pool (dequeue waits, reaper, heartbeats) costs per second, for as long",
             (
