@@ -91,7 +91,7 @@ SECTIONS = {
         6,
     ),
     "shards": (
-        ["--shard-turns", "20", "--threads", "2"],
+        ["--shard-turns", "20", "--threads", "2", "--shard-rounds", "2"],
         "shards: the same runs on one Redis and on two shards",
         ["one shard", "two shards"],
         3,
@@ -123,6 +123,7 @@ MORE_LINES = {
 # rounds, with the CPU's range and the forking ratio's.
 MORE_PATTERNS = {
     "redis": [r"  \d+ \(\d+-\d+\)  ", r"CPU [\d.]+x \([\d.]+x-[\d.]+x\)", "2 rounds, interleaved"],
+    "shards": [r"  \d+ \(\d+-\d+\)  ", r"  [\d.]+x \([\d.]+x-[\d.]+x\)  ", "2 rounds, interleaved"],
 }
 
 

@@ -190,6 +190,12 @@ def table(title: str, header: list[str], rows: list[list[str]], notes: tuple[str
         click.echo(f"  note: {note}")
 
 
+def spread(values: list[float], fmt: str, unit: str = "") -> str:
+    """The median of a figure's rounds, and their range in brackets when there were several rounds."""
+    lowest, mid, highest = (format(v, fmt) + unit for v in (min(values), statistics.median(values), max(values)))
+    return mid if len(values) == 1 else f"{mid} ({lowest}-{highest})"
+
+
 def task(script: str, n: int) -> str:
     return f"bench task {n} [script:{script}]"
 
@@ -921,6 +927,13 @@ def _lab(url: str | None) -> Iterator[Lab]:
 @click.option(
     "--shard-turns", type=click.IntRange(min=20), default=400, show_default=True, help="shards: turns measured."
 )
+@click.option(
+    "--shard-rounds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="shards: interleaved rounds of one shard and two (each figure is the median of its rounds).",
+)
 def bench(
     url: str | None,
     only: tuple[str, ...],
@@ -957,6 +970,7 @@ def bench(
     redis_turns: int,
     redis_rounds: int,
     shard_turns: int,
+    shard_rounds: int,
 ) -> None:
     """Measure agentpool on this machine: per-turn overhead, save cost, memory, crash recovery."""
     from agentpool.runtime.settings import Settings
@@ -1014,4 +1028,4 @@ def bench(
         if "shards" in sections:
             from agentpool.ops.bench_shards import bench_shards
 
-            bench_shards(lab, shard_turns, threads)
+            bench_shards(lab, shard_turns, threads, shard_rounds)

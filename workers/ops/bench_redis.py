@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from redis import Redis
 
-from agentpool.ops.bench import AGENT, TURNS_PER_RUN, Lab, table, task, tool_steps, until
+from agentpool.ops.bench import AGENT, TURNS_PER_RUN, Lab, spread, table, task, tool_steps, until
 
 POLL = 0.1  # the bench's own wait: one ZCARD a tenth of a second, counted and taken out
 IDLE = 4.0  # seconds of an idle pool measured for its background rate
@@ -235,12 +235,6 @@ class _Measured:
         return self.figures[3] / max(self.baseline_cpu_us, 1e-9)
 
 
-def _spread(values: list[float], fmt: str, unit: str = "") -> str:
-    """The median of the rounds' values, and their range when there were several rounds."""
-    lowest, mid, highest = (format(v, fmt) + unit for v in (min(values), statistics.median(values), max(values)))
-    return mid if len(values) == 1 else f"{mid} ({lowest}-{highest})"
-
-
 def _row(rounds: list[_Measured]) -> list[str]:
     """One row of the table: the median of each figure over the rounds (``rounds``: the same row's
     measurement in each), with the range of the CPU figures, which wander between rounds; the commands and
@@ -259,10 +253,10 @@ def _row(rounds: list[_Measured]) -> list[str]:
         f"{statistics.median(net_commands):.1f}",
         "<= 40" if ours_threaded else "",
         f"{statistics.median(net_reads):.1f}",
-        _spread(cpu_us, ".0f"),
-        _spread(net_cpu_us, ".0f"),
+        spread(cpu_us, ".0f"),
+        spread(net_cpu_us, ".0f"),
         "<= 250" if ours_threaded else "",
-        _spread([m.vs_bare for m in rounds], ".2f", "x") if first.job in (OURS, OURS_LIMITED) else "",
+        spread([m.vs_bare for m in rounds], ".2f", "x") if first.job in (OURS, OURS_LIMITED) else "",
         "" if first.job == PING else f"{1e6 / max(statistics.median(net_cpu_us), 1e-9):,.0f}",
     ]
 
@@ -281,7 +275,7 @@ def _forking_against_threaded(rounds: list[dict[str, dict[str, tuple[float, floa
         def ratios(against: str, pairs=pairs) -> str:
             commands = [kinds["forking"][0] / kinds[against][0] for kinds in pairs]
             cpu = [kinds["forking"][1] / max(kinds[against][1], 1e-9) for kinds in pairs]
-            return f"commands {statistics.median(commands):.2f}x, CPU {_spread(cpu, '.2f', 'x')}"
+            return f"commands {statistics.median(commands):.2f}x, CPU {spread(cpu, '.2f', 'x')}"
 
         line = f"forking turn / threaded turn, Redis {where}: {ratios('threaded')} (target: within 1.2x)"
         if all(AT_FORKING_PACE in kinds for kinds in pairs):

@@ -13,13 +13,14 @@ before a Redis saturates, so what is measured is what each shard carries, not th
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from redis import Redis
 
-from agentpool.ops.bench import AGENT, TURNS_PER_RUN, Lab, table, task, tool_steps, until
+from agentpool.ops.bench import AGENT, TURNS_PER_RUN, Lab, spread, table, task, tool_steps, until
 
 POLL = 0.1  # the bench's own wait: one ZCARD per shard a tenth of a second, counted and taken out
 IDLE = 4.0  # seconds of an idle pool measured for its background rate
@@ -95,74 +96,102 @@ def _per_turn(cost: Cost, idle: Cost, turns: int) -> tuple[float, float]:
     return commands, cpu_us
 
 
-def _hash_spread(n: int) -> str:
+def _hashspread(n: int) -> str:
     from agentpool.runtime.shards import rendezvous
 
     on_first = sum(1 for i in range(HASHED_IDS) if rendezvous(f"order-{i}", n) == 0)
     return f"{100 * on_first / HASHED_IDS:.1f} % / {100 - 100 * on_first / HASHED_IDS:.1f} %"
 
 
-def bench_shards(lab: Lab, turns: int, threads: int) -> None:
+def _one_shard(lab: Lab, turns: int, worker: tuple[str, ...]) -> tuple[int, float, float]:
+    """The pool as it is without ``AGENTPOOL_SHARDS``: its turns, and commands and CPU µs per turn."""
+    lab.reset({"shards": tool_steps(TURNS_PER_RUN)})
+    lab.start(*worker)
+    _runs(lab, [lab.r], lab.r, TURNS_PER_RUN)  # warm: imports, connections, scripts loaded
+    (idle,) = _measure([lab.r], lambda: time.sleep(IDLE), lambda: True)
+    lab.r.flushdb()
+    (cost,) = _runs(lab, [lab.r], lab.r, turns)
+    done = _turns(lab.r)
+    return done, *_per_turn(cost, idle, done)
+
+
+def _two_shards(
+    lab: Lab, other: Redis, url: str, turns: int, worker: tuple[str, ...]
+) -> list[tuple[int, float, float]]:
+    """One worker serving two shards (a process per shard, each as in ``_one_shard``), runs spread by the
+    API: each shard's turns, and its commands and CPU µs per turn."""
     from agentpool.runtime.shards import Shards
+
+    lab.reset({"shards": tool_steps(TURNS_PER_RUN)})
+    other.flushdb()
+    shards = [lab.r, other]
+    lab.names += 1
+    name = f"bench-{lab.names}"
+    lab.workers.start(1, "--name", name, "--log-level", "WARNING", *worker, AGENTPOOL_SHARDS=f"{lab.url} {url}")
+    for n, r in enumerate(shards):
+        until(lambda r=r, n=n: r.sismember("rq:workers", f"rq:worker:{name}-s{n}"), 60, f"shard {n}'s worker", lab)
+    pool = Shards(shards)
+    _runs(lab, shards, pool, 2 * TURNS_PER_RUN)
+    idle = _measure(shards, lambda: time.sleep(IDLE), lambda: True)
+    for r in shards:
+        r.flushdb()
+    costs = _runs(lab, shards, pool, turns)
+    done = [_turns(r) for r in shards]
+    return [(got, *_per_turn(cost, idle_cost, got)) for cost, idle_cost, got in zip(costs, idle, done)]
+
+
+def bench_shards(lab: Lab, turns: int, threads: int, rounds: int = 1) -> None:
+    """The same runs on one shard and on two, in ``rounds`` interleaved rounds (one shard, then two, in
+    each): each figure is the median of its rounds, a ratio taken within each round."""
     from agentpool.testing.localpool import RedisServer
 
     workdir = lab.workers.logdir / "shard-1"
     workdir.mkdir(exist_ok=True)
     second = RedisServer(workdir).start()
+    ones: list[tuple[int, float, float]] = []
+    twos: list[list[tuple[int, float, float]]] = []
     try:
         other = Redis.from_url(second.url)
         worker = ("--concurrency", str(threads))
-        # One shard: the pool as it is without AGENTPOOL_SHARDS.
-        lab.reset({"shards": tool_steps(TURNS_PER_RUN)})
-        lab.start(*worker)
-        _runs(lab, [lab.r], lab.r, TURNS_PER_RUN)  # warm: imports, connections, scripts loaded
-        (idle_one,) = _measure([lab.r], lambda: time.sleep(IDLE), lambda: True)
-        lab.r.flushdb()
-        (one,) = _runs(lab, [lab.r], lab.r, turns)
-        one_turns = _turns(lab.r)
-        one_commands, one_cpu = _per_turn(one, idle_one, one_turns)
-
-        # Two shards: one worker serving both (a process per shard, each as above), runs spread by the API.
-        lab.reset({"shards": tool_steps(TURNS_PER_RUN)})
-        other.flushdb()
-        shards = [lab.r, other]
-        pool = Shards(shards)
-        lab.names += 1
-        name = f"bench-{lab.names}"
-        lab.workers.start(
-            1, "--name", name, "--log-level", "WARNING", *worker, AGENTPOOL_SHARDS=f"{lab.url} {second.url}"
-        )
-        for n, r in enumerate(shards):
-            until(lambda r=r, n=n: r.sismember("rq:workers", f"rq:worker:{name}-s{n}"), 60, f"shard {n}'s worker", lab)
-        _runs(lab, shards, pool, 2 * TURNS_PER_RUN)
-        idle_two = _measure(shards, lambda: time.sleep(IDLE), lambda: True)
-        for r in shards:
-            r.flushdb()
-        two = _runs(lab, shards, pool, turns)
-        two_turns = [_turns(r) for r in shards]
+        for _ in range(rounds):
+            ones.append(_one_shard(lab, turns, worker))
+            twos.append(_two_shards(lab, other, second.url, turns, worker))
     finally:
         lab.workers.stop()
         second.stop()
 
-    rows = [["one shard", "0", str(one_turns), "100.0 %", "", f"{one_commands:.1f}", f"{one_cpu:.0f}", "1.00x", ""]]
-    for n, (cost, idle, got) in enumerate(zip(two, idle_two, two_turns)):
-        commands, cpu_us = _per_turn(cost, idle, got)
+    rows = [
+        [
+            "one shard",
+            "0",
+            f"{statistics.median(got for got, _, _ in ones):.0f}",
+            "100.0 %",
+            "",
+            f"{statistics.median(commands for _, commands, _ in ones):.1f}",
+            spread([cpu_us for _, _, cpu_us in ones], ".0f"),
+            "1.00x",
+            "",
+        ]
+    ]
+    for n in range(2):
+        shard = [two[n] for two in twos]
+        shares = [100 * two[n][0] / max(sum(got for got, _, _ in two), 1) for two in twos]
         rows.append(
             [
                 "two shards",
                 str(n),
-                str(got),
-                f"{100 * got / max(sum(two_turns), 1):.1f} %",
+                f"{statistics.median(got for got, _, _ in shard):.0f}",
+                spread(shares, ".1f", " %"),
                 "45-55 %",
-                f"{commands:.1f}",
-                f"{cpu_us:.0f}",
-                f"{cpu_us / max(one_cpu, 1e-9):.2f}x",
+                f"{statistics.median(commands for _, commands, _ in shard):.1f}",
+                spread([cpu_us for _, _, cpu_us in shard], ".0f"),
+                spread([two[n][2] / max(one[2], 1e-9) for one, two in zip(ones, twos)], ".2f", "x"),
                 "<= 1.10x",
             ]
         )
     table(
         f"shards: the same runs on one Redis and on two shards ({turns} turns, {TURNS_PER_RUN} per run, "
-        f"threaded worker --concurrency {threads} per shard)",
+        f"threaded worker --concurrency {threads} per shard; {rounds} round{'s' if rounds > 1 else ''})",
         ["pool", "shard", "turns", "share", "target", "commands/turn", "CPU µs/turn", "vs one shard", "target"],
         rows,
         (
@@ -174,6 +203,13 @@ def bench_shards(lab: Lab, turns: int, threads: int) -> None:
                 "commands and CPU: that shard's redis-server alone (INFO commandstats, INFO cpu), net of its idle "
                 "pool's background for as long; the bench's own polls taken out"
             ),
-            f"ids an app gives (placed by a hash of the id): {HASHED_IDS:,} ids over two shards {_hash_spread(2)}",
+            (
+                f"{rounds} rounds, interleaved (one shard, then two, in each): each figure is the median of the "
+                "rounds, the share's, the CPU's and the ratio's with the lowest and highest round in brackets; a "
+                "ratio is taken within each round"
+                if rounds > 1
+                else "one round: CPU figures can wander by much between runs; --shard-rounds 3 or more gives medians"
+            ),
+            f"ids an app gives (placed by a hash of the id): {HASHED_IDS:,} ids over two shards {_hashspread(2)}",
         ),
     )
