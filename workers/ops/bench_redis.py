@@ -9,7 +9,9 @@ since it costs per second, not per turn. Each is measured twice when this bench 
 machine has two CPUs or more: Redis sharing every CPU with the pool, and Redis on a CPU of its own
 (``_Placement``). A request costs a Redis that waits between requests more than a busy one (it wakes up
 for each), so the bare RQ job is measured twice, back to back and at the turns' own rate, and a lone
-``PING`` at the turns' rate of requests shows what a round trip costs before any command runs.
+``PING`` at the turns' rate of requests shows what a round trip costs before any command runs. The same
+code's CPU per turn wanders by up to two times between runs on a shared machine, so every row is measured
+in several interleaved rounds (``--redis-rounds``) and shown as the median of its rounds, with their range.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ enqueued through ``agentpool.Shards`` as an app would; each shard's share of the
 run headers it holds, and its Redis CPU (``INFO cpu``: the server's user + system) and commands (``INFO
 commandstats``) per turn from that server alone, net of what it costs while the pool idles (the workers'
 dequeue waits, the reaper, heartbeats), beside one shard's. This machine's CPUs are the workers' long
-before a Redis saturates, so what is measured is what each shard carries, not the pool's total.
+before a Redis saturates, so what is measured is what each shard carries, not the pool's total. One
+shard and two are measured in turn, in several rounds (``--shard-rounds``): each figure is the median of
+its rounds, with their range.
 """
 
 from __future__ import annotations
