@@ -98,7 +98,7 @@ def _per_turn(cost: Cost, idle: Cost, turns: int) -> tuple[float, float]:
     return commands, cpu_us
 
 
-def _hashspread(n: int) -> str:
+def _hash_spread(n: int) -> str:
     from agentpool.runtime.shards import rendezvous
 
     on_first = sum(1 for i in range(HASHED_IDS) if rendezvous(f"order-{i}", n) == 0)
@@ -212,6 +212,6 @@ def bench_shards(lab: Lab, turns: int, threads: int, rounds: int = 1) -> None:
                 if rounds > 1
                 else "one round: CPU figures can wander by much between runs; --shard-rounds 3 or more gives medians"
             ),
-            f"ids an app gives (placed by a hash of the id): {HASHED_IDS:,} ids over two shards {_hashspread(2)}",
+            f"ids an app gives (placed by a hash of the id): {HASHED_IDS:,} ids over two shards {_hash_spread(2)}",
         ),
     )
