@@ -93,7 +93,7 @@ SECTIONS = {
     "shards": (
         ["--shard-turns", "20", "--threads", "2", "--shard-rounds", "2"],
         "shards: the same runs on one Redis and on two shards",
-        ["one shard", "two shards"],
+        ["one shard", "one shard, at each shard's rate", "two shards"],
         3,
     ),
 }

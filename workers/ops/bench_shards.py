@@ -9,7 +9,9 @@ commandstats``) per turn from that server alone, net of what it costs while the 
 dequeue waits, the reaper, heartbeats), beside one shard's. This machine's CPUs are the workers' long
 before a Redis saturates, so what is measured is what each shard carries, not the pool's total. One
 shard and two are measured in turn, in several rounds (``--shard-rounds``): each figure is the median of
-its rounds, with their range.
+its rounds, with their range. Each shard of two takes its turns more slowly than one shard does, and a
+Redis that waits longer between requests pays more for waking up at each, so one shard is measured again
+at the rate each shard of two had: at one rate, the two compare what a shard does.
 """
 
 from __future__ import annotations
@@ -105,23 +107,37 @@ def _hash_spread(n: int) -> str:
     return f"{100 * on_first / HASHED_IDS:.1f} % / {100 - 100 * on_first / HASHED_IDS:.1f} %"
 
 
-def _one_shard(lab: Lab, turns: int, worker: tuple[str, ...]) -> tuple[int, float, float]:
-    """The pool as it is without ``AGENTPOOL_SHARDS``: its turns, and commands and CPU µs per turn."""
-    lab.reset({"shards": tool_steps(TURNS_PER_RUN)})
+@dataclass
+class Shard:
+    """What one shard carried in one measurement: its turns, their commands and CPU µs each (net of the
+    idle pool), and its turns a second."""
+
+    turns: int
+    commands: float
+    cpu_us: float
+    rate: float
+
+
+def _carried(cost: Cost, idle: Cost, r: Redis) -> Shard:
+    turns = _turns(r)
+    return Shard(turns, *_per_turn(cost, idle, turns), turns / cost.seconds)
+
+
+def _one_shard(lab: Lab, turns: int, worker: tuple[str, ...], delay: float = 0.0) -> Shard:
+    """The pool as it is without ``AGENTPOOL_SHARDS``; each model call waiting ``delay`` seconds more."""
+    steps = tool_steps(TURNS_PER_RUN)
+    lab.reset({"shards": [{**step, "delay": delay} for step in steps] if delay else steps})
     lab.start(*worker)
     _runs(lab, [lab.r], lab.r, TURNS_PER_RUN)  # warm: imports, connections, scripts loaded
     (idle,) = _measure([lab.r], lambda: time.sleep(IDLE), lambda: True)
     lab.r.flushdb()
     (cost,) = _runs(lab, [lab.r], lab.r, turns)
-    done = _turns(lab.r)
-    return done, *_per_turn(cost, idle, done)
+    return _carried(cost, idle, lab.r)
 
 
-def _two_shards(
-    lab: Lab, other: Redis, url: str, turns: int, worker: tuple[str, ...]
-) -> list[tuple[int, float, float]]:
+def _two_shards(lab: Lab, other: Redis, url: str, turns: int, worker: tuple[str, ...]) -> list[Shard]:
     """One worker serving two shards (a process per shard, each as in ``_one_shard``), runs spread by the
-    API: each shard's turns, and its commands and CPU µs per turn."""
+    API: what each shard carried."""
     from agentpool.runtime.shards import Shards
 
     lab.reset({"shards": tool_steps(TURNS_PER_RUN)})
@@ -138,63 +154,92 @@ def _two_shards(
     for r in shards:
         r.flushdb()
     costs = _runs(lab, shards, pool, turns)
-    done = [_turns(r) for r in shards]
-    return [(got, *_per_turn(cost, idle_cost, got)) for cost, idle_cost, got in zip(costs, idle, done)]
+    return [_carried(cost, idle_cost, r) for cost, idle_cost, r in zip(costs, idle, shards)]
+
+
+def _one_shard_at(lab: Lab, turns: int, worker: tuple[str, ...], rate: float, threads: int) -> Shard:
+    """``_one_shard`` with its turns coming at about ``rate`` a second. Each of the ``threads`` takes a
+    turn every ``threads / rate`` seconds at that rate, of which the model's wait is what the turn's own
+    time leaves; that own time shrinks as the pool slows (the CPUs are less busy), so it is read off a
+    first run that waits the whole span, and the second run, the one kept, waits the rest."""
+    span = threads / rate
+    first = _one_shard(lab, turns, worker, span)
+    own = max(0.0, threads / first.rate - span)
+    return _one_shard(lab, turns, worker, max(0.0, span - own))
 
 
 def bench_shards(lab: Lab, turns: int, threads: int, rounds: int = 1) -> None:
-    """The same runs on one shard and on two, in ``rounds`` interleaved rounds (one shard, then two, in
-    each): each figure is the median of its rounds, a ratio taken within each round."""
+    """The same runs on one shard and on two, in ``rounds`` interleaved rounds (one shard, two, then one
+    shard again at the rate each of the two took its turns, in each): each figure is the median of its
+    rounds, a ratio taken within each round."""
     from agentpool.testing.localpool import RedisServer
 
     workdir = lab.workers.logdir / "shard-1"
     workdir.mkdir(exist_ok=True)
     second = RedisServer(workdir).start()
-    ones: list[tuple[int, float, float]] = []
-    twos: list[list[tuple[int, float, float]]] = []
+    ones: list[Shard] = []
+    twos: list[list[Shard]] = []
+    slowed: list[Shard] = []
     try:
         other = Redis.from_url(second.url)
         worker = ("--concurrency", str(threads))
         for _ in range(rounds):
             ones.append(_one_shard(lab, turns, worker))
             twos.append(_two_shards(lab, other, second.url, turns, worker))
+            rate = statistics.median(shard.rate for shard in twos[-1])
+            slowed.append(_one_shard_at(lab, turns, worker, rate, threads))
     finally:
         lab.workers.stop()
         second.stop()
 
-    rows = [
-        [
-            "one shard",
-            "0",
-            f"{statistics.median(got for got, _, _ in ones):.0f}",
-            "100.0 %",
-            "",
-            f"{statistics.median(commands for _, commands, _ in ones):.1f}",
-            spread([cpu_us for _, _, cpu_us in ones], ".0f"),
-            "1.00x",
-            "",
+    def row(pool: str, shard: str, carried: list[Shard], share: str, vs_one: str, vs_slowed: str) -> list[str]:
+        return [
+            pool,
+            shard,
+            f"{statistics.median(c.turns for c in carried):.0f}",
+            share,
+            "45-55 %" if pool == "two shards" else "",
+            f"{statistics.median(c.commands for c in carried):.1f}",
+            spread([c.cpu_us for c in carried], ".0f"),
+            f"{statistics.median(c.rate for c in carried):.0f}",
+            vs_one,
+            "<= 1.10x" if pool == "two shards" else "",
+            vs_slowed,
         ]
+
+    rows = [
+        row("one shard", "0", ones, "100.0 %", "1.00x", ""),
+        row("one shard, at each shard's rate", "0", slowed, "100.0 %", "", "1.00x"),
     ]
     for n in range(2):
         shard = [two[n] for two in twos]
-        shares = [100 * two[n][0] / max(sum(got for got, _, _ in two), 1) for two in twos]
+        shares = [100 * two[n].turns / max(sum(s.turns for s in two), 1) for two in twos]
         rows.append(
-            [
+            row(
                 "two shards",
                 str(n),
-                f"{statistics.median(got for got, _, _ in shard):.0f}",
+                shard,
                 spread(shares, ".1f", " %"),
-                "45-55 %",
-                f"{statistics.median(commands for _, commands, _ in shard):.1f}",
-                spread([cpu_us for _, _, cpu_us in shard], ".0f"),
-                spread([two[n][2] / max(one[2], 1e-9) for one, two in zip(ones, twos)], ".2f", "x"),
-                "<= 1.10x",
-            ]
+                spread([mine.cpu_us / max(one.cpu_us, 1e-9) for mine, one in zip(shard, ones)], ".2f", "x"),
+                spread([mine.cpu_us / max(one.cpu_us, 1e-9) for mine, one in zip(shard, slowed)], ".2f", "x"),
+            )
         )
     table(
         f"shards: the same runs on one Redis and on two shards ({turns} turns, {TURNS_PER_RUN} per run, "
         f"threaded worker --concurrency {threads} per shard; {rounds} round{'s' if rounds > 1 else ''})",
-        ["pool", "shard", "turns", "share", "target", "commands/turn", "CPU µs/turn", "vs one shard", "target"],
+        [
+            "pool",
+            "shard",
+            "turns",
+            "share",
+            "target",
+            "commands/turn",
+            "CPU µs/turn",
+            "turns/s",
+            "vs one shard",
+            "target",
+            "vs one shard at its rate",
+        ],
         rows,
         (
             (
@@ -206,9 +251,15 @@ def bench_shards(lab: Lab, turns: int, threads: int, rounds: int = 1) -> None:
                 "pool's background for as long; the bench's own polls taken out"
             ),
             (
-                f"{rounds} rounds, interleaved (one shard, then two, in each): each figure is the median of the "
-                "rounds, the share's, the CPU's and the ratio's with the lowest and highest round in brackets; a "
-                "ratio is taken within each round"
+                "one shard, at each shard's rate: the one-shard pool again, each model call waiting so that its "
+                "turns come as fast as each shard of two took them (the median of the two): a Redis that waits "
+                "longer between requests pays more for waking up at each, so at one rate the comparison is of "
+                "what a shard does, not of how busy it is"
+            ),
+            (
+                f"{rounds} rounds, interleaved (one shard, two, then one at their rate, in each): each figure is the "
+                "median of the rounds, the share's, the CPU's and the ratios' with the lowest and highest round in "
+                "brackets; a ratio is taken within each round"
                 if rounds > 1
                 else "one round: CPU figures can wander by much between runs; --shard-rounds 3 or more gives medians"
             ),
