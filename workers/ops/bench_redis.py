@@ -38,7 +38,6 @@ BARE_PACED = "bare RQ job (no-op), turns' rate"
 PING = "round trip alone (PING), same rate"
 OURS_LIMITED = "agentpool turn, rate limits learned"
 OURS_AT_FORKING_PACE = "agentpool turn, the forking turns' rate"
-AT_FORKING_PACE = "threaded, forking's rate"  # the key of that row's figures beside the two kinds'
 
 
 @dataclass
@@ -263,25 +262,31 @@ def _row(rounds: list[_Measured]) -> list[str]:
     ]
 
 
-def _forking_against_threaded(rounds: list[dict[str, dict[str, tuple[float, float]]]]) -> list[str]:
-    """Issue 22's forking target, within 1.2x of the threaded turn: the forking turn over the threaded one,
-    and over the threaded one at the forking turns' rate (each of ``rounds``: per placement of Redis, per
-    worker kind, net commands and net CPU µs a turn; ``threaded, forking's rate`` when it was measured).
-    Each ratio is taken within a round, then their median (and range) over the rounds."""
+Rows = dict[tuple[str, str, str], list[_Measured]]  # (placement, worker kind, job) -> that row in each round
+
+
+def _forking_against_threaded(rows: Rows) -> list[str]:
+    """Issue 22's forking target, within 1.2x of the threaded turn: per placement of Redis, the forking
+    turn over the threaded one, and over the threaded one at the forking turns' rate. Each ratio is taken
+    within a round (the rows' lists are in the rounds' order), then their median (and range)."""
     lines = []
-    for where in rounds[0]:
-        pairs = [figures[where] for figures in rounds if "forking" in figures[where] and "threaded" in figures[where]]
-        if not pairs:
+    for where in dict.fromkeys(where for where, _, _ in rows):
+        turns = {kind.split()[0]: rounds for (at, kind, job), rounds in rows.items() if at == where and job == OURS}
+        paced = next(
+            (rounds for (at, _, job), rounds in rows.items() if at == where and job == OURS_AT_FORKING_PACE), []
+        )
+        if "forking" not in turns or "threaded" not in turns:
             continue
 
-        def ratios(against: str, pairs=pairs) -> str:
-            commands = [kinds["forking"][0] / kinds[against][0] for kinds in pairs]
-            cpu = [kinds["forking"][1] / max(kinds[against][1], 1e-9) for kinds in pairs]
+        def ratios(against: list[_Measured], forking: list[_Measured] = turns["forking"]) -> str:
+            pairs = [(mine.figures, theirs.figures) for mine, theirs in zip(forking, against)]
+            commands = [mine[2] / theirs[2] for mine, theirs in pairs]
+            cpu = [mine[3] / max(theirs[3], 1e-9) for mine, theirs in pairs]
             return f"commands {statistics.median(commands):.2f}x, CPU {spread(cpu, '.2f', 'x')}"
 
-        line = f"forking turn / threaded turn, Redis {where}: {ratios('threaded')} (target: within 1.2x)"
-        if all(AT_FORKING_PACE in kinds for kinds in pairs):
-            line += f"; against the threaded turn at the forking turns' rate: {ratios(AT_FORKING_PACE)}"
+        line = f"forking turn / threaded turn, Redis {where}: {ratios(turns['threaded'])} (target: within 1.2x)"
+        if paced:
+            line += f"; against the threaded turn at the forking turns' rate: {ratios(paced)}"
         lines.append(line)
     return lines
 
@@ -322,13 +327,9 @@ def _pin(pid: int, cpus: list[int]) -> None:
             pass
 
 
-def _round(
-    lab: Lab, placement: _Placement, turns: int, threads: int
-) -> tuple[list[_Measured], dict[str, dict[str, tuple[float, float]]]]:
-    """One round: every row, under each placement of Redis and on each worker kind; and per placement, per
-    worker kind, the turn's net commands and CPU (``_forking_against_threaded``)."""
+def _round(lab: Lab, placement: _Placement, turns: int, threads: int) -> list[_Measured]:
+    """One round: every row, under each placement of Redis and on each worker kind."""
     measured: list[_Measured] = []
-    turn_figures: dict[str, dict[str, tuple[float, float]]] = {}
     forking_rate: dict[str, float] = {}  # placement -> the forking worker's turns a second
     for isolated in placement.placements:
         placement.set(isolated)
@@ -350,25 +351,19 @@ def _round(
             pings = max(100, round(ours.reads / ours.seconds * PING_SECONDS))
             ping = _pings(lab, pings, rate=ours.reads / ours.seconds)
             samples = [(BARE, bare, turns), (OURS, ours, turns), (BARE_PACED, paced, turns), (PING, ping, pings)]
-            figures = turn_figures.setdefault(where, {})
-            figures[kind.split()[0]] = _per_turn(ours, idle, turns)[2:4]
             if kind.startswith("forking"):
                 forking_rate[where] = turns / ours.seconds
             elif where in forking_rate:  # before the limits are learned: they stay learned
                 slowed = _runs_at_rate(lab, turns, forking_rate[where], threads * ours.seconds / turns, threads)
-                figures[AT_FORKING_PACE] = _per_turn(slowed, idle, turns)[2:4]
                 samples.append((OURS_AT_FORKING_PACE, slowed, turns))
             samples.append((OURS_LIMITED, _limited_runs(lab, turns), turns))
             baseline = _per_turn(paced, idle, turns)[3]
             measured += [_Measured(where, kind, job, sample, idle, n, baseline) for job, sample, n in samples]
-    return measured, turn_figures
+    return measured
 
 
-def _details(measured: list[_Measured]) -> list[str]:
+def _details(rows: Rows) -> list[str]:
     """Each row's biggest commands and their time, and each idle pool's, summed over the rounds."""
-    rows: dict[tuple[str, str, str], list[_Measured]] = {}
-    for m in measured:
-        rows.setdefault(m.key, []).append(m)
     details = []
     for (where, kind, job), rounds in rows.items():
         n = sum(m.n for m in rounds)
@@ -392,22 +387,16 @@ def bench_redis(lab: Lab, turns: int, threads: int, rounds: int = 1) -> None:
     """The table of ``rounds`` rounds of every row, interleaved (each round measures every row in turn,
     so a change in the machine's speed hits every row alike): each figure is the median of its rounds."""
     placement = _Placement(lab)
-    measured: list[_Measured] = []
-    turn_figures: list[dict[str, dict[str, tuple[float, float]]]] = []
+    by_row: Rows = {}
     try:
         for _ in range(rounds):
-            round_measured, round_figures = _round(lab, placement, turns, threads)
-            measured += round_measured
-            turn_figures.append(round_figures)
+            for m in _round(lab, placement, turns, threads):
+                by_row.setdefault(m.key, []).append(m)
     finally:
         placement.set(False)
         lab.workers.stop()  # started under the last placement
-    by_row: dict[tuple[str, str, str], list[_Measured]] = {}
-    for m in measured:
-        by_row.setdefault(m.key, []).append(m)
     rows = [_row(row_rounds) for row_rounds in by_row.values()]
-    details = _details(measured)
-    details[:0] = _forking_against_threaded(turn_figures)
+    details = [*_forking_against_threaded(by_row), *_details(by_row)]
     if not placement.can_isolate:
         details.insert(
             0, "Redis was not given a CPU of its own: it was not started by this bench, or the machine has one CPU"

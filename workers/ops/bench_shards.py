@@ -123,16 +123,33 @@ def _carried(cost: Cost, idle: Cost, r: Redis) -> Shard:
     return Shard(turns, *_per_turn(cost, idle, turns), turns / cost.seconds)
 
 
-def _one_shard(lab: Lab, turns: int, worker: tuple[str, ...], delay: float = 0.0) -> Shard:
-    """The pool as it is without ``AGENTPOOL_SHARDS``; each model call waiting ``delay`` seconds more."""
+def _scripts(delay: float = 0.0) -> dict[str, list[dict[str, object]]]:
+    """The bench agent's turns, each model call waiting ``delay`` seconds."""
     steps = tool_steps(TURNS_PER_RUN)
-    lab.reset({"shards": [{**step, "delay": delay} for step in steps] if delay else steps})
+    return {"shards": [{**step, "delay": delay} for step in steps] if delay else steps}
+
+
+def _one_shard(lab: Lab, turns: int, worker: tuple[str, ...], rate: float = 0.0, threads: int = 1) -> Shard:
+    """The pool as it is without ``AGENTPOOL_SHARDS``. With ``rate``: its turns come at about that rate a
+    second. Each of the ``threads`` then takes a turn every ``threads / rate`` seconds, of which the
+    model's wait is what the turn's own time leaves; that own time shrinks as the pool slows (the CPUs
+    are less busy), so it is read off a first run that waits the whole span, and a second run, the one
+    kept, waits the rest."""
+    span = threads / rate if rate else 0.0
+    lab.reset(_scripts(span))
     lab.start(*worker)
     _runs(lab, [lab.r], lab.r, TURNS_PER_RUN)  # warm: imports, connections, scripts loaded
     (idle,) = _measure([lab.r], lambda: time.sleep(IDLE), lambda: True)
     lab.r.flushdb()
     (cost,) = _runs(lab, [lab.r], lab.r, turns)
-    return _carried(cost, idle, lab.r)
+    carried = _carried(cost, idle, lab.r)
+    if rate:
+        own = max(0.0, threads / carried.rate - span)
+        lab.model.set_scripts(_scripts(max(0.0, span - own)))
+        lab.r.flushdb()
+        (cost,) = _runs(lab, [lab.r], lab.r, turns)
+        carried = _carried(cost, idle, lab.r)
+    return carried
 
 
 def _two_shards(lab: Lab, other: Redis, url: str, turns: int, worker: tuple[str, ...]) -> list[Shard]:
@@ -140,7 +157,7 @@ def _two_shards(lab: Lab, other: Redis, url: str, turns: int, worker: tuple[str,
     API: what each shard carried."""
     from agentpool.runtime.shards import Shards
 
-    lab.reset({"shards": tool_steps(TURNS_PER_RUN)})
+    lab.reset(_scripts())
     other.flushdb()
     shards = [lab.r, other]
     lab.names += 1
@@ -155,17 +172,6 @@ def _two_shards(lab: Lab, other: Redis, url: str, turns: int, worker: tuple[str,
         r.flushdb()
     costs = _runs(lab, shards, pool, turns)
     return [_carried(cost, idle_cost, r) for cost, idle_cost, r in zip(costs, idle, shards)]
-
-
-def _one_shard_at(lab: Lab, turns: int, worker: tuple[str, ...], rate: float, threads: int) -> Shard:
-    """``_one_shard`` with its turns coming at about ``rate`` a second. Each of the ``threads`` takes a
-    turn every ``threads / rate`` seconds at that rate, of which the model's wait is what the turn's own
-    time leaves; that own time shrinks as the pool slows (the CPUs are less busy), so it is read off a
-    first run that waits the whole span, and the second run, the one kept, waits the rest."""
-    span = threads / rate
-    first = _one_shard(lab, turns, worker, span)
-    own = max(0.0, threads / first.rate - span)
-    return _one_shard(lab, turns, worker, max(0.0, span - own))
 
 
 def bench_shards(lab: Lab, turns: int, threads: int, rounds: int = 1) -> None:
@@ -187,7 +193,7 @@ def bench_shards(lab: Lab, turns: int, threads: int, rounds: int = 1) -> None:
             ones.append(_one_shard(lab, turns, worker))
             twos.append(_two_shards(lab, other, second.url, turns, worker))
             rate = statistics.median(shard.rate for shard in twos[-1])
-            slowed.append(_one_shard_at(lab, turns, worker, rate, threads))
+            slowed.append(_one_shard(lab, turns, worker, rate, threads))
     finally:
         lab.workers.stop()
         second.stop()
