@@ -90,6 +90,12 @@ SECTIONS = {
         ["bare RQ job (no-op)", "agentpool turn", "agentpool turn, rate limits learned"],
         6,
     ),
+    "capacity": (
+        ["--capacity-turns", "20", "--capacity-copies", "4", "--capacity-rounds", "2", "--threads", "2"],
+        "capacity: a Redis core kept busy by 4 copies of a recorded pool",
+        ["bare RQ job (no-op)", "agentpool turn"],
+        3,
+    ),
     "shards": (
         ["--shard-turns", "20", "--threads", "2", "--shard-rounds", "2"],
         "shards: the same runs on one Redis and on two shards",
@@ -118,6 +124,7 @@ MORE_LINES = {
         "against the threaded turn at the forking turns' rate: commands",
     ],
     "instructions": ["in scripts: inside EVAL and EVALSHA"],
+    "capacity": ["forking turn / threaded turn at capacity: CPU"],
 }
 # What a section's output must show in a form (a regular expression): the redis section's medians of
 # rounds, with the CPU's range and the forking ratio's.
@@ -153,6 +160,22 @@ def test_bench_section_prints_its_table_of_figures(section):
         assert line in out, out
     for pattern in MORE_PATTERNS.get(section, []):
         assert re.search(pattern, out), f"nothing like {pattern!r}:\n{out}"
+    if section == "capacity":
+        check_replay_did_what_the_pool_did(out)
+
+
+def check_replay_did_what_the_pool_did(out: str) -> None:
+    """The capacity figures are only worth something if the copies of the recorded pool did its work: each
+    turn's scripts ran through (a copy whose leases or fences failed would stop early, in about half the
+    commands), and its replies were of the kinds the pool got, but for the few that depend on Redis's clock."""
+    turns = [line for line in out.splitlines() if line.startswith("  agentpool turn")]
+    assert len(turns) == 2, out
+    for line in turns:
+        cells = re.split(r"\s{2,}", line.strip())
+        commands = float(cells[3])
+        assert 30 <= commands <= 45, f"a replayed turn ran {commands} commands (the pool runs about 37):\n{out}"
+        unlike, replies = (int(n.replace(",", "")) for n in re.fullmatch(r"([\d,]+) of ([\d,]+)", cells[-1]).groups())
+        assert unlike <= 0.05 * replies, f"{unlike} of {replies} replies unlike the recording:\n{out}"
 
 
 def check_table(out: str, title: str, rows: list[str], at_least: int) -> None:

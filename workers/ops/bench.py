@@ -45,6 +45,7 @@ SECTIONS = (
     "limits",
     "redis",
     "instructions",
+    "capacity",
     "shards",
 )
 AGENT = "agentpool.ops.bench:bench_agent"
@@ -925,6 +926,27 @@ def _lab(url: str | None) -> Iterator[Lab]:
     help="redis: interleaved rounds of every row (each figure is the median of its rounds, CPU with its range).",
 )
 @click.option(
+    "--capacity-turns",
+    type=click.IntRange(min=TURNS_PER_RUN),
+    default=400,
+    show_default=True,
+    help="capacity: turns recorded (whole runs of 10).",
+)
+@click.option(
+    "--capacity-copies",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="capacity: copies of the recording replayed at once (each on its own connection).",
+)
+@click.option(
+    "--capacity-rounds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="capacity: interleaved replays of every recording (each figure is the median of its rounds).",
+)
+@click.option(
     "--shard-turns", type=click.IntRange(min=20), default=400, show_default=True, help="shards: turns measured."
 )
 @click.option(
@@ -969,6 +991,9 @@ def bench(
     webhook_down: float,
     redis_turns: int,
     redis_rounds: int,
+    capacity_turns: int,
+    capacity_copies: int,
+    capacity_rounds: int,
     shard_turns: int,
     shard_rounds: int,
 ) -> None:
@@ -1025,6 +1050,10 @@ def bench(
             from agentpool.ops.bench_instructions import bench_instructions
 
             bench_instructions(redis_turns, threads, asked="instructions" in only)
+        if "capacity" in sections:
+            from agentpool.ops.bench_capacity import bench_capacity
+
+            bench_capacity(lab, capacity_turns, threads, capacity_copies, capacity_rounds)
         if "shards" in sections:
             from agentpool.ops.bench_shards import bench_shards
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from redis import Redis
 
 from agentpool.ops.bench import AGENT, TURNS_PER_RUN, Lab, spread, table, task, tool_steps, until
+from agentpool.testing.scripted_model.ratelimit import RateLimits
 
 POLL = 0.1  # the bench's own wait: one ZCARD a tenth of a second, counted and taken out
 IDLE = 4.0  # seconds of an idle pool measured for its background rate
@@ -38,6 +39,9 @@ BARE_PACED = "bare RQ job (no-op), turns' rate"
 PING = "round trip alone (PING), same rate"
 OURS_LIMITED = "agentpool turn, rate limits learned"
 OURS_AT_FORKING_PACE = "agentpool turn, the forking turns' rate"
+# The API's rate-limit headers the scripted model sends in the "rate limits learned" rows: far above what
+# the bench asks, so no call waits.
+LIMITS = RateLimits(rpm=1_000_000, itpm=1_000_000_000, otpm=100_000_000)
 
 
 @dataclass
@@ -136,9 +140,7 @@ def limits_learned(lab: Lab) -> Iterator[None]:
     """The scripted model sends the API's rate-limit headers, as the API does, and the pool has learned
     the limits from the first replies: each turn then reserves its call within them and settles it after.
     The limits are far above what the bench asks, so no call waits."""
-    from agentpool.testing.scripted_model.ratelimit import RateLimits
-
-    lab.model.set_rate_limits(RateLimits(rpm=1_000_000, itpm=1_000_000_000, otpm=100_000_000))
+    lab.model.set_rate_limits(LIMITS)
     try:
         _runs(lab, TURNS_PER_RUN)
         yield
@@ -462,7 +464,10 @@ def bench_redis(lab: Lab, turns: int, threads: int, rounds: int = 1) -> None:
                 "model call waits; the rate reached in brackets): a Redis that waits longer between requests pays "
                 "more for each, so at one rate the two kinds' CPU per turn compares their own work"
             ),
-            "turns/s per Redis core = 1,000,000 / net CPU µs per turn",
+            (
+                "turns/s per Redis core = 1,000,000 / net CPU µs per turn, at this pace: a floor, as a Redis this "
+                "far from busy pays a wake-up per request (--only capacity measures a core kept busy)"
+            ),
             (
                 "Redis: 'shares all': Redis, the workers, the scripted model and the bench on all the machine's "
                 "CPUs; 'own CPU': Redis alone on one CPU (sched_setaffinity), everything else on the others, as a "
