@@ -45,7 +45,7 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import click
 import hiredis
@@ -58,6 +58,8 @@ from agentpool.ops.wiretap import RoundTrip, Wiretap, shape
 # its own, in keys of its own (its queue, its runs, its jobs, its workers' records), with the same ids.
 PREFIXES = re.compile(rb"(?<![0-9A-Za-z_])(?:ap|rq):")
 RUN_KEY = re.compile(rb"\{run:([^}]+)\}")  # a run's hash tag, in every key of the run
+# A copy's two prefixes: two characters, as long as the ones they replace (no "a", "p", "q" or "r" first, so
+# never "ap" or "rq" themselves).
 CODES = [a + b for a in "bcdefghijklmnostuvwxyz" for b in "0123456789abcdefghijklmnopqrstuvwxyz"]
 HANDSHAKE = {b"HELLO", b"CLIENT", b"AUTH", b"SELECT"}  # a connection's own setup: the replay's are made once
 DEQUEUES = {b"BLMOVE", b"BRPOPLPUSH"}  # how RQ takes a job: replayed as the move of the job it took
@@ -75,8 +77,8 @@ Source = tuple[int, int, int]  # where a script made a value: its round trip, co
 @dataclass
 class Stream:
     """A recording ready to replay: its round trips as RESP in one buffer (a copy is one substitution
-    over it, every id the same length, so every trip keeps its offsets), each trip's end, the connection
-    it was sent on, and the kinds of reply the pool got."""
+    over it, each prefix renamed at the same length, so every trip keeps its offsets), each trip's end, the
+    connection it was sent on, and the kinds of reply the pool got."""
 
     data: bytes
     ends: list[int]
@@ -87,6 +89,10 @@ class Stream:
     jobs: int  # turns (or bare jobs) it holds
     commands: int
     added: int  # commands the replay sends that the pool did not (a dequeue is a move of two)
+    # Values a script made that the pool sent back later: where each was made -> (its leaf, the value,
+    # where), and the trips that carry one -> (the value, where it was made).
+    watch: dict[tuple[int, int], list[tuple[int, bytes, Source]]] = field(default_factory=dict)
+    uses: dict[int, list[tuple[bytes, Source]]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, trips: list[RoundTrip], jobs: int) -> Stream:
@@ -128,8 +134,6 @@ class Stream:
             if value not in producers and self.data.find(value, 0, self.ends[trip]) >= 0:
                 continue  # the client sent it first: not the script's own making
             producers.setdefault(value, []).append((trip, k, leaf))
-        self.watch: dict[tuple[int, int], list[tuple[int, bytes, Source]]] = {}
-        self.uses: dict[int, list[tuple[bytes, Source]]] = {}
         for value, sources in producers.items():
             made_in = [trip for trip, _, _ in sources]
             used: set[Source] = set()
