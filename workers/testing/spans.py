@@ -24,6 +24,9 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
         "status": span.status.status_code.name,
         "attributes": {k: list(v) if isinstance(v, tuple) else v for k, v in (span.attributes or {}).items()},
         "pid": os.getpid(),
+        # When it ran (ns since the epoch): processes export in batches, so the file's order is not the spans'.
+        "start": span.start_time,
+        "end": span.end_time,
     }
 
 
