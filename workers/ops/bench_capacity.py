@@ -277,10 +277,10 @@ def _redis_totals(r: Redis) -> tuple[float, int]:
 class _Copy:
     """One copy of the stream, a connection for each of the recording's, one round trip in flight."""
 
-    def __init__(self, stream: Stream, number: int, address: tuple[str, int]) -> None:
+    def __init__(self, stream: Stream, number: int, server: _Server) -> None:
         self.stream = stream
         self.data, self.rename = stream.copy(number)
-        self.socks = [_connect(address, protocol) for protocol in stream.protocols]
+        self.socks = [_connect(server, protocol) for protocol in stream.protocols]
         self.reader = hiredis.Reader()
         self.trip, self.answered = 0, 0
         self.unlike: Counter[str] = Counter()  # replies of another kind than recorded, by command and kinds
@@ -328,23 +328,53 @@ class _Copy:
             sock.close()
 
 
-def _connect(address: tuple[str, int], protocol: int) -> socket.socket:
-    sock = socket.create_connection(address)
+@dataclass(frozen=True)
+class _Server:
+    """Where the lab's Redis listens, and what a connection of the replay says first (the handshake the
+    recording's connections made is not replayed)."""
+
+    host: str
+    port: int
+    db: int
+    username: str | None
+    password: str | None
+
+    @classmethod
+    def of(cls, lab: Lab) -> _Server:
+        kwargs = lab.r.connection_pool.connection_kwargs
+        if "host" not in kwargs or lab.url.startswith("rediss://"):
+            raise click.ClickException(
+                "bench --only capacity records through a TCP proxy: it needs a plain redis:// URL"
+            )
+        return cls(kwargs["host"], kwargs["port"], kwargs.get("db", 0), kwargs.get("username"), kwargs.get("password"))
+
+
+def _connect(server: _Server, protocol: int) -> socket.socket:
+    sock = socket.create_connection((server.host, server.port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    handshake = []
+    if server.password is not None:
+        handshake.append((b"AUTH", *([server.username.encode()] if server.username else []), server.password.encode()))
+    if server.db:
+        handshake.append((b"SELECT", str(server.db).encode()))
     if protocol == 3:  # as the recorded connection spoke: its replies are RESP3
-        sock.sendall(_resp((b"HELLO", b"3")))
-        reader = hiredis.Reader()
-        while reader.gets() is False:
+        handshake.append((b"HELLO", b"3"))
+    reader = hiredis.Reader()
+    for command in handshake:
+        sock.sendall(_resp(command))
+        while (reply := reader.gets()) is False:
             reader.feed(sock.recv(1 << 16))
+        if isinstance(reply, hiredis.ReplyError):
+            raise click.ClickException(f"the replay's {command[0].decode()} was refused: {reply}")
     return sock
 
 
 def replay(lab: Lab, stream: Stream, copies: int) -> Replayed:
     """``copies`` copies of ``stream`` at once, each sending its next round trip as soon as its last is
     answered, against the lab's Redis; Redis's own figures from the first request to the last reply."""
-    kwargs = lab.r.connection_pool.connection_kwargs
+    server = _Server.of(lab)
     lab.r.flushdb()  # the copies' keys from the replay before (the same names): each replay starts empty
-    running = [_Copy(stream, n, (kwargs["host"], kwargs["port"])) for n in range(copies)]
+    running = [_Copy(stream, n, server) for n in range(copies)]
     selector = selectors.DefaultSelector()
     cpu_before, calls_before = _redis_totals(lab.r)
     started = time.perf_counter()
@@ -385,12 +415,12 @@ Load = Callable[[Redis, Redis], Callable[[], bool]]  # enqueue through the proxy
 
 def _record(lab: Lab, worker_args: tuple[str, ...], load: Load, jobs: int) -> Stream:
     """What a pool of one worker (``worker_args``) sends Redis for ``load``."""
-    kwargs = lab.r.connection_pool.connection_kwargs
-    tap = Wiretap(kwargs["host"], kwargs["port"])
+    server = _Server.of(lab)
+    tap = Wiretap(server.host, server.port)
     try:
         lab.reset({"redis": tool_steps(TURNS_PER_RUN)})
-        lab.start(*worker_args, REDIS_URL=tap.url(kwargs.get("db", 0)))
-        app = Redis.from_url(tap.url(kwargs.get("db", 0)))
+        lab.start(*worker_args, REDIS_URL=tap.url_for(lab.url))
+        app = Redis.from_url(tap.url_for(lab.url))
         # A first lot, not recorded: imports, connections, scripts loaded.
         until(load(app, lab.r), 120 + 5 * jobs, "the warm-up jobs", lab, poll=0.05)
         tap.start()
@@ -527,7 +557,11 @@ def bench_capacity(lab: Lab, turns: int, threads: int, copies: int, rounds: int)
                 f"forking turn / threaded turn at capacity: CPU {spread(forking, '.2f', 'x')} "
                 "(target: within 1.2x; at the workers' own pace, --only redis, Redis wakes up for each request)"
             ),
-            f"{rounds} rounds: each figure is the median of the rounds, with their range",
+            (
+                f"{rounds} rounds, interleaved: each figure is the median of the rounds, with their range"
+                if rounds > 1
+                else "one round (--capacity-rounds 3 or more gives medians)"
+            ),
             *notes,
         ),
     )

@@ -16,6 +16,7 @@ import itertools
 import socket
 import threading
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 import hiredis
 
@@ -59,7 +60,7 @@ class _Connection:
 
 
 class Wiretap:
-    """Listens on 127.0.0.1 (``url``: the same Redis URL with the proxy's port) and forwards to
+    """Listens on 127.0.0.1 (``url_for``: a Redis URL with the proxy's address) and forwards to
     ``host:port``. Round trips sent between ``start()`` and ``stop()`` are the recording."""
 
     def __init__(self, host: str, port: int) -> None:
@@ -72,8 +73,12 @@ class Wiretap:
         self._closing = False
         threading.Thread(target=self._accept, name="wiretap-accept", daemon=True).start()
 
-    def url(self, db: int = 0) -> str:
-        return f"redis://127.0.0.1:{self.port}/{db}"
+    def url_for(self, url: str) -> str:
+        """``url``, a redis:// URL of the server this proxies, with the proxy's address in its place (its
+        credentials and database kept)."""
+        parts = urlsplit(url)
+        userinfo = parts.netloc.rpartition("@")[0]
+        return urlunsplit(parts._replace(netloc=f"{userinfo + '@' if userinfo else ''}127.0.0.1:{self.port}"))
 
     def _accept(self) -> None:
         while not self._closing:
