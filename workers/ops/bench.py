@@ -191,6 +191,14 @@ def table(title: str, header: list[str], rows: list[list[str]], notes: tuple[str
         click.echo(f"  note: {note}")
 
 
+def cpu_and_calls(r: Redis) -> tuple[float, int]:
+    """Redis's own CPU seconds so far (``INFO cpu``: user + system) and the commands it has run (``INFO
+    commandstats``, a script's own calls among them)."""
+    cpu = r.info("cpu")
+    calls = sum(int(stat["calls"]) for stat in r.info("commandstats").values())
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), calls
+
+
 def spread(values: list[float], fmt: str, unit: str = "") -> str:
     """The median of a figure's rounds, and their range in brackets when there were several rounds."""
     lowest, mid, highest = (format(v, fmt) + unit for v in (min(values), statistics.median(values), max(values)))

@@ -51,7 +51,8 @@ import click
 import hiredis
 from redis import Redis
 
-from agentpool.ops.bench import TURNS_PER_RUN, Lab, spread, table, tool_steps, until
+from agentpool.ops.bench import TURNS_PER_RUN, Lab, cpu_and_calls, spread, table, tool_steps, until
+from agentpool.ops.bench_redis import Load, _Placement, bare_load, runs_load
 from agentpool.ops.wiretap import RoundTrip, Wiretap, shape
 
 # Every key is agentpool's (``ap:``) or RQ's (``rq:``): a copy renames the two prefixes, so it is a pool of
@@ -268,12 +269,6 @@ class Replayed:
         return self.cpu_s / self.seconds
 
 
-def _redis_totals(r: Redis) -> tuple[float, int]:
-    cpu = r.info("cpu")
-    calls = sum(int(stat["calls"]) for stat in r.info("commandstats").values())
-    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), calls
-
-
 class _Copy:
     """One copy of the stream, a connection for each of the recording's, one round trip in flight."""
 
@@ -376,7 +371,7 @@ def replay(lab: Lab, stream: Stream, copies: int) -> Replayed:
     lab.r.flushdb()  # the copies' keys from the replay before (the same names): each replay starts empty
     running = [_Copy(stream, n, server) for n in range(copies)]
     selector = selectors.DefaultSelector()
-    cpu_before, calls_before = _redis_totals(lab.r)
+    cpu_before, calls_before = cpu_and_calls(lab.r)
     started = time.perf_counter()
     for each in running:
         selector.register(each.send(), selectors.EVENT_READ, each)
@@ -392,7 +387,7 @@ def replay(lab: Lab, stream: Stream, copies: int) -> Replayed:
                 else:
                     selector.register(sock, selectors.EVENT_READ, each)
     seconds = time.perf_counter() - started
-    cpu_after, calls_after = _redis_totals(lab.r)
+    cpu_after, calls_after = cpu_and_calls(lab.r)
     for each in running:
         each.close()
     unlike = sum((each.unlike for each in running), Counter())
@@ -410,22 +405,21 @@ def replay(lab: Lab, stream: Stream, copies: int) -> Replayed:
 # -- recording -------------------------------------------------------------------------------------
 
 
-Load = Callable[[Redis, Redis], Callable[[], bool]]  # enqueue through the proxy; read "done" directly
-
-
-def _record(lab: Lab, worker_args: tuple[str, ...], load: Load, jobs: int) -> Stream:
-    """What a pool of one worker (``worker_args``) sends Redis for ``load``."""
+def _record(lab: Lab, worker_args: tuple[str, ...], load: Callable[[Redis], Load], jobs: int) -> Stream:
+    """What a pool of one worker (``worker_args``) sends Redis for ``load``, given the client of the proxy
+    to enqueue through."""
     server = _Server.of(lab)
     tap = Wiretap(server.host, server.port)
     try:
         lab.reset({"redis": tool_steps(TURNS_PER_RUN)})
         lab.start(*worker_args, REDIS_URL=tap.url_for(lab.url))
         app = Redis.from_url(tap.url_for(lab.url))
-        # A first lot, not recorded: imports, connections, scripts loaded.
-        until(load(app, lab.r), 120 + 5 * jobs, "the warm-up jobs", lab, poll=0.05)
-        tap.start()
-        done = load(app, lab.r)
-        until(done, 120 + 5 * jobs, "the recorded jobs", lab, poll=0.05)
+        for recorded in (False, True):  # a first lot, not recorded: imports, connections, scripts loaded
+            if recorded:
+                tap.start()
+            work, done = load(app)
+            work()
+            until(done, 120 + 5 * jobs, "the recorded jobs" if recorded else "the warm-up jobs", lab, poll=0.05)
         tap.stop()
         app.close()
         return Stream.of(tap.round_trips(), jobs)
@@ -434,45 +428,20 @@ def _record(lab: Lab, worker_args: tuple[str, ...], load: Load, jobs: int) -> St
         tap.close()
 
 
-def _runs(turns: int) -> Load:
-    from agentpool.client import enqueue_run
-    from agentpool.ops.bench import AGENT, task
-    from agentpool.store.keys import RUNS_WATCH
-
-    def load(app: Redis, direct: Redis) -> Callable[[], bool]:
-        for i in range(turns // TURNS_PER_RUN):
-            enqueue_run(AGENT, task("redis", i), connection=app, check_agent=False)
-        return lambda: direct.zcard(RUNS_WATCH) == 0  # ended runs leave the watch set
-
-    return load
-
-
-def _bare(jobs: int) -> Load:
-    from agentpool.runtime.jobs import turn_queue
-
-    def load(app: Redis, direct: Redis) -> Callable[[], bool]:
-        queue = turn_queue(app)
-        finished = queue.finished_job_registry.key
-        before = direct.zcard(finished)
-        for i in range(jobs):
-            with app.pipeline() as pipe:
-                pipe.multi()
-                queue.enqueue("agentpool.ops.bench.bare_noop", i, pipeline=pipe, description="bench baseline")
-                pipe.execute()
-        return lambda: direct.zcard(finished) - before >= jobs
-
-    return load
-
-
 def bench_capacity(lab: Lab, turns: int, threads: int, copies: int, rounds: int) -> None:
-    from agentpool.ops.bench_redis import _Placement
-
     turns -= turns % TURNS_PER_RUN
     threaded = ("--concurrency", str(threads))
-    kinds: list[tuple[str, str, tuple[str, ...], Load]] = [
-        (BARE, f"threaded (--concurrency {threads})", threaded, _bare(turns)),
-        (OURS, f"threaded (--concurrency {threads})", threaded, _runs(turns)),
-        (OURS, "forking (--concurrency 1)", (), _runs(turns)),
+
+    def runs(app: Redis) -> Load:
+        return runs_load(lab, turns, via=app)
+
+    def bare(app: Redis) -> Load:
+        return bare_load(lab, turns, via=app)
+
+    kinds: list[tuple[str, str, tuple[str, ...], Callable[[Redis], Load]]] = [
+        (BARE, f"threaded (--concurrency {threads})", threaded, bare),
+        (OURS, f"threaded (--concurrency {threads})", threaded, runs),
+        (OURS, "forking (--concurrency 1)", (), runs),
     ]
     streams = [_record(lab, args, load, turns) for _, _, args, load in kinds]
     placement = _Placement(lab)

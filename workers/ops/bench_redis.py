@@ -100,8 +100,9 @@ def _idle(lab: Lab) -> Sample:
 Load = tuple[Callable[[], object], Callable[[], bool]]  # the work to start, and whether it is done
 
 
-def runs_load(lab: Lab, turns: int) -> Load:
-    """Runs of ``TURNS_PER_RUN`` turns enough for ``turns``: enqueued by ``work``, all ended when ``done``."""
+def runs_load(lab: Lab, turns: int, via: Redis | None = None) -> Load:
+    """Runs of ``TURNS_PER_RUN`` turns enough for ``turns``: enqueued by ``work`` (through ``via``, the lab's
+    client unless given), all ended when ``done`` (asked of the lab's client)."""
     from agentpool.client import enqueue_run
     from agentpool.store.keys import RUNS_WATCH
 
@@ -109,7 +110,7 @@ def runs_load(lab: Lab, turns: int) -> Load:
 
     def work() -> None:
         for i in range(runs):
-            enqueue_run(AGENT, task("redis", i), connection=lab.r, check_agent=False)
+            enqueue_run(AGENT, task("redis", i), connection=via or lab.r, check_agent=False)
 
     deadline = time.monotonic() + 120 + 5 * turns
 
@@ -167,9 +168,9 @@ def _runs_at_rate(lab: Lab, turns: int, rate: float, own_seconds: float, threads
         lab.model.set_scripts({"redis": tool_steps(TURNS_PER_RUN)})
 
 
-def bare_load(lab: Lab, jobs: int, rate: float | None = None) -> Load:
-    """Bare RQ jobs (a no-op function) enqueued as agentpool enqueues a turn: one pipeline each, back to
-    back or at ``rate`` jobs a second."""
+def bare_load(lab: Lab, jobs: int, rate: float | None = None, via: Redis | None = None) -> Load:
+    """Bare RQ jobs (a no-op function) enqueued as agentpool enqueues a turn: one pipeline each (through
+    ``via``, the lab's client unless given), back to back or at ``rate`` jobs a second."""
     from agentpool.runtime.jobs import turn_queue
 
     queue = turn_queue(lab.r)
@@ -177,7 +178,7 @@ def bare_load(lab: Lab, jobs: int, rate: float | None = None) -> Load:
     before = lab.r.zcard(finished)
 
     def enqueue(i: int) -> None:
-        with lab.r.pipeline() as pipe:
+        with (via or lab.r).pipeline() as pipe:
             pipe.multi()
             queue.enqueue("agentpool.ops.bench.bare_noop", i, pipeline=pipe, description="bench baseline")
             pipe.execute()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from redis import Redis
 
-from agentpool.ops.bench import AGENT, TURNS_PER_RUN, Lab, spread, table, task, tool_steps, until
+from agentpool.ops.bench import AGENT, TURNS_PER_RUN, Lab, cpu_and_calls, spread, table, task, tool_steps, until
 
 POLL = 0.1  # the bench's own wait: one ZCARD per shard a tenth of a second, counted and taken out
 IDLE = 4.0  # seconds of an idle pool measured for its background rate
@@ -40,15 +40,9 @@ class Cost:
     seconds: float
 
 
-def _snapshot(r: Redis) -> tuple[float, int]:
-    cpu = r.info("cpu")
-    calls = sum(int(stat["calls"]) for stat in r.info("commandstats").values())
-    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"]), calls
-
-
 def _measure(shards: list[Redis], work: Callable[[], object], done: Callable[[], bool]) -> list[Cost]:
     """Each shard's CPU and commands from before ``work()`` until ``done()`` (one ZCARD per shard a poll)."""
-    before = [_snapshot(r) for r in shards]
+    before = [cpu_and_calls(r) for r in shards]
     started = time.perf_counter()
     work()
     polls = 0
@@ -57,7 +51,7 @@ def _measure(shards: list[Redis], work: Callable[[], object], done: Callable[[],
         time.sleep(POLL)
     polls += 1
     seconds = time.perf_counter() - started
-    after = [_snapshot(r) for r in shards]
+    after = [cpu_and_calls(r) for r in shards]
     own = 2 + polls  # the first snapshot's two INFO, and a ZCARD a poll
     return [Cost(a[0] - b[0], a[1] - b[1] - own, seconds) for a, b in zip(after, before)]
 
