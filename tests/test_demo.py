@@ -1,5 +1,6 @@
-"""`agentpool demo` on a machine where an app already has its Redis: it never touches it unless told to,
-leaves nothing behind where it is told to, and says what went wrong when something does."""
+"""`agentpool demo` keeps its promise (both kills land inside tool calls, nothing lost or repeated); on a
+machine where an app already has its Redis it never touches it unless told to, leaves nothing behind
+where it is told to, and says what went wrong when something does."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from redis import Redis
 
 from agentpool.testing.localpool import free_port
@@ -15,10 +17,12 @@ from agentpool.testing.localpool import free_port
 from conftest import TESTS
 
 
-def demo(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
+def demo(
+    *args: str, runs: int = 2, workers: int = 2, timeout: float = 240, **env: str
+) -> subprocess.CompletedProcess[str]:
     environment = {**os.environ, **env}
     return subprocess.run(
-        [sys.executable, "-m", "agentpool", "demo", "--runs", "2", "--workers", "2", *args],
+        [sys.executable, "-m", "agentpool", "demo", "--runs", str(runs), "--workers", str(workers), *args],
         env=environment,
         cwd=str(TESTS),
         capture_output=True,
@@ -75,3 +79,18 @@ def test_when_the_runs_do_not_complete_it_says_which_and_why_with_the_workers_lo
     late = demo("--timeout", "0.5")
     assert late.returncode == 1
     assert "runs still active after 0.5 s" in late.stderr and "2 of 2 runs did not complete" in late.stderr
+
+
+@pytest.mark.crash
+def test_the_demo_kills_a_horse_and_a_worker_inside_tool_calls_and_nothing_is_lost_or_repeated():
+    """The README's main command keeps its promise: both kills land inside a tool call, so each leaves a
+    turn that another worker takes over (a horse's death seen at once, a lost worker's lease expiring),
+    every run completes and the outbox the tools write shows no effect twice."""
+    out = demo(runs=8, workers=3)  # the defaults, as the README runs it
+
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("inside a tool") == 2, out.stdout
+    assert "runs completed:      8/8" in out.stdout, out.stdout
+    assert "2 kills, 2 turns taken over (horse_death: 1, lease_expiry: 1)" in out.stdout, out.stdout
+    assert "emails sent:         8 for 8 runs, duplicates: 0" in out.stdout, out.stdout
+    assert "runs with two tickets: 0" in out.stdout, out.stdout

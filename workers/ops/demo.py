@@ -4,8 +4,8 @@ It starts a throwaway redis-server (never the REDIS_URL an app's workers use: th
 demo's turns), or with ``--redis-url`` uses an empty database it wipes afterwards; starts the scripted
 model (or, with --real and ANTHROPIC_API_KEY, the real API) and a few worker processes; enqueues a
 batch of runs that read notes, open tickets and send emails; SIGKILLs a work horse (as the OOM killer
-does) and then a whole worker mid-turn; shows the runs finishing on the survivors, then counts every
-side effect from the outbox the tools write, outside the pool. When something goes wrong it says what:
+does) and then a whole worker, each while it runs a tool call; shows the runs finishing on the
+survivors, then counts every side effect from the outbox the tools write, outside the pool. When something goes wrong it says what:
 which runs did not complete and why, which effects were repeated, and the tail of the workers' logs.
 """
 
@@ -29,8 +29,10 @@ from agentpool.ops.demo_agents import demo_script
 from agentpool.ops.redisconn import quick_client
 from agentpool.runtime import connections
 from agentpool.runtime.settings import redact_url
+from agentpool.store import lease
 from agentpool.store.events import read as read_events
 from agentpool.store.events import stream_order
+from agentpool.store.keys import RunKeys
 from agentpool.store.records import ACTIVE_STATUSES
 from agentpool.testing.localpool import (
     RedisNotInstalled,
@@ -41,6 +43,7 @@ from agentpool.testing.localpool import (
 )
 
 AGENT = "agentpool.ops.demo_agents:secretary"
+AIM_FOR = 3.0  # seconds a kill waits for a horse inside a tool before it takes any busy horse
 TEAMS = ["platform", "billing", "search", "mobile", "infra", "growth", "security", "data", "support", "design"]
 
 
@@ -117,6 +120,22 @@ def _event_line(run_id: str, event_id: str, event: dict[str, str]) -> str:
 def _busy_workers(workers: WorkerProcesses) -> list[tuple[int, list[int]]]:
     """(worker pid, its work horse pids) for workers that are running a turn right now."""
     return [(p.pid, horses) for p in workers.alive() if (horses := horses_of(p.pid))]
+
+
+def _inside_a_tool(r: Redis, run_ids: list[str], workers: WorkerProcesses) -> list[tuple[int, list[int]]]:
+    """(worker pid, [the horse]) for each work horse running a tool right now: a running run whose tool
+    calls are pending, and whose lease its horse holds (the lease names its holder's pid: worker_identity).
+    A kill there always leaves a turn to take over; a horse merely busy may be past its last write."""
+    horses = {horse: p.pid for p in workers.alive() for horse in horses_of(p.pid)}
+    found = []
+    for run in list_runs(connection=r, limit=len(run_ids) + 50):
+        if run.id not in run_ids or run.status != "running" or not run.pending:
+            continue
+        token = lease.holder(r, RunKeys.of(run.id)) or ""
+        pid = token.rpartition(".")[2]
+        if pid.isdigit() and int(pid) in horses:
+            found.append((horses[int(pid)], [int(pid)]))
+    return found
 
 
 def _outbox(path: Path) -> list[dict]:
@@ -251,19 +270,26 @@ def _drive(r: Redis, run_ids: list[str], workers: WorkerProcesses, screen: Scree
             )
         screen.show(r, run_ids, note)  # what happened so far, before a kill's notice
         if plan and time.monotonic() - started >= plan[0][1]:
-            busy = _busy_workers(workers)
+            # Aimed at a horse inside a tool; if none is found for a while, at any busy one.
+            busy = _inside_a_tool(r, run_ids, workers)
+            where = "inside a tool" if busy else "mid-turn"
+            if not busy and time.monotonic() - started >= plan[0][1] + AIM_FOR:
+                busy = _busy_workers(workers)
             if busy and len(workers.alive()) > 1:
                 what, _ = plan.pop(0)
                 worker_pid, horses = random.choice(busy)
                 if what == "horse":
                     os.kill(horses[0], signal.SIGKILL)
-                    note = f"SIGKILLed work horse {horses[0]} mid-turn (like the OOM killer); its worker re-enqueues the turn at once"
+                    note = (
+                        f"SIGKILLed work horse {horses[0]} {where} (like the OOM killer); its worker re-enqueues "
+                        "the turn at once"
+                    )
                 else:
                     proc = next(p for p in workers.alive() if p.pid == worker_pid)
                     workers.kill(proc)
                     note = (
-                        f"SIGKILLed worker {worker_pid} and its horse (a lost machine); its lease expires and a "
-                        "survivor's reaper takes the run over"
+                        f"SIGKILLed worker {worker_pid} and its horse {where} (a lost machine); its lease expires "
+                        "and a survivor's reaper takes the run over"
                     )
                 crashes.append(note)
                 screen.say(f"\n*** {note}\n")
