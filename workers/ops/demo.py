@@ -259,6 +259,7 @@ def _drive(r: Redis, run_ids: list[str], workers: WorkerProcesses, screen: Scree
     started = time.monotonic()
     note = "waiting for turns to start..."
     plan = [("horse", 1.5), ("worker", 3.5)]
+    aiming_since: float | None = None  # when the next kill began to look for a horse inside a tool
     while time.monotonic() - started < timeout:
         statuses = {run.id: run.status for run in list_runs(connection=r, limit=len(run_ids) + 50)}
         if all(statuses.get(i) not in ACTIVE_STATUSES for i in run_ids):
@@ -270,13 +271,18 @@ def _drive(r: Redis, run_ids: list[str], workers: WorkerProcesses, screen: Scree
             )
         screen.show(r, run_ids, note)  # what happened so far, before a kill's notice
         if plan and time.monotonic() - started >= plan[0][1]:
-            # Aimed at a horse inside a tool; if none is found for a while, at any busy one.
+            # Aimed at a horse inside a tool; if none is seen while turns are made for a while (counted from
+            # the first busy horse: workers slow to start on a loaded machine do not count), at any busy one.
             busy = _inside_a_tool(r, run_ids, workers)
             where = "inside a tool" if busy else "mid-turn"
-            if not busy and time.monotonic() - started >= plan[0][1] + AIM_FOR:
-                busy = _busy_workers(workers)
+            if not busy:
+                any_busy = _busy_workers(workers)
+                aiming_since = aiming_since or (time.monotonic() if any_busy else None)
+                if aiming_since and time.monotonic() - aiming_since >= AIM_FOR:
+                    busy = any_busy
             if busy and len(workers.alive()) > 1:
                 what, _ = plan.pop(0)
+                aiming_since = None
                 worker_pid, horses = random.choice(busy)
                 if what == "horse":
                     os.kill(horses[0], signal.SIGKILL)
