@@ -12,7 +12,7 @@ import pytest
 from test_delivered_twice import load_scripts, script
 
 from agentpool import enqueue_run, wait_for_run
-from agentpool.runtime.jobs import give_back, turn_queue
+from agentpool.runtime.jobs import give_back, job_id, turn_queue
 from agentpool.runtime.settings import connect
 from agentpool.store.events import read as read_events
 from agentpool.store.keys import RunKeys
@@ -63,6 +63,33 @@ def test_a_job_left_in_the_intermediate_queue_by_a_killed_worker_is_given_back_w
     kinds = [e["kind"] for _i, e in read_events(r, run_id)]
     assert "takeover" not in kinds, "given back as it was; not found lost by the run's recheck"
     assert "given back to the queue" in pool.logs(20000)
+
+
+def test_a_job_stranded_in_another_queues_intermediate_list_is_given_back_too(r, pool, model):
+    # The same kill on a run of queue "urgent" (RQ's agentpool-urgent): its intermediate list is the
+    # reaper's to watch as well, whichever queues the worker holding the reaper's lock serves. The next
+    # worker serves "default" alone, so the one that takes the turn must be started after the give-back.
+    model.set_scripts({"short": [{"text": "Done."}]})
+    run_id = enqueue_run("pool_agents:support", script_task("short"), connection=r, queue="urgent")
+    urgent = turn_queue(r, "urgent")
+    killed = WorkerProcesses.start(
+        pool, 1, "urgent", AGENTPOOL_FAULTS="after_dequeue_killed", AGENTPOOL_REAPER_INTERVAL="0"
+    )[0]
+    assert killed.wait(timeout=60) == -signal.SIGKILL, pool.logs()
+    assert r.llen(urgent.intermediate_queue_key) == 1, "the job is stranded in the intermediate queue"
+
+    pool.start(1)  # serves "default": its reaper gives the urgent job back
+    deadline = time.monotonic() + 60
+    while urgent.count == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert urgent.get_job_ids() == [job_id(run_id, 0)], ("given back to its own queue", pool.logs(20000))
+    assert r.llen(urgent.intermediate_queue_key) == 0
+
+    WorkerProcesses.start(pool, 1, "urgent", "--log-level", "INFO")
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    kinds = [e["kind"] for _i, e in read_events(r, run_id)]
+    assert "takeover" not in kinds, "given back as it was; not found lost by the run's recheck"
 
 
 def test_a_give_back_delivered_twice_pushes_the_job_once(r, redis_server):

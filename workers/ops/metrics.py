@@ -39,6 +39,7 @@ from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from agentpool.ops.redisconn import pool_client, target_url, warn_if_unreachable
 from agentpool.runtime import deferred
+from agentpool.runtime.jobs import agentpool_queues
 from agentpool.runtime.settings import redact_url
 from agentpool.runtime.shards import Shards, each
 from agentpool.store import stats
@@ -377,18 +378,6 @@ def by_shard(per_shard: list[list[Metric]]) -> list[Metric]:
                 renamed = sample.name.replace("agentpool_", "agentpool_shard_", 1)
                 out[name].add_sample(renamed, {"shard": str(shard), **sample.labels}, sample.value)
     return list(out.values())
-
-
-def agentpool_queues(r: Redis) -> list[str]:
-    """The RQ names of agentpool's queues that exist (``agentpool`` always first, then by name)."""
-    prefix = Queue.redis_queue_namespace_prefix
-    found = {
-        key.decode()[len(prefix) :]
-        for key in r.smembers(Queue.redis_queues_keys)
-        if key.decode().startswith(prefix + TURN_QUEUE)
-    }
-    others = sorted(n for n in found if n.startswith(TURN_QUEUE + "-"))
-    return [TURN_QUEUE, *others]
 
 
 def _histogram(metric: str, help_text: str, buckets: Mapping[str, float], total: float) -> Metric:

@@ -24,7 +24,7 @@ from redis.client import Pipeline
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.store.clock import now_ms
-from agentpool.store.keys import DEFAULT_QUEUE, QUEUE_NAME, TURNS_DEFERRED, RunKeys, rq_queue_name
+from agentpool.store.keys import DEFAULT_QUEUE, QUEUE_NAME, TURN_QUEUE, TURNS_DEFERRED, RunKeys, rq_queue_name
 from agentpool.store.scripts import run_script
 from agentpool.store.staged_job import EndedJob, StagedJob
 
@@ -49,6 +49,21 @@ def turn_queue(r: Redis, queue: str = DEFAULT_QUEUE) -> Queue:
     from rq import Queue  # here: reading a run (`agentpool runs`, `show`) needs no RQ
 
     return Queue(rq_queue_name(queue), connection=r, serializer=MsgpackSerializer)
+
+
+def agentpool_queues(r: Redis) -> list[str]:
+    """The RQ names of agentpool's queues that exist (``agentpool`` always first, then by name): those in
+    RQ's set of queues, where every enqueue of a turn adds its queue (``QUEUE_REGISTERED_EVERY``)."""
+    from rq import Queue
+
+    prefix = Queue.redis_queue_namespace_prefix
+    found = {
+        key.decode()[len(prefix) :]
+        for key in r.smembers(Queue.redis_queues_keys)
+        if key.decode().startswith(prefix + TURN_QUEUE)
+    }
+    others = sorted(n for n in found if n.startswith(TURN_QUEUE + "-"))
+    return [TURN_QUEUE, *others]
 
 
 def queue_of(r: Redis, run_id: str) -> str:

@@ -10,8 +10,8 @@ that is agentpool's only scheduler. It also denies approvals whose deadline pass
 the waiting run, and queues the turn of a run whose last child run ended (``agentpool.runtime.subagents``).
 A run whose header is damaged is failed with the reason, once, and the scan goes on.
 Each scan also takes one step of the sweep that drops expired runs from the run index
-(``agentpool.store.runs_index``), and gives back to the head of the queue a turn job left in RQ's
-intermediate queue (moved there by a BLMOVE whose worker then died, or whose reply a silent connection
+(``agentpool.store.runs_index``), and gives back to the head of its queue a turn job left in RQ's
+intermediate queue of any of agentpool's queues (moved there by a BLMOVE whose worker then died, or whose reply a silent connection
 swallowed) once this process has seen it there for ``STRANDED_AFTER`` seconds with no execution in
 RQ's started registry: a worker prepares the execution within milliseconds of its BLMOVE, and the job
 would otherwise wait for the run's 30 s recheck. Giving back a job a slow worker still claims is harmless:
@@ -34,12 +34,14 @@ from collections.abc import Callable, Sequence
 
 from redis import Redis
 from redis.exceptions import RedisError
+from rq import Queue
 from rq.job import Job, JobStatus
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from agentpool.runtime import deferred, subagents
 from agentpool.runtime.approvals import expire_due
-from agentpool.runtime.jobs import give_back, queue_of, turn_queue
+from agentpool.runtime.jobs import agentpool_queues, give_back, queue_of, turn_queue
+from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import fail_corrupt, read_header, requeue_turn
 from agentpool.store import handback, runs_index, watch
@@ -104,13 +106,19 @@ def _sweep_pass_every() -> float:
 
 
 def _give_back_stranded(r: Redis, after: float) -> list[str]:
-    queue = turn_queue(r)
+    """Give back the turn jobs that sat in an intermediate queue (of any of agentpool's queues: the
+    worker scanning may serve other queues than the dead one did) for ``after`` seconds unclaimed."""
     now = time.monotonic()
-    there = {raw.decode("utf-8", errors="replace") for raw in r.lrange(queue.intermediate_queue_key, 0, 99)}
-    for gone in set(_intermediate_seen) - there:
+    queues = [Queue(name, connection=r, serializer=MsgpackSerializer) for name in agentpool_queues(r)]
+    with r.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            pipe.lrange(queue.intermediate_queue_key, 0, 99)
+        listed = pipe.execute()
+    there = {raw.decode("utf-8", errors="replace"): queue for queue, ids in zip(queues, listed) for raw in ids}
+    for gone in set(_intermediate_seen) - there.keys():
         del _intermediate_seen[gone]
     given = []
-    for job_id in there:
+    for job_id, queue in there.items():
         seen = _intermediate_seen.setdefault(job_id, now)
         if now - seen < after:
             continue
@@ -119,7 +127,10 @@ def _give_back_stranded(r: Redis, after: float) -> list[str]:
         del _intermediate_seen[job_id]
         if give_back(r, queue, job_id):
             log.warning(
-                "reaper: job %s sat in RQ's intermediate queue for %.0f s; given back to the queue", job_id, now - seen
+                "reaper: job %s sat in RQ's intermediate queue %s for %.0f s; given back to the queue",
+                job_id,
+                queue.name,
+                now - seen,
             )
             given.append(job_id)
     return given
