@@ -109,6 +109,10 @@ class _Scripts:
             script = self._loaded[name] = Script(None, source(name).encode())  # type: ignore[arg-type]
         return script
 
+    def sha(self, name: str) -> str:
+        """The SHA1 that EVALSHA names the script by."""
+        return self._script(name).sha
+
     def __call__(self, name: str, client: Redis | Pipeline, keys: list[str], args: list[object]) -> object:
         """Run the script now, on a client or on a pipeline in WATCH mode (whose commands run at once)."""
         script = self._script(name)

@@ -32,7 +32,9 @@ here. Instead this section records what a pool really sends Redis and replays it
 Redis's CPU (``INFO cpu``) and commands (``INFO commandstats``) around the replay give its CPU per turn
 at capacity and the turns a second that makes; how busy the replay kept Redis (its CPU over the wall
 time) says whether that is the core's limit (near 100 %) or the replaying process's. The same is done
-for a bare RQ job (a no-op) on the same worker, the baseline, in each round.
+for a bare RQ job (a no-op) on the same worker, the baseline, in each round, and for turns whose model call
+lasts ``LONG_CALL`` seconds, recorded in scaled time (the call and the lease TTL ``TIME_SCALE`` times as
+long) so that they hold their leases through as many renewals as such a call does.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from redis import Redis
 from agentpool.ops.bench import TURNS_PER_RUN, Lab, cpu_and_calls, spread, table, tool_steps, until
 from agentpool.ops.bench_redis import Load, _Placement, bare_load, runs_load
 from agentpool.ops.wiretap import RoundTrip, Wiretap, shape
+from agentpool.runtime.settings import Settings
+from agentpool.store.scripts import run_script
 
 # Every key is agentpool's (``ap:``) or RQ's (``rq:``): a copy renames the two prefixes, so it is a pool of
 # its own, in keys of its own (its queue, its runs, its jobs, its workers' records), with the same ids.
@@ -70,6 +74,13 @@ BUSY = 0.9  # Redis's CPU over the replay's wall time from which the figure is t
 
 BARE = "bare RQ job (no-op)"
 OURS = "agentpool turn"
+# A turn whose model call lasts LONG_CALL seconds holds its lease through renewals (one every lease TTL / 3,
+# 15 s by default): recorded in time scaled by TIME_SCALE (the call and the lease TTL alike, so as many
+# renewals fall in a turn) on a worker with LONG_THREADS threads, as a pool of long calls runs many at once.
+LONG_CALL = 10.0
+TIME_SCALE = 0.1
+LONG_THREADS = 32
+OURS_LONG = f"agentpool turn, {LONG_CALL:g} s model call"
 
 
 Source = tuple[int, int, int]  # where a script made a value: its round trip, command and leaf of the reply
@@ -156,6 +167,11 @@ class Stream:
     def _runs_in(self, trip: int) -> set[bytes]:
         start = self.ends[trip - 1] if trip else 0
         return set(RUN_KEY.findall(self.data, start, self.ends[trip]))
+
+    def calls_of(self, script: str) -> int:
+        """How many times the recording calls ``script`` (by name, ``store/lua``)."""
+        sha = run_script.sha(script)
+        return sum(1 for names in self.names for name in names if name == f"EVALSHA {sha}")
 
     @property
     def round_trips(self) -> int:
@@ -405,14 +421,27 @@ def replay(lab: Lab, stream: Stream, copies: int) -> Replayed:
 # -- recording -------------------------------------------------------------------------------------
 
 
-def _record(lab: Lab, worker_args: tuple[str, ...], load: Callable[[Redis], Load], jobs: int) -> Stream:
-    """What a pool of one worker (``worker_args``) sends Redis for ``load``, given the client of the proxy
-    to enqueue through."""
+@dataclass
+class _Kind:
+    """A recording: its job, the worker it was recorded on, the load, and how long each model call takes."""
+
+    job: str
+    kind: str
+    worker_args: tuple[str, ...]
+    load: Callable[[Redis], Load]
+    call_seconds: float = 0.0  # each model call's wait, in the recording's scaled time
+    env: dict[str, str] = field(default_factory=dict)  # the worker's environment beside REDIS_URL
+
+
+def _record(lab: Lab, kind: _Kind, jobs: int) -> Stream:
+    """What a pool of one worker (``kind.worker_args``) sends Redis for ``kind.load``, given the client of
+    the proxy to enqueue through."""
     server = _Server.of(lab)
     tap = Wiretap(server.host, server.port)
+    load = kind.load
     try:
-        lab.reset({"redis": tool_steps(TURNS_PER_RUN)})
-        lab.start(*worker_args, REDIS_URL=tap.url_for(lab.url))
+        lab.reset({"redis": [{**step, "delay": kind.call_seconds} for step in tool_steps(TURNS_PER_RUN)]})
+        lab.start(*kind.worker_args, REDIS_URL=tap.url_for(lab.url), **kind.env)
         app = Redis.from_url(tap.url_for(lab.url))
         for recorded in (False, True):  # a first lot, not recorded: imports, connections, scripts loaded
             if recorded:
@@ -438,12 +467,20 @@ def bench_capacity(lab: Lab, turns: int, threads: int, copies: int, rounds: int)
     def bare(app: Redis) -> Load:
         return bare_load(lab, turns, via=app)
 
-    kinds: list[tuple[str, str, tuple[str, ...], Callable[[Redis], Load]]] = [
-        (BARE, f"threaded (--concurrency {threads})", threaded, bare),
-        (OURS, f"threaded (--concurrency {threads})", threaded, runs),
-        (OURS, "forking (--concurrency 1)", (), runs),
+    kinds = [
+        _Kind(BARE, f"threaded (--concurrency {threads})", threaded, bare),
+        _Kind(OURS, f"threaded (--concurrency {threads})", threaded, runs),
+        _Kind(OURS, "forking (--concurrency 1)", (), runs),
+        _Kind(
+            OURS_LONG,
+            f"threaded (--concurrency {LONG_THREADS})",
+            ("--concurrency", str(LONG_THREADS)),
+            runs,
+            call_seconds=LONG_CALL * TIME_SCALE,
+            env={"AGENTPOOL_LEASE_TTL": f"{Settings.from_env().lease_ttl * TIME_SCALE:g}"},
+        ),
     ]
-    streams = [_record(lab, args, load, turns) for _, _, args, load in kinds]
+    streams = [_record(lab, kind, turns) for kind in kinds]
     placement = _Placement(lab)
     results: list[list[Replayed]] = [[] for _ in kinds]
     try:
@@ -454,7 +491,7 @@ def bench_capacity(lab: Lab, turns: int, threads: int, copies: int, rounds: int)
     finally:
         placement.set(False)
     rows, notes = [], []
-    for (job, kind, *_), stream, replays in zip(kinds, streams, results):
+    for (job, kind), stream, replays in zip(((k.job, k.kind) for k in kinds), streams, results):
         bare = results[0]
         ratios = [mine.cpu_us / theirs.cpu_us for mine, theirs in zip(replays, bare)]
         ours_threaded = job != BARE and kind.startswith("threaded")
@@ -480,6 +517,10 @@ def bench_capacity(lab: Lab, turns: int, threads: int, copies: int, rounds: int)
                 "replaying process, not the core, set that rate, so the core carries at least that many"
             )
     forking = [f.cpu_us / t.cpu_us for f, t in zip(results[2], results[1])]
+    # What a renewal costs: the long call's turn over the zero-latency one, per renewal it made, within a round.
+    renewals = streams[3].calls_of("lease_renew") / streams[3].jobs
+    acquired = streams[3].calls_of("lease_acquire") / streams[3].jobs  # more than 1: a lease lapsed, a takeover
+    per_renewal = [(long.cpu_us - short.cpu_us) / max(renewals, 1e-9) for long, short in zip(results[3], results[1])]
     table(
         (
             f"capacity: a Redis core kept busy by {copies} copies of a recorded pool ({turns} turns, "
@@ -525,6 +566,15 @@ def bench_capacity(lab: Lab, turns: int, threads: int, copies: int, rounds: int)
             (
                 f"forking turn / threaded turn at capacity: CPU {spread(forking, '.2f', 'x')} "
                 "(target: within 1.2x; at the workers' own pace, --only redis, Redis wakes up for each request)"
+            ),
+            (
+                f"{OURS_LONG}: recorded {1 / TIME_SCALE:g} times faster than real (each call "
+                f"{LONG_CALL * TIME_SCALE:g} s, the lease TTL {Settings.from_env().lease_ttl * TIME_SCALE:g} s), so "
+                f"its turns hold their leases through as many renewals as a {LONG_CALL:g} s call: {renewals:.1f} "
+                f"lease renewals a turn (one every TTL / 3, a worker's due together in one round trip), "
+                f"{spread(per_renewal, '.1f')} µs of Redis CPU each over the zero-latency threaded turn's; "
+                f"{acquired:.2f} lease acquisitions a turn (1: no lease lapsed in the scaled time); RQ's own "
+                "heartbeats (every 30 s, not scaled) are left out"
             ),
             (
                 f"{rounds} rounds, interleaved: each figure is the median of the rounds, with their range"
