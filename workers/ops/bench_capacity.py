@@ -422,26 +422,27 @@ def replay(lab: Lab, stream: Stream, copies: int) -> Replayed:
 
 
 @dataclass
-class _Kind:
-    """A recording: its job, the worker it was recorded on, the load, and how long each model call takes."""
+class _Recorded:
+    """What one row records: its job, the worker it is recorded on (as the table says it, and its
+    arguments), the load, and how long each model call takes."""
 
     job: str
-    kind: str
+    worker: str
     worker_args: tuple[str, ...]
     load: Callable[[Redis], Load]
     call_seconds: float = 0.0  # each model call's wait, in the recording's scaled time
     env: dict[str, str] = field(default_factory=dict)  # the worker's environment beside REDIS_URL
 
 
-def _record(lab: Lab, kind: _Kind, jobs: int) -> Stream:
-    """What a pool of one worker (``kind.worker_args``) sends Redis for ``kind.load``, given the client of
+def _record(lab: Lab, row: _Recorded, jobs: int) -> Stream:
+    """What a pool of one worker (``row.worker_args``) sends Redis for ``row.load``, given the client of
     the proxy to enqueue through."""
     server = _Server.of(lab)
     tap = Wiretap(server.host, server.port)
-    load = kind.load
+    load = row.load
     try:
-        lab.reset({"redis": [{**step, "delay": kind.call_seconds} for step in tool_steps(TURNS_PER_RUN)]})
-        lab.start(*kind.worker_args, REDIS_URL=tap.url_for(lab.url), **kind.env)
+        lab.reset({"redis": [{**step, "delay": row.call_seconds} for step in tool_steps(TURNS_PER_RUN)]})
+        lab.start(*row.worker_args, REDIS_URL=tap.url_for(lab.url), **row.env)
         app = Redis.from_url(tap.url_for(lab.url))
         for recorded in (False, True):  # a first lot, not recorded: imports, connections, scripts loaded
             if recorded:
@@ -467,11 +468,11 @@ def bench_capacity(lab: Lab, turns: int, threads: int, copies: int, rounds: int)
     def bare(app: Redis) -> Load:
         return bare_load(lab, turns, via=app)
 
-    kinds = [
-        _Kind(BARE, f"threaded (--concurrency {threads})", threaded, bare),
-        _Kind(OURS, f"threaded (--concurrency {threads})", threaded, runs),
-        _Kind(OURS, "forking (--concurrency 1)", (), runs),
-        _Kind(
+    recorded = [
+        _Recorded(BARE, f"threaded (--concurrency {threads})", threaded, bare),
+        _Recorded(OURS, f"threaded (--concurrency {threads})", threaded, runs),
+        _Recorded(OURS, "forking (--concurrency 1)", (), runs),
+        _Recorded(
             OURS_LONG,
             f"threaded (--concurrency {LONG_THREADS})",
             ("--concurrency", str(LONG_THREADS)),
@@ -480,9 +481,9 @@ def bench_capacity(lab: Lab, turns: int, threads: int, copies: int, rounds: int)
             env={"AGENTPOOL_LEASE_TTL": f"{Settings.from_env().lease_ttl * TIME_SCALE:g}"},
         ),
     ]
-    streams = [_record(lab, kind, turns) for kind in kinds]
+    streams = [_record(lab, row, turns) for row in recorded]
     placement = _Placement(lab)
-    results: list[list[Replayed]] = [[] for _ in kinds]
+    results: list[list[Replayed]] = [[] for _ in recorded]
     try:
         placement.set(placement.can_isolate)
         for _ in range(rounds):
@@ -491,7 +492,7 @@ def bench_capacity(lab: Lab, turns: int, threads: int, copies: int, rounds: int)
     finally:
         placement.set(False)
     rows, notes = [], []
-    for (job, kind), stream, replays in zip(((k.job, k.kind) for k in kinds), streams, results):
+    for (job, kind), stream, replays in zip(((row.job, row.worker) for row in recorded), streams, results):
         bare = results[0]
         ratios = [mine.cpu_us / theirs.cpu_us for mine, theirs in zip(replays, bare)]
         ours_threaded = job != BARE and kind.startswith("threaded")
