@@ -98,6 +98,14 @@ SECTIONS = {
         ["bare RQ job (no-op)", "agentpool turn"],
         3,
     ),
+    # Against HEAD (a shallow clone has it): git archive, its workers and app on PYTHONPATH, and the same
+    # code measured twice (check_the_same_code_measured_alike).
+    "versus": (
+        ["--versus", "HEAD", "--versus-runs", "3", "--versus-rounds", "2", "--threads", "2"],
+        "versus: this checkout against HEAD, Redis per turn",
+        ["HEAD (the baseline)", "this checkout"],
+        2,
+    ),
     "shards": (
         ["--shard-turns", "20", "--threads", "2", "--shard-rounds", "2"],
         "shards: the same runs on one Redis and on two shards",
@@ -164,6 +172,16 @@ def test_bench_section_prints_its_table_of_figures(section):
         assert re.search(pattern, out), f"nothing like {pattern!r}:\n{out}"
     if section == "capacity":
         check_replay_did_what_the_pool_did(out)
+    if section == "versus":
+        check_the_same_code_measured_alike(out)
+
+
+def check_the_same_code_measured_alike(out: str) -> None:
+    """HEAD's archive, run from its own directory, and this checkout are the same code: each made every turn
+    (the bench checks the model's calls) in the same commands, so the revision run from the archive really
+    ran, and ran what it holds."""
+    ratio = float(re.search(r"this checkout / HEAD: commands ([\d.]+)x", out).group(1))
+    assert 0.95 <= ratio <= 1.05, out
 
 
 def check_replay_did_what_the_pool_did(out: str) -> None:

@@ -47,6 +47,7 @@ SECTIONS = (
     "instructions",
     "capacity",
     "shards",
+    "versus",
 )
 AGENT = "agentpool.ops.bench:bench_agent"
 MODEL = "claude-sonnet-5-5"
@@ -964,6 +965,23 @@ def _lab(url: str | None) -> Iterator[Lab]:
     show_default=True,
     help="shards: interleaved rounds of one shard and two (each figure is the median of its rounds).",
 )
+@click.option(
+    "--versus",
+    "versus_rev",
+    default="9d18c7d",
+    show_default=True,
+    help="versus: the git revision measured beside this checkout (issue 22's baseline by default).",
+)
+@click.option(
+    "--versus-runs", type=click.IntRange(min=1), default=30, show_default=True, help="versus: runs of 10 turns."
+)
+@click.option(
+    "--versus-rounds",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="versus: interleaved rounds of each revision (each figure is the median of its rounds).",
+)
 def bench(
     url: str | None,
     only: tuple[str, ...],
@@ -1004,6 +1022,9 @@ def bench(
     capacity_rounds: int,
     shard_turns: int,
     shard_rounds: int,
+    versus_rev: str,
+    versus_runs: int,
+    versus_rounds: int,
 ) -> None:
     """Measure agentpool on this machine: per-turn overhead, save cost, memory, crash recovery."""
     from agentpool.runtime.settings import Settings
@@ -1066,3 +1087,7 @@ def bench(
             from agentpool.ops.bench_shards import bench_shards
 
             bench_shards(lab, shard_turns, threads, shard_rounds)
+        if "versus" in sections:
+            from agentpool.ops.bench_versus import bench_versus
+
+            bench_versus(lab, versus_rev, versus_runs, threads, versus_rounds, asked="versus" in only)
