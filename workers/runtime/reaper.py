@@ -10,10 +10,10 @@ that is agentpool's only scheduler. It also denies approvals whose deadline pass
 the waiting run, and queues the turn of a run whose last child run ended (``agentpool.runtime.subagents``).
 A run whose header is damaged is failed with the reason, once, and the scan goes on.
 Each scan also takes one step of the sweep that drops expired runs from the run index
-(``agentpool.store.runs_index``), and gives back to the head of its queue a turn job left in RQ's
-intermediate queue of any of agentpool's queues (moved there by a BLMOVE whose worker then died, or whose reply a silent connection
-swallowed) once this process has seen it there for ``STRANDED_AFTER`` seconds with no execution in
-RQ's started registry: a worker prepares the execution within milliseconds of its BLMOVE, and the job
+(``agentpool.store.runs_index``), and gives back to the head of its queue a turn job left in the RQ
+intermediate queue of any of agentpool's queues (moved there by a BLMOVE whose worker then died, or
+whose reply a silent connection swallowed) once this process has seen it there for ``STRANDED_AFTER``
+seconds with no execution in RQ's started registry: a worker prepares the execution within milliseconds of its BLMOVE, and the job
 would otherwise wait for the run's 30 s recheck. Giving back a job a slow worker still claims is harmless:
 the second execution finds the lease held or the turn done.
 
