@@ -18,6 +18,7 @@ are this checkout's; the bench agent (``agentpool.ops.bench:bench_agent``) is ea
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,8 @@ def checkout(rev: str, into: Path) -> Path:
     to put on ``PYTHONPATH`` for ``import agentpool`` to be that revision's (``workers/`` is the package,
     ``store/`` its ``agentpool.store``, as pyproject.toml maps them)."""
     repo = Path(agentpool.__file__).resolve().parent.parent
+    if not shutil.which("git"):
+        raise click.ClickException("versus: git is not installed (Debian/Ubuntu: apt-get install -y git)")
     found = subprocess.run(
         ["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
         capture_output=True,
@@ -96,7 +99,9 @@ def _round(lab: Lab, pythonpath: str | None, runs: int, threads: int, tag: str) 
 
     def enqueue(n: int, name: str) -> None:
         command = [sys.executable, "-c", ENQUEUE, lab.url, str(n), AGENT, name, SCRIPT]
-        subprocess.run(command, env=app_env, cwd=lab.workers.cwd, check=True, capture_output=True)
+        app = subprocess.run(command, env=app_env, cwd=lab.workers.cwd, check=False, capture_output=True, text=True)
+        if app.returncode != 0:
+            raise click.ClickException(f"versus: the app process could not enqueue the runs:\n{app.stderr[-2000:]}")
 
     def done() -> bool:
         return lab.r.zcard(RUNS_WATCH) == 0  # ended runs leave the watch set
