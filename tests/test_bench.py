@@ -103,8 +103,8 @@ SECTIONS = {
     "versus": (
         ["--versus", "HEAD", "--versus-runs", "3", "--versus-rounds", "2", "--threads", "2"],
         "versus: this checkout against HEAD, Redis per turn",
-        ["HEAD (the baseline)", "this checkout"],
-        2,
+        ["HEAD (the baseline)", "this checkout", "threaded (--concurrency 2)", "forking (--concurrency 1)"],
+        4,
     ),
     "shards": (
         ["--shard-turns", "20", "--threads", "2", "--shard-rounds", "2"],
@@ -180,8 +180,8 @@ def check_the_same_code_measured_alike(out: str) -> None:
     """HEAD's archive, run from its own directory, and this checkout are the same code: each made every turn
     (the bench checks the model's calls) in the same commands, so the revision run from the archive really
     ran, and ran what it holds."""
-    ratio = float(re.search(r"this checkout / HEAD: commands ([\d.]+)x", out).group(1))
-    assert 0.95 <= ratio <= 1.05, out
+    ratios = [float(r) for r in re.findall(r"this checkout / HEAD, \w+ \(--concurrency \d+\): commands ([\d.]+)x", out)]
+    assert len(ratios) == 2 and all(0.95 <= ratio <= 1.05 for ratio in ratios), out
 
 
 def check_replay_did_what_the_pool_did(out: str) -> None:
