@@ -32,7 +32,6 @@ from agentpool.ops.bench import AGENT, TURNS_PER_RUN, Lab, spread, table, tool_s
 from agentpool.ops.bench_redis import Sample, _idle, _measure, _per_turn, _Placement
 from agentpool.store.keys import RUNS_WATCH
 
-BASELINE = "9d18c7d"  # issue 22's baseline: 124 commands and 543 µs a turn on the machine it was measured on
 SCRIPT = "versus"
 # The app process: each revision's own enqueue_run (``check_agent`` came later; the agent is not imported).
 ENQUEUE = """
@@ -46,11 +45,16 @@ for i in range(int(sys.argv[2])):
 """
 
 
+def _repo() -> Path:
+    """The checkout this agentpool is installed from (``workers/`` is the package)."""
+    return Path(agentpool.__file__).resolve().parent.parent
+
+
 def checkout(rev: str, into: Path) -> Path:
     """``rev`` of the git checkout this agentpool is installed from, extracted under ``into``: the directory
     to put on ``PYTHONPATH`` for ``import agentpool`` to be that revision's (``workers/`` is the package,
     ``store/`` its ``agentpool.store``, as pyproject.toml maps them)."""
-    repo = Path(agentpool.__file__).resolve().parent.parent
+    repo = _repo()
     if not shutil.which("git"):
         raise click.ClickException("versus: git is not installed (Debian/Ubuntu: apt-get install -y git)")
     found = subprocess.run(
@@ -206,6 +210,6 @@ def bench_versus(lab: Lab, rev: str, runs: int, threads: int, rounds: int, *, as
                 if placement.can_isolate
                 else "Redis shares the CPUs with the workers (not started by this bench, or one CPU)"
             ),
-            f"{rev}: git archive of the checkout at {Path(agentpool.__file__).resolve().parent.parent}",
+            f"{rev}: git archive of the checkout at {_repo()}",
         ),
     )

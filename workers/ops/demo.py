@@ -5,8 +5,9 @@ demo's turns), or with ``--redis-url`` uses an empty database it wipes afterward
 model (or, with --real and ANTHROPIC_API_KEY, the real API) and a few worker processes; enqueues a
 batch of runs that read notes, open tickets and send emails; SIGKILLs a work horse (as the OOM killer
 does) and then a whole worker, each while it runs a tool call; shows the runs finishing on the
-survivors, then counts every side effect from the outbox the tools write, outside the pool. When something goes wrong it says what:
-which runs did not complete and why, which effects were repeated, and the tail of the workers' logs.
+survivors, then counts every side effect from the outbox the tools write, outside the pool. When
+something goes wrong it says what: which runs did not complete and why, which effects were repeated,
+and the tail of the workers' logs.
 """
 
 from __future__ import annotations
@@ -122,14 +123,14 @@ def _busy_workers(workers: WorkerProcesses) -> list[tuple[int, list[int]]]:
     return [(p.pid, horses) for p in workers.alive() if (horses := horses_of(p.pid))]
 
 
-def _inside_a_tool(r: Redis, run_ids: list[str], workers: WorkerProcesses) -> list[tuple[int, list[int]]]:
-    """(worker pid, [the horse]) for each work horse running a tool right now: a running run whose tool
-    calls are pending, and whose lease its horse holds (the lease names its holder's pid: worker_identity).
+def _inside_a_tool(r: Redis, runs: list[Run], workers: WorkerProcesses) -> list[tuple[int, list[int]]]:
+    """(worker pid, [the horse]) for each work horse running a tool right now: one of ``runs`` running with
+    tool calls pending, whose lease its horse holds (the lease names its holder's pid: worker_identity).
     A kill there always leaves a turn to take over; a horse merely busy may be past its last write."""
     horses = {horse: p.pid for p in workers.alive() for horse in horses_of(p.pid)}
     found = []
-    for run in list_runs(connection=r, limit=len(run_ids) + 50):
-        if run.id not in run_ids or run.status != "running" or not run.pending:
+    for run in runs:
+        if run.status != "running" or not run.pending:
             continue
         token = lease.holder(r, RunKeys.of(run.id)) or ""
         pid = token.rpartition(".")[2]
@@ -261,7 +262,8 @@ def _drive(r: Redis, run_ids: list[str], workers: WorkerProcesses, screen: Scree
     plan = [("horse", 1.5), ("worker", 3.5)]
     aiming_since: float | None = None  # when the next kill began to look for a horse inside a tool
     while time.monotonic() - started < timeout:
-        statuses = {run.id: run.status for run in list_runs(connection=r, limit=len(run_ids) + 50)}
+        runs = [run for run in list_runs(connection=r, limit=len(run_ids) + 50) if run.id in run_ids]
+        statuses = {run.id: run.status for run in runs}
         if all(statuses.get(i) not in ACTIVE_STATUSES for i in run_ids):
             screen.show(r, run_ids, note, final=True)
             return crashes
@@ -273,7 +275,7 @@ def _drive(r: Redis, run_ids: list[str], workers: WorkerProcesses, screen: Scree
         if plan and time.monotonic() - started >= plan[0][1]:
             # Aimed at a horse inside a tool; if none is seen while turns are made for a while (counted from
             # the first busy horse: workers slow to start on a loaded machine do not count), at any busy one.
-            busy = _inside_a_tool(r, run_ids, workers)
+            busy = _inside_a_tool(r, runs, workers)
             where = "inside a tool" if busy else "mid-turn"
             if not busy:
                 any_busy = _busy_workers(workers)
