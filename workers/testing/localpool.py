@@ -4,6 +4,7 @@ is given), the scripted model, and real ``agentpool worker`` processes that can 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -17,9 +18,35 @@ from typing import IO
 from redis import Redis
 from redis.exceptions import RedisError
 
+PORTS_FROM = 10_000  # the lowest port free_port hands out
+_pick = random.SystemRandom()  # not the random module's state: a test run may seed it alike in every process
+
+
+def _ephemeral_ports() -> range:
+    """The ports the kernel gives outgoing connections (and bind to port 0)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nobody listens on now, for a server about to start. Not one from the ephemeral range: any
+    outgoing connection on the machine (a worker's to Redis) can be given such a port between this call
+    and the server's bind, and the server then fails with "Address already in use"."""
+    ephemeral = _ephemeral_ports()
+    for _ in range(200):
+        port = _pick.randrange(PORTS_FROM, 65536)
+        if port in ephemeral:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # someone listens there (or did a moment ago)
+            return port
+    with socket.socket() as s:  # every pick was taken: the kernel's choice, as before
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
