@@ -53,6 +53,9 @@ Global::
                                     turn deferred after a model error; not an RQ job until due, when
                                     the reaper moves it onto the queue as job ``<run>-t<turn>-r<n>``
     ap:reaper:lock          string  held by the one worker that scans this second
+    ap:stranded             hash    job id -> when the reaper first saw it in an RQ intermediate list
+                                    (ms, Redis's clock): a job dequeued and never claimed is given
+                                    back once listed there 10 s; a job no longer listed is dropped
     ap:watching             string  present while somebody watches any run live (every watcher renews
                                     it with the run's own ``watchers``): while it is absent a turn
                                     does not look at its run's (store/live.py)
@@ -117,6 +120,7 @@ RUNS_WATCH = f"{PREFIX}:runs:watch"
 RUNS_SWEEP = f"{PREFIX}:runs:sweep"
 RUNS_SWEEP_PASS = f"{PREFIX}:runs:sweep:pass"
 REAPER_LOCK = f"{PREFIX}:reaper:lock"
+STRANDED = f"{PREFIX}:stranded"
 ANYONE_WATCHING = f"{PREFIX}:watching"
 TURNS_DEFERRED = f"{PREFIX}:turns:deferred"
 DURABILITY_PROBE = f"{PREFIX}:durability:probe"

@@ -19,9 +19,10 @@ from rq.job import Job
 import agentpool
 from agentpool import enqueue_run, get_run, list_runs, wait_for_run
 from agentpool.runtime.jobs import turn_queue
+from agentpool.runtime.reaper import STRANDED_AFTER
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.events import read as read_events
-from agentpool.store.keys import RUNS_WATCH, RunKeys
+from agentpool.store.keys import RUNS_WATCH, STRANDED, RunKeys
 from agentpool.testing.localpool import free_port
 
 from conftest import TESTS, script_task
@@ -220,6 +221,28 @@ def test_reap_once_says_what_it_did_or_that_there_was_nothing_to_do(r, redis_ser
 
     again = agentpool_cli("reap", "--once", url=redis_server.url)
     assert again.returncode == 0 and again.stdout.startswith("nothing to do"), again.stdout
+
+
+def test_reap_once_run_twice_gives_back_a_job_stranded_in_between(r, redis_server):
+    # A worker killed between its BLMOVE and the claim leaves the turn's job in RQ's intermediate list.
+    # The reaper gives it back once it has been seen there STRANDED_AFTER seconds; the sighting is kept
+    # in Redis, so two one-shot reapers (two processes) that far apart do it, as a worker's reaper does.
+    run_id = enqueue_run("pool_agents:support", "a task nobody will run", connection=r)
+    queue = turn_queue(r)
+    job = r.hget(RunKeys.of(run_id).run, "job").decode()
+    assert r.lmove(queue.key, queue.intermediate_queue_key) == job.encode()  # the dead worker's BLMOVE
+    r.hset(STRANDED, "r_long_gone-t0000", 0)  # a sighting of a job no longer listed there
+
+    first = agentpool_cli("reap", "--once", url=redis_server.url)
+    assert first.returncode == 0 and "given back" not in first.stdout, first
+    assert r.hkeys(STRANDED) == [job.encode()], "the job's sighting kept, the other one dropped"
+
+    time.sleep(STRANDED_AFTER + 0.5)
+    second = agentpool_cli("reap", "--once", url=redis_server.url)
+    assert second.returncode == 0, second
+    assert f"job {job} left in RQ's intermediate queue given back to the queue" in second.stdout, second.stdout
+    assert queue.get_job_ids() == [job] and r.llen(queue.intermediate_queue_key) == 0
+    assert r.hlen(STRANDED) == 0, "a job given back waits its full time if it is ever stranded again"
 
 
 def test_a_decode_responses_client_works_like_any_other(r, pool, model, redis_server):

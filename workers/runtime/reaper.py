@@ -12,8 +12,8 @@ A run whose header is damaged is failed with the reason, once, and the scan goes
 Each scan also takes one step of the sweep that drops expired runs from the run index
 (``agentpool.store.runs_index``), and gives back to the head of its queue a turn job left in the RQ
 intermediate queue of any of agentpool's queues (moved there by a BLMOVE whose worker then died, or
-whose reply a silent connection swallowed) once this process has seen it there for ``STRANDED_AFTER``
-seconds with no execution in RQ's started registry: a worker prepares the execution within milliseconds
+whose reply a silent connection swallowed) once it has been seen there for ``STRANDED_AFTER`` seconds
+(by any reaper: the sighting is kept in Redis) with no execution in RQ's started registry: a worker prepares the execution within milliseconds
 of its BLMOVE, and the job would otherwise wait for the run's 30 s recheck. Giving back a job a slow
 worker still claims is harmless: the second execution finds the lease held or the turn done.
 
@@ -48,15 +48,15 @@ from agentpool.store import handback, runs_index, watch
 from agentpool.store.checkpoint import QUEUED_RECHECK_MS
 from agentpool.store.clock import now_ms
 from agentpool.store.errors import UnreadableRecord
-from agentpool.store.keys import REAPER_LOCK, RUNS_WATCH, RunKeys
+from agentpool.store.keys import REAPER_LOCK, RUNS_WATCH, STRANDED, RunKeys
 from agentpool.store.records import ACTIVE_STATUSES, SCHEMA_VERSION
+from agentpool.store.scripts import run_script
 
 log = logging.getLogger("agentpool.reaper")
 PROMOTE_EVERY = 0.1  # seconds between the pool's looks for due deferred turns (one ZRANGEBYSCORE each)
 PROMOTE_AT_LEAST_EVERY = 2.0  # seconds: each worker looks at least this often, however many there are
 WORKERS_COUNTED_EVERY = 10.0  # seconds between counts of the pool's workers (RQ's worker set)
 STRANDED_AFTER = 10.0  # seconds a job may sit in RQ's intermediate queue before it is given back
-_intermediate_seen: dict[str, float] = {}  # job id -> when this process first saw it there (monotonic)
 WAITING = {JobStatus.QUEUED.value, JobStatus.DEFERRED.value}
 
 
@@ -107,30 +107,27 @@ def _sweep_pass_every() -> float:
 
 def _give_back_stranded(r: Redis, after: float) -> list[str]:
     """Give back the turn jobs that sat in an intermediate queue (of any of agentpool's queues: the
-    worker scanning may serve other queues than the dead one did) for ``after`` seconds unclaimed."""
-    now = time.monotonic()
+    worker scanning may serve other queues than the dead one did) for ``after`` seconds unclaimed. When
+    each was first seen there is kept in Redis, on its clock (``ap:stranded``), not in this process: the
+    wait does not start again when the reaper's lock moves to another worker, and ``agentpool reap
+    --once`` run twice gives a job back."""
     queues = [Queue(name, connection=r, serializer=MsgpackSerializer) for name in agentpool_queues(r)]
-    with r.pipeline(transaction=False) as pipe:
-        for queue in queues:
-            pipe.lrange(queue.intermediate_queue_key, 0, 99)
-        listed = pipe.execute()
-    there = {raw.decode("utf-8", errors="replace"): queue for queue, ids in zip(queues, listed) for raw in ids}
-    for gone in set(_intermediate_seen) - there.keys():
-        del _intermediate_seen[gone]
+    if not queues:
+        return []
+    keys = [STRANDED, *(queue.intermediate_queue_key for queue in queues)]
+    due = run_script("stranded_jobs", r, keys, [int(after * 1000), 100])
     given = []
-    for job_id, queue in there.items():
-        seen = _intermediate_seen.setdefault(job_id, now)
-        if now - seen < after:
-            continue
+    for i in range(0, len(due), 3):
+        queue, job_id, listed_ms = queues[int(due[i]) - 1], due[i + 1].decode("utf-8", errors="replace"), due[i + 2]
         if job_id in queue.started_job_registry:
             continue  # claimed: its execution is prepared, the process it forks takes it out (as RQ's cleanup)
-        del _intermediate_seen[job_id]
         if give_back(r, queue, job_id):
+            r.hdel(STRANDED, job_id)  # so that it waits its full time again if it is ever stranded again
             log.warning(
                 "reaper: job %s sat in RQ's intermediate queue %s for %.0f s; given back to the queue",
                 job_id,
                 queue.name,
-                now - seen,
+                listed_ms / 1000,
             )
             given.append(job_id)
     return given
