@@ -134,6 +134,11 @@ def _cut_then_kill(replicated, ha_pool, model, *, restart: bool) -> None:
         assert time.monotonic() < deadline, ha_pool.logs()
         time.sleep(0.01)
     replicated.cut_replication()
+    # One run more, enqueued after the cut: on a loaded machine the runs above may have run every tool
+    # before the cut landed, but this one's email needs the cut-off replica's acknowledgement, so a
+    # refusal comes whatever the timing. Its enqueue reached the primary alone, so the failover may lose
+    # it with the rest written meanwhile: it is not among the runs checked after.
+    enqueue_run("pool_agents:support", script_task("effects", "after the cut"), connection=r)
     # The workers go on against the primary alone until the guard has refused a tool for want of the
     # replica. Its hand-back event is written to the primary and lost with it, so the worker's log says.
     deadline = time.monotonic() + 60

@@ -121,9 +121,13 @@ class ReplicatedRedis:
         A sentinel "fixes" a replica that replicates from an address other than the primary's: about 10 s
         after start (its first INFO period) each replica follows the primary directly, not through its
         link. That fix is waited for first, or it could land just after the cut and undo it (a test whose
-        workers took long to start, on a loaded machine, cut replication at that very moment). Then each
-        replica is pointed back at its link, and the sentinel leaves it so for at least one more INFO
-        period (it notices the change at one, and fixes it no sooner than the next)."""
+        workers took long to start, on a loaded machine, cut replication at that very moment), and so is
+        the sentinel's next look at the replicas, which sees them follow the primary. Then each replica is
+        pointed back at its link. The sentinel notices that change at its next look (within 10 s) and
+        leaves it for its failover timeout (3 s) before fixing it again. Without that look in between,
+        the sentinel still held the link's address it saw before the fix, took the cut for the old
+        misconfiguration and fixed it at once: within a second, before any tool had met the cut (two
+        cut tests run side by side failed so every time)."""
         self.wait_for_sentinel_fix()
         for link, replica in zip(self.replica_links, self.replicas):
             link.partition()
@@ -134,10 +138,11 @@ class ReplicatedRedis:
                 client.close()
 
     def wait_for_sentinel_fix(self) -> None:
-        """Until the sentinel has pointed every replica at the primary directly (see ``cut_replication``);
-        a test whose work must still be going on when it cuts replication waits for this first."""
+        """Until the sentinel has pointed every replica at the primary directly, and has seen since that
+        they follow it (see ``cut_replication``): about 20 s after start. A test whose work must still be
+        going on when it cuts replication waits for this before it starts that work."""
         primary = self.primary_port()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 45
         for replica in self.replicas:
             client = Redis(port=replica.port)
             try:
@@ -147,6 +152,21 @@ class ReplicatedRedis:
                     time.sleep(0.05)
             finally:
                 client.close()
+        while self._seen_following() != {replica.port: primary for replica in self.replicas}:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the sentinel never saw the replicas follow {primary}: {self._seen_following()}")
+            time.sleep(0.1)
+
+    def _seen_following(self) -> dict[int, int]:
+        """Replica port -> the port of the primary it followed at the sentinel's last look at it."""
+        with self.sentinel_client() as sentinel:
+            replies = sentinel.execute_command("SENTINEL", "REPLICAS", MASTER)
+        seen = {}
+        for reply in replies:
+            fields = dict(zip(reply[::2], reply[1::2])) if isinstance(reply, list) else reply
+            fields = {_text(k): _text(v) for k, v in fields.items()}
+            seen[int(fields["port"])] = int(fields.get("master-port") or 0)
+        return seen
 
     def kill_primary(self, *, restart: bool = True) -> int:
         """SIGKILL whichever server is primary now and wait until the sentinel promotes the other one;
@@ -278,3 +298,7 @@ class FollowingEndpoint:
         for server in (self.sub_replica, self.replica, self.primary):
             server.stop(signal.SIGKILL)
         self.replica_link.stop()
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
