@@ -13,8 +13,9 @@ Each scan also takes one step of the sweep that drops expired runs from the run 
 (``agentpool.store.runs_index``), and gives back to the head of its queue a turn job left in the RQ
 intermediate queue of any of agentpool's queues (moved there by a BLMOVE whose worker then died, or
 whose reply a silent connection swallowed) once it has been seen there for ``STRANDED_AFTER`` seconds
-(by any reaper: the sighting is kept in Redis) with no execution in RQ's started registry: a worker prepares the execution within milliseconds
-of its BLMOVE, and the job would otherwise wait for the run's 30 s recheck. Giving back a job a slow
+(by any reaper: the sighting is kept in Redis) with no execution in RQ's started registry: a worker
+prepares the execution within milliseconds of its BLMOVE, and the job would otherwise wait for the
+run's 30 s recheck. Giving back a job a slow
 worker still claims is harmless: the second execution finds the lease held or the turn done.
 
 Every worker runs it in a thread; a one-second lock lets one of them scan at a time. Due deferred
