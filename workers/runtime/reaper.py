@@ -15,8 +15,8 @@ intermediate queue of any of agentpool's queues (moved there by a BLMOVE whose w
 whose reply a silent connection swallowed) once it has been seen there for ``STRANDED_AFTER`` seconds
 (by any reaper: the sighting is kept in Redis) with no execution in RQ's started registry: a worker
 prepares the execution within milliseconds of its BLMOVE, and the job would otherwise wait for the
-run's 30 s recheck. Giving back a job a slow
-worker still claims is harmless: the second execution finds the lease held or the turn done.
+run's 30 s recheck. Giving back a job a slow worker still claims is harmless: the second execution
+finds the lease held or the turn done.
 
 Every worker runs it in a thread; a one-second lock lets one of them scan at a time. Due deferred
 turns are looked for without the lock (that move is atomic) by every worker, each at random moments
