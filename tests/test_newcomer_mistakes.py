@@ -65,6 +65,8 @@ def test_a_run_no_worker_can_load_waits_for_one_and_says_so(r, redis_server, poo
 
     # The worker tries again when each backoff ends (1 s, then 2, 4...), and while it holds the turn the
     # run is in progress: each command is asked again until it shows the wait, for as long as a minute.
+    deadline = time.monotonic() + 60
+
     def shown_once_waiting(command: tuple[str, ...], pick) -> str:
         while True:
             shown = pick(cli(*command, url=redis_server.url).stdout)
@@ -72,7 +74,6 @@ def test_a_run_no_worker_can_load_waits_for_one_and_says_so(r, redis_server, poo
                 return shown
             time.sleep(0.2)
 
-    deadline = time.monotonic() + 60
     row = shown_once_waiting(("runs",), lambda out: next(line for line in out.splitlines() if line.startswith(run_id)))
     assert "waiting for a worker that can load its agent (handed back since" in row, row
     assert "cannot import module 'only_on_the_workers'" in row

@@ -159,14 +159,8 @@ class ReplicatedRedis:
 
     def _seen_following(self) -> dict[int, int]:
         """Replica port -> the port of the primary it followed at the sentinel's last look at it."""
-        with self.sentinel_client() as sentinel:
-            replies = sentinel.execute_command("SENTINEL", "REPLICAS", MASTER)
-        seen = {}
-        for reply in replies:
-            fields = dict(zip(reply[::2], reply[1::2])) if isinstance(reply, list) else reply
-            fields = {_text(k): _text(v) for k, v in fields.items()}
-            seen[int(fields["port"])] = int(fields.get("master-port") or 0)
-        return seen
+        with self.sentinel_client() as sentinel:  # redis-py parses each into a dict, ports as int
+            return {replica["port"]: replica.get("master-port", 0) for replica in sentinel.sentinel_slaves(MASTER)}
 
     def kill_primary(self, *, restart: bool = True) -> int:
         """SIGKILL whichever server is primary now and wait until the sentinel promotes the other one;
@@ -298,7 +292,3 @@ class FollowingEndpoint:
         for server in (self.sub_replica, self.replica, self.primary):
             server.stop(signal.SIGKILL)
         self.replica_link.stop()
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
