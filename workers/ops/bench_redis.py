@@ -97,6 +97,19 @@ def _idle(lab: Lab) -> Sample:
     return _measure(lab, lambda: time.sleep(IDLE), lambda: True)
 
 
+def done_within(seconds: float, what: str, lab: Lab, ended: Callable[[], bool]) -> Callable[[], bool]:
+    """``ended`` as ``_measure``'s ``done``, giving up with the workers' logs ``seconds`` from now: a
+    worker that never ends the work fails the bench instead of hanging it."""
+    deadline = time.monotonic() + seconds
+
+    def done() -> bool:
+        if time.monotonic() > deadline:
+            until(lambda: False, 0, what, lab)
+        return ended()
+
+    return done
+
+
 Load = tuple[Callable[[], object], Callable[[], bool]]  # the work to start, and whether it is done
 
 
@@ -112,14 +125,8 @@ def runs_load(lab: Lab, turns: int, via: Redis | None = None) -> Load:
         for i in range(runs):
             enqueue_run(AGENT, task("redis", i), connection=via or lab.r, check_agent=False)
 
-    deadline = time.monotonic() + 120 + 5 * turns
-
-    def done() -> bool:
-        if time.monotonic() > deadline:
-            until(lambda: False, 0, f"{runs} runs", lab)
-        return lab.r.zcard(RUNS_WATCH) == 0  # ended runs leave the watch set
-
-    return work, done
+    # Ended runs leave the watch set.
+    return work, done_within(120 + 5 * turns, f"{runs} runs", lab, lambda: lab.r.zcard(RUNS_WATCH) == 0)
 
 
 def _runs(lab: Lab, turns: int) -> Sample:
@@ -183,13 +190,7 @@ def bare_load(lab: Lab, jobs: int, rate: float | None = None, via: Redis | None 
             queue.enqueue("agentpool.ops.bench.bare_noop", i, pipeline=pipe, description="bench baseline")
             pipe.execute()
 
-    deadline = time.monotonic() + 60 + jobs
-
-    def done() -> bool:
-        if time.monotonic() > deadline:
-            until(lambda: False, 0, f"{jobs} bare jobs", lab)
-        return lab.r.zcard(finished) - before >= jobs
-
+    done = done_within(60 + jobs, f"{jobs} bare jobs", lab, lambda: lab.r.zcard(finished) - before >= jobs)
     return lambda: _paced(jobs, rate, enqueue), done
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from redis import Redis
 
 from agentpool.ops.bench import AGENT, TURNS_PER_RUN, Lab, cpu_and_calls, spread, table, task, tool_steps, until
+from agentpool.ops.bench_redis import done_within
 
 POLL = 0.1  # the bench's own wait: one ZCARD per shard a tenth of a second, counted and taken out
 IDLE = 4.0  # seconds of an idle pool measured for its background rate
@@ -61,16 +62,16 @@ def _runs(lab: Lab, shards: list[Redis], connection: object, turns: int) -> list
     from agentpool.store.keys import RUNS_WATCH
 
     runs = math.ceil(turns / TURNS_PER_RUN)
-    deadline = time.monotonic() + 120 + 5 * turns
+    done = done_within(  # ended runs leave the watch set
+        120 + 5 * turns,
+        f"{runs} runs on {len(shards)} shard(s)",
+        lab,
+        lambda: all(r.zcard(RUNS_WATCH) == 0 for r in shards),
+    )
 
     def work() -> None:
         for i in range(runs):
             enqueue_run(AGENT, task("shards", i), connection=connection, check_agent=False)
-
-    def done() -> bool:
-        if time.monotonic() > deadline:
-            until(lambda: False, 0, f"{runs} runs on {len(shards)} shard(s)", lab)
-        return all(r.zcard(RUNS_WATCH) == 0 for r in shards)  # ended runs leave the watch set
 
     return _measure(shards, work, done)
 

@@ -23,13 +23,14 @@ import statistics
 import subprocess
 import sys
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
 import agentpool
 from agentpool.ops.bench import AGENT, TURNS_PER_RUN, Lab, spread, table, tool_steps
-from agentpool.ops.bench_redis import Sample, _idle, _measure, _per_turn, _Placement
+from agentpool.ops.bench_redis import Sample, _idle, _measure, _per_turn, _Placement, done_within
 from agentpool.store.keys import RUNS_WATCH
 
 SCRIPT = "versus"
@@ -109,13 +110,13 @@ def _round(
         if app.returncode != 0:
             raise click.ClickException(f"versus: the app process could not enqueue the runs:\n{app.stderr[-2000:]}")
 
-    def done() -> bool:
-        return lab.r.zcard(RUNS_WATCH) == 0  # ended runs leave the watch set
+    def ended(n: int) -> Callable[[], bool]:  # ended runs leave the watch set
+        return done_within(120 + 5 * n * TURNS_PER_RUN, f"{n} runs ({tag})", lab, lambda: lab.r.zcard(RUNS_WATCH) == 0)
 
-    _measure(lab, lambda: enqueue(1, f"{tag}-warm"), done)  # imports, connections, scripts loaded
+    _measure(lab, lambda: enqueue(1, f"{tag}-warm"), ended(1))  # imports, connections, scripts loaded
     idle = _idle(lab)
     calls = lab.model.stats()["responses"]
-    sample = _measure(lab, lambda: enqueue(runs, tag), done)
+    sample = _measure(lab, lambda: enqueue(runs, tag), ended(runs))
     return sample, idle, lab.model.stats()["responses"] - calls
 
 
