@@ -223,3 +223,24 @@ def test_every_exported_metric_is_explained_in_the_docs(r):
     table = page[page.index("| metric | counts |") : page.index("- **Dashboard**")]
     missing = [name for name in families if not any(f"`{name}{end}" in table for end in ("`", "{", "_total"))]
     assert families and not missing, f"not explained in docs/operations.md's metrics table: {missing}"
+
+
+def test_metrics_count_no_worker_whose_rq_record_expired(r, pool, model, metrics_server):
+    """A worker killed whole stays in RQ's worker sets until something cleans them (`rq info`, a worker's
+    maintenance every 10 minutes); its record expires within 90 s, and what the scrape counts must too."""
+    pool.start(1)
+    deadline = time.monotonic() + 60
+    while sample(scrape(metrics_server), "agentpool_workers") != 1:
+        assert time.monotonic() < deadline, pool.logs()
+        time.sleep(0.2)
+    r.sadd("rq:workers", "rq:worker:gone")  # what a dead worker whose record expired leaves
+    r.sadd("rq:workers:agentpool", "rq:worker:gone")
+
+    m = scrape(metrics_server)
+    assert sample(m, "agentpool_workers") == 1
+    assert sample(m, "agentpool_workers_by_queue", queue="default") == 1
+
+    r.hset("rq:worker:gone", "state", "busy")  # the same name with a record: counted
+    m = scrape(metrics_server)
+    assert sample(m, "agentpool_workers") == 2
+    assert sample(m, "agentpool_workers_by_queue", queue="default") == 2

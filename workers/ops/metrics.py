@@ -269,6 +269,17 @@ class PoolCollector(Collector):
 
     # -- RQ ----------------------------------------------------------------------------------
 
+    def _live_workers(self, members: set[bytes]) -> set[bytes]:
+        """The members of RQ's worker sets whose record is still there. RQ drops a dead worker from the sets
+        only when something cleans them (``rq info``, a worker's maintenance every 10 minutes), which a
+        scrape must not do; its record expires on its own within 90 s (``agentpool.worker.lean``)."""
+        ordered = sorted(members)
+        with self.r.pipeline(transaction=False) as pipe:
+            for key in ordered:
+                pipe.exists(key)
+            alive = pipe.execute()
+        return {key for key, there in zip(ordered, alive, strict=True) if there}
+
     def _queue(self) -> list[Metric]:
         names = agentpool_queues(self.r)
         with self.r.pipeline(transaction=False) as pipe:
@@ -293,18 +304,19 @@ class PoolCollector(Collector):
             labels=["queue", "state"],
         )
         workers_by_queue = GaugeMetricFamily(
-            "agentpool_workers_by_queue", "RQ workers registered on each of agentpool's queues.", labels=["queue"]
+            "agentpool_workers_by_queue",
+            "RQ workers registered on each of agentpool's queues whose RQ record has not expired.",
+            labels=["queue"],
         )
         totals = dict.fromkeys(("queued", "scheduled", "started", "failed"), 0)
-        workers: set[bytes] = set()
+        workers = self._live_workers({m for i in range(len(names)) for m in replies[5 * i + 4]})
         for i, name in enumerate(names):
             queued, scheduled, started, failed, members = replies[5 * i : 5 * i + 5]
             label = DEFAULT_QUEUE if name == TURN_QUEUE else name[len(TURN_QUEUE) + 1 :]
             for state, n in (("queued", queued), ("scheduled", scheduled), ("started", started), ("failed", failed)):
                 totals[state] += int(n)
                 by_queue.add_metric([label, state], int(n))
-            workers_by_queue.add_metric([label], len(members))
-            workers |= set(members)
+            workers_by_queue.add_metric([label], len(workers & members))
         for state, n in totals.items():
             depth.add_metric([state], n)
         count, overdue = deferred.summary(self.r)
@@ -312,7 +324,7 @@ class PoolCollector(Collector):
             depth,
             by_queue,
             GaugeMetricFamily(
-                "agentpool_workers", "RQ workers registered on any of agentpool's queues.", value=len(workers)
+                "agentpool_workers", "agentpool_workers_by_queue's workers, on any queue.", value=len(workers)
             ),
             workers_by_queue,
             GaugeMetricFamily(

@@ -24,7 +24,10 @@ here do instead:
 - nothing else per job: the worker's heartbeat and the ``rq suspend`` check are sent at most every
   ``HEARTBEAT_EVERY`` / ``SUSPENSION_EVERY`` seconds, not around every dequeue, and its state only when it
   changes (``idle`` once a dequeue found nothing: a worker going from one turn to the next stays ``busy``). The heartbeat also keeps the worker's queues in RQ's set of queues (what ``rq info`` lists),
-  so the turns its horses enqueue need not.
+  so the turns its horses enqueue need not. Because it comes that often, the worker's RQ record is kept
+  ``WORKER_TTL`` + 60 s past each one (RQ's default TTL of 420 s would list a worker killed whole as
+  ``busy`` for 8 minutes), and a heartbeat that finds the record gone (Redis out of reach longer than
+  that) writes it again whole, so ``rq info`` lists the worker again.
 
 What a crash needs is unchanged: a killed horse's job is ``started`` in the started registry (RQ's
 failure path runs on it as before), the supervisor finds a dead threaded worker's executions by their
@@ -45,6 +48,7 @@ import uuid
 from typing import Any
 
 from redis.client import Pipeline
+from rq import worker_registration
 from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
@@ -58,7 +62,12 @@ from agentpool.runtime.jobs import ended_by_turn, keep_queues_registered, note_e
 from agentpool.runtime.takeover import is_turn_job
 from agentpool.store.staged_job import EndedJob
 
-HEARTBEAT_EVERY = 5.0  # seconds between the worker's own heartbeats (RQ's worker TTL is 420 s)
+HEARTBEAT_EVERY = 5.0  # seconds between the worker's own heartbeats
+# RQ keeps a worker's record worker_ttl + 60 s past each heartbeat, and job_monitoring_interval (30) + 60 s
+# past the ones it sends while a job runs: with 30 here both are 90 s, the longest a worker killed whole
+# stays in `rq info` (docs/cli.md). Heartbeats come every HEARTBEAT_EVERY seconds, or every 15 s (threaded)
+# and 30 s (a forking worker waiting on its horse) while turns run, well within it.
+WORKER_TTL = 30
 SUSPENSION_EVERY = 1.0  # seconds between looks at `rq suspend`'s flag
 _counts_lock = threading.Lock()  # a threaded worker's turn threads count their jobs concurrently
 
@@ -84,6 +93,11 @@ class LeanTurnJobs:
     _jobs_done = 0  # turn jobs ended since the last heartbeat, and their working time
     _jobs_time = 0.0
     _written_state: str | None = None  # the state Redis has for this worker
+    _registering = threading.Lock()  # a threaded worker heartbeats from two threads
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("worker_ttl", WORKER_TTL)
+        super().__init__(*args, **kwargs)
 
     # -- the worker's own records ----------------------------------------------------------------
 
@@ -98,10 +112,29 @@ class LeanTurnJobs:
             self._beat_at = time.monotonic()
             return
         with self.connection.pipeline(transaction=False) as pipe:
+            pipe.exists(self.key)
             super().heartbeat(timeout, pipeline=pipe)  # type: ignore[misc]
             self._stage_beat_extras(pipe)
-            pipe.execute()
+            registered = pipe.execute()[0]
         self._beat_at = time.monotonic()
+        if not registered and not getattr(self, "_is_horse", False):
+            self._register_again()
+
+    def _register_again(self) -> None:
+        """The worker's RQ record had expired (Redis was out of reach longer than its TTL), so the heartbeat
+        just wrote a record with nothing but its time, and ``rq info`` (whose cleanup drops a worker
+        whose record is gone) may no longer list it: written again whole, as at the worker's start but
+        for its birth, in one transaction."""
+        self.log.warning(  # type: ignore[attr-defined]
+            "worker %s: its RQ record had expired (Redis out of reach for long?); registered again", self.name
+        )
+        with self._registering, self.connection.pipeline() as pipe:
+            pipe.delete(self.key)
+            pipe.hset(self.key, mapping={**self.serialize(), "state": self._state})  # type: ignore[attr-defined]
+            worker_registration.register(self, pipe)  # type: ignore[arg-type]
+            pipe.expire(self.key, self.worker_ttl + 60)
+            pipe.execute()
+        self._written_state = self._state
 
     def _stage_beat_extras(self, pipe: Pipeline) -> None:
         self._stage_job_counts(pipe)

@@ -186,6 +186,11 @@ class ThreadedWorker(QuickUnsubscribe, LeanTurnJobs, BaseWorker):
         dequeue_strategy: DequeueStrategy = DequeueStrategy.DEFAULT,
     ) -> bool:
         self.bootstrap(logging_level or "INFO", date_format, log_format)
+        # RQ's bootstrap leaves the worker `started`: as RQ's own loop, it is idle until a turn comes
+        # (written once a dequeue finds nothing), and its first heartbeat registers its queues for
+        # `rq info` now, not when the heartbeat thread's first interval ends.
+        self.set_state(WorkerStatus.IDLE)
+        self.heartbeat()
         self._dequeue_strategy = dequeue_strategy
         # ``with_scheduler`` is ignored: RQ's scheduler is a process that could outlive this one holding
         # its lock; deferred turns are enqueued by the reaper (agentpool.runtime.deferred).
