@@ -60,7 +60,10 @@ def test_a_run_no_worker_can_load_waits_for_one_and_says_so(r, redis_server, poo
         assert time.monotonic() < deadline, pool.logs()
         time.sleep(0.05)
 
-    waiting = get_run(run_id, connection=r).waiting
+    # Read while the turn waits, not while the worker's retry holds it (the run is then in progress).
+    while (waiting := get_run(run_id, connection=r).waiting) is None or waiting["kind"] == "in_progress":
+        assert time.monotonic() < deadline, pool.logs()
+        time.sleep(0.05)
     assert waiting["note"].startswith("waiting for a worker that can load its agent: handed back 1 time(s)"), waiting
 
     # The worker tries again when each backoff ends (1 s, then 2, 4...), and while it holds the turn the
