@@ -23,11 +23,12 @@ here do instead:
   ``total_working_time`` are added with its next heartbeat (every few seconds);
 - nothing else per job: the worker's heartbeat and the ``rq suspend`` check are sent at most every
   ``HEARTBEAT_EVERY`` / ``SUSPENSION_EVERY`` seconds, not around every dequeue, and its state only when it
-  changes (``idle`` once a dequeue found nothing: a worker going from one turn to the next stays ``busy``). The heartbeat also keeps the worker's queues in RQ's set of queues (what ``rq info`` lists),
-  so the turns its horses enqueue need not. Because it comes that often, the worker's RQ record is kept
+  changes (``idle`` once a dequeue found nothing: a worker going from one turn to the next stays
+  ``busy``). The heartbeat also keeps the worker's queues in RQ's set of queues (what ``rq info``
+  lists), so the turns its horses enqueue need not. Because it comes that often, the worker's RQ record is kept
   ``WORKER_TTL`` + 60 s past each one (RQ's default TTL of 420 s would list a worker killed whole as
   ``busy`` for 8 minutes), and a heartbeat that finds the record gone (Redis out of reach longer than
-  that) writes it again whole, so ``rq info`` lists the worker again.
+  that, or restarted without its data) writes it again whole, so ``rq info`` lists the worker again.
 
 What a crash needs is unchanged: a killed horse's job is ``started`` in the started registry (RQ's
 failure path runs on it as before), the supervisor finds a dead threaded worker's executions by their
@@ -121,12 +122,14 @@ class LeanTurnJobs:
             self._register_again()
 
     def _register_again(self) -> None:
-        """The worker's RQ record had expired (Redis was out of reach longer than its TTL), so the heartbeat
-        just wrote a record with nothing but its time, and ``rq info`` (whose cleanup drops a worker
-        whose record is gone) may no longer list it: written again whole, as at the worker's start but
-        for its birth, in one transaction."""
+        """The worker's RQ record was gone (it expired while Redis was out of reach longer than its TTL, or
+        Redis restarted without its data), so the heartbeat just wrote a record with nothing but its time,
+        and ``rq info`` (whose cleanup drops a worker whose record is gone) may no longer list it: written
+        again whole, as at the worker's start but for its birth, in one transaction."""
         self.log.warning(  # type: ignore[attr-defined]
-            "worker %s: its RQ record had expired (Redis out of reach for long?); registered again", self.name
+            "worker %s: its RQ record was gone (expired while Redis was out of reach, or Redis restarted "
+            "without its data); registered again",
+            self.name,
         )
         with self._registering, self.connection.pipeline() as pipe:
             pipe.delete(self.key)
