@@ -25,9 +25,9 @@ here do instead:
   ``HEARTBEAT_EVERY`` / ``SUSPENSION_EVERY`` seconds, not around every dequeue, and its state only when it
   changes (``idle`` once a dequeue found nothing: a worker going from one turn to the next stays
   ``busy``). The heartbeat also keeps the worker's queues in RQ's set of queues (what ``rq info``
-  lists), so the turns its horses enqueue need not. Because it comes that often, the worker's RQ record is kept
-  ``WORKER_TTL`` + 60 s past each one (RQ's default TTL of 420 s would list a worker killed whole as
-  ``busy`` for 8 minutes), and a heartbeat that finds the record gone (Redis out of reach longer than
+  lists), so the turns its horses enqueue need not. Because it comes that often, the worker's RQ record
+  is kept ``WORKER_TTL`` + 60 s past each one (RQ's default TTL of 420 s would list a worker killed whole
+  as ``busy`` for 8 minutes), and a heartbeat that finds the record gone (Redis out of reach longer than
   that, or restarted without its data) writes it again whole, so ``rq info`` lists the worker again.
 
 What a crash needs is unchanged: a killed horse's job is ``started`` in the started registry (RQ's
