@@ -273,12 +273,12 @@ class PoolCollector(Collector):
         """The members of RQ's worker sets whose record is still there. RQ drops a dead worker from the sets
         only when something cleans them (``rq info``, a worker's maintenance every 10 minutes), which a
         scrape must not do; its record expires on its own within 90 s (``agentpool.worker.lean``)."""
-        ordered = sorted(members)
+        keys = list(members)
         with self.r.pipeline(transaction=False) as pipe:
-            for key in ordered:
+            for key in keys:
                 pipe.exists(key)
             alive = pipe.execute()
-        return {key for key, there in zip(ordered, alive, strict=True) if there}
+        return {key for key, there in zip(keys, alive, strict=True) if there}
 
     def _queue(self) -> list[Metric]:
         names = agentpool_queues(self.r)
@@ -309,9 +309,9 @@ class PoolCollector(Collector):
             labels=["queue"],
         )
         totals = dict.fromkeys(("queued", "scheduled", "started", "failed"), 0)
-        workers = self._live_workers({m for i in range(len(names)) for m in replies[5 * i + 4]})
-        for i, name in enumerate(names):
-            queued, scheduled, started, failed, members = replies[5 * i : 5 * i + 5]
+        per_queue = [replies[5 * i : 5 * i + 5] for i in range(len(names))]
+        workers = self._live_workers({member for *_, members in per_queue for member in members})
+        for name, (queued, scheduled, started, failed, members) in zip(names, per_queue, strict=True):
             label = DEFAULT_QUEUE if name == TURN_QUEUE else name[len(TURN_QUEUE) + 1 :]
             for state, n in (("queued", queued), ("scheduled", scheduled), ("started", started), ("failed", failed)):
                 totals[state] += int(n)

@@ -131,6 +131,8 @@ class LeanTurnJobs:
             "without its data); registered again",
             self.name,
         )
+        # RQ's register_birth writes the same, but as a new worker's: it refuses a record that is there (the
+        # heartbeat's) and dates the birth now.
         with self._registering, self.connection.pipeline() as pipe:
             pipe.delete(self.key)
             pipe.hset(self.key, mapping={**self.serialize(), "state": self._state})  # type: ignore[attr-defined]
