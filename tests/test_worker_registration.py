@@ -4,6 +4,7 @@ RQ record expired (Redis out of reach longer than its TTL) listed again. Real wo
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -61,19 +62,24 @@ def test_a_workers_rq_record_outlives_its_last_heartbeat_by_90_seconds_at_most(k
     assert all(0 < ttl <= RECORD_TTL for ttl in ttls), ttls
 
 
+@pytest.mark.parametrize("lost", ["expired", "restarted"])
 @pytest.mark.parametrize("kind", ["forking", "threaded"])
-def test_a_worker_whose_rq_record_expired_is_listed_by_rq_info_again(kind, r, pool, model, redis_server):
+def test_a_worker_whose_rq_record_was_lost_is_listed_by_rq_info_again(kind, lost, r, pool, model, redis_server):
     model.set_scripts({"slow": SLOW})
     name = f"again-{kind}"
     start(pool, kind, name)
     key = f"rq:worker:{name}"
     wait_listed(redis_server.url, name, "idle", pool)
     birth = r.hget(key, "birth")
-    # What an outage longer than the record's TTL leaves: the record gone, and RQ's cleanup of its worker
-    # sets (which `rq info` runs) has dropped the worker from them.
-    r.delete(key)
-    r.srem("rq:workers", key)
-    r.srem("rq:workers:agentpool", key)
+    if lost == "expired":
+        # What an outage longer than the record's TTL leaves: the record gone, and RQ's cleanup of its
+        # worker sets (which `rq info` runs) has dropped the worker from them.
+        r.delete(key)
+        r.srem("rq:workers", key)
+        r.srem("rq:workers:agentpool", key)
+    else:
+        redis_server.stop(signal.SIGKILL)  # it keeps nothing on disk: it comes back empty
+        redis_server.start()
     assert rq_info_line(redis_server.url, name) is None
 
     line = wait_listed(redis_server.url, name, "idle", pool, timeout=40)  # the threaded worker beats every 15 s
