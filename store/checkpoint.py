@@ -532,17 +532,22 @@ def defer_turn(
     enqueue_later: Callable[[Pipeline, int], None],
     reason: str = "",
 ) -> None:
-    """Give the turn back after a transient model error: it runs again in ``delay_ms`` (``enqueue_later(pipe,
-    n)`` records it as deferred, the run's n-th re-enqueue, in this transaction); no turn is
-    counted and no worker waits. ``retry_at`` and ``retry_reason`` in the header say why it waits."""
+    """Give the turn back after a transient model error, or to wait for a rate-limit budget or a
+    concurrency slot: it runs again in ``delay_ms`` (``enqueue_later(pipe, n)`` records it as deferred,
+    the run's n-th re-enqueue, in this transaction); no turn is counted and no worker waits.
+    ``retry_at`` and ``retry_reason`` in the header say why it waits.
 
-    def stage(pipe: Pipeline, attempt: int, requeues: int) -> None:
+    Nor is an attempt counted: the header's ``attempt`` counts the starts of a turn that a crash cut
+    short (a turn that kills its workers fails its run at ``MAX_TURN_ATTEMPTS``), and a turn given back
+    on purpose ended cleanly. Model errors have their own cap (``model_errors``); a wait has none, and a
+    tenant's turn may wait for its slot many times over."""
+
+    def stage(pipe: Pipeline, _attempt: int, requeues: int) -> None:
         retry_at = now_ms() + delay_ms
         pipe.hset(
             keys.run,
             mapping={
                 "model_errors": model_errors,
-                "attempt": attempt + 1,
                 "requeues": requeues + 1,
                 "retry_at": retry_at,
                 "retry_reason": reason,

@@ -11,8 +11,12 @@ import pytest
 from redis import Redis
 
 from agentpool import enqueue_run, wait_for_run
-from agentpool.store import concurrency, events
-from agentpool.store.keys import RUNS, TURNS_DEFERRED, ConcurrencyKeys, RunKeys
+from agentpool.runtime.jobs import turn_queue
+from agentpool.runtime.reaper import reap_once
+from agentpool.runtime.takeover import MAX_TURN_ATTEMPTS
+from agentpool.runtime.turn import run_turn
+from agentpool.store import concurrency, events, lease
+from agentpool.store.keys import RUNS, RUNS_WATCH, TURNS_DEFERRED, ConcurrencyKeys, RunKeys
 from agentpool.testing.localpool import WorkerProcesses
 
 from conftest import assert_valid_conversation, script_task
@@ -117,3 +121,32 @@ def test_bad_concurrency_arguments_are_refused_in_one_line_and_make_nothing(r: R
     assert [line.split() for line in shown.stdout.splitlines() if line.startswith("acme")] == [["acme", "3", "0", "0"]]
     bad = subprocess.run([*cli, "set", "acme", "-1"], env=pool.env, capture_output=True, text=True, check=False)
     assert bad.returncode != 0 and "-1" in bad.stderr
+
+
+def test_a_turn_that_waits_for_its_slot_many_times_is_not_failed_as_a_crash_loop(r: Redis, redis_server, monkeypatch):
+    """A wait is not a crash. A tenant's turn deferred for its slot more often than a turn may be cut
+    short (``MAX_TURN_ATTEMPTS``), then repaired once by the reaper (its job lost from the queue), goes
+    on: each wait used to count as a start cut short, and that repair failed a healthy run."""
+    monkeypatch.setenv("REDIS_URL", redis_server.url)
+    holder = enqueue_run(
+        "pool_agents:support", "holds the slot", connection=r, concurrency_key="acme", max_concurrency=1
+    )
+    held = lease.acquire(r, RunKeys.of(holder), turn=0, worker_id="w.1", ttl_ms=600_000)
+    assert concurrency.acquire(r, "acme", holder, 1, held.token).granted
+    waiter = enqueue_run("pool_agents:support", "waits", connection=r, concurrency_key="acme", max_concurrency=1)
+    for _ in range(MAX_TURN_ATTEMPTS + 5):
+        assert run_turn(waiter, 0) == "deferred"  # as its job would, each time its wait is up
+    assert r.hget(RunKeys.of(waiter).run, "attempt") == b"0"
+    # The slot frees and the deferred turn is enqueued; then its job is lost (a flushed queue, a
+    # failover that lost the push) and the reaper, finding the run with no job, repairs it.
+    lease.release(r, RunKeys.of(holder), held.token)
+    r.zremrangebyrank(TURNS_DEFERRED, 0, -2)  # the earlier waits' entries, which their jobs would have taken
+    r.zadd(TURNS_DEFERRED, dict.fromkeys(r.zrange(TURNS_DEFERRED, 0, -1), 0))
+    reap_once(r)
+    job = r.hget(RunKeys.of(waiter).run, "job")
+    assert r.lrem(turn_queue(r).key, 0, job) == 1
+    r.zadd(RUNS_WATCH, {waiter: 0})
+    assert reap_once(r) == [waiter]
+    status, error, attempt = r.hmget(RunKeys.of(waiter).run, ["status", "error", "attempt"])
+    assert (status, error, attempt) == (b"running", b"", b"1")
+    assert r.hget(RunKeys.of(waiter).run, "job").decode() in turn_queue(r).job_ids
