@@ -19,7 +19,7 @@ from agentpool.runtime.settings import Settings, client_for, names_the_server
 from agentpool.store import approvals, checkpoint, children, events, inbox, runs_index, webhooks, writes
 from agentpool.store import window as run_window
 from agentpool.store.codec import pack
-from agentpool.store.errors import AgentPoolError, RunNotFound
+from agentpool.store.errors import AgentPoolError, RedisUnreachable, RunNotFound
 from agentpool.store.events import Event, emit
 from agentpool.store.keys import (
     DEFAULT_QUEUE,
@@ -574,8 +574,13 @@ def list_runs(
     if status is not None and status not in STATUSES:
         raise ValueError(f"unknown status {status!r}; valid: {', '.join(sorted(STATUSES))}")
     pool = shards.pool_of(connection)
-    if pool is not None:
-        found = [run for r in pool for run in list_runs(connection=r, limit=limit, status=status, agent=agent)]
+    if pool is not None:  # all of the runs or an error: a list short of a silent shard's runs would mislead
+        pages, silent = shards.each_answering(
+            pool, lambda r: list_runs(connection=r, limit=limit, status=status, agent=agent)
+        )
+        if silent:
+            raise RedisUnreachable(f"Redis unreachable at {silent[0]}")
+        found = [run for _shard, page in pages for run in page]
         return sorted(found, key=lambda run: (run.created_at, run.id), reverse=True)[:limit]
     r = client_for(connection)
 

@@ -213,8 +213,8 @@ def fork_run(
     r, shard = shards.located(connection, run_id)
     pool = shards.pool_of(connection)
     if fork_id is not None and pool is not None:  # the fork goes to its parent's shard: its id must be free on all
-        elsewhere = pool.locate(fork_id)
-        if elsewhere != shard and pool.clients[elsewhere].exists(RunKeys.of(fork_id).run):
+        elsewhere = pool.find(fork_id)
+        if elsewhere is not None and elsewhere != shard:
             raise RunExists(fork_id, f"on {pool.name(elsewhere)} and is not a fork of run {run_id}")
     parent = RunKeys.of(run_id)
     with r.pipeline(transaction=True) as pipe:  # one consistent snapshot of the parent

@@ -25,7 +25,7 @@ from agentpool.ops.redisconn import (
     target_url,
 )
 from agentpool.runtime.settings import connect, redact_url
-from agentpool.runtime.shards import each, located, route
+from agentpool.runtime.shards import each, each_answering, located, route
 from agentpool.store import ledger
 from agentpool.store.errors import AgentPoolError, RedisUnreachable
 from agentpool.store.keys import RunKeys
@@ -382,7 +382,11 @@ def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> 
     from agentpool.runtime import deferred
 
     r = pool_client(url)
-    rows = list_runs(connection=r, limit=limit, status=status, agent=agent)
+    pages, unavailable = each_answering(r, lambda c: list_runs(connection=c, limit=limit, status=status, agent=agent))
+    merged = sorted(
+        (run for _shard, page in pages for run in page), key=lambda run: (run.created_at, run.id), reverse=True
+    )
+    rows = merged[:limit]  # newest first over every shard that answered, as list_runs merges them
     click.echo(
         f"{'ID':<28} {'AGENT':<32} {'QUEUE':<10} {'STATUS':<17} {'TURNS':>5} {'TOKENS':>9} {'COST':>9} {'AGE':>5}  NOTE"
     )
@@ -392,14 +396,18 @@ def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> 
             f"{run.id:<28} {run.agent[:32]:<32} {run.queue[:10]:<10} {run.status:<17} {run.turns:>5} {run.total_tokens:>9} "
             f"{'$' + format(run.cost_usd, '.4f'):>9} {_age(now - run.created_at):>5}  {_short_note(run, now)}".rstrip()
         )
-    summaries = [deferred.summary(client) for _shard, client in each(r)]
-    count, overdue = sum(n for n, _ in summaries), max(late for _, late in summaries)
+    summaries = [summary for _shard, summary in each_answering(r, deferred.summary)[0]]
+    count, overdue = sum(n for n, _ in summaries), max((late for _, late in summaries), default=0.0)
     if count:  # not RQ jobs until due, so `rq info` does not count them
         late = f"; the oldest due one is {overdue:.0f} s overdue: is any worker running?" if overdue > 2 else ""
         click.echo(
             f"\n{count} turn(s) deferred (after model errors, or waiting for a rate-limit budget), "
             f"enqueued by the reaper when due{late}"
         )
+    if unavailable:  # the other shards' runs are above; a script reading them learns the list is partial
+        for missing in unavailable:
+            click.echo(f"error: not listed, did not answer: {missing}", err=True)
+        sys.exit(1)
 
 
 def _tree_lines(nodes: list[dict[str, Any]], level: int) -> list[str]:
@@ -862,17 +870,25 @@ def reap(url: str | None, interval: float, once: bool) -> None:
     else:
         pool = [connect(u) for u in urls] if urls else [connect(target_url(url))]
     while True:
+        silent = []
         for r in pool:
             try:
                 reap_once(r, report=report)
             except RedisError as exc:
-                if once:
+                if once and not urls:
                     raise
-                click.echo(f"warning: {describe(exc)}; retrying", err=True)
+                # One shard's trouble is its own: the other shards are reaped all the same.
+                silent.append(describe(exc))
+                if not once:
+                    click.echo(f"warning: {describe(exc)}; retrying", err=True)
         if once:
-            if not done:
+            for line in silent:
+                click.echo(f"error: not reaped: {line}", err=True)
+            if not done and not silent:
                 watched = sum(r.zcard(RUNS_WATCH) for r in pool)
                 click.echo(f"nothing to do: none of the {watched} runs watched is orphaned or past a deadline")
+            if silent:
+                sys.exit(1)
             return
         time.sleep(interval)
 

@@ -57,7 +57,7 @@ from agentpool.ops.redisconn import pool_client, target_url, warn_if_unreachable
 from agentpool.ops.timeline import timeline
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import redact_url
-from agentpool.runtime.shards import Shards, each, located
+from agentpool.runtime.shards import Shards, each_answering, located
 from agentpool.store import children, events, handback, inbox, ledger, live, runs_index, webhooks
 from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.keys import RunKeys
@@ -161,18 +161,25 @@ def list_rows(r: Redis, *, status: str | None, agent: str | None, limit: int) ->
             pipe.hgetall(RunKeys.of(run.id).handback)
         handbacks = pipe.execute()
     rows = [_row(run, now, handback.decode(raw)) for run, raw in zip(picked, handbacks)]
-    return {"now": now, "runs": rows, "agents": sorted(agents), "statuses": sorted(STATUSES)}
+    return {"now": now, "runs": rows, "agents": sorted(agents), "statuses": sorted(STATUSES), "unavailable": []}
 
 
 def pool_rows(pool: Redis | Shards, *, status: str | None, agent: str | None, limit: int) -> dict[str, Any]:
-    """``list_rows`` of one Redis, or of every shard merged newest first (each row saying its shard)."""
+    """``list_rows`` of one Redis, or of every shard merged newest first (each row saying its shard); a
+    shard that does not answer is listed in ``unavailable`` and the others' runs are shown."""
     if not isinstance(pool, Shards):
         return list_rows(pool, status=status, agent=agent, limit=limit)
-    pages = [list_rows(r, status=status, agent=agent, limit=limit) for _shard, r in each(pool)]
-    rows = [{**row, "shard": shard} for shard, page in enumerate(pages) for row in page["runs"]]
+    pages, unavailable = each_answering(pool, lambda r: list_rows(r, status=status, agent=agent, limit=limit))
+    rows = [{**row, "shard": shard} for shard, page in pages for row in page["runs"]]
     rows.sort(key=lambda row: (row["created_at"], row["id"]), reverse=True)
-    agents = sorted({name for page in pages for name in page["agents"]})
-    return {"now": time.time(), "runs": rows[:limit], "agents": agents, "statuses": sorted(STATUSES)}
+    agents = sorted({name for _shard, page in pages for name in page["agents"]})
+    return {
+        "now": time.time(),
+        "runs": rows[:limit],
+        "agents": agents,
+        "statuses": sorted(STATUSES),
+        "unavailable": unavailable,
+    }
 
 
 def _slim(block: Any) -> Any:
@@ -278,7 +285,9 @@ def _amount(body: dict[str, Any], name: str, *, whole: bool) -> Any:
         raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
 
 
-def act(r: Redis, run_id: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
+def act(r: Redis | Shards, run_id: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A run's action through the API, given the whole pool: a fork on a sharded pool gets its shard's
+    id ending, and a ``fork_id`` is refused when it is taken on any shard."""
     if action == "cancel":
         before = client.cancel_run(run_id, connection=r, reason="cancelled from the dashboard")
         return {"ok": True, "before": before}
@@ -470,7 +479,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise HttpError(HTTPStatus.BAD_REQUEST, "after must be a stream id like 1700000000000-0")
             return live_output(r, run_id, after)
         if self.command == "POST" and sub in ("cancel", "approve", "resume", "message", "fork"):
-            return act(r, run_id, sub, self._body())
+            return act(pool, run_id, sub, self._body())
         raise HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.command} is not allowed here")
 
     def _static(self, path: str) -> None:

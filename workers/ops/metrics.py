@@ -164,10 +164,10 @@ class PoolCollector(Collector):
         shard_up = GaugeMetricFamily(
             "agentpool_shard_up", "1 if the shard's Redis answered this scrape, 0 if it did not.", labels=["shard"]
         )
-        per_shard: list[list[Metric]] = []
+        per_shard: dict[int, list[Metric]] = {}
         for shard, client in each(self.r):
             try:
-                per_shard.append(PoolCollector(client, max_runs=self.max_runs).families())
+                per_shard[shard] = PoolCollector(client, max_runs=self.max_runs).families()  # type: ignore[index]
                 shard_up.add_metric([str(shard)], 1)
             except RedisError as exc:
                 log.warning("metrics scrape: shard %s's Redis failed: %s", shard, exc)
@@ -176,9 +176,9 @@ class PoolCollector(Collector):
         up.add_metric([], 1 if whole else 0)
         yield up
         yield shard_up
-        if whole:
-            yield from merged(per_shard)
-            yield from by_shard(per_shard)
+        if whole:  # a sum over the shards that answered would read as the pool's and be short
+            yield from merged(list(per_shard.values()))
+        yield from by_shard(per_shard)  # each shard that answered, under its own number
 
     # -- ap:stats ----------------------------------------------------------------------------
 
@@ -376,10 +376,10 @@ def merged(per_shard: list[list[Metric]]) -> list[Metric]:
     return list(out.values())
 
 
-def by_shard(per_shard: list[list[Metric]]) -> list[Metric]:
+def by_shard(per_shard: dict[int, list[Metric]]) -> list[Metric]:
     """The PER_SHARD families again, as ``agentpool_shard_<name>`` with a ``shard`` label."""
     out: dict[str, Metric] = {}
-    for shard, families in enumerate(per_shard):
+    for shard, families in per_shard.items():
         for family in families:
             if family.name not in PER_SHARD:
                 continue

@@ -22,13 +22,17 @@ import itertools
 import os
 import re
 import secrets
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 from redis import Redis
+from redis.exceptions import ConnectionError, RedisError, TimeoutError
 
 from agentpool.runtime.settings import BadRedisUrl, check_redis_url, client_for, redact_url, server_of
+from agentpool.store.errors import RedisUnreachable
 from agentpool.store.keys import RunKeys, tagged_shard
+
+T = TypeVar("T")
 
 ENV = "AGENTPOOL_SHARDS"
 MAX_SHARDS = 1000  # the id ending holds up to three digits
@@ -134,25 +138,49 @@ class Shards:
         return f"one of the shards {', '.join(self.names)}{source}"
 
     def locate(self, run_id: str) -> int:
-        """The shard holding ``run_id``: its rule's shard if that has it, else the first other one that
-        does; the rule's shard when none has it (the caller then finds no run there and says so)."""
-        first = rule(run_id, len(self))
+        """The shard holding ``run_id``, or its rule's shard when no shard has it (the caller then finds
+        no run there and says so)."""
         if len(self) == 1:
-            return first
+            return 0
+        found = self.find(run_id)
+        return rule(run_id, len(self)) if found is None else found
+
+    def find(self, run_id: str) -> int | None:
+        """The shard holding ``run_id`` (its rule's shard asked first, then each other), or None.
+
+        A shard that does not answer is passed over, so a run is found on the shards that do. Only when
+        none of them has it is that a :class:`RedisUnreachable` naming the silent shard, as the run may
+        be there: never "no such run", and never a second run made by an enqueue of the same id."""
+        first = rule(run_id, len(self))
         key = RunKeys.of(run_id).run
+        silent: list[tuple[int, RedisError]] = []
         for shard in (first, *(i for i in range(len(self)) if i != first)):
-            if self.clients[shard].exists(key):
-                return shard
-        return first
+            try:
+                if self.clients[shard].exists(key):
+                    return shard
+            except (ConnectionError, TimeoutError) as exc:
+                silent.append((shard, exc))
+        if silent:
+            shard, exc = silent[0]
+            raise RedisUnreachable(
+                f"Redis unreachable at {self.name(shard)}, which may hold run {run_id}: {exc}"
+            ) from exc
+        return None
 
     def for_new_run(self, run_id: str | None, concurrency_key: str | None = None) -> int:
         """The shard a new run goes to: where an id the caller gave lives already (its enqueue is then
-        idempotent as on one Redis), else its rule's; a concurrency key's own shard; else the next in turn."""
-        if run_id is not None:
-            return self.locate(run_id)
+        idempotent as on one Redis); else a concurrency key's own shard, whatever the id (the key's
+        cap is counted on that shard, so its runs must not spread); else the id's rule's shard, or the
+        next in turn. A reader finds an id placed by its key as any other: on a shard asked after the
+        id's own."""
+        if len(self) == 1:
+            return 0
+        found = None if run_id is None else self.find(run_id)
+        if found is not None:
+            return found
         if concurrency_key is not None:
             return rendezvous(f"ckey:{concurrency_key}", len(self))
-        return next(self._next) % len(self)
+        return rule(run_id, len(self)) if run_id is not None else next(self._next) % len(self)
 
 
 _from_env: dict[tuple[str, ...], Shards] = {}
@@ -198,6 +226,25 @@ def home(connection: Any, run_id: str | None, concurrency_key: str | None = None
         return client_for(connection), None
     shard = shards.for_new_run(run_id, concurrency_key)
     return shards.clients[shard], shard
+
+
+def each_answering(connection: Any, read: Callable[[Redis], T]) -> tuple[list[tuple[int | None, T]], list[str]]:
+    """``read`` of every Redis of the pool, with its shard number, and apart the shards that did not
+    answer (``shard 1 (host:6379): Connection refused``): a view of the whole pool (``agentpool runs``,
+    the dashboard's list) shows what the others hold and says what is missing, where one Redis down
+    would otherwise blank it all. One Redis (not a sharded pool) that does not answer raises."""
+    shards = pool_of(connection)
+    if shards is None:
+        return [(None, read(client_for(connection)))], []
+    answers: list[tuple[int | None, T]] = []
+    silent: list[str] = []
+    for shard, client in enumerate(shards.clients):
+        try:
+            answers.append((shard, read(client)))
+        except (ConnectionError, TimeoutError) as exc:
+            cause = exc.__cause__ or exc  # the API's RedisUnreachable names the server: the shard's name does
+            silent.append(f"{shards.name(shard)}: {str(cause).strip() or type(cause).__name__}")
+    return answers, silent
 
 
 def each(connection: Any) -> list[tuple[int | None, Redis]]:

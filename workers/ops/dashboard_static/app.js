@@ -282,6 +282,11 @@ function listPage(app) {
     }
     summary.textContent = doc.runs.length + " run" + (doc.runs.length === 1 ? "" : "s") +
       " shown, newest first · updated " + new Date().toLocaleTimeString();
+    const missing = doc.unavailable || [];
+    if (missing.length) {  // a shard that did not answer: the others' runs are shown, its are not
+      setConn(false, missing.length + " shard" + (missing.length === 1 ? "" : "s") + " unavailable");
+      summary.textContent += " · not shown, did not answer: " + missing.join("; ");
+    }
     return LIST_POLL_MS;
   }
 
