@@ -10,6 +10,7 @@ import redis.asyncio as aredis
 
 from agentpool import RunExists, RunNotFound, aio
 from agentpool import get_run as sync_get_run
+from agentpool import list_runs as sync_list_runs
 
 from conftest import assert_valid_conversation, run_loop, script_task
 
@@ -43,6 +44,8 @@ def test_an_asyncio_app_starts_watches_approves_messages_and_forks_a_run(r, redi
         answered = await aio.wait_for_run(run_id, timeout=120, connection=a, after_message=message_id)
         fork_id = await aio.fork_run(run_id, at_turn=1, connection=a)
         fork = await aio.get_run(fork_id, connection=a)
+        listed = await aio.list_runs(connection=a, limit=10)
+        tree = await aio.run_tree(run_id, connection=a)
         await a.aclose()
         await aio.aclose()  # the bytes twin agentpool.aio keeps beside a decode_responses client
         return locals()
@@ -56,6 +59,9 @@ def test_an_asyncio_app_starts_watches_approves_messages_and_forks_a_run(r, redi
     assert got["answered"] == sync_get_run(got["run_id"], connection=r), "the same record as the sync API reads"
     assert got["fork"].forked_from == got["run_id"] and got["fork"].forked_at == 1
     assert "turn_started" in [item["type"] for item in got["seen"]]
+    assert [run.id for run in got["listed"]] == [got["fork_id"], got["run_id"]], "newest first"
+    assert got["listed"] == sync_list_runs(connection=r, limit=10)
+    assert got["tree"]["id"] == got["run_id"] and got["tree"]["status"] == "completed" and got["tree"]["children"] == []
 
 
 def test_a_watch_waiting_on_redis_does_not_block_the_loop(redis_server):

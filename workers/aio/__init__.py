@@ -36,7 +36,9 @@ __all__ = [
     "enqueue_run",
     "fork_run",
     "get_run",
+    "list_runs",
     "resume",
+    "run_tree",
     "send_message",
     "wait_for_run",
     "watch",
@@ -132,6 +134,18 @@ async def enqueue_run(
 
 async def get_run(run_id: str, *, connection: aredis.Redis | shards.Shards | None = None, window: bool = False) -> Run:
     return await run_sync(client.get_run, run_id, connection=_green(connection), window=window)
+
+
+async def list_runs(*, connection: aredis.Redis | shards.Shards | None = None, **options: Any) -> list[Run]:
+    """``agentpool.list_runs``: ``limit``, ``status``, ``agent``; on a sharded pool every shard's, merged."""
+    return await run_sync(client.list_runs, connection=_green(connection), **options)
+
+
+async def run_tree(
+    run_id: str, *, connection: aredis.Redis | shards.Shards | None = None, **options: Any
+) -> dict[str, Any]:
+    """``agentpool.run_tree``: the run and its child runs, recursively (``depth_limit``)."""
+    return await run_sync(client.run_tree, run_id, connection=_green(connection), **options)
 
 
 async def cancel_run(
