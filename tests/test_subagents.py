@@ -531,3 +531,67 @@ def test_the_last_childs_end_wakes_its_parent_exactly_once_whichever_way_it_ends
     cancel_run(kids[0], connection=r)
     assert len(kinds(r, parent, "children_joined")) == 1
     assert get_run(parent, connection=r).usage["output_tokens"] == 14
+
+
+def _forget(r, run_id: str) -> None:
+    """The child's record gone, as its retention or an eviction leaves it (every key of the run)."""
+    r.delete(*r.keys(f"*{run_id}*"))
+
+
+def test_a_child_whose_record_is_gone_is_joined_by_the_reaper_and_the_scan_goes_on(r):
+    """Its end was never joined (the record went first): the reaper's backstop joins it as expired.
+    Before, the join's script failed on the missing status, and that error ended the whole scan: the
+    parent waited for ever and no run due after it was ever looked at."""
+    from agentpool.runtime.reaper import reap_once
+    from agentpool.store.keys import RUNS_WATCH
+
+    parent = enqueue_run("subagent_agents:orchestrator", "Split it", connection=r)
+    kids = [enqueue_run("subagent_agents:researcher", f"Part {i}", connection=r) for i in range(2)]
+    keys = RunKeys.of(parent)
+    r.hset(keys.run, mapping={"status": "waiting_children", "turns": 1, "phase": "tools"})
+    for kid in kids:
+        r.hset(RunKeys.of(kid).run, mapping={"parent": parent})
+        r.hset(keys.joins, kid, "open")
+        r.rpush(keys.children, kid)
+    _forget(r, kids[0])
+    checkpoint.fail_unfenced(r, kids[1], "it failed", retention_s=0)  # joined by its own end
+    # A run due after the parent, whose job is lost from the queue: the scan must reach it.
+    lost = enqueue_run("subagent_agents:researcher", "Lost", connection=r)
+    r.lrem(turn_queue(r).key, 0, r.hget(RunKeys.of(lost).run, "job"))
+    r.delete(b"rq:job:" + r.hget(RunKeys.of(lost).run, "job"))
+    r.zadd(RUNS_WATCH, {parent: 1, lost: 2})
+    assert reap_once(r) == [lost]
+    assert r.hget(keys.joins, f"{kids[0]}:end") == b"expired"
+    assert r.hget(keys.run, "status") == b"running", "its last open child joined: the parent goes on"
+
+
+def test_a_damaged_run_does_not_stop_the_reapers_scan(r, caplog):
+    from agentpool.runtime.reaper import reap_once
+    from agentpool.store.keys import RUNS_WATCH
+
+    parent = enqueue_run("subagent_agents:orchestrator", "Split it", connection=r)
+    keys = RunKeys.of(parent)
+    r.hset(keys.run, mapping={"status": "waiting_children", "turns": 1, "phase": "tools"})
+    r.delete(keys.joins)
+    r.set(keys.joins, "not a hash")  # Redis answers the reaper's reads of it with WRONGTYPE
+    lost = enqueue_run("subagent_agents:researcher", "Lost", connection=r)
+    r.lrem(turn_queue(r).key, 0, r.hget(RunKeys.of(lost).run, "job"))
+    r.delete(b"rq:job:" + r.hget(RunKeys.of(lost).run, "job"))
+    r.zadd(RUNS_WATCH, {parent: 1, lost: 2})
+    assert reap_once(r) == [lost]
+    assert f"could not check run {parent}" in caplog.text
+    assert r.zscore(RUNS_WATCH, parent) > time.time() * 1000, "looked at again after a recheck, not every scan"
+
+
+def test_cancelling_a_parent_cancels_its_children_past_one_whose_record_expired(r):
+    parent = enqueue_run("subagent_agents:orchestrator", "Split it", connection=r)
+    kids = [enqueue_run("subagent_agents:researcher", f"Part {i}", connection=r) for i in range(3)]
+    keys = RunKeys.of(parent)
+    for kid in kids:
+        r.hset(RunKeys.of(kid).run, mapping={"parent": parent})
+        r.hset(keys.joins, kid, "open")
+        r.rpush(keys.children, kid)
+    _forget(r, kids[0])  # an earlier turn's child, long expired (its join had ended)
+    r.hset(keys.joins, kids[0], "ended")
+    assert cancel_run(parent, connection=r) == "queued"
+    assert [get_run(kid, connection=r).status for kid in kids[1:]] == ["cancelled", "cancelled"]

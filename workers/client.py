@@ -410,7 +410,10 @@ def cancel_run(
         emit(r, run_id, "status", status="cancelled", error=reason)
     # Its child runs are cancelled too (theirs in turn); a child's cancel tells this run, already ended.
     for child in children.children(r, RunKeys.of(run_id)):
-        cancel_run(child, connection=r, reason=f"its parent run {run_id} was cancelled")
+        try:
+            cancel_run(child, connection=r, reason=f"its parent run {run_id} was cancelled")
+        except RunNotFound:
+            continue  # an earlier turn's child whose record expired: the children after it are cancelled all the same
     from agentpool.runtime.subagents import wake_parent_of
 
     wake_parent_of(r, run_id)  # a cancelled child was maybe its parent's last open one

@@ -35,7 +35,9 @@ local function join_parent(child, at, watch, child_id, parent_id, now, late_id, 
       'status', status, 'child', child_id)
     return 3
   end
-  redis.call('HSET', joins, child_id, 'ended', child_id .. ':end', ended_as or redis.call('HGET', child, 'status'))
+  -- A child whose record is gone (expired, evicted) ended as 'expired': its parent is told it no longer exists.
+  local status = ended_as or redis.call('HGET', child, 'status') or 'expired'
+  redis.call('HSET', joins, child_id, 'ended', child_id .. ':end', status)
   if redis.call('HEXISTS', child, 'ancestors') == 0 then
     -- (a table made here, not at the helper's top: see store/scripts.py)
     for _, name in ipairs({'input_tokens', 'output_tokens', 'cache_read_input_tokens', 'cache_creation_input_tokens'}) do

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from redis import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError, ReadOnlyError, RedisError, TimeoutError
 from rq import Queue
 from rq.job import Job, JobStatus
 from rq.worker_registration import WORKERS_BY_QUEUE_KEY
@@ -87,12 +87,17 @@ def reap_once(
         try:
             if _reap(r, run_id, report):
                 requeued.append(run_id)
-        except RedisError:
-            raise
+        except (ConnectionError, TimeoutError, ReadOnlyError):
+            raise  # Redis is away or failing over: the whole scan waits for it
         except Exception:
-            # A bug, not a damaged record (those fail their run): say it once a recheck, not every scan.
+            # A bug, or a record a script cannot read (Redis answered with an error about this run's
+            # data): say it once a recheck, not every scan, and go on with the other runs. Left to stop
+            # the scan, it would leave every run due after this one unreaped.
             log.exception("reaper: could not check run %s", run_id)
-            watch.reschedule_active(r, run_id, now_ms() + QUEUED_RECHECK_MS)
+            # Whatever it waits for: a run waiting for children or a person would stay due (and logged
+            # every scan) under reschedule_active's condition. At worst this pushes back by a recheck a
+            # change a person made meanwhile, in a run already in trouble.
+            r.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS}, xx=True, gt=True)
     swept = runs_index.sweep_expired(r, pass_every=_sweep_pass_every())
     if swept and report:
         report("-", f"{swept} expired run(s) dropped from the run index")
