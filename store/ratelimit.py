@@ -24,7 +24,7 @@ from agentpool.store.scripts import Rider, run_script
 
 DIMENSIONS = ("requests", "input", "output")
 FORM = "AGENTPOOL_RATE_LIMITS is '<model>=rpm:N,itpm:N,otpm:N;*=rpm:N' (model '*' for every other model)"
-SETTLE_BATCH = 400  # settles one script call takes at most (13 arguments each; Lua unpacks up to ~8,000)
+SETTLE_BATCH = 400  # settles one script call takes at most (14 arguments each; Lua unpacks up to ~8,000)
 TICKET_SLACK_MS = 30_000  # how long past its expected wait a ticket keeps its place in line
 # A reservation whose worker died never settles: after an hour it leaves the calls in flight, looked through
 # every 10 minutes. No call is in flight that long (AGENTPOOL_MODEL_CALL_TIMEOUT: 10 minutes); one that
@@ -226,11 +226,13 @@ def settle_call(
     limits: Limits,
     minute_s: float,
     never_called: bool = False,
+    answered: bool = True,
 ) -> Rider:
     """The script call that corrects ``reservation`` to what the call used (a failed call: what it was
     billed for, often 0) and learns what the API reported; an ``Unlimited`` call gives nothing back (it
     took nothing) and leaves the calls in flight. ``never_called``: the call was reserved but never made (its
-    turn ended before it), so its request goes back too. Sent later, in another script's round trip (the turn's save
+    turn ended before it), so its request goes back too. ``answered``: the API answered the call (a refused
+    or failed one's give-back stays within the remaining its headers report). Sent later, in another script's round trip (the turn's save
     point A: ``agentpool.runtime.ratelimit``), or now by ``settle``; it answers 1 if it settled."""
     entry = settle_entry(
         reservation=reservation,
@@ -238,6 +240,7 @@ def settle_call(
         used_output=used_output,
         reported=reported,
         never_called=never_called,
+        answered=answered,
     )
     return Rider(
         "limit_settle", _settle_keys(model), [*_settle_head(model, limits.args(), int(minute_s * 1000)), *entry]
@@ -251,8 +254,9 @@ def settle_entry(
     used_output: int,
     reported: Reported,
     never_called: bool = False,
+    answered: bool = True,
 ) -> list[int | str]:
-    """One settle's arguments to ``limit_settle`` (see ``settle_call``), 13 values."""
+    """One settle's arguments to ``limit_settle`` (see ``settle_call``), 14 values."""
     rid, back_in, back_out = "", 0, 0
     started = (-1, -1, -1)
     if isinstance(reservation, Unlimited):
@@ -270,6 +274,7 @@ def settle_entry(
         *(int(reported.limits.get(d, 0)) for d in DIMENSIONS),
         *(int(reported.remaining.get(d, -1)) for d in DIMENSIONS),
         *started,
+        1 if answered else 0,
     ]
 
 

@@ -114,6 +114,35 @@ def test_settling_gives_back_what_the_call_did_not_use_once(r: Redis) -> None:
     assert isinstance(take(r, "v", Need(10, 200), limits), Wait)  # ...and only once: 100 left
 
 
+def test_a_give_back_never_lifts_the_budget_above_what_the_api_said_was_left(r: Redis) -> None:
+    """The API's remaining already counts a call's input (admitted on its input), and none of a call it
+    refused: only a reply's unused output (held at max_tokens until the reply ends) goes back on top.
+    Before, every give-back went on top: a reply saying 1,000 input tokens were left lifted the bucket
+    to 59,000, and a 429 saying nothing was left let the next call straight through into another 429."""
+    limits = Limits(itpm=60_000, otpm=10_000)
+    level = LimitKeys.of(MODEL).budget
+    got = take(r, "t", Need(40_000, 8_000), limits)  # estimated high: the cached context, max_tokens
+    answered = Reported(limits={"input": 60_000, "output": 10_000}, remaining={"input": 1_000, "output": 2_000})
+    assert settle(r, got, used_in=2_000, used_out=500, reported=answered, limits=limits)
+    assert int(r.hget(level, "level:input")) == 1_000, "no more than the API said was left"
+    assert int(r.hget(level, "level:output")) == 2_000 + 7_500, "the unused max_tokens back on top"
+    r.delete(level)
+    got = take(r, "u", Need(30_000, 8_000), limits)
+    refused = ratelimit.settle(
+        r,
+        MODEL,
+        reservation=got,
+        used_input=0,
+        used_output=0,
+        reported=Reported(limits={"input": 60_000, "output": 10_000}, remaining={"input": 0, "output": 0}),
+        limits=limits,
+        minute_s=SLOW,
+        answered=False,
+    )
+    assert refused and [int(v) for v in r.hmget(level, ["level:input", "level:output"])] == [0, 0]
+    assert isinstance(take(r, "v", Need(30_000, 8_000), limits), Wait), "turns behind a 429 wait"
+
+
 def test_a_reservation_says_whether_it_left_room_to_spare(r: Redis) -> None:
     """Roomy: nobody in line and every limited bucket at least half full once the call is taken (its
     settle may then wait a second to go with others)."""

@@ -11,7 +11,7 @@
 -- ARGV[1] minute ms  ARGV[2..4] operator limits rpm, itpm, otpm (0: none)  ARGV[5] model
 -- ARGV[6] how old a reservation made within limits must be to be dropped as dead (ms)  ARGV[7] how often
 -- the calls in flight are looked through for those (ms; the budget's 'swept' says when they last were)
--- ARGV[8..] the settles, 13 values each:
+-- ARGV[8..] the settles, 14 values each:
 --   +0 requests to give back (1: the call was reserved but never made)  +1 reservation id ('' for
 --   headers alone)  +2, +3 input, output tokens to give back (negative: taken)
 --   +4..6 learned limits requests, input, output (0: not reported)
@@ -25,6 +25,7 @@
 --     the calls started before it and still in flight (their 'held:' entries): the API admits
 --     calls in its own order, and may count them after this one. One it had counted already comes off
 --     twice, which only holds back what the buckets refill; missed, it would be a 429.
+--   +13 1 if the API answered the call, 0 if it refused or failed it (what its remaining holds differs)
 -- An entry of a call started unlimited counts for a minute (ARGV[1]) after it started: its worker may
 -- have died, and by then the API has admitted it if it ever will, and refilled as much. Older ones are
 -- deleted here, and once the last call started unlimited ('started:at') is a minute old, the next
@@ -35,7 +36,7 @@
 local t = redis.call('TIME')
 -- The arguments are numbers as the worker wrote them: arithmetic converts each once (tonumber, twice).
 local now, minute = t[1] * 1000 + math.floor(t[2] / 1000), ARGV[1] + 0
-local FIRST, EACH = 8, 13
+local FIRST, EACH = 8, 14
 local count = (#ARGV - FIRST + 1) / EACH
 -- The reservations' entries are read with the budget: each still held gives back once, though it came
 -- twice (a re-sent batch), and leaves.
@@ -107,6 +108,7 @@ for k = 0, count - 1 do
     back = {ARGV[o] + 0, ARGV[o + 2] + 0, ARGV[o + 3] + 0}
   end
   local started_at = {ARGV[o + 10] + 0, ARGV[o + 11] + 0, ARGV[o + 12] + 0}
+  local answered = ARGV[o + 13] == '1'
   local before = {0, 0, 0}
   if started_at[1] >= 0 then
     for _, call in ipairs(unlimited_in_flight) do
@@ -126,13 +128,21 @@ for k = 0, count - 1 do
     if l > 0 then
       local lv = level[i] or refilled(b_level[i], l, at, now, minute)
       local remaining = ARGV[o + 6 + i] + 0
-      if remaining >= 0 then
-        if started_at[i] >= 0 then
-          remaining = remaining - ((b_started[i] or 0) - started_at[i]) - before[i]
-        end
-        lv = math.min(lv, remaining)
+      if remaining >= 0 and started_at[i] >= 0 then
+        remaining = remaining - ((b_started[i] or 0) - started_at[i]) - before[i]
       end
-      level[i] = math.min(l, lv + back[i])
+      if remaining >= 0 and i == 3 and answered then
+        -- A reply's output tokens: the API holds max_tokens in its remaining until the reply ends, as
+        -- the reservation did, so what the call did not use goes back on top of it.
+        lv = math.min(lv, remaining) + back[i]
+      else
+        -- Input tokens (counted by the API as the call was admitted: its remaining has them already),
+        -- and every dimension of a refused call (a 429: the API counted none of it): the give-back
+        -- never lifts the budget above what the API said was left.
+        lv = lv + back[i]
+        if remaining >= 0 then lv = math.min(lv, remaining) end
+      end
+      level[i] = math.min(l, lv)
     end
   end
 end

@@ -241,7 +241,13 @@ def limited_call(
             # A call started unlimited is held until it settles, headers or not.
             held = isinstance(reservation, ratelimit.Reservation) or (counted and not headerless)
             if held or learned.limits or learned.remaining:
-                how = {"reservation": reservation, "used_input": used_in, "used_output": used_out, "reported": learned}
+                how = {
+                    "reservation": reservation,
+                    "used_input": used_in,
+                    "used_output": used_out,
+                    "reported": learned,
+                    "answered": answered,
+                }
                 # With room to spare, with the worker's others within a second; otherwise in save point A's
                 # round trip, or on its own if the turn has none.
                 soon = answered and ratelimit.may_wait(reservation, learned)
