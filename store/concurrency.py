@@ -49,9 +49,35 @@ def acquire(r: Redis, key: str, run_id: str, max_concurrency: int, token: str) -
 
 def release(r: Redis, key: str, run_id: str, token: str) -> bool:
     """Free the slot of the run's turn that held ``token``, waking the first waiter. True if one was woken."""
+    return _release(r, key, f"{run_id}|{token}", 0)
+
+
+def wake_if_free(r: Redis, key: str, max_concurrency: int) -> bool:
+    """Wake the first waiter if fewer than the key's limit are held: a turn's check once its wait is
+    recorded (a slot freed between its acquire and that record woke nobody). True if one was woken."""
+    return _release(r, key, "", max_concurrency)
+
+
+def leave_line(r: Redis, key: str, run_id: str) -> None:
+    """A run that will not take its place (cancelled): out of the key's line, so that nobody counts it
+    as ahead, and no wake-up goes to it."""
     keys = ConcurrencyKeys.of(key)
-    slot = f"{run_id}|{token}"
-    return bool(run_script("slot_release", r, [keys.slots, keys.waiting, keys.wake, TURNS_DEFERRED], [slot]))
+    with r.pipeline(transaction=True) as pipe:
+        pipe.zrem(keys.waiting, run_id)
+        pipe.hdel(keys.wake, run_id)
+        pipe.execute()
+
+
+def _release(r: Redis, key: str, slot: str, max_concurrency: int) -> bool:
+    keys = ConcurrencyKeys.of(key)
+    return bool(
+        run_script(
+            "slot_release",
+            r,
+            [keys.slots, keys.waiting, keys.wake, TURNS_DEFERRED, CONCURRENCY_LIMITS],
+            [slot, key, int(max_concurrency or 0)],
+        )
+    )
 
 
 def stage_wake(pipe: Pipeline, key: str, run_id: str, deferred_member: str, expires_ms: int) -> None:

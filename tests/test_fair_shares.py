@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 from redis import Redis
 
-from agentpool import enqueue_run, wait_for_run
+from agentpool import cancel_run, enqueue_run, wait_for_run
 from agentpool.runtime.jobs import turn_queue
 from agentpool.runtime.reaper import reap_once
 from agentpool.runtime.takeover import MAX_TURN_ATTEMPTS
@@ -150,3 +151,72 @@ def test_a_turn_that_waits_for_its_slot_many_times_is_not_failed_as_a_crash_loop
     status, error, attempt = r.hmget(RunKeys.of(waiter).run, ["status", "error", "attempt"])
     assert (status, error, attempt) == (b"running", b"", b"1")
     assert r.hget(RunKeys.of(waiter).run, "job").decode() in turn_queue(r).job_ids
+
+
+def _waits(r: Redis, run_id: str, key: str = "acme") -> str:
+    """The run's turn waits in line as wait_for_slot leaves it: its lease dropped, its turn deferred for
+    the poll, and where to find it when a slot frees."""
+    r.delete(RunKeys.of(run_id).lease)
+    member, due = f"{run_id}:0:1", int(time.time() * 1000) + 30_000
+    concurrency.stage_wake(r, key, run_id, member, due + 30_000)  # type: ignore[arg-type]
+    r.zadd(TURNS_DEFERRED, {member: due})
+    return member
+
+
+def _woken(r: Redis, member: str) -> bool:
+    return r.zscore(TURNS_DEFERRED, member) <= time.time() * 1000
+
+
+def test_a_slot_freed_by_another_turns_acquire_still_wakes_the_first_waiter(r: Redis) -> None:
+    """Save point B drops the lease and queues the run's next turn before the turn's own release runs:
+    the next turn's acquire frees the old slot (its lease moved on) but, behind a waiter, does not take
+    it. The release that follows found nothing to free and woke nobody: the slot sat idle a whole poll."""
+    _hold(r, "a", "1:a")
+    assert concurrency.acquire(r, "acme", "a", 1, "1:a").granted
+    _hold(r, "w", "1:w")
+    assert not concurrency.acquire(r, "acme", "w", 1, "1:w").granted
+    waiter = _waits(r, "w")
+    time.sleep(0.005)  # the line is ordered by when each began to wait, in ms: a began after w
+    _hold(r, "a", "2:a")  # turn 2 of run a, on another worker, while turn 1 is ending
+    assert not concurrency.acquire(r, "acme", "a", 1, "2:a").granted, "w is ahead"
+    _waits(r, "a")
+    assert concurrency.release(r, "acme", "a", "1:a") and _woken(r, waiter)
+
+
+def test_a_slot_freed_while_a_turn_records_its_wait_wakes_it(r: Redis) -> None:
+    """The holder ends between the waiter's acquire and its deferral: its release finds no deferred
+    turn to wake. The waiter's own look once its wait is recorded wakes it."""
+    _hold(r, "h", "1:h")
+    assert concurrency.acquire(r, "acme", "h", 1, "1:h").granted
+    _hold(r, "w", "1:w")
+    assert not concurrency.acquire(r, "acme", "w", 1, "1:w").granted
+    r.delete(RunKeys.of("h").lease)
+    assert not concurrency.release(r, "acme", "h", "1:h"), "nothing to wake yet"
+    waiter = _waits(r, "w")
+    assert concurrency.wake_if_free(r, "acme", 1) and _woken(r, waiter)
+    # While the key's slots are all held, that look wakes nobody.
+    _hold(r, "w", "2:w")
+    assert concurrency.acquire(r, "acme", "w", 1, "2:w").granted
+    _hold(r, "x", "1:x")
+    assert not concurrency.acquire(r, "acme", "x", 1, "1:x").granted
+    assert not concurrency.wake_if_free(r, "acme", 1) and not _woken(r, _waits(r, "x"))
+
+
+def test_a_cancelled_waiter_leaves_the_line_and_the_next_one_is_woken(r: Redis) -> None:
+    """Left in line, a cancelled run took the next wake-up and counted as ahead until its place expired."""
+    holder = enqueue_run("pool_agents:support", "holds", connection=r, concurrency_key="acme", max_concurrency=1)
+    gone = enqueue_run("pool_agents:support", "cancelled", connection=r, concurrency_key="acme", max_concurrency=1)
+    waiting = enqueue_run("pool_agents:support", "waits", connection=r, concurrency_key="acme", max_concurrency=1)
+    _hold(r, holder, "1:h")
+    assert concurrency.acquire(r, "acme", holder, 1, "1:h").granted
+    members = {}
+    for run_id in (gone, waiting):
+        _hold(r, run_id, "1:x")
+        assert not concurrency.acquire(r, "acme", run_id, 1, "1:x").granted
+        members[run_id] = _waits(r, run_id)
+    cancel_run(gone, connection=r)
+    assert r.zrange(ConcurrencyKeys.of("acme").waiting, 0, -1) == [waiting.encode()]
+    r.delete(RunKeys.of(holder).lease)
+    assert concurrency.release(r, "acme", holder, "1:h") and _woken(r, members[waiting])
+    _hold(r, waiting, "2:x")
+    assert concurrency.acquire(r, "acme", waiting, 1, "2:x").granted, "nobody left ahead of it"

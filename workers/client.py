@@ -16,7 +16,7 @@ from agentpool.runtime import shards, tracing
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import Settings, client_for, names_the_server
-from agentpool.store import approvals, checkpoint, children, events, inbox, runs_index, webhooks, writes
+from agentpool.store import approvals, checkpoint, children, concurrency, events, inbox, runs_index, webhooks, writes
 from agentpool.store import window as run_window
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError, RedisUnreachable, RunNotFound
@@ -387,6 +387,16 @@ def _answered(r: Redis, keys: RunKeys, message_id: str, state: RunState) -> bool
     return delivered is not None and state.turns > delivered.turns
 
 
+def _leave_line(r: Redis, run_id: str) -> None:
+    """A cancelled run of a concurrency key leaves the key's line: counted as ahead of the others, it
+    would hold them back until its place expired, and a slot's wake-up made for it would go nowhere
+    (so the wake-up goes on to the next one, if a slot is free)."""
+    key, limit = r.hmget(RunKeys.of(run_id).run, ["ckey", "cmax"])
+    if key:
+        concurrency.leave_line(r, key.decode(), run_id)
+        concurrency.wake_if_free(r, key.decode(), int(limit or 0))
+
+
 @names_the_server
 def cancel_run(
     run_id: str, *, connection: Redis | str | shards.Shards | None = None, reason: str = "cancelled by request"
@@ -408,6 +418,7 @@ def cancel_run(
     )
     if before not in ("completed", "failed", "cancelled"):
         emit(r, run_id, "status", status="cancelled", error=reason)
+        _leave_line(r, run_id)
     # Its child runs are cancelled too (theirs in turn); a child's cancel tells this run, already ended.
     for child in children.children(r, RunKeys.of(run_id)):
         try:

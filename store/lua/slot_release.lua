@@ -1,9 +1,23 @@
--- A run's turn is over: free its slot of a concurrency key and wake the first live waiter (its
--- deferred turn is made due now, so the next reaper scan enqueues it). Nothing to free, nothing woken.
+-- Free a turn's slot of a concurrency key, and wake the first live waiter (its deferred turn is made
+-- due now, so the next reaper scan enqueues it).
+-- A release wakes one even when its slot was gone already: another turn's acquire may have freed it
+-- from a holder whose lease had moved on (this run's own next turn, say) without taking it, being
+-- behind a waiter in line; then nobody else would wake that waiter until its poll. A re-sent release
+-- wakes one more: harmless, a turn woken for nothing asks again and waits again.
+-- Called with no slot (ARGV[1] ''), it only wakes, and only while fewer than the key's limit are held:
+-- the check a turn makes once its own wait is recorded, in case the slot freed between its acquire and
+-- that record (when the release found no deferred turn to wake).
 -- KEYS[1] slots zset  KEYS[2] waiting zset  KEYS[3] wake hash  KEYS[4] ap:turns:deferred
--- ARGV[1] the slot ("<run id>|<lease token>")
+-- KEYS[5] operator limits hash
+-- ARGV[1] the slot ("<run id>|<lease token>"), or ''  ARGV[2] the concurrency key  ARGV[3] the run's
+-- max_concurrency (with no slot: the operator's limit for the key wins over it)
 -- Returns 1 if a waiter was woken, 0 otherwise.
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then return 0 end
+if ARGV[1] ~= '' then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+else
+  local limit = tonumber(redis.call('HGET', KEYS[5], ARGV[2]) or ARGV[3])
+  if not limit or limit < 1 or redis.call('ZCARD', KEYS[1]) >= limit then return 0 end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, 9)) do

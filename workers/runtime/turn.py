@@ -667,6 +667,10 @@ class Turn:
             enqueue_later=later,
             reason=f"concurrency: {key} has {slot.held} turn(s) in flight, {slot.ahead} waiting ahead",
         )
+        try:  # a slot freed since the acquire woke nobody: this turn's wait was not recorded yet
+            concurrency.wake_if_free(self.r, key, state.max_concurrency)
+        except RedisError as exc:  # the wait's poll wakes it all the same
+            log.warning("%s: could not look for a slot freed meanwhile: %s", self.where, exc)
         return "deferred"
 
     def release_slot(self) -> None:
