@@ -404,6 +404,31 @@ def test_a_child_stopped_by_its_own_limit_answers_with_an_error_and_later_as_a_m
     assert_valid_conversation(done.messages)
 
 
+def test_a_child_resumed_alone_after_its_parent_completed_is_not_held_by_the_parents_spent_budget(r, pool, model):
+    """The parent answered without the child (stopped by its own limit) and spent its tree's budget: a
+    person resuming the child alone lets it finish. Before, the child was held by that budget at its next
+    call, and resuming the completed parent, as the hold's message said, raised nothing below it."""
+    model.set_scripts(
+        {
+            "orchestrate": [fan_out(1), {"text": "done without it"}],
+            "research0": [
+                {"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}]},
+                {"tool_calls": [{"name": "read_notes", "input": {"topic": "y"}}], "usage": {"output_tokens": 30_000}},
+                {"text": "answer 0"},
+            ],
+        }
+    )
+    pool.start(2)
+    parent = enqueue_run("subagent_agents:patient", script_task("orchestrate"), connection=r, max_total_tokens=20_000)
+    done = wait_for_run(parent, timeout=180, connection=r)
+    (child,) = done.children
+    assert done.status == "completed" and get_run(child, connection=r).status == "stopped"
+    resume(child, add_turns=5, connection=r)
+    kid = wait_for_run(child, timeout=180, connection=r)
+    assert kid.status == "completed" and kid.result == "answer 0", (kid.status, kid.error, pool.logs())
+    assert get_run(parent, connection=r).status == "completed", "an ended parent is left as it is"
+
+
 def test_calls_past_the_fanout_limit_get_an_error_result_and_start_nothing(r, pool, model):
     model.set_scripts({"orchestrate": [fan_out(3), {"text": "done"}], **research_scripts(3)})
     pool.start(1)

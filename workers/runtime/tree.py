@@ -51,9 +51,16 @@ CAP_OF = {"add_turns": "cap_turns", "add_tokens": "cap_tokens", "add_usd": "cap_
 # -- the guard -----------------------------------------------------------------------------------
 
 
+# An ancestor that ended (it answered, failed, or was cancelled) holds no run: a descendant that goes on
+# after it (a child stopped by its own limit, its join ended with an error result, then resumed by a
+# person) would be held by a budget that no resume could raise, as ``resume`` of an ended run does not
+# go down its tree. Its spend still reaches the ended ancestor's tree counters.
+_ENDED = frozenset({"completed", "failed", "cancelled"})
+
+
 def spent_ancestor(r: Redis, ancestors: list[str]) -> Budget | None:
-    """The nearest ancestor whose budget for its tree is used up, or None."""
-    return next((b for b in children.budgets(r, ancestors) if b.exhausted), None)
+    """The nearest ancestor, still in its tree's life, whose budget for its tree is used up, or None."""
+    return next((b for b in children.budgets(r, ancestors) if b.exhausted and b.status not in _ENDED), None)
 
 
 def used_up(budget: Budget) -> str:
