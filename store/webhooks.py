@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgpack
 from redis import Redis
@@ -116,11 +117,21 @@ def done(r: Redis, claim: Claim, outcome: str, *, error: str = "", retry_at_ms: 
     )
 
 
+def bare_url(url: str) -> str:
+    """``url`` as readers may see it: scheme, host, port and path; never credentials or a query (a
+    receiver's token often rides there). '' stays '' (the pool's default receiver)."""
+    if not url:
+        return ""
+    parts = urlsplit(url)
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{parts.hostname}{port}{parts.path}"
+
+
 def deliveries(r: Redis, keys: RunKeys) -> list[dict[str, Any]]:
     """The run's deliveries, oldest first, for ``get_run``, ``agentpool show`` and the dashboard:
     id, event, status (the run's, when recorded), state, attempts, at (recorded, s), last_attempt_at,
     next_at, done_at (s), error (the last failure), waiting (why nobody makes it), url ('' for the pool
-    default; shown without credentials or query: agentpool.webhooks.shown_url)."""
+    default; without credentials or query: ``bare_url``)."""
     raw = {k.decode(): v for k, v in r.hgetall(keys.webhooks).items()}
     found = []
     for name in sorted((k for k in raw if k.isdigit()), key=int):
@@ -146,7 +157,7 @@ def deliveries(r: Redis, keys: RunKeys) -> list[dict[str, Any]]:
                 "done_at": seconds("done"),
                 "error": text("error") or None,
                 "waiting": text("waiting") or None,
-                "url": summary.get("url", ""),
+                "url": bare_url(summary.get("url", "")),
             }
         )
     return found

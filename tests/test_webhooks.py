@@ -17,6 +17,7 @@ import pytest
 from redis import Redis
 
 from agentpool import cancel_run, enqueue_run, get_run, wait_for_run
+from agentpool.ops.dashboard import run_detail
 from agentpool.store import crypto
 from agentpool.store import webhooks as deliveries
 from agentpool.store.crypto import Cipher, generate_key
@@ -182,10 +183,16 @@ def test_a_failing_receiver_gets_the_same_delivery_again_until_it_answers_2xx(r:
     assert all(d["event"] is not None for d in hook.received), "each retry is signed anew and verifies"
     [shown] = _delivered(r, run_id)
     assert shown["state"] == "delivered" and shown["attempts"] == 4
-    assert shown["error"] == "HTTP 500: nope", "the last failure is kept"
+    assert shown["error"] == "HTTP 500", "the last failure is kept"
+    # The receiver's answer goes to the worker's log, not to readers of the run: a webhook pointed at an
+    # internal service must not read its answers back through the run.
+    assert "HTTP 500: nope" in pool.logs() and "nope" not in json.dumps(get_run(run_id, connection=r).webhooks)
     show = pool.cli("show", run_id, timeout=60)
     line = next(line for line in show.stdout.splitlines() if shown["id"] in line)
     assert "delivered (4 attempts)" in line and "team=qa" not in line, line  # the query is not shown
+    # Nor to a reader of the run, through the API or the dashboard's JSON: a receiver's token rides there.
+    assert shown["url"] == hook.url.split("?")[0] and "team=qa" not in json.dumps(run_detail(r, run_id, 0))
+    assert [w["url"] for w in get_run(run_id, connection=r).webhooks] == [shown["url"]]
 
 
 def test_a_delivery_nobody_accepts_is_given_up_after_its_max_age_and_shown_undelivered(
@@ -196,10 +203,10 @@ def test_a_delivery_nobody_accepts_is_given_up_after_its_max_age_and_shown_undel
     pool.start(1, AGENTPOOL_WEBHOOK_MAX_AGE="3", **WORKER_ENV)
     run_id = enqueue_run("pool_agents:support", script_task("done"), connection=r, webhook=hook.url)
     [given_up] = _delivered(r, run_id)
-    assert given_up["state"] == "undelivered" and given_up["error"] == "HTTP 500: nope"
+    assert given_up["state"] == "undelivered" and given_up["error"] == "HTTP 500"
     assert given_up["attempts"] == len(hook.received) >= 2 and r.zcard(WEBHOOKS_DUE) == 0
     show = pool.cli("show", run_id, timeout=60)
-    assert f"UNDELIVERED, given up after {given_up['attempts']} attempts; last error: HTTP 500: nope" in show.stdout
+    assert f"UNDELIVERED, given up after {given_up['attempts']} attempts; last error: HTTP 500" in show.stdout
     pool.wait_for_log(lambda line: "undelivered after" in line, "about the delivery given up")
 
 

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.records import RESULT_SEALED_PREFIX, USAGE_FIELDS
-from agentpool.store.webhooks import EVENTS
+from agentpool.store.webhooks import EVENTS, bare_url
 
 SIGNATURE_HEADER = "Agentpool-Signature"
 DELIVERY_HEADER = "Agentpool-Delivery"
@@ -82,11 +82,7 @@ def check_events(events: object, *, subject: str = "webhook_events") -> tuple[st
 
 def shown_url(url: str) -> str:
     """The URL for logs and ``show``: scheme, host, port and path; never credentials or a query."""
-    if not url:
-        return "the pool default (AGENTPOOL_WEBHOOK_URL)"
-    parts = urlsplit(url)
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{parts.hostname}{port}{parts.path}"
+    return bare_url(url) or "the pool default (AGENTPOOL_WEBHOOK_URL)"
 
 
 def sign(body: bytes, secret: str, *, at: int | None = None) -> str:

@@ -23,6 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
@@ -58,8 +59,22 @@ def backoff(attempt: int) -> float:
     return min(MAX_BACKOFF, FIRST_BACKOFF * 2 ** min(attempt - 1, 30)) * random.uniform(0.5, 1.0)
 
 
-def post(url: str, body: bytes, headers: dict[str, str], timeout: float) -> str | None:
-    """POST ``body``; None on a 2xx, else what went wrong in one line (no URL: it may carry a token)."""
+@dataclass(frozen=True)
+class Failure:
+    """What went wrong, in one line (no URL: it may carry a token), and the start of the receiver's
+    answer. Only ``what`` is recorded with the run, where whoever may read the run reads it: an answer's
+    body, read back from wherever the run's webhook pointed (an internal service, say), goes to the
+    worker's log only."""
+
+    what: str
+    answer: str = ""
+
+    def for_log(self) -> str:
+        return f"{self.what}: {self.answer}" if self.answer else self.what
+
+
+def post(url: str, body: bytes, headers: dict[str, str], timeout: float) -> Failure | None:
+    """POST ``body``; None on a 2xx, else the :class:`Failure`."""
     request = urllib.request.Request(url, data=body, method="POST", headers=headers)
     try:
         with _opener.open(request, timeout=timeout) as answer:
@@ -67,19 +82,18 @@ def post(url: str, body: bytes, headers: dict[str, str], timeout: float) -> str 
             status = answer.status
     except urllib.error.HTTPError as exc:
         status = exc.code
-        detail = _snippet(exc)
         redirect = " (redirects are not followed)" if 300 <= status < 400 else ""
-        return f"HTTP {status}{redirect}{': ' + detail if detail else ''}"
+        return Failure(f"HTTP {status}{redirect}", _snippet(exc))
     except urllib.error.URLError as exc:
         reason = exc.reason
         if isinstance(reason, socket.timeout | TimeoutError):
-            return f"no answer within {timeout:g} s"
-        return f"cannot connect: {reason}"
+            return Failure(f"no answer within {timeout:g} s")
+        return Failure(f"cannot connect: {reason}")
     except TimeoutError:
-        return f"no answer within {timeout:g} s"
+        return Failure(f"no answer within {timeout:g} s")
     except OSError as exc:
-        return f"connection failed: {exc}"
-    return None if 200 <= status < 300 else f"HTTP {status}"
+        return Failure(f"connection failed: {exc}")
+    return None if 200 <= status < 300 else Failure(f"HTTP {status}")
 
 
 def _snippet(exc: urllib.error.HTTPError) -> str:
@@ -167,7 +181,7 @@ class WebhookDelivery:
         give_up_at = recorded_at + int(self.settings.webhook_max_age * 1000)
         now = now_ms()
         if now >= give_up_at:
-            deliveries.done(self.r, claim, "undelivered", error=failure)
+            deliveries.done(self.r, claim, "undelivered", error=failure.what)
             log.error(
                 "run %s: webhook %s to %s undelivered after %d attempts over %.0f s; last: %s",
                 claim.run_id,
@@ -175,18 +189,18 @@ class WebhookDelivery:
                 where,
                 claim.attempt,
                 (now - recorded_at) / 1000,
-                failure,
+                failure.for_log(),
             )
             return
         retry_at = min(now + int(backoff(claim.attempt) * 1000), give_up_at)
-        deliveries.done(self.r, claim, "retry", error=failure, retry_at_ms=retry_at)
+        deliveries.done(self.r, claim, "retry", error=failure.what, retry_at_ms=retry_at)
         log.warning(
             "run %s: webhook %s to %s failed (attempt %d: %s); next try in %.1f s",
             claim.run_id,
             claim.delivery_id,
             where,
             claim.attempt,
-            failure,
+            failure.for_log(),
             (retry_at - now) / 1000,
         )
 
