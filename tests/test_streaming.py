@@ -85,6 +85,35 @@ def test_a_call_past_the_whole_call_cap_is_cut_and_the_run_stops_after_the_retri
     assert len(events_of(r, run.id, "model_cut")) == 2 and run.usage == spent_by_events(r, run.id)
 
 
+def test_a_call_that_only_pings_is_cut_at_the_whole_call_cap(r, pool, model):
+    """The API's pings keep a slow call alive (no idle timeout fires), so the whole call's cap must see
+    them: a call whose stream only pinged went on for as long as the pings did."""
+    pinging = {"how": "pings", "after": 2, "seconds": 40, "times": 2}
+    model.set_scripts({"stuck": [{"text": "never mind", "stream": {"cut": pinging}}]})
+    pool.start(1, AGENTPOOL_MODEL_CALL_TIMEOUT="1", AGENTPOOL_MODEL_RETRIES="1")
+    run = wait_for_run(enqueue_run("pool_agents:support", script_task("stuck"), connection=r), timeout=30, connection=r)
+    assert run.status == "stopped" and "AGENTPOOL_MODEL_CALL_TIMEOUT" in run.error, (run.status, run.error)
+    assert len(events_of(r, run.id, "model_cut")) == 2
+
+
+def test_a_tool_call_cut_by_max_tokens_mid_input_is_answered_as_not_run(r, pool, model):
+    """The stream ends the tool's input JSON midway: kept as far as it parses, answered as not run, and
+    the run goes on. It used to be an unreadable event: the call retried until the run stopped."""
+    email = {"name": "send_email", "input": {"to": "a@b.c", "subject": "report", "body": "A long body " * 20}}
+    model.set_scripts(
+        {"cut": [{"text": "Sending", "tool_calls": [email], "stop_reason": "max_tokens"}, {"text": "ok"}]}
+    )
+    pool.start(1)
+    run = wait_for_run(enqueue_run("pool_agents:support", script_task("cut"), connection=r), timeout=60, connection=r)
+    assert (run.status, run.result) == ("completed", "ok"), (run.status, run.error, pool.logs())
+    cut = next(b for b in run.messages[1]["content"] if b["type"] == "tool_use")
+    assert cut["input"]["to"] == "a@b.c" and cut["input"] != email["input"], "kept as far as it parsed"
+    answered = run.messages[2]["content"][0]
+    assert answered["is_error"] and "cut off by max_tokens" in answered["content"]
+    assert not any(e["tool"] == "send_email" for e in pool.effects()) and not events_of(r, run.id, "model_cut")
+    assert_valid_conversation(run.messages)
+
+
 def test_without_streaming_a_call_is_one_create(r, pool, model):
     model.set_scripts({"plain": [{"tool_calls": [{"name": "read_notes", "input": {"topic": "x"}}]}, {"text": "ok"}]})
     pool.start(1, AGENTPOOL_MODEL_STREAMING="0")

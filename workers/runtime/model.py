@@ -5,13 +5,14 @@ The SDK's own retries are off: it honours ``retry-after`` without a cap, which w
 as long as the API asks. Transient errors instead come back as ``ModelUnavailable`` and the turn is
 retried later as a deferred turn (agentpool.runtime.deferred), so no worker sleeps.
 
-Every call streams, through the SDK's own helper (``client.messages.stream``, or
-``client.beta.messages.stream`` when the request needs a beta: the API's compaction, tool-result
-clearing), as the API asks of calls that may run long. Block starts and deltas go to the turn's
-``LiveOutput`` as they arrive; ``get_final_message()`` gives the message exactly as the API produced
-it (thinking blocks with their signatures, compaction blocks), stored with ``to_dict(mode="json")``.
-``AGENTPOOL_MODEL_TIMEOUT`` is the longest silence allowed between two events (the HTTP read timeout;
-the API's pings keep a slow call alive), ``AGENTPOOL_MODEL_CALL_TIMEOUT`` caps a whole call. A stream
+Every call streams, through the SDK's raw streaming response (``client.messages``, or
+``client.beta.messages`` when the request needs a beta: the API's compaction, tool-result clearing), as
+the API asks of calls that may run long; its events are read as plain JSON and accumulated as the SDK's
+helpers do (``agentpool.runtime.reply_stream``), into the message exactly as the API produced it
+(thinking blocks with their signatures, compaction blocks). Block starts and deltas go to the turn's
+``LiveOutput`` as they arrive. ``AGENTPOOL_MODEL_TIMEOUT`` is the longest silence allowed between two
+events (the HTTP read timeout; the API's pings keep a slow call alive), ``AGENTPOOL_MODEL_CALL_TIMEOUT``
+caps a whole call, checked at every event, pings included. A stream
 cut midway (the connection lost, that silence, an ``error`` event such as ``overloaded_error`` after
 the 200) is transient, like a 529: ``ModelUnavailable`` carries the tokens the stream had reported
 (``message_start``'s usage, then each ``message_delta``'s cumulative usage), which the turn counts.

@@ -19,7 +19,11 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import jiter
+
 from agentpool.store.records import USAGE_FIELDS
+
+CUT_STOPS = ("max_tokens", "model_context_window_exceeded")  # replies the API ends midway
 
 
 class StreamError(Exception):
@@ -31,7 +35,9 @@ class StreamError(Exception):
 
 
 def events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
-    """The JSON of each server-sent event (its ``data``, its lines joined), ``ping`` left out."""
+    """The JSON of each server-sent event (its ``data``, its lines joined), ``ping`` included: the
+    caller's cap on the whole call is checked at every event, and a stream that only pings (a step
+    stuck on the API's side) must reach it too."""
     data: list[str] = []
     for line in lines:
         if line:
@@ -42,8 +48,7 @@ def events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
         if data:
             event = json.loads("\n".join(data))
             data = []
-            if event.get("type") != "ping":
-                yield event
+            yield event
     if data:
         yield json.loads("\n".join(data))
 
@@ -56,9 +61,12 @@ class Reply:
         self.spent: dict[str, int] = {}
         self.finished = False
         self._input_json: dict[int, str] = {}
+        self._partial_inputs: list[int] = []  # blocks whose input JSON ended before it was whole
 
     def add(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
+        if kind == "ping":
+            return
         if kind == "content_block_delta":
             self._delta(event["index"], event["delta"])
         elif kind == "content_block_start":
@@ -69,17 +77,32 @@ class Reply:
         elif kind == "content_block_stop":
             joined = self._input_json.pop(event["index"], None)
             if joined:
-                self._content()[event["index"]]["input"] = json.loads(joined)
+                self._content()[event["index"]]["input"] = self._input(event["index"], joined)
         elif kind == "message_start":
             self.message = event["message"]
             self._tally(self.message.get("usage") or {})
         elif kind == "message_delta":
             self._message_delta(event)
         elif kind == "message_stop":
+            cut = self._message().get("stop_reason") in CUT_STOPS
+            if self._partial_inputs and not cut:
+                raise ValueError(
+                    f"a tool_use's input is not whole JSON though the reply was not cut: {self._partial_inputs}"
+                )
             self.finished = True
         elif kind == "error":
             err = event.get("error") if isinstance(event.get("error"), dict) else {}
             raise StreamError(str(err.get("type") or "error"), str(err.get("message") or event))
+
+    def _input(self, index: int, joined: str) -> Any:
+        """A tool's input from its joined JSON. A reply cut by ``max_tokens`` (or the context window)
+        ends a tool_use's JSON midway: kept as far as it parses, as the SDK's accumulation does (the
+        turn answers that call as not run); whole JSON is required of any other reply (``message_stop``)."""
+        try:
+            return json.loads(joined)
+        except ValueError:
+            self._partial_inputs.append(index)
+            return jiter.from_json(joined.encode(), partial_mode=True)
 
     def _delta(self, index: int, delta: dict[str, Any]) -> None:
         block = self._content()[index]

@@ -5,7 +5,9 @@ A response streams as ``message_start`` (the usage known before sampling), a ``p
 block ``content_block_start`` / its deltas (``text_delta``, ``thinking_delta`` then ``signature_delta``,
 ``input_json_delta``, ``compaction_delta``) / ``content_block_stop``, then ``message_delta`` (stop
 reason, cumulative usage) and ``message_stop``. Every event carries an ``event:`` line: the SDK skips
-data without one. The body is chunked (HTTP/1.1 keep-alive), one chunk per event.
+data without one. The body is chunked (HTTP/1.1 keep-alive), one chunk per event. A reply that stops at
+``max_tokens`` with a tool_use last ends that tool's ``input_json_delta``s midway, as the API's does:
+its input JSON is never whole.
 
 A step's ``"stream"`` options script the stream::
 
@@ -15,7 +17,8 @@ A step's ``"stream"`` options script the stream::
                "cut": {"after": 5,    # events sent before the cut (default: half of them)
                        "how": "error",  # "error": an `error` event after the 200, then the stream ends;
                                         # "drop": the connection is closed mid-body;
-                                        # "stall": `seconds` of silence, then the rest
+                                        # "stall": `seconds` of silence, then the rest;
+                                        # "pings": `seconds` of pings only (one every 0.25 s), then the rest
                        "type": "overloaded_error", "message": "Overloaded", "seconds": 5,
                        "times": 1}}   # the first `times` streams of this step are cut (default 1)
 """
@@ -31,7 +34,7 @@ from typing import Any
 
 STREAM_KEYS = frozenset({"chunk", "interval", "pings", "cut"})
 CUT_KEYS = frozenset({"after", "how", "type", "message", "seconds", "times"})
-CUT_HOWS = ("error", "drop", "stall")
+CUT_HOWS = ("error", "drop", "stall", "pings")
 DEFAULT_CHUNK = 24
 
 
@@ -66,7 +69,9 @@ def _pieces(text: str, size: int) -> list[str]:
     return [text[i : i + size] for i in range(0, len(text), size)] or []
 
 
-def _block_events(index: int, block: dict[str, Any], chunk: int) -> list[tuple[str, dict[str, Any]]]:
+def _block_events(
+    index: int, block: dict[str, Any], chunk: int, *, cut: bool = False
+) -> list[tuple[str, dict[str, Any]]]:
     def start(shape: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         return "content_block_start", {"type": "content_block_start", "index": index, "content_block": shape}
 
@@ -85,6 +90,10 @@ def _block_events(index: int, block: dict[str, Any], chunk: int) -> list[tuple[s
     elif kind == "tool_use":
         out.append(start({"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}))
         raw = json.dumps(block["input"], ensure_ascii=False)
+        if cut and raw != "{}":
+            # The reply ends at max_tokens inside this tool's input, as the API's does: its JSON stops
+            # midway (never whole: the closing brace is always past the cut).
+            raw = raw[: max(1, 2 * len(raw) // 3)]
         if raw != "{}":
             out += [delta({"type": "input_json_delta", "partial_json": p}) for p in _pieces(raw, chunk)]
     elif kind == "compaction":
@@ -118,8 +127,10 @@ def events(message: dict[str, Any], options: dict[str, Any]) -> list[tuple[str, 
         "usage": {**inputs, "output_tokens": min(1, usage["output_tokens"])},
     }
     body: list[tuple[str, dict[str, Any]]] = []
-    for i, block in enumerate(message["content"]):
-        body += _block_events(i, block, int(options.get("chunk", DEFAULT_CHUNK)))
+    content = message["content"]
+    cut = message["stop_reason"] == "max_tokens" and bool(content) and content[-1]["type"] == "tool_use"
+    for i, block in enumerate(content):
+        body += _block_events(i, block, int(options.get("chunk", DEFAULT_CHUNK)), cut=cut and i == len(content) - 1)
     end: dict[str, Any] = {
         "type": "message_delta",
         "delta": {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]},
@@ -225,7 +236,14 @@ class StreamWriter:
             except OSError:
                 pass
             return "drop"
-        time.sleep(float(cut.get("seconds", 5)))  # stall: the client's idle timeout should fire meanwhile
+        if how == "pings":  # alive but saying nothing (a step stuck on the API's side): only the call's cap ends it
+            until = time.monotonic() + float(cut.get("seconds", 5))
+            while time.monotonic() < until:
+                if not self._event("ping", {"type": "ping"}):
+                    return "client gone"
+                time.sleep(0.25)
+        else:
+            time.sleep(float(cut.get("seconds", 5)))  # stall: the client's idle timeout should fire meanwhile
         for name, payload in rest:
             if interval:
                 time.sleep(interval)
