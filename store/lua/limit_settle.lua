@@ -128,10 +128,11 @@ for k = 0, count - 1 do
     if l > 0 then
       local lv = level[i] or refilled(b_level[i], l, at, now, minute)
       local remaining = ARGV[o + 6 + i] + 0
-      if remaining >= 0 and started_at[i] >= 0 then
+      local reported = remaining >= 0  -- (what comes off it below may take it under 0: still a bound)
+      if reported and started_at[i] >= 0 then
         remaining = remaining - ((b_started[i] or 0) - started_at[i]) - before[i]
       end
-      if remaining >= 0 and i == 3 and answered then
+      if reported and i == 3 and answered then
         -- A reply's output tokens: the API holds max_tokens in its remaining until the reply ends, as
         -- the reservation did, so what the call did not use goes back on top of it.
         lv = math.min(lv, remaining) + back[i]
@@ -140,7 +141,7 @@ for k = 0, count - 1 do
         -- and every dimension of a refused call (a 429: the API counted none of it): the give-back
         -- never lifts the budget above what the API said was left.
         lv = lv + back[i]
-        if remaining >= 0 then lv = math.min(lv, remaining) end
+        if reported then lv = math.min(lv, remaining) end
       end
       level[i] = math.min(l, lv)
     end
