@@ -76,6 +76,22 @@ def test_streams_cut_midway_are_retried_and_their_tokens_counted_once(r, pool, m
     assert_valid_conversation(run.messages)
 
 
+def test_a_stream_refused_midway_fails_the_run_with_its_tokens_counted(r, pool, model):
+    """An ``error`` event of a final type after the 200 fails the run; the tokens ``message_start``
+    reported were billed, and counted (they were lost before)."""
+    refused = cut("error", type="invalid_request_error", message="Bad request", times=5)
+    model.set_scripts({"refused": [{"text": "word " * 40, "stream": refused}]})
+    pool.start(1)
+    run = wait_for_run(
+        enqueue_run("pool_agents:support", script_task("refused"), connection=r), timeout=60, connection=r
+    )
+    assert run.status == "failed" and "invalid_request_error" in run.error, (run.status, run.error)
+    (counted,) = events_of(r, run.id, "model_cut")
+    prompt = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert counted["error_type"] == "rejected" and sum(int(counted.get(k, 0)) for k in prompt) > 0, counted
+    assert run.usage == spent_by_events(r, run.id) and sum(run.usage[k] for k in prompt) > 0
+
+
 def test_a_call_past_the_whole_call_cap_is_cut_and_the_run_stops_after_the_retries(r, pool, model):
     model.set_scripts({"slow": [{"text": "word " * 40, "stream": {"chunk": 5, "interval": 0.1}}]})
     pool.start(1, AGENTPOOL_MODEL_CALL_TIMEOUT="1", AGENTPOOL_MODEL_RETRIES="1")

@@ -98,7 +98,13 @@ class ModelUnavailable(_ModelError):
 
 
 class ModelRejected(_ModelError):
-    """The API refused the request and retrying cannot help (400-class): the run fails."""
+    """The API refused the request and retrying cannot help (400-class): the run fails. ``spent``: the
+    tokens a stream refused midway (an ``error`` event of a final type after the 200) had reported:
+    billed, so counted before the run fails."""
+
+    def __init__(self, message: str, *, spent: dict[str, int] | None = None) -> None:
+        super().__init__(message)
+        self.spent = {k: v for k, v in (spent or {}).items() if v}
 
 
 class ContextTooLong(ModelRejected):
@@ -513,7 +519,7 @@ def _streamed(
         return reply.message
     except StreamError as exc:  # an `error` event after the 200
         if exc.kind in _FINAL_ERROR_TYPES:
-            raise ModelRejected(f"{exc.kind} during the stream: {exc.message}") from exc
+            raise ModelRejected(f"{exc.kind} during the stream: {exc.message}", spent=reply.spent) from exc
         raise ModelUnavailable(
             f"{exc.kind} during the stream: {exc.message}", kind=exc.kind, spent=reply.spent
         ) from exc

@@ -356,6 +356,8 @@ class Turn:
         except ContextTooLong as exc:
             return self.stop(_context_full(agent, str(exc)))
         except ModelRejected as exc:
+            if exc.spent:  # refused midway through its stream, after message_start: billed all the same
+                self.count_unused_call(agent, exc.spent, "rejected")
             return self.end("failed", f"the model API rejected the request: {exc}")
         else:
             fault("after_model_reply", self.run_id, self.turn)
