@@ -573,6 +573,12 @@ def agent_matches(wanted: str, agent: str) -> bool:
     return wanted in (agent, attribute) or module == wanted or module.startswith(wanted + ".")
 
 
+def newest_first(pages: list[list[Run]], limit: int) -> list[Run]:
+    """Several shards' lists of runs as one, newest first (by creation, then id), cut to ``limit``."""
+    found = [run for page in pages for run in page]
+    return sorted(found, key=lambda run: (run.created_at, run.id), reverse=True)[:limit]
+
+
 @names_the_server
 def list_runs(
     *,
@@ -594,8 +600,7 @@ def list_runs(
         )
         if silent:
             raise RedisUnreachable(f"Redis unreachable at {silent[0]}")
-        found = [run for _shard, page in pages for run in page]
-        return sorted(found, key=lambda run: (run.created_at, run.id), reverse=True)[:limit]
+        return newest_first([page for _shard, page in pages], limit)
     r = client_for(connection)
 
     def wanted(run_status: str, run_agent: str) -> bool:

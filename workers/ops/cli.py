@@ -378,15 +378,12 @@ def _age(seconds: float) -> str:
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True, help="Show at most this many runs.")
 def runs(url: str | None, status: str | None, agent: str | None, limit: int) -> None:
     """A table of runs, newest first."""
-    from agentpool.client import list_runs
+    from agentpool.client import list_runs, newest_first
     from agentpool.runtime import deferred
 
     r = pool_client(url)
     pages, unavailable = each_answering(r, lambda c: list_runs(connection=c, limit=limit, status=status, agent=agent))
-    merged = sorted(
-        (run for _shard, page in pages for run in page), key=lambda run: (run.created_at, run.id), reverse=True
-    )
-    rows = merged[:limit]  # newest first over every shard that answered, as list_runs merges them
+    rows = newest_first([page for _shard, page in pages], limit)  # over every shard that answered
     click.echo(
         f"{'ID':<28} {'AGENT':<32} {'QUEUE':<10} {'STATUS':<17} {'TURNS':>5} {'TOKENS':>9} {'COST':>9} {'AGE':>5}  NOTE"
     )

@@ -153,15 +153,15 @@ class Shards:
         be there: never "no such run", and never a second run made by an enqueue of the same id."""
         first = rule(run_id, len(self))
         key = RunKeys.of(run_id).run
-        silent: list[tuple[int, RedisError]] = []
+        silent: tuple[int, RedisError] | None = None  # the first shard that did not answer
         for shard in (first, *(i for i in range(len(self)) if i != first)):
             try:
                 if self.clients[shard].exists(key):
                     return shard
             except (ConnectionError, TimeoutError) as exc:
-                silent.append((shard, exc))
+                silent = silent or (shard, exc)
         if silent:
-            shard, exc = silent[0]
+            shard, exc = silent
             raise RedisUnreachable(
                 f"Redis unreachable at {self.name(shard)}, which may hold run {run_id}: {exc}"
             ) from exc
