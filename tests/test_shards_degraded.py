@@ -7,22 +7,25 @@ their ids, and the dashboard forks on its parent's shard."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
+from contextlib import ExitStack
 
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from test_shards import cli
 
 from agentpool import RedisUnreachable, Shards, enqueue_run, get_run, list_runs
 from agentpool.ops.metrics import registry_for
 from agentpool.runtime.shards import rendezvous, rule
 from agentpool.store.keys import RunKeys
 from agentpool.testing.localpool import RedisServer, free_port
+from agentpool.testing.netfault import NetFault
 
-from conftest import ROOT, _redis_server
+from conftest import _redis_server
 from test_dashboard import dashboard_process, expect
 
 AGENT = "pool_agents:support"
@@ -81,10 +84,25 @@ def test_a_concurrency_keys_runs_go_to_its_shard_whatever_their_ids(live):
     assert again == ids and all(holders(live, run_id) == [home] for run_id in ids), "idempotent where they are"
 
 
-def test_with_a_shard_down_the_api_reads_the_runs_of_the_others_and_makes_none_twice(live):
+@pytest.mark.parametrize("down", ["refused", "silent"])
+def test_with_a_shard_down_the_api_reads_the_runs_of_the_others_and_makes_none_twice(live, down):
+    """``refused``: nothing listens on its port. ``silent``: a partitioned link, whose connections are
+    accepted and never answered (a lost node, a dropped conntrack entry): only a socket timeout ends a
+    call to it."""
     made = [enqueue_run(AGENT, "t", run_id=f"order-{i}", connection=Shards(live)) for i in range(24)]
-    pool, _dead = with_a_silent_shard(live)
-    asked_first = [run_id for run_id in made if rule(run_id, 3) == 2]
+    with ExitStack() as stack:
+        if down == "refused":
+            pool, _dead = with_a_silent_shard(live)
+        else:
+            link = stack.enter_context(NetFault.to(live[0]))
+            link.partition()
+            hung = Redis.from_url(link.url, socket_timeout=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
+            pool = Shards([*(Redis.from_url(url) for url in live), hung])
+        _a_shard_down(live, pool, made)
+
+
+def _a_shard_down(live: list[str], pool: Shards, made: list[str]) -> None:
+    asked_first = [run_id for run_id in made if rule(run_id, 3) == 2][:3]
     assert asked_first, "some ids name the silent shard first"
     for run_id in asked_first:  # found on the shard that holds it, past the silent one
         assert get_run(run_id, connection=pool).status == "queued"
@@ -110,24 +128,13 @@ def test_with_a_shard_down_the_cli_dashboard_and_metrics_show_the_others_and_nam
     env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
     env["AGENTPOOL_SHARDS"] = " ".join([*live, dead])
 
-    def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "agentpool", *args],
-            env=env,
-            cwd=str(ROOT),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-
-    listed = cli("runs")
+    listed = cli(env, "runs")
     assert listed.returncode == 1, "a partial list is not a success"
     assert all(run_id in listed.stdout for run_id in made), listed.stdout
     assert "shard 2" in listed.stderr and "did not answer" in listed.stderr, listed.stderr
-    shown = cli("show", made[0])
+    shown = cli(env, "show", made[0])
     assert shown.returncode == 0 and made[0] in shown.stdout, shown.stderr
-    reaped = cli("reap", "--once")
+    reaped = cli(env, "reap", "--once")
     assert reaped.returncode == 1 and "not reaped" in reaped.stderr and dead.split("//")[1] in reaped.stderr, (
         reaped.stdout,
         reaped.stderr,
