@@ -316,6 +316,41 @@ def test_page_lists_a_run_and_follows_it_to_completed(r, pool, model, board, pag
     assert page.errors == []
 
 
+def test_run_page_nests_the_child_runs_of_a_sub_agent_tree(r, pool, model, board, page):
+    research = {
+        f"research{i}": [{"tool_calls": [{"name": "read_notes", "input": {"topic": f"t{i}"}}]}, {"text": f"answer {i}"}]
+        for i in range(2)
+    }
+    delegate = [{"name": "researcher", "input": {"task": f"Look into {i} [script:research{i}]"}} for i in range(2)]
+    model.set_scripts(
+        {
+            "lead": [
+                {"tool_calls": [{"name": "manager", "input": {"task": "Manage it [script:manage]"}}]},
+                {"text": "led"},
+            ],
+            "manage": [{"tool_calls": delegate}, {"text": "managed"}],
+            **research,
+        }
+    )
+    pool.start(2)
+    lead = enqueue_run("subagent_agents:lead", script_task("lead"), connection=r)
+    assert wait_for_run(lead, timeout=180, connection=r).status == "completed"
+    (manager,) = get_run(lead, connection=r).children
+
+    page.goto(f"{board.base}/runs/{lead}")
+    rows = page.locator("#child-runs tr.child-run")
+    expect(rows).to_have_count(3)
+    expect(rows.first).to_have_attribute("data-run-id", manager)
+    # The page's CSP (style-src 'self') refuses inline style attributes: the indentation is set through
+    # CSSOM, so a grandchild sits further right than its parent and the browser reports no violation.
+    indent = [
+        float(cell.evaluate("td => getComputedStyle(td).paddingLeft").removesuffix("px"))
+        for cell in rows.locator("td:first-child").all()
+    ]
+    assert indent[1] == indent[2] > indent[0], indent
+    assert page.errors == []
+
+
 def test_run_page_screenshot(r, pool, model, board, page, tmp_path):
     model.set_scripts({"meeting": MEETING})
     pool.start(1)

@@ -22,6 +22,8 @@ function h(tag, props, ...children) {
     else if (key === "dataset") Object.assign(el.dataset, value);
     else if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
     else if (key === "value") el.value = value;
+    // Through CSSOM: the page's CSP (style-src 'self') refuses a style attribute.
+    else if (key === "style") Object.assign(el.style, value);
     else el.setAttribute(key, value === true ? "" : String(value));
   }
   for (const child of children.flat(Infinity)) {
@@ -382,7 +384,7 @@ function runHeader(run, now) {
 function childTree(nodes) {
   const rows = (list, level) => list.flatMap((n) => [
     h("tr", { class: "child-run", dataset: { runId: n.id, status: n.status } },
-      h("td", { class: "mono", style: "padding-left:" + (0.5 + level * 1.2) + "em" },
+      h("td", { class: "mono", style: { paddingLeft: 0.5 + level * 1.2 + "em" } },
         h("a", { href: "/runs/" + encodeURIComponent(n.id) }, n.id)),
       h("td", {}, badge(n.status), n.held_by ? h("span", { class: "muted small", title: "stopped until run " + n.held_by +
         " is resumed: its budget for itself and its sub-agents is used up" }, " held") : null),
