@@ -205,6 +205,7 @@ class RunKeys:
     children: str
     joins: str
     webhooks: str
+    unleased: str
 
     @classmethod
     def of(cls, run_id: str) -> RunKeys:
@@ -225,6 +226,7 @@ class RunKeys:
             children=f"{base}:children",
             joins=f"{base}:joins",
             webhooks=f"{base}:webhooks",
+            unleased=f"{base}:unleased",
         )
 
     def all(self) -> tuple[str, ...]:
@@ -243,6 +245,7 @@ class RunKeys:
             self.children,
             self.joins,
             self.webhooks,
+            self.unleased,
         )
 
     def kept(self) -> tuple[str, ...]:

@@ -62,6 +62,7 @@ def acquire(
     event: Event | None = None,
     then: Callable[[Pipeline], None] | None = None,
     reserve: ReserveRequest | None = None,
+    job_id: str = "",
 ) -> AcquireResult:
     """Take the lease for ``turn``. ``event`` is recorded with it if the turn is to call the model;
     the reads ``then`` stages go out in the same round trip, after the script (their replies are
@@ -69,7 +70,9 @@ def acquire(
     part of the script: a reply Lua hands back costs Redis several times what the same reply costs as a
     command's (an HGETALL of a header: 13 µs against 3 µs here). ``reserve``: the turn's model call,
     reserved in the pool's rate-limit budget by the same script once the lease is taken, unless the
-    turn settles tools first (``reserved`` says what the budget answered; None: nothing reserved)."""
+    turn settles tools first (``reserved`` says what the budget answered; None: nothing reserved).
+    ``job_id``: the RQ job the turn runs in, which begins the request id the header keeps (``acq``), so
+    the reaper can tell a claimed job whose lease lapsed from one whose lease is still to come."""
     script_keys = [keys.run, keys.lease, RUNS_WATCH, keys.events, STATS]
     reserving: list[object] = []
     if reserve is not None:
@@ -82,7 +85,7 @@ def acquire(
         keys.run_id,
         turn,
         SCHEMA_VERSION,
-        new_id(),
+        f"{job_id} {new_id()}" if job_id else new_id(),  # RQ job ids have no spaces
         len(reserving),
         *reserving,
         *script_args(event),
@@ -119,6 +122,26 @@ def release(r: Redis, keys: RunKeys, token: str, *, recheck_in_ms: int = 0) -> b
 def release_dead_holder(r: Redis, keys: RunKeys, worker_id: str) -> bool:
     """Drop the lease if ``worker_id`` holds it. Only for a holder known to be dead (a reaped work horse)."""
     return bool(run_script("lease_release", r, [keys.lease, RUNS_WATCH], ["", f":{worker_id}", keys.run_id, now_ms()]))
+
+
+def claimed_job_state(r: Redis, keys: RunKeys, job_id: str, grace_ms: int) -> str:
+    """For the reaper, of a claimed turn job whose run holds no lease now: ``"lapsed"`` if the job held
+    the lease (its worker died or froze), ``"waiting"`` while it may still be about to take it (a worker
+    claims a job and takes the lease a round trip later), ``"never"`` once it was first seen waiting
+    ``grace_ms`` ago, on Redis's clock: ``keys.unleased`` is set at the first sighting with twice that
+    TTL, so more than ``grace_ms`` left means less than ``grace_ms`` passed."""
+    with r.pipeline(transaction=False) as pipe:
+        pipe.hget(keys.run, "acq")
+        pipe.set(keys.unleased, job_id, nx=True, px=2 * grace_ms)
+        pipe.get(keys.unleased)
+        pipe.pttl(keys.unleased)
+        acq, _, seen, ttl = pipe.execute()
+    if (acq or b"").partition(b" ")[0] == job_id.encode():
+        return "lapsed"
+    if seen != job_id.encode():  # another job's sighting, left from an earlier turn
+        r.set(keys.unleased, job_id, px=2 * grace_ms)
+        return "waiting"
+    return "waiting" if int(ttl) > grace_ms else "never"
 
 
 def holder(r: Redis, keys: RunKeys) -> str | None:

@@ -16,7 +16,9 @@ whose reply a silent connection swallowed) once it has been seen there for ``STR
 (by any reaper: the sighting is kept in Redis) with no execution in RQ's started registry: a worker
 prepares the execution within milliseconds of its BLMOVE, and the job would otherwise wait for the
 run's 30 s recheck. Giving back a job a slow worker still claims is harmless: the second execution
-finds the lease held or the turn done.
+finds the lease held or the turn done. A claimed job whose run holds no lease is taken over at once if
+its lease lapsed, and after ``CLAIM_GRACE`` seconds if it never took one (its worker claims the job and
+takes the lease a round trip later: see ``store.lease.claimed_job_state``).
 
 Every worker runs it in a thread; a one-second lock lets one of them scan at a time. Due deferred
 turns are looked for without the lock (that move is atomic) by every worker, each at random moments
@@ -45,7 +47,7 @@ from agentpool.runtime.jobs import agentpool_queues, give_back, queue_of, turn_q
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import fail_corrupt, read_header, requeue_turn
-from agentpool.store import handback, runs_index, watch
+from agentpool.store import handback, lease, runs_index, watch
 from agentpool.store.checkpoint import QUEUED_RECHECK_MS
 from agentpool.store.clock import now_ms
 from agentpool.store.errors import UnreadableRecord
@@ -58,6 +60,7 @@ PROMOTE_EVERY = 0.1  # seconds between the pool's looks for due deferred turns (
 PROMOTE_AT_LEAST_EVERY = 2.0  # seconds: each worker looks at least this often, however many there are
 WORKERS_COUNTED_EVERY = 10.0  # seconds between counts of the pool's workers (RQ's worker set)
 STRANDED_AFTER = 10.0  # seconds a job may sit in RQ's intermediate queue before it is given back
+CLAIM_GRACE = 3.0  # seconds a claimed turn job may go without ever taking its run's lease before a takeover
 WAITING = {JobStatus.QUEUED.value, JobStatus.DEFERRED.value}
 
 
@@ -67,9 +70,12 @@ def reap_once(
     batch: int = 500,
     report: Callable[[str, str], None] | None = None,
     stranded_after: float = STRANDED_AFTER,
+    claim_grace: float = CLAIM_GRACE,
 ) -> list[str]:
     """Look at every run that is due. Returns the ids of runs whose turn was re-enqueued; ``report``
-    (``agentpool reap``) is told each thing done, as (run id, what).
+    (``agentpool reap``) is told each thing done, as (run id, what). ``stranded_after`` and
+    ``claim_grace``: seconds a job may sit unclaimed in an intermediate queue, and claimed without
+    ever taking its run's lease, before the reaper steps in.
 
     Every change to the watch set is conditional on the status it was decided from (``store/watch.py``):
     a person resuming or approving a run while the reaper looks at it never drops it from the set."""
@@ -85,7 +91,7 @@ def reap_once(
     for raw in r.zrangebyscore(RUNS_WATCH, "-inf", now_ms(), start=0, num=batch):
         run_id = raw.decode("utf-8", errors="replace")
         try:
-            if _reap(r, run_id, report):
+            if _reap(r, run_id, report, claim_grace):
                 requeued.append(run_id)
         except (ConnectionError, TimeoutError, ReadOnlyError):
             raise  # Redis is away or failing over: the whole scan waits for it
@@ -148,7 +154,9 @@ def _promote(r: Redis, batch: int = 500) -> list[deferred.Promoted]:
     return moved
 
 
-def _reap(r: Redis, run_id: str, report: Callable[[str, str], None] | None = None) -> bool:
+def _reap(
+    r: Redis, run_id: str, report: Callable[[str, str], None] | None = None, claim_grace: float = CLAIM_GRACE
+) -> bool:
     """True if the run's turn was re-enqueued; otherwise when to look again is recorded."""
     keys = RunKeys.of(run_id)
     try:
@@ -182,7 +190,7 @@ def _reap(r: Redis, run_id: str, report: Callable[[str, str], None] | None = Non
         if jid and report:
             report(run_id, f"children ended; turn queued as {jid}")
         return bool(jid)
-    found = _why_orphaned(r, run_id, header.job)
+    found = _why_orphaned(r, run_id, header.job, claim_grace)
     if found is None:
         return False
     cause, cause_kind, count_attempt = found
@@ -196,7 +204,7 @@ def _reap(r: Redis, run_id: str, report: Callable[[str, str], None] | None = Non
     return False
 
 
-def _why_orphaned(r: Redis, run_id: str, job_id: str) -> tuple[str, str, bool] | None:
+def _why_orphaned(r: Redis, run_id: str, job_id: str, claim_grace: float) -> tuple[str, str, bool] | None:
     """None if the run's turn is fine (when to look again is then recorded); else (why, kind, whether
     re-enqueueing it counts as an attempt)."""
     record = handback.read(r, RunKeys.of(run_id))
@@ -216,6 +224,17 @@ def _why_orphaned(r: Redis, run_id: str, job_id: str) -> tuple[str, str, bool] |
         watch.reschedule_active(r, run_id, now_ms() + QUEUED_RECHECK_MS)
         return None
     if job_state == "started":
+        # Claimed, and either its lease lapsed or it has not taken it yet: a worker claims a job and
+        # takes the lease a round trip later, and a takeover in between would count an attempt and
+        # drop the live execution from the started registry (its worker's death would then wait for
+        # the lease to expire instead of being seen at once).
+        grace_ms = max(1, int(claim_grace * 1000))
+        claim = lease.claimed_job_state(r, RunKeys.of(run_id), job_id, grace_ms)
+        if claim == "waiting":
+            watch.reschedule_active(r, run_id, now_ms() + grace_ms)
+            return None
+        if claim == "never":
+            return f"claimed, its lease not taken in {claim_grace:g} s", "lease_expiry", True
         return "lease expired", "lease_expiry", True
     return f"its job is {job_state}", "job_lost", True
 

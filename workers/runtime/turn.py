@@ -134,6 +134,7 @@ def run_turn(run_id: str, turn: int) -> str:
     window_from = _window_from(job)
     watch = live.WatchLookup(r)
     reserving = lease_reservation(r, settings, run_id, turn, _carried_call(job))
+    job_id = job.id if job is not None else ""
     # One round trip takes the lease (recording turn_started), reserves the call and reads the run it now owns.
     got = acquire(
         r,
@@ -144,8 +145,8 @@ def run_turn(run_id: str, turn: int) -> str:
         event=Event.of(run_id, "turn_started", turn=turn),
         then=lambda pipe: (window.stage_load(pipe, keys, start=window_from), watch.stage(pipe, keys)),
         reserve=reserving,
+        job_id=job_id,
     )
-    job_id = job.id if job is not None else ""
     if got.code is Acquire.TOO_NEW:
         # The record is left untouched: the hand-back is recorded beside it, the lease was never taken.
         detail = f"run {run_id} has schema version {got.detail}, newer than this worker understands"
