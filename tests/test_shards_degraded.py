@@ -7,6 +7,11 @@ their ids, and the dashboard forks on its parent's shard."""
 from __future__ import annotations
 
 import os
+import queue
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 
@@ -16,16 +21,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from rq.job import Job
 from test_shards import cli
 
 from agentpool import RedisUnreachable, Shards, enqueue_run, get_run, list_runs
 from agentpool.ops.metrics import registry_for
 from agentpool.runtime.shards import rendezvous, rule
-from agentpool.store.keys import RunKeys
+from agentpool.store.keys import RUNS_WATCH, RunKeys
 from agentpool.testing.localpool import RedisServer, free_port
 from agentpool.testing.netfault import NetFault
 
-from conftest import _redis_server
+from conftest import ROOT, _redis_server
 from test_dashboard import dashboard_process, expect
 
 AGENT = "pool_agents:support"
@@ -177,3 +183,43 @@ def test_with_a_shard_down_the_cli_dashboard_and_metrics_show_the_others_and_nam
     }
     assert {dict(labels)["shard"] for labels in runs_by_shard} == {"0", "1"}, "each shard that answered, by its number"
     assert not any(name == "agentpool_turns_total" for name, _ in samples), "no pool-wide sum missing a shard"
+
+
+def test_the_reap_loop_repairs_the_shards_that_answer_while_the_first_one_does_not(live):
+    """`agentpool reap` (the loop) with a shard nobody listens on listed first: that shard's client rides
+    out ~15 s of retries at every scan, and a loop over the shards in turn made every other shard wait
+    for them. Each shard has a thread of its own now: a run of a live shard whose job was lost is
+    re-enqueued within seconds, while the dead shard is still being retried."""
+    run_id = enqueue_run(AGENT, "t", connection=Shards(live))
+    shard = Redis.from_url(live[holders(live, run_id)[0]])
+    shard.delete(Job.key_for(shard.hget(RunKeys.of(run_id).run, "job").decode()))  # a flushed job
+    shard.zadd(RUNS_WATCH, {run_id: 0})
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["AGENTPOOL_SHARDS"] = " ".join([f"redis://127.0.0.1:{free_port()}/0", *live])
+    reaper = subprocess.Popen(
+        [sys.executable, "-m", "agentpool", "reap", "--interval", "0.2"],
+        env=env,
+        cwd=str(ROOT),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    reading = threading.Thread(target=lambda: [lines.put(line) for line in reaper.stdout], daemon=True)
+    reading.start()
+    seen = []
+    try:
+        deadline = time.monotonic() + 12  # under the dead shard's first round of retries
+        while not any(run_id in line and "re-enqueued" in line for line in seen):
+            assert time.monotonic() < deadline, seen
+            try:
+                seen.append(lines.get(timeout=0.5))
+            except queue.Empty:
+                pass
+    finally:
+        reaper.kill()
+        reaper.wait(timeout=30)
+        reading.join(timeout=30)  # to the pipe's end
+        reaper.stdout.close()
+    assert shard.hget(RunKeys.of(run_id).run, "requeues") == b"1"
+    shard.close()

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -859,34 +860,49 @@ def reap(url: str | None, interval: float, once: bool) -> None:
         done.append(run_id)
         click.echo(f"{time.strftime('%H:%M:%S')} {run_id}: {what}")
 
-    # --once answers now; the loop, like a worker, rides out a Redis restart. On a sharded pool, every
-    # shard is reaped in turn (a shard's reaper reads only its shard: it needs no other).
-    urls = shard_urls(url)
-    if once:
-        pool = [r for _shard, r in each(pool_client(url))]
-    else:
-        pool = [connect(u) for u in urls] if urls else [connect(target_url(url))]
+    if not once:
+        # Like a worker, the loop rides out a Redis restart. On a sharded pool each shard is reaped by a
+        # thread of its own (a shard's reaper reads only its shard): a shard that does not answer holds
+        # up its own thread's ~15 s of retries, not the others' scans.
+        urls = shard_urls(url) or [target_url(url)]
+        threads = [
+            threading.Thread(target=_reap_forever, args=(connect(u), interval, report), daemon=True) for u in urls
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return
+    silent = []
+    pool = [r for _shard, r in each(pool_client(url))]
+    for r in pool:
+        try:
+            reap_once(r, report=report)
+        except RedisError as exc:
+            if len(pool) == 1:
+                raise
+            silent.append(describe(exc))  # one shard's trouble is its own: the others are reaped all the same
+    for line in silent:
+        click.echo(f"error: not reaped: {line}", err=True)
+    if not done and not silent:
+        watched = sum(r.zcard(RUNS_WATCH) for r in pool)
+        click.echo(f"nothing to do: none of the {watched} runs watched is orphaned or past a deadline")
+    if silent:
+        sys.exit(1)
+
+
+def _reap_forever(r: Any, interval: float, report: Any) -> None:
+    from redis.exceptions import RedisError
+
+    from agentpool.runtime.reaper import reap_once
+
     while True:
-        silent = []
-        for r in pool:
-            try:
-                reap_once(r, report=report)
-            except RedisError as exc:
-                if once and not urls:
-                    raise
-                # One shard's trouble is its own: the other shards are reaped all the same.
-                silent.append(describe(exc))
-                if not once:
-                    click.echo(f"warning: {describe(exc)}; retrying", err=True)
-        if once:
-            for line in silent:
-                click.echo(f"error: not reaped: {line}", err=True)
-            if not done and not silent:
-                watched = sum(r.zcard(RUNS_WATCH) for r in pool)
-                click.echo(f"nothing to do: none of the {watched} runs watched is orphaned or past a deadline")
-            if silent:
-                sys.exit(1)
-            return
+        try:
+            reap_once(r, report=report)
+        except RedisError as exc:
+            click.echo(f"warning: {describe(exc)}; retrying", err=True)
+        except Exception:  # a bug: said, and the next scan tried all the same (as a worker's reaper does)
+            logging.getLogger("agentpool.reaper").exception("reaper: unexpected error")
         time.sleep(interval)
 
 
