@@ -121,6 +121,26 @@ def test_a_summary_carries_a_run_past_the_context_window(r, long_pool, small):
     assert_valid_conversation(run.messages)
 
 
+def test_a_summary_cut_at_summary_max_tokens_is_saved_with_a_note_that_it_is_cut(r, long_pool, small):
+    # The scripted model ends a summary at the request's max_tokens, as the API does: the agent's
+    # summary_max_tokens is 1,000 (4,000 characters), and this summary would run to 7,000.
+    steps = [{**step, "summary": {"text": "detail " * 1_000}} for step in pages(8)]
+    small.set_scripts({"pages": steps})
+    long_pool.start(1)
+    run_id = enqueue_run("long_agents:summarizing", script_task("pages", "Read the archive"), connection=r)
+    run = wait_for_run(run_id, timeout=120, connection=r)
+
+    assert run.status == "completed", (run.error, long_pool.logs())
+    compacted = events(r, run_id, "compacted")
+    assert compacted and all(e.get("cut") == "max_tokens" for e in compacted), compacted
+    for at in summaries(run.messages):
+        text = run.messages[at]["content"][0]["text"]
+        assert text.endswith("point is missing. Check the state of the task before relying on it.]"), text[-200:]
+        assert "cut at its length limit (1000 tokens)" in text
+    assert "the summary ended at summary_max_tokens=1000" in long_pool.logs(50_000)
+    assert run.usage == spent_by_events(r, run_id), "the cut summary is counted like any call"
+
+
 def test_loading_a_turn_reads_only_from_the_latest_compaction_point(r, long_pool, small):
     # Proof by damage: a message before the window is made unreadable; the run goes on, as its turns
     # never read it, while reading the whole conversation fails.

@@ -19,6 +19,7 @@ A turn sends its run's window (``agentpool.store.window``: from the latest compa
 from __future__ import annotations
 
 import json
+import logging
 from typing import TYPE_CHECKING
 
 from agentpool.agent import SUMMARY_PREAMBLE, Agent
@@ -35,6 +36,12 @@ if TYPE_CHECKING:
     from agentpool.runtime.turn import Turn
 
 OVERFLOW = "model_context_window_exceeded"
+log = logging.getLogger("agentpool.turn")
+# After a summary the model ended at summary_max_tokens: what it read next knows its tail is missing.
+SUMMARY_CUT_NOTE = (
+    "\n\n[This summary was cut at its length limit ({limit} tokens): what it would have said after this "
+    "point is missing. Check the state of the task before relying on it.]"
+)
 
 
 def due(agent: Agent, state: RunState) -> str | None:
@@ -86,6 +93,13 @@ def compact(turn: Turn, agent: Agent, state: RunState, why: str) -> RunState:
     text = "".join(b.get("text", "") for b in reply.message["content"] if b.get("type") == "text").strip()
     if not text:
         raise ModelUnavailable("the model wrote an empty summary", kind="empty_summary", spent=reply.usage)
+    cut = reply.stop_reason == "max_tokens"
+    if cut:  # saved all the same (it was paid for, and asking again would end the same way), but said
+        limit = agent.compaction.summary_max_tokens  # type: ignore[union-attr]
+        log.warning(
+            "%s: the summary ended at summary_max_tokens=%d; saved with a note that it is cut", turn.where, limit
+        )
+        text += SUMMARY_CUT_NOTE.format(limit=limit)
     index = state.window_start + len(state.messages)
     message = {"role": "user", "content": [{"type": "text", "text": SUMMARY_PREAMBLE + text}]}
     price = price_of(agent.model)
@@ -111,6 +125,7 @@ def compact(turn: Turn, agent: Agent, state: RunState, why: str) -> RunState:
             window_start=index,
             seconds=round(reply.seconds, 4),
             cost_usd=round(cost, 8),
+            **({"cut": "max_tokens"} if cut else {}),
             **reply.usage,
         ),
     )

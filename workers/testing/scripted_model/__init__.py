@@ -45,7 +45,8 @@ in-process a script or a step may be a function of a :class:`ScriptRequest` retu
 Two more keys script long runs: ``"stream"`` (how the step streams: delta size, pace, pings, and a
 cut midway: an ``error`` event after the 200, a dropped connection, a silence; see ``sse.py``) and
 ``"summary"`` (``{"error": ..., "stream": ..., "text": ...}``: what happens when a client asks for a
-summary before this step; see ``compaction.py``).
+summary before this step; see ``compaction.py``). A summary longer than the request's ``max_tokens`` (at 4
+characters a token) ends there, with ``stop_reason: max_tokens``, as the API's does.
 
 ``stop_reason`` defaults to ``tool_use`` when there are ``tool_calls``, else ``end_turn``; with
 ``stop_sequence`` the response's ``stop_sequence`` is ``"###"``. A step with none of ``text``,

@@ -177,7 +177,10 @@ class Answerer:
             raise _injected(spec)
         # The request ends with the summary instruction: the conversation is what comes before it.
         text = summary_text(name, index, view["messages"], options.get("text"))
-        answer = self._reply(body, name, [{"type": "text", "text": text}], "end_turn", usage, None, kind="summary")
+        stop, longest = "end_turn", body["max_tokens"] * 4  # estimate_tokens' 4 characters a token
+        if len(text) > longest:  # as the API's, the reply ends at max_tokens (the markers come first)
+            text, stop = text[:longest], "max_tokens"
+        answer = self._reply(body, name, [{"type": "text", "text": text}], stop, usage, None, kind="summary")
         stream = options.get("stream") or {}
         answer.stream = stream
         cut = stream.get("cut")
