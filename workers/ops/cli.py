@@ -501,9 +501,9 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
     if run.inbox:
         click.echo("\nmessages waiting for delivery at the next turn boundary:")
         for sent in run.inbox:
-            click.echo(f"    {sent['id']}: {' '.join(_describe(sent['content']))[:200]}")
+            click.echo(f"    {sent['id']}: {_clip(' '.join(_describe(sent['content'])), 200)}")
     if run.status == "waiting_approval":
-        click.echo(f"\nwaiting for a decision: agentpool approve {run.id} [TOOL_USE_ID] [--deny --reason TEXT]")
+        click.echo(f"\nwaiting for a decision: agentpool approve {run.id} TOOL_USE_ID [--deny --reason TEXT]")
     if run.webhooks:
         click.echo("\nwebhooks:")
         for line in _webhook_lines(run.webhooks):
@@ -511,7 +511,7 @@ def show(url: str | None, run_id: str, as_json: bool) -> None:
     if run.pending:
         click.echo("\npending:")
         for call in run.pending:
-            click.echo(f"    {call['id']} {call['name']} {json.dumps(call['input'])[:200]}")
+            click.echo(f"    {call['id']} {call['name']} {json.dumps(call['input'])}")  # whole: it is decided on
     if entries:
         click.echo("\nledger:")
         for tool_use_id, entry in entries.items():
@@ -558,22 +558,28 @@ def _in_call_order(messages: list[dict[str, Any]], entries: dict[str, Any]) -> d
     return dict(sorted(entries.items(), key=lambda kv: rank.get(kv[0], len(rank))))
 
 
+def _clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters for a line of ``show``, saying so: a line that ends midway
+    without a mark reads as whole (``show --json`` has everything)."""
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text) - limit} more characters)"
+
+
 def _describe(content: object) -> list[str]:
     if isinstance(content, str):
-        return [content[:300]]
+        return [_clip(content, 300)]
     lines = []
     for block in content:  # type: ignore[union-attr]
         kind = block.get("type")
         if kind == "text":
-            lines.append(block["text"][:300])
+            lines.append(_clip(block["text"], 300))
         elif kind == "tool_use":
-            lines.append(f"-> {block['name']}({json.dumps(block.get('input'))[:200]})  [{block['id']}]")
+            lines.append(f"-> {block['name']}({_clip(json.dumps(block.get('input')), 200)})  [{block['id']}]")
         elif kind == "compaction":
-            lines.append(f"[compaction] {(block.get('content') or '(failed)')[:300]}")
+            lines.append(f"[compaction] {_clip(block.get('content') or '(failed)', 300)}")
         elif kind == "tool_result":
             body = block.get("content")
             body = body if isinstance(body, str) else json.dumps(body)
-            lines.append(f"<- {'ERROR ' if block.get('is_error') else ''}{body[:200]}  [{block['tool_use_id']}]")
+            lines.append(f"<- {'ERROR ' if block.get('is_error') else ''}{_clip(body, 200)}  [{block['tool_use_id']}]")
         else:
             lines.append(f"({kind})")
     return lines
@@ -618,8 +624,6 @@ def approve(
     """Approve (or --deny) a call RUN_ID waits on; without TOOL_USE_ID, every call it waits on. With
     --all instead of RUN_ID, every call the runs waiting for approval (of --agent) wait on, after a
     confirmation."""
-    from agentpool.client import approve as decide
-
     if every_run:
         if run_id is not None:
             raise click.UsageError("give a RUN_ID or --all, not both")
@@ -629,11 +633,22 @@ def approve(
         raise click.UsageError("give the RUN_ID to decide on, or --all (and --agent) for every run waiting")
     if agent is not None or yes:
         raise click.UsageError("--agent and --yes go with --all")
+    from agentpool.client import get_run
+    from agentpool.runtime.approvals import decide
+
+    client = pool_client(url)
+    verb = "denied" if deny else "approved"
     try:
-        decided = decide(run_id, tool_use_id, approved=not deny, reason=reason, connection=pool_client(url))
+        # Without TOOL_USE_ID: the calls the run waits on now, decided exactly as read and each printed
+        # whole, so that whoever decided sees what (a call asked since is left for a decision of its own).
+        waiting = {} if tool_use_id else {c["id"]: c for c in get_run(run_id, connection=client).awaiting_approval}
+        ids = [tool_use_id] if tool_use_id else list(waiting) or None
+        decided = decide(route(client, run_id), run_id, ids, approved=not deny, reason=reason or "", by="person")
     except AgentPoolError as exc:
         _refuse(exc)
-    click.echo(f"{'denied' if deny else 'approved'}: {', '.join(decided)}")
+    for call_id in decided:
+        call = waiting.get(call_id)
+        click.echo(f"{verb}: {call_id}" + (f" {call['name']} {json.dumps(call['input'])}" if call else ""))
 
 
 def _decide_all(r: Redis | Shards, *, agent: str | None, approved: bool, reason: str | None, yes: bool) -> None:
@@ -657,7 +672,7 @@ def _decide_all(r: Redis | Shards, *, agent: str | None, approved: bool, reason:
         return
     for run in waiting:
         for call in run.awaiting_approval:
-            click.echo(f"{run.id} {run.agent}: {call['id']} {call['name']} {json.dumps(call['input'])[:120]}")
+            click.echo(f"{run.id} {run.agent}: {call['id']} {call['name']} {json.dumps(call['input'])}")  # whole
     if not yes:
         try:
             click.confirm(f"{verb.capitalize()} these {calls} call(s) in {len(waiting)} run(s)?", abort=True)
