@@ -37,11 +37,16 @@ def input_digest(tool_input: Any) -> str:
 
 def same_input(recorded: Any, tool_input: Any) -> bool:
     """Whether a digest on record was made of ``tool_input``: under any key this process has (a key
-    rotation), or plainly (a record written before encryption was turned on)."""
+    rotation), or plainly (a record written before encryption was turned on). A keyed digest in a
+    process without any key raises ``EncryptionKeyMissing``."""
     if not isinstance(recorded, str):
         return False
     data = pack(tool_input)
     cipher = crypto.active()
+    if cipher is None and recorded.startswith(crypto.DIGEST_PREFIX):
+        # Made under a key (encryption at rest was turned on by a worker that has one): this process
+        # cannot tell, which is no mismatch. Its turn is handed back for a worker with the key.
+        raise crypto.EncryptionKeyMissing("a digest on record is keyed, and this process has no encryption key")
     candidates = [hashlib.sha256(data).hexdigest()[:32], *(cipher.digests(data) if cipher else [])]
     return any(hmac.compare_digest(recorded, candidate) for candidate in candidates)
 

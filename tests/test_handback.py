@@ -16,7 +16,7 @@ import pytest
 from redis import Redis
 from rq.registry import FailedJobRegistry
 
-from agentpool import enqueue_run, get_run, resume, send_message, wait_for_run
+from agentpool import approve, enqueue_run, get_run, resume, send_message, wait_for_run
 from agentpool.runtime.jobs import turn_queue
 from agentpool.store import crypto, handback, stats
 from agentpool.store.codec import pack, unpack
@@ -100,6 +100,40 @@ def test_a_keyless_worker_alone_never_fails_the_run_it_waits_and_says_why(r, poo
     assert no_failed_jobs(r)
     assert pool.logs().count("Traceback") == 0, "one clear line per hand-back, no traceback"
     assert "handed back (key_missing)" in pool.logs()
+
+
+@pytest.mark.crash
+def test_an_approval_a_keyed_worker_asked_for_is_handed_back_by_a_keyless_one_not_failed(
+    r, pool, model, tmp_path, key_in_this_process
+):
+    """Encryption turned on in a rolling deploy: a keyless worker commits save point A (in clear) and dies;
+    a worker with the key takes over and asks for the approval (its digest keyed); after the approval a
+    keyless worker takes the turn. It cannot check a keyed digest, which is no mismatch: it hands the
+    turn back, and a worker with the key runs the call, once."""
+    key = generate_key()
+    arms = tmp_path / "arms"
+    arms.mkdir()
+    model.set_scripts({"d": [{"tool_calls": [{"name": "deploy", "input": {"version": "2.4.1"}}]}, {"text": "ok"}]})
+    run_id = "r_keyed_digest_1"
+    (arms / f"after_save_a-{run_id}").write_text("\nworker")  # its worker dies with its horse
+    plain = pool.start(1, AGENTPOOL_FAULT_ARMS=str(arms))[0]
+    enqueue_run("pool_agents:guarded", script_task("d"), run_id=run_id, connection=r)
+    assert plain.wait(timeout=60) == -signal.SIGKILL, pool.logs()
+    keyed = pool.start(1, AGENTPOOL_ENCRYPTION_KEY=key)[0]
+    key_in_this_process(key)  # the app is rolled too: it reads what the keyed worker sealed
+    wait_for_status(r, run_id, "waiting_approval", timeout=60)
+    wait = r.hget(RunKeys.of(run_id).approvals, f"{get_run(run_id, connection=r).pending[0]['id']}:wait")
+    assert unpack(wait, "the request")["input"].startswith(crypto.DIGEST_PREFIX), "the request's digest is keyed"
+    pool.kill(keyed)
+
+    pool.start(1)  # a worker not rolled yet
+    approve(run_id, connection=r)
+    wait_for_handback(r, run_id, "key_missing")
+    assert get_run(run_id, connection=r).status in ("queued", "running"), "not failed"
+    pool.start(1, AGENTPOOL_ENCRYPTION_KEY=key)
+    run = wait_for_run(run_id, timeout=90, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    assert [e["tool"] for e in pool.effects()].count("deploy") == 1
 
 
 def test_an_old_key_worker_hands_back_what_the_new_key_sealed(r, pool, model, key_in_this_process):
