@@ -4,7 +4,10 @@ this process, and the run's trace is read back whole across work horses SIGKILLe
 
 from __future__ import annotations
 
+import json
+import time
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
@@ -129,3 +132,118 @@ def test_compose_runs_an_otlp_collector_beside_the_workers_and_points_them_at_it
     assert config["service"]["pipelines"]["traces"]["receivers"] == ["otlp"]
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" in services["worker"]["environment"]
     assert "'.[otel]'" in (ROOT / "deploy" / "Dockerfile").read_text()
+
+
+def _wait_for_spans(path, wanted: Callable[[list[dict]], bool], what: str, timeout: float = 60) -> list[dict]:
+    """The spans exported so far, once ``wanted`` holds of them: a turn exports its last spans after the
+    run's status is written, so a test reading them as the run ends could miss them."""
+    deadline = time.monotonic() + timeout
+    while True:
+        spans = read_spans(str(path))
+        if wanted(spans):
+            return spans
+        assert time.monotonic() < deadline, f"no {what} in {json.dumps(spans)[:3000]}"
+        time.sleep(0.05)
+
+
+def test_an_api_error_that_echoes_the_key_leaves_it_in_no_span(r, pool, model, tmp_path):
+    """The privacy test's gateway that echoes the request's headers, with tracing on: the chat span's
+    error names the error, scrubbed, and no span carries the key or the token (the SDK's own exception
+    record would: its stack trace holds the raw API error the model error is raised from)."""
+    key = "sk-test-not-a-secret"  # the key the pool's workers are given (conftest)
+    echoed = (
+        f"invalid x-api-key {key}; request headers: {{'x-api-key': '{key}', "
+        "'Authorization': 'Bearer sk-ant-api03-ANOTHER_SECRET_TOKEN'}"
+    )
+    model.set_scripts({"echo": [{"error": {"status": 401, "type": "authentication_error", "message": echoed}}]})
+    spans_file = tmp_path / "spans.jsonl"
+    pool.start(1, OTEL_TRACES_EXPORTER="agentpool_jsonl", AGENTPOOL_TEST_SPANS=str(spans_file))
+    run = wait_for_run(enqueue_run("pool_agents:support", script_task("echo"), connection=r), timeout=60, connection=r)
+    assert run.status == "failed" and "authentication_error" in run.error, run.error
+
+    spans = _wait_for_spans(spans_file, lambda got: any(s["name"].startswith("turn ") for s in got), "turn span")
+    exported = json.dumps(spans)
+    for secret in (key, "ANOTHER_SECRET_TOKEN"):
+        assert secret not in exported, secret
+    (chat,) = [s for s in spans if s["name"] == "chat claude-sonnet-5-5"]
+    assert chat["status"] == "ERROR" and "authentication_error" in chat["status_description"]
+    (error,) = [e["attributes"] for e in chat["events"] if e["name"] == "exception"]
+    assert error["exception.type"] == "ModelRejected" and "authentication_error" in error["exception.message"]
+    assert "exception.stacktrace" not in error
+
+
+SLOW_TOOL = [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 2}}]}, {"text": "Done."}]
+
+
+def _run_seconds(r, script: str) -> float:
+    """Seconds from enqueueing a run of ``script`` to its completion."""
+    started = time.monotonic()
+    run = wait_for_run(enqueue_run("pool_agents:support", script_task(script), connection=r), timeout=60, connection=r)
+    assert run.status == "completed", run.error
+    return time.monotonic() - started
+
+
+def test_a_collector_that_never_answers_holds_up_no_turn(r, pool, model, tmp_path):
+    """The exporter hangs on every export (a collector that takes the connection and never answers):
+    the SDK's flush would wait for it in the turn's thread, at every flush of every turn, and the run
+    would never end. A run of two turns (a horse each, a 2 s tool) takes about as long with the hung
+    exporter as untraced; the worker says the export goes on in the background."""
+    model.set_scripts({"slow": SLOW_TOOL, "warm": [{"text": "Hi."}]})
+    untraced = pool.start(1)[0]
+    _run_seconds(r, "warm")  # the worker's start-up (imports, connections) is not what is measured
+    off = _run_seconds(r, "slow")
+    pool.kill(untraced)
+
+    spans_file = tmp_path / "spans.jsonl"
+    pool.start(
+        1,
+        OTEL_TRACES_EXPORTER="agentpool_jsonl",
+        AGENTPOOL_TEST_SPANS=str(spans_file),
+        AGENTPOOL_TEST_SPANS_HANG="3600",
+    )
+    _run_seconds(r, "warm")
+    hung = _run_seconds(r, "slow")
+    print(f"untraced {off:.2f} s, exporter hung {hung:.2f} s")
+    assert hung < 2 * off, f"a run took {hung:.2f} s with the exporter hung, {off:.2f} s untraced"
+    assert "the span exporter did not finish" in pool.logs(tail=1_000_000), "the exporter did hang"
+    assert not read_spans(str(spans_file)), "no export ever finished"
+
+
+READ_TWICE = [
+    {"tool_calls": [{"name": "read_notes", "input": {"topic": "release"}}]},
+    {"tool_calls": [{"name": "read_notes", "input": {"topic": "risks"}}]},
+    {"text": "Ships Friday."},
+]
+
+
+def test_a_forking_workers_horses_export_as_the_worker_one_service_instance(r, pool, model, tmp_path):
+    """Tracing is set up in the worker before it forks: each turn's horse inherits its provider (the
+    SDK restarts the batch thread in the child, so the horse's spans are exported) and its
+    service.instance.id, instead of building a provider of its own, a new instance every turn."""
+    model.set_scripts({"read": READ_TWICE})
+    spans_file = tmp_path / "spans.jsonl"
+    pool.start(1, OTEL_TRACES_EXPORTER="agentpool_jsonl", AGENTPOOL_TEST_SPANS=str(spans_file))
+    run = wait_for_run(enqueue_run("pool_agents:support", script_task("read"), connection=r), timeout=60, connection=r)
+    assert run.status == "completed", run.error
+    spans = _wait_for_spans(spans_file, lambda got: any(s["name"] == "turn 2" for s in got), "turn 2")
+    turns = [s for s in spans if s["name"].startswith("turn ")]
+    assert len({s["pid"] for s in turns}) == 3, "each turn in a horse of its own"
+    assert pool.workers[0].pid not in {s["pid"] for s in spans}, "every span exported by a horse"
+    assert len({s["resource"]["service.instance.id"] for s in spans}) == 1, "the worker's instance, in every horse"
+    assert {s["resource"]["service.name"] for s in spans} == {"agentpool"}, "the default name"
+
+
+def test_a_service_name_given_in_otel_resource_attributes_is_kept(r, pool, model, tmp_path):
+    model.set_scripts({"plain": [{"text": "Hi."}]})
+    spans_file = tmp_path / "spans.jsonl"
+    pool.start(
+        1,
+        OTEL_TRACES_EXPORTER="agentpool_jsonl",
+        AGENTPOOL_TEST_SPANS=str(spans_file),
+        OTEL_RESOURCE_ATTRIBUTES="service.name=billing-agents,deployment.environment.name=staging",
+    )
+    run = wait_for_run(enqueue_run("pool_agents:support", script_task("plain"), connection=r), timeout=60, connection=r)
+    assert run.status == "completed", run.error
+    spans = _wait_for_spans(spans_file, lambda got: any(s["name"] == "turn 0" for s in got), "turn 0")
+    assert {s["resource"]["service.name"] for s in spans} == {"billing-agents"}
+    assert {s["resource"]["deployment.environment.name"] for s in spans} == {"staging"}

@@ -23,6 +23,8 @@ import contextvars
 import logging
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +40,11 @@ PARENT_FIELD = "trace_parent"  # the app's span enqueue_run was called in
 _UNSET: Any = object()
 _tracer: Any = _UNSET
 _provider: Any = None
+# How long a flush may hold up a turn. The SDK's force_flush ignores its timeout and exports in the
+# caller's thread, so a collector that is down or never answers would stall every turn for the
+# exporter's own timeouts and retries (seconds each); a local collector answers in milliseconds.
+FLUSH_WAIT = 0.5
+_flushing: threading.Thread | None = None  # this process's flush still in flight, if one is
 
 
 def _wanted() -> bool:
@@ -82,9 +89,8 @@ def _setup() -> Any:
     except ImportError:
         log.warning("%s; runs are not traced", INSTALL_HINT)
         return None
-    provider = TracerProvider(
-        resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "agentpool")})
-    )
+    provider = TracerProvider(resource=_resource(Resource))
+    _keep_instance_across_forks(provider, Resource)
     for name in (os.environ.get("OTEL_TRACES_EXPORTER") or "otlp").split(","):
         try:
             provider.add_span_processor(BatchSpanProcessor(_exporter(name.strip())))
@@ -93,6 +99,29 @@ def _setup() -> Any:
     trace.set_tracer_provider(provider)
     _provider = provider
     return provider.get_tracer("agentpool")
+
+
+def _resource(resource_class: Any) -> Any:
+    """The SDK's resource (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, detectors), named
+    ``agentpool`` only when neither variable names the service (the SDK's fallback, ``unknown_service``)."""
+    detected = resource_class.create()
+    if str(detected.attributes.get("service.name", "")).startswith("unknown_service"):
+        return detected.merge(resource_class({"service.name": "agentpool"}))
+    return detected
+
+
+def _keep_instance_across_forks(provider: Any, resource_class: Any) -> None:
+    """A forking worker's horses are this worker, one turn each: they keep its ``service.instance.id``.
+    The SDK gives every forked process a new one (``TracerProvider._handle_fork``), which would make
+    each turn a service instance of its own. This at-fork hook is registered after the provider's, so
+    it runs after it (``os.register_at_fork`` runs child hooks in registration order)."""
+    instance = provider.resource.attributes.get("service.instance.id")
+    # What the SDK's own at-fork hook calls; an SDK without it has no such hook either, and a horse
+    # keeps the inherited resource as it is.
+    update = getattr(provider, "_update_resource", None)
+    if instance is None or update is None or not hasattr(os, "register_at_fork"):
+        return
+    os.register_at_fork(after_in_child=lambda: update(resource_class({"service.instance.id": instance})))
 
 
 def tracer() -> Any:
@@ -108,9 +137,27 @@ def tracer() -> Any:
 
 def flush() -> None:
     """Export what this process traced: a forking worker's horse ends with ``os._exit``, and the batch
-    processor's thread would take its spans with it."""
-    if _provider is not None and tracer() is not None:
-        _provider.force_flush(5000)
+    processor's thread would take its spans with it. Waits at most ``FLUSH_WAIT``: an export that takes
+    longer goes on in a background thread, and while it does, a flush adds nothing to it and waits for
+    nothing (that export takes the spans ended meanwhile too: the SDK's flush exports until its queue
+    is empty). A horse that ends first loses those spans, never its turn's time."""
+    global _flushing
+    if _provider is None or tracer() is None:
+        return
+    if _flushing is not None and _flushing.is_alive():
+        return  # the collector is already slow to answer: waiting again would only stall the turn
+    # Two threads racing here start two flushes, the second waiting on the SDK's export lock: harmless.
+    _flushing = threading.Thread(target=_provider.force_flush, name="agentpool-trace-flush", daemon=True)
+    started = time.monotonic()
+    _flushing.start()
+    _flushing.join(FLUSH_WAIT)
+    if _flushing.is_alive():
+        log.warning(
+            "traces: the span exporter did not finish within %.1f s; its export goes on in the background "
+            "(is the collector down?) and no turn waits for it (flush waited %.2f s)",
+            FLUSH_WAIT,
+            time.monotonic() - started,
+        )
 
 
 def current_parent() -> str | None:
@@ -185,11 +232,9 @@ class _TurnTrace:
 
     def close(self, exc: BaseException | None = None) -> None:
         from opentelemetry import context
-        from opentelemetry.trace import Status, StatusCode
 
         if exc is not None:
-            self.span.record_exception(exc)
-            self.span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            record_error(self.span, exc)
         context.detach(self._token)
         self.span.end()
 
@@ -233,6 +278,32 @@ def tools_phase() -> None:
         flush()
 
 
+def record_error(span: Any, exc: BaseException) -> None:
+    """The span failed with ``exc``: its type and its text, scrubbed of any API key or token, as the
+    span's status and an ``exception`` event. Never the SDK's ``record_exception``: its
+    ``exception.stacktrace`` holds the chained exceptions' texts, such as the raw API error a model
+    error is raised from, which may echo the request's key or bearer token."""
+    from opentelemetry.trace import Status, StatusCode
+
+    from agentpool.runtime.model import scrub  # imported here: the model module imports this one
+
+    kind, text = type(exc).__name__, scrub(str(exc))
+    span.add_event("exception", {"exception.type": kind, "exception.message": text})
+    span.set_status(Status(StatusCode.ERROR, f"{kind}: {text}" if text else kind))
+
+
+@contextlib.contextmanager
+def _current_span(t: Any, name: str, kind: Any, attributes: dict[str, Any]) -> Iterator[Any]:
+    with t.start_as_current_span(
+        name, kind=kind, attributes=attributes, record_exception=False, set_status_on_exception=False
+    ) as current:
+        try:
+            yield current
+        except BaseException as exc:
+            record_error(current, exc)
+            raise
+
+
 _OFF = contextlib.nullcontext()  # what every hook gets while tracing is off: no generator, no span
 
 
@@ -245,9 +316,7 @@ def span(name: str, *, client: bool = False, **attributes: Any) -> contextlib.Ab
     from opentelemetry.trace import SpanKind
 
     kind = SpanKind.CLIENT if client else SpanKind.INTERNAL
-    return t.start_as_current_span(  # type: ignore[no-any-return]
-        name, kind=kind, attributes={k: v for k, v in attributes.items() if v is not None}
-    )
+    return _current_span(t, name, kind, {k: v for k, v in attributes.items() if v is not None})
 
 
 def set_attributes(target: Any, **attributes: Any) -> None:

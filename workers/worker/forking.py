@@ -44,7 +44,7 @@ from rq import Worker
 from rq.exceptions import StopRequested
 from rq.worker import WorkerStatus
 
-from agentpool.runtime import connections, durability
+from agentpool.runtime import connections, durability, tracing
 from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import give_back, turn_of_job_id
 from agentpool.runtime.loader import load_agent
@@ -326,6 +326,9 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         from agentpool.runtime.model import warm_up
 
         warm_up()
+        # Traces set up here, once, not in each horse: every horse inherits the provider and its exporter
+        # (the SDK restarts the batch thread in a forked child) and exports as this worker's instance.
+        tracing.tracer()
         counters = StatsFlusher(connections.derive(self.connection), self.flush_interval)  # before any event can land
         counters.start()
         # The reaper gets its own connection pool: it runs beside the worker's blocking dequeue.
