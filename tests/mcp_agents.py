@@ -1,5 +1,6 @@
 """Agents whose tools live in MCP servers (tests/mcp_servers.py): a read-only docs server over stdio
-and a CRM with destructive tools, over stdio or streamable HTTP (MCP_CRM_URL, a server the test runs)."""
+and a CRM with destructive tools, over stdio or streamable HTTP (MCP_CRM_URL, a server the test runs);
+a server whose one tool has a schema jsonschema cannot apply."""
 
 from __future__ import annotations
 
@@ -43,4 +44,9 @@ impatient = Agent(
     model="claude-sonnet-5-5",
     mcp_servers={"docs": stdio("docs")},
     tool_timeout=1.0,
+)
+
+broken_schema = Agent(
+    model="claude-sonnet-5-5",
+    mcp_servers={"broken": stdio("broken")},
 )

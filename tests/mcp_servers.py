@@ -3,7 +3,7 @@
 the system under test. Tools named in the file MCP_TEST_HIDDEN (one per line) are not offered: a server
 whose tool list changed between a crash and the takeover.
 
-    python mcp_servers.py docs|crm stdio
+    python mcp_servers.py docs|crm|broken stdio
     python mcp_servers.py docs|crm http PORT
 """
 
@@ -14,9 +14,13 @@ import os
 import sys
 import time
 
+import anyio
+from mcp.server.lowlevel import Server
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp.types import ToolAnnotations
+from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
+from mcp.types import INVALID_PARAMS, CallToolResult, ListToolsResult, TextContent, Tool, ToolAnnotations
 
 READ = ToolAnnotations(read_only_hint=True)
 DESTRUCTIVE = ToolAnnotations(destructive_hint=True)
@@ -108,9 +112,45 @@ def crm_server() -> MCPServer:
         record("failing_export", customer=customer)
         raise ToolError("export backend is down")
 
-    for fn in (delete_customer, tag_customer, set_tier, refund, held_delete, failing_export):
+    def charge(customer: str, amount_cents: int) -> str:
+        """Charge a customer; the server dies after the charge, before it answers (as in a crash)."""
+        record("charge", customer=customer, amount_cents=amount_cents)
+        os._exit(1)
+
+    def strict_refund(customer: str, amount_cents: int) -> str:
+        """Refund a positive amount: anything else is refused with a JSON-RPC error reply (INVALID_PARAMS)."""
+        record("strict_refund", customer=customer, amount_cents=amount_cents)
+        if amount_cents <= 0:
+            raise MCPError(INVALID_PARAMS, f"amount_cents must be positive, got {amount_cents}")
+        return f"refunded {amount_cents}"
+
+    for fn in (delete_customer, tag_customer, set_tier, refund, held_delete, failing_export, charge, strict_refund):
         offered(fn)
     return server
+
+
+def broken_server() -> Server:
+    """A server whose one tool has a schema with a $ref to nothing (jsonschema cannot resolve it)."""
+    schema = {"type": "object", "properties": {"q": {"$ref": "#/$defs/Query"}}, "required": ["q"]}
+
+    async def list_tools(ctx: object, params: object) -> ListToolsResult:
+        return ListToolsResult(
+            tools=[Tool(name="lookup", description="Look up.", input_schema=schema, annotations=READ)]
+        )
+
+    async def call_tool(ctx: object, params: object) -> CallToolResult:
+        record("lookup")
+        return CallToolResult(content=[TextContent(type="text", text="found")])
+
+    return Server("broken", on_list_tools=list_tools, on_call_tool=call_tool)
+
+
+def run_lowlevel_stdio(server: Server) -> None:
+    async def main() -> None:
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+
+    anyio.run(main)
 
 
 ANNOTATIONS = {
@@ -120,11 +160,16 @@ ANNOTATIONS = {
     "refund": None,
     "held_delete": DESTRUCTIVE,
     "failing_export": DESTRUCTIVE,
+    "charge": None,
+    "strict_refund": None,
 }
 
 
 if __name__ == "__main__":
     kind, transport = sys.argv[1], sys.argv[2]
+    if kind == "broken":
+        run_lowlevel_stdio(broken_server())
+        sys.exit()
     server = docs_server() if kind == "docs" else crm_server()
     if transport == "stdio":
         server.run()

@@ -15,6 +15,7 @@ from pathlib import Path
 from re import escape as re_escape
 
 import pytest
+from test_concurrency import start_threaded, worker_process
 
 from agentpool import Agent, ToolInputError, enqueue_run, wait_for_run
 from agentpool.mcp_tools import effect_from_annotations
@@ -242,6 +243,110 @@ def test_a_tool_gone_from_its_server_at_the_takeover_is_reconciled_as_a_tool_the
     assert held.get("is_error") and "status of this mcp__docs__held_search call is unknown" in held["content"]
 
 
+def test_a_server_that_dies_mid_call_leaves_the_calls_status_unknown(r, pool, model, mcp_env, crm_transport, tmp_path):
+    """The charge took effect and the server died before answering: its stdio pipe closed, or its HTTP
+    response stream ended. The SDK raises an MCPError of its own for that, which is no reply of the
+    server's: the model is told (and the ledger records) that whether the charge took effect is unknown,
+    as after a timeout, never that the server answered with an error."""
+    model.set_scripts(
+        {
+            "charge": [
+                {"tool_calls": [{"name": "mcp__crm__charge", "input": {"customer": "acme", "amount_cents": 500}}]},
+                {"text": "Checked."},
+            ]
+        }
+    )
+    pool.start(1, **mcp_env, **crm_transport)
+    run = wait_for_run(
+        enqueue_run("mcp_agents:support", script_task("charge"), connection=r), timeout=180, connection=r
+    )
+
+    assert run.status == "completed", (run.error, pool.logs())
+    assert_valid_conversation(run.messages)
+    (charge,) = _results(run).values()
+    assert charge.get("is_error") and "whether charge took effect is unknown" in charge["content"], charge
+    assert "answered" not in charge["content"], "a lost connection is no answer of the server's"
+    assert [e["tool"] for e in _effects(tmp_path / "mcp-effects.jsonl")] == ["charge"]
+
+
+def test_a_servers_error_reply_fails_the_call_and_keeps_its_session(r, pool, model, mcp_env, tmp_path):
+    """A JSON-RPC error the server sent (invalid params) is its answer: the call failed (not "unknown"),
+    and the session is sound, so the next call goes to the same server process, not a new one (a reset
+    would also end other runs' calls in flight on that session)."""
+    model.set_scripts(
+        {
+            "refunds": [
+                {"tool_calls": [{"name": "mcp__crm__strict_refund", "input": {"customer": "acme", "amount_cents": 0}}]},
+                {"tool_calls": [{"name": "mcp__crm__strict_refund", "input": {"customer": "acme", "amount_cents": 5}}]},
+                {"text": "Refunded."},
+            ]
+        }
+    )
+    pool.start(1, **mcp_env)
+    run = wait_for_run(
+        enqueue_run("mcp_agents:support", script_task("refunds"), connection=r), timeout=180, connection=r
+    )
+
+    assert run.status == "completed", (run.error, pool.logs())
+    refused, refunded = _results(run).values()
+    assert refused.get("is_error"), refused
+    assert "answered strict_refund with an error: amount_cents must be positive" in refused["content"]
+    assert "unknown" not in refused["content"]
+    assert refunded["content"] == "refunded 5" and not refunded.get("is_error")
+    first, second = _effects(tmp_path / "mcp-effects.jsonl")
+    assert first["pid"] == second["pid"], "the server's error reply did not drop its session"
+
+
+@pytest.mark.crash
+def test_a_worker_killed_mid_call_takes_its_stdio_server_with_it(r, pool, model, mcp_env, tmp_path):
+    """The SDK starts a stdio server in a session of its own, out of the worker's process group: a
+    threaded worker SIGKILLed with a call in flight must still leave no server to complete it after the
+    takeover told the model its status is unknown (the server dies with its worker: PR_SET_PDEATHSIG)."""
+    model.set_scripts(
+        {
+            "held": [
+                {"tool_calls": [{"name": "mcp__crm__held_delete", "input": {"customer": "initech", "gate": "g1"}}]},
+                {"text": "Checked."},
+            ]
+        }
+    )
+    pool.env.update(mcp_env)
+    child = worker_process(start_threaded(pool, "threaded-mcp", concurrency=2))
+    run_id = enqueue_run("mcp_agents:support", script_task("held"), connection=r)
+    started = _wait_for(tmp_path / "mcp-effects.jsonl", "held_delete_started")
+    os.kill(child, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while _alive(started["pid"]):
+        assert time.monotonic() < deadline, "the stdio server outlived the worker that started it"
+        time.sleep(0.02)
+    (tmp_path / "gates" / "g1").touch()
+    run = wait_for_run(run_id, timeout=180, connection=r)
+
+    assert run.status == "completed", (run.error, pool.logs())
+    assert_valid_conversation(run.messages)
+    (held,) = _results(run).values()
+    assert held.get("is_error") and "is unknown" in held["content"]
+    assert [e["tool"] for e in _effects(tmp_path / "mcp-effects.jsonl")] == ["held_delete_started"]
+
+
+def test_a_tool_whose_schema_cannot_be_applied_gives_an_error_result_and_the_run_goes_on(
+    r, pool, model, mcp_env, tmp_path
+):
+    """A listed schema with a $ref to nothing passes jsonschema's schema check but breaks validation: the
+    call is refused with an is_error result naming why (it used to crash the turn, again and again)."""
+    model.set_scripts(
+        {"broken": [{"tool_calls": [{"name": "mcp__broken__lookup", "input": {"q": "x"}}]}, {"text": "ok"}]}
+    )
+    pool.start(1, **mcp_env)
+    run_id = enqueue_run("mcp_agents:broken_schema", script_task("broken"), connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+
+    assert run.status == "completed", (run.error, pool.logs())
+    (lookup,) = _results(run).values()
+    assert lookup.get("is_error") and "inputSchema cannot be checked" in lookup["content"], lookup
+    assert _effects(tmp_path / "mcp-effects.jsonl") == [], "a call whose input was not checked is not made"
+
+
 def test_a_server_that_times_out_gives_an_error_result_and_is_connected_again(r, pool, model, mcp_env, tmp_path):
     model.set_scripts(
         {
@@ -369,6 +474,8 @@ def test_tools_are_listed_named_classified_and_their_input_checked_strictly(mcp_
         "mcp__crm__refund": "unsafe",
         "mcp__crm__held_delete": "unsafe",
         "mcp__crm__failing_export": "unsafe",
+        "mcp__crm__charge": "unsafe",
+        "mcp__crm__strict_refund": "unsafe",
     }
     tag = agent.tool_named("mcp__crm__tag_customer")
     assert tag.takes_key and "idempotency_key" not in tag.to_param()["input_schema"]["properties"]

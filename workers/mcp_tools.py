@@ -174,14 +174,21 @@ class McpTool(Tool):
 
     def validate(self, tool_input: Any) -> dict[str, Any]:
         """Checked strictly against the tool's inputSchema (as offered: without ``idempotency_key``),
-        with every problem named for the model; NaN and infinities refused as for ``@tool`` functions."""
+        with every problem named for the model; NaN and infinities refused as for ``@tool`` functions. A
+        schema that cannot be applied (a ``$ref`` to nothing) refuses every input, so the turn goes on."""
         if not isinstance(tool_input, dict):
             raise ToolInputError(f"input for {self.name} must be a JSON object, got {type(tool_input).__name__}")
         try:
             plain = json.loads(json.dumps(tool_input, allow_nan=False))
         except (TypeError, ValueError) as exc:
             raise ToolInputError(f"invalid input for {self.name}: not JSON ({exc})") from None
-        errors = sorted(self.schema_check.iter_errors(plain), key=lambda e: list(e.absolute_path))
+        try:
+            errors = sorted(self.schema_check.iter_errors(plain), key=lambda e: list(e.absolute_path))
+        except Exception as exc:  # noqa: BLE001 - a schema jsonschema cannot apply: a $ref to nothing, a bad pattern
+            raise ToolInputError(
+                f"{self.name} cannot be called: its server's inputSchema cannot be checked "
+                f"({type(exc).__name__}: {str(exc)[:300]})"
+            ) from None
         if errors:
             problems = "; ".join(
                 f"{'.'.join(str(p) for p in e.absolute_path) or '(input)'}: {e.message}" for e in errors

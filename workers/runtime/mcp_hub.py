@@ -12,9 +12,15 @@ it hands the turn over (``end_calls_of``): a stdio server with a call of the dea
 stopped (its process, like a tool's subprocess, must not take effect after the takeover decided the
 call did not), an HTTP request is cancelled (as the horse's own request would have died with it).
 
-A server that cannot be reached, does not answer within the tool's timeout or answers with an MCP
-error makes the call fail (the model gets an ``is_error`` result, the ledger its outcome), and its
-connection is dropped: the next call or listing connects again.
+A stdio server is started through ``agentpool.runtime.mcp_launch``, so that (on Linux) it dies with the
+worker process that started it: the SDK puts it in a session of its own, where ending a dead worker's
+process group before its turns are handed over does not reach it.
+
+A call fails in one of two ways, and the model (and the ledger) is told which. The server answered it
+with an error (``isError``, or a JSON-RPC error reply such as invalid params): the call failed, and the
+session is kept. The call was lost on the way (the server died or dropped the connection mid-call, or
+gave no answer within the tool's timeout): whether it took effect is unknown, and only that session is
+dropped; the next call or listing connects again. A server that cannot be reached fails the call too.
 """
 
 from __future__ import annotations
@@ -30,10 +36,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentpool.agent import Agent
 from agentpool.mcp_tools import McpTool, ServerConfig, build_tool
+from agentpool.runtime import mcp_launch
+
+if TYPE_CHECKING:
+    from mcp import MCPError
 
 log = logging.getLogger("agentpool.mcp")
 CONNECT_TIMEOUT = 30.0  # seconds to start (or reach) a server, initialize the session and list its tools
@@ -46,12 +56,27 @@ MAX_LINE = 64 * 1024 * 1024  # one request or reply between a work horse and its
 
 
 class McpUnavailable(Exception):
-    """The server could not be reached, timed out or answered with an MCP error; the call may or may not
-    have reached it."""
+    """The server could not be reached, or the call was lost on the way (no answer within the timeout, the
+    connection closed mid-call): the call may or may not have taken effect."""
 
 
 class McpToolFailed(Exception):
-    """The server ran the tool and reports that it failed (``isError``); the message is the tool's text."""
+    """The server answered that the call failed (``isError``, or a JSON-RPC error reply); the message is its text."""
+
+
+# The stand-ins the SDK's HTTP transport makes of an HTTP status without a JSON-RPC error in its body
+# (mcp 2.3, client/streamable_http.py), known by their message: no reply of the server's to the call.
+_HTTP_STAND_INS = ("Server returned an error response", "Session terminated", "Unexpected content type")
+
+
+def _lost_on_the_way(exc: MCPError) -> bool:
+    """An MCPError the SDK made up itself because no reply of the server's arrived or could be read (the
+    connection closed: a stdio server died, an HTTP response stream ended; its own request timeout; a
+    reply it could not parse): whether the call took effect is unknown. A server that sends one of these
+    codes itself is taken the safe way: unknown, never "failed"."""
+    from mcp.types import CONNECTION_CLOSED, PARSE_ERROR, REQUEST_TIMEOUT
+
+    return exc.code in (CONNECTION_CLOSED, REQUEST_TIMEOUT, PARSE_ERROR) or exc.message.startswith(_HTTP_STAND_INS)
 
 
 def _result_text(result: Any) -> dict[str, Any]:
@@ -93,7 +118,11 @@ class _Connection:
 
         c = self.config
         if c.type == "stdio":
-            params = StdioServerParameters(command=c.command, args=list(c.args), env=dict(c.env) or None)
+            # Started by the hub's event loop thread (the SDK spawns from the loop), which lives as long
+            # as the hub: PR_SET_PDEATHSIG fires when the thread that forked exits, so the server dies
+            # with the worker process (or at Hub.close, after the sessions are closed).
+            command, args = mcp_launch.command_line(c.command, list(c.args))
+            params = StdioServerParameters(command=command, args=args, env=dict(c.env) or None)
             return stdio_client(params), None
         client = create_mcp_http_client(headers=dict(c.headers) or None)
         return streamable_http_client(c.url, http_client=client), client
@@ -160,7 +189,10 @@ class _Connection:
                 self._holder.cancel()
         self.session = None
 
-    async def reset(self, why: str) -> None:
+    async def reset(self, why: str, session: Any = None) -> None:
+        """Drop the session (only ``session``, if given: one that replaced it serves other calls now)."""
+        if session is not None and session is not self.session:
+            return
         log.warning("MCP server %s: %s; it is connected again on its next use", self.config.name, why)
         await self._close_holder()
 
@@ -172,26 +204,26 @@ class _Connection:
         from mcp import MCPError
 
         session = await self.ensure()
-        name = self.config.name
         try:
             result = await asyncio.wait_for(session.call_tool(tool, arguments), timeout)
         except TimeoutError:
-            await self.reset(f"{tool} gave no answer within {timeout:g} s")
-            raise McpUnavailable(
-                f"MCP server {name} gave no answer within {timeout:g} s; whether {tool} took effect is unknown"
-            ) from None
+            raise await self._lost(session, tool, f"gave no answer to {tool} within {timeout:g} s") from None
         except asyncio.CancelledError:
-            await self.reset(f"a call of {tool} was cancelled")
+            await self.reset(f"a call of {tool} was cancelled", session)
             raise
         except MCPError as exc:
-            await self.reset(f"MCP error from {tool}: {exc}")
-            raise McpUnavailable(f"MCP server {name} answered {tool} with an error: {exc}") from None
+            if _lost_on_the_way(exc):
+                raise await self._lost(session, tool, f"lost the connection during {tool} ({exc})") from None
+            # The server's own error reply: it refused or failed the call, and its session is sound.
+            return {"text": f"MCP server {self.config.name} answered {tool} with an error: {exc}", "is_error": True}
         except Exception as exc:  # noqa: BLE001 - a transport that broke mid-call
-            await self.reset(f"{tool} failed in transport: {_describe(exc)}")
-            raise McpUnavailable(
-                f"MCP server {name} failed during {tool} ({_describe(exc)}); whether it took effect is unknown"
-            ) from None
+            raise await self._lost(session, tool, f"failed during {tool} ({_describe(exc)})") from None
         return _result_text(result)
+
+    async def _lost(self, session: Any, tool: str, what: str) -> McpUnavailable:
+        """A call lost on the way (as a tool timeout is): its session dropped, its outcome unknown."""
+        await self.reset(what, session)
+        return McpUnavailable(f"MCP server {self.config.name} {what}; whether {tool} took effect is unknown")
 
 
 def _describe(exc: BaseException) -> str:
