@@ -44,7 +44,8 @@ K8S = DEPLOY / "k8s"
 SYSTEMD = DEPLOY / "systemd"
 
 # A turn is one model call (AGENTPOOL_MODEL_CALL_TIMEOUT, 600 s by default in runtime/settings.py) plus the
-# tools it asked for (Agent.tool_timeout each); every stop grace period must outlast one.
+# tools it asked for, one after another (Agent.tool_timeout each); every stop grace period must outlast a
+# slow call and a slow tool at the least (deploy/README.md says how to size it for more).
 MODEL_TIMEOUT = next(f.default for f in fields(Settings) if f.name == "model_call_timeout")
 TOOL_TIMEOUT = next(f.default for f in fields(Agent) if f.name == "tool_timeout")
 TURN_BOUND = MODEL_TIMEOUT + TOOL_TIMEOUT  # type: ignore[operator]
@@ -740,7 +741,8 @@ def test_compose_scales_workers_with_a_grace_period_longer_than_a_turn():
     spec = compose()
     services = spec["services"]
     worker = services["worker"]
-    assert "container_name" not in worker and "ports" not in worker, "--scale worker=N needs neither"
+    assert "container_name" not in worker and "ports" not in worker, "several workers need neither"
+    assert worker["scale"] == "${WORKERS:-2}", "a later `up` keeps the count: it is in the file"
     assert worker.get("stop_signal", "SIGTERM") == "SIGTERM"
     assert _go_duration(worker["stop_grace_period"]) > TURN_BOUND
     assert worker["build"] == {"context": "..", "dockerfile": "deploy/Dockerfile"}
