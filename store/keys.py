@@ -206,6 +206,7 @@ class RunKeys:
     joins: str
     webhooks: str
     unleased: str
+    call: str
 
     @classmethod
     def of(cls, run_id: str) -> RunKeys:
@@ -227,6 +228,7 @@ class RunKeys:
             joins=f"{base}:joins",
             webhooks=f"{base}:webhooks",
             unleased=f"{base}:unleased",
+            call=f"{base}:call",
         )
 
     def all(self) -> tuple[str, ...]:
@@ -246,6 +248,7 @@ class RunKeys:
             self.joins,
             self.webhooks,
             self.unleased,
+            self.call,
         )
 
     def kept(self) -> tuple[str, ...]:

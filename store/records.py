@@ -72,6 +72,7 @@ class RunState:
     window_hint: int = 0  # the header's ``window``: the latest compaction point it knows of (never ahead)
     window_start: int = 0  # index of ``messages[0]`` in the whole conversation when only the window was loaded
     last_reply: dict[str, Any] = field(default_factory=dict)  # meta of the newest reply in the window, if loaded
+    last_call: str = ""  # the API's id of the newest call saved in the window (a reply, or its summary)
     forked_from: str = ""  # the run this one was forked from (``fork_run``), and at which of its turns
     forked_at: int = 0
     queue: str = "default"  # the queue its turns go to (the header's ``queue``; none: ``default``)

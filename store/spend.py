@@ -1,9 +1,16 @@
-"""The spend of a model call that produced nothing to commit: a stream cut before its message ended.
+"""The spend of a model call that produced nothing to commit: a stream cut before its message ended,
+or a call whose worker died before saving it.
 
 Save point A counts a complete call's spend with its response. A stream cut midway (the connection
 lost, the idle timeout, an ``error`` event after the 200) was billed for the tokens it had reported
 (``message_start``'s usage, then each ``message_delta``'s cumulative usage); its partial output is
 never committed, its spend is counted here, once, under the turn's lease.
+
+A worker killed during a call (or after its reply, before save point A) counts nothing itself. So a
+streamed call notes itself as it begins to be billed (``note_call``, at ``message_start``: the API's
+id for it, the model, the usage reported so far), and the turn that takes the run over counts a noted
+call that no saved message carries (``lost_call``): its input and cache tokens, that is, and the
+output reported at its start (the output it produced after that is not known to anyone but the API).
 """
 
 from __future__ import annotations
@@ -17,6 +24,33 @@ from agentpool.store.events import Event, script_args
 from agentpool.store.keys import STATS, RunKeys
 from agentpool.store.records import USAGE_FIELDS
 from agentpool.store.scripts import run_script
+
+NOTE_TTL_MS = 24 * 3600 * 1000  # a takeover comes within minutes; the note of a saved call is only compared
+
+
+def note_call(r: Redis, keys: RunKeys, *, call_id: str, model: str, usage: Mapping[str, int]) -> None:
+    """A call's reply began (``message_start``): it is billed from now on. One command, not fenced: a
+    zombie's call was paid for too, and the note is never a record a reader of the run relies on.
+    ``<id> <model> <input> <output> <cache read> <cache write>`` (neither an id nor a model has spaces)."""
+    counts = " ".join(str(int(usage.get(name) or 0)) for name in USAGE_FIELDS)
+    r.set(keys.call, f"{call_id} {model} {counts}", px=NOTE_TTL_MS)
+
+
+def lost_call(raw: bytes | None, last_saved: str) -> tuple[str, str, dict[str, int]] | None:
+    """(the API's id, model, usage) of the noted call if no saved message carries it (``last_saved``: the
+    newest call the run's window holds); None if there is none, or the note is not one."""
+    try:
+        call_id, model, *counts = (raw or b"").decode().split(" ")
+        usage = dict(zip(USAGE_FIELDS, (int(n) for n in counts), strict=True))
+    except ValueError:  # no note (or not one: a note is only ever compared, never trusted further)
+        return None
+    return None if not call_id or call_id == last_saved else (call_id, model, usage)
+
+
+def forget_call(r: Redis, keys: RunKeys, call_id: str) -> None:
+    """The noted call ``call_id`` is counted: a takeover must not count it again (a note written since,
+    by another attempt, stays)."""
+    run_script("forget_call", r, [keys.call], [call_id])
 
 
 def count_spend(

@@ -87,6 +87,10 @@ def decode(run_id: str, header: Mapping[bytes, bytes], reply: list[Any], *, star
         if messages[i]["role"] == "assistant":
             state.last_reply = message_meta(blobs[i], start + i)
             break
+    # The newest call saved: that reply, or else the summary the window starts from (agentpool's own
+    # compaction saves it as a user message).
+    saved = state.last_reply or (message_meta(blobs[cut], start + cut) if cut < len(blobs) else {})
+    state.last_call = str(saved.get("id") or "")
     return state
 
 

@@ -63,13 +63,19 @@ def _rq_failed_jobs(r, timeout: float = 60) -> int:
     return failed
 
 
-def _committed_usage(r, run_id: str) -> Counter:
+def _counted_usage(r, run_id: str) -> Counter:
+    """What the run's events counted: each call saved (model_responded), and each one cut or lost with
+    its worker before its save (model_cut)."""
     total: Counter = Counter()
     for _id, event in read_events(r, run_id):
-        if event["kind"] == "model_responded":
+        if event["kind"] in ("model_responded", "model_cut"):
             for name in ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
                 total[name] += int(event.get(name, 0))
     return total
+
+
+def kills_at(pool, point: str, run_id: str) -> int:
+    return len(list(pool.tmp.glob(f"fault-{point}-{run_id}-*")))
 
 
 @pytest.mark.parametrize("point", POINTS)
@@ -84,8 +90,16 @@ def test_run_survives_a_work_horse_killed_at(point, r, pool, model):
     assert run.turns == 5, "turns are counted once per committed model call and never reset"
     assert_valid_conversation(run.messages)
     assert model.stats()["rejected"] == 0, model.stats()["rejections"]
-    assert dict(_committed_usage(r, run_id)) == {k: v for k, v in run.usage.items()}, "usage carried over every resume"
-    kills = len(list(pool.tmp.glob(f"fault-{point}-{run_id}-*")))
+    assert dict(_counted_usage(r, run_id)) == {k: v for k, v in run.usage.items()}, "usage carried over every resume"
+    # Every call the API answered is counted, once: one killed mid-stream or after its reply too (its
+    # takeover counts what the call's message_start reported: a model_cut "worker_lost").
+    calls = [e for _, e in read_events(r, run_id) if e["kind"] in ("model_responded", "model_cut")]
+    assert len(calls) == model.stats()["requests"], (calls, model.stats())
+    lost = [e for e in calls if e.get("error_type") == "worker_lost"]
+    assert len(lost) == (kills_at(pool, point, run_id) if point in ("mid_stream", "after_model_reply") else 0), lost
+    inputs = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert all(sum(int(e[name]) for name in inputs) > 0 for e in lost), lost
+    kills = kills_at(pool, point, run_id)
     assert kills >= 4, f"the fault point should have fired in most turns, fired {kills}"
     assert _rq_failed_jobs(r) == 0, "a turn handed over is not an RQ failure"
 

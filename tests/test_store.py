@@ -7,7 +7,7 @@ import time
 import msgpack
 import pytest
 
-from agentpool.store import checkpoint, events, ledger, ratelimit, stats
+from agentpool.store import checkpoint, events, ledger, ratelimit, spend, stats
 from agentpool.store.codec import pack, unpack
 from agentpool.store.errors import LeaseLost, RunNotActive, UnreadableRecord
 from agentpool.store.events import Event
@@ -366,3 +366,20 @@ def test_a_fence_lost_in_a_failover_is_not_handed_out_again(r):
     second = take(r)
     assert int(second.partition(":")[0]) > int(first.partition(":")[0])
     assert second != first, "the same worker taking the run again gets a token of its own"
+
+
+def test_a_billed_calls_note_is_counted_only_if_no_saved_message_carries_it_and_dropped_only_by_its_own_id(r):
+    keys = RunKeys.of("r_noted")
+    usage = {"input_tokens": 1200, "output_tokens": 1, "cache_read_input_tokens": 300, "cache_creation_input_tokens": 0}
+    spend.note_call(r, keys, call_id="msg_a", model="claude-sonnet-5-5", usage=usage)
+    noted = r.get(keys.call)
+    assert spend.lost_call(noted, last_saved="msg_a") is None, "its reply was saved: counted there"
+    assert spend.lost_call(noted, last_saved="msg_older") == ("msg_a", "claude-sonnet-5-5", usage)
+    assert spend.lost_call(None, last_saved="") is None and spend.lost_call(b"garbage", last_saved="") is None
+    assert 0 < r.pttl(keys.call) <= spend.NOTE_TTL_MS
+
+    spend.note_call(r, keys, call_id="msg_b", model="claude-sonnet-5-5", usage=usage)  # a newer attempt's call
+    spend.forget_call(r, keys, "msg_a")  # a late forget for the older one
+    assert spend.lost_call(r.get(keys.call), last_saved="")[0] == "msg_b", "another attempt's note stays"
+    spend.forget_call(r, keys, "msg_b")
+    assert r.get(keys.call) is None

@@ -82,7 +82,9 @@ def call(turn: Turn, agent: Agent, state: RunState) -> tuple[RunState, ModelRepl
 
 def _reply(turn: Turn, agent: Agent, state: RunState) -> ModelReply:
     live = turn.live_output("reply")
-    return limited_call(turn, agent, state.messages, last_reply=state.last_reply, live=live)
+    return limited_call(
+        turn, agent, state.messages, last_reply=state.last_reply, live=live, on_start=turn.note_call(agent)
+    )
 
 
 def compact(turn: Turn, agent: Agent, state: RunState, why: str) -> RunState:
@@ -139,13 +141,15 @@ def _summarize(turn: Turn, agent: Agent, state: RunState, *, shrink: bool) -> Mo
     short) is summarized from a copy with its long tool results and texts cut (``shrink``)."""
     try:
         live = turn.live_output("summary")
-        reply = limited_call(turn, agent, state.messages, summary=True, shrink=shrink, live=live)
+        reply = limited_call(
+            turn, agent, state.messages, summary=True, shrink=shrink, live=live, on_start=turn.note_call(agent)
+        )
     except ContextTooLong:
         if shrink:
             raise
         return _summarize(turn, agent, state, shrink=True)
     if reply.stop_reason == OVERFLOW and not shrink:
-        turn.count_unused_call(agent, reply.usage, "summary cut short by the context window")
+        turn.count_unused_call(agent.model, reply.usage, "summary cut short by the context window")
         return _summarize(turn, agent, state, shrink=True)
     return reply
 

@@ -26,6 +26,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -124,6 +125,10 @@ class ModelReply:
     seconds: float = 0.0  # the call, from request to last event
     compacted: bool = False  # the API compacted the conversation: the reply starts with a compaction block
     limits: dict[str, str] = field(default_factory=dict)  # the reply's anthropic-ratelimit-* headers
+
+
+# Told the API's id for a call and the usage it reported so far, once the call's reply begins.
+OnStart = Callable[[str, dict[str, int]], None]
 
 
 class DeltaSink(Protocol):
@@ -402,9 +407,12 @@ def call_model(
     summary: bool = False,
     shrink: bool = False,
     live: DeltaSink | None = None,
+    on_start: OnStart | None = None,
 ) -> ModelReply:
     """One call on the window ``messages`` (a ``summary`` call: agentpool's compaction, of a window with
-    its long tool results cut when ``shrink``), streamed to ``live`` as it arrives. Raises
+    its long tool results cut when ``shrink``), streamed to ``live`` as it arrives; ``on_start`` is told
+    the API's id for the call and its usage so far once its reply begins (a streamed call's
+    ``message_start``: it is billed from there). Raises
     ModelUnavailable (transient), ModelQuotaExhausted, ContextTooLong or ModelRejected."""
     request = build_request(agent, messages, summary=summary, shrink=shrink)
     attributes = {
@@ -415,7 +423,7 @@ def call_model(
         "agentpool.call.purpose": "summary" if summary else "reply",
     }
     with tracing.span(f"chat {agent.model}", client=True, **attributes) as span:
-        reply = _call(request, live)
+        reply = _call(request, live, on_start)
         tracing.set_attributes(
             span,
             **{
@@ -432,13 +440,20 @@ def call_model(
         return reply
 
 
-def _call(request: dict[str, Any], live: DeltaSink | None) -> ModelReply:
+def _call(request: dict[str, Any], live: DeltaSink | None, on_start: OnStart | None = None) -> ModelReply:
     client, settings = _client()
     started = time.monotonic()
     headers: dict[str, str] = {}
     try:
         if settings.model_streaming:
-            data = _streamed(client, request, live, deadline=started + settings.model_call_timeout, headers=headers)
+            data = _streamed(
+                client,
+                request,
+                live,
+                deadline=started + settings.model_call_timeout,
+                headers=headers,
+                on_start=on_start,
+            )
         else:
             data = _created(client, request, settings.model_call_timeout, headers)
     except ModelUnavailable as exc:
@@ -494,6 +509,7 @@ def _streamed(
     *,
     deadline: float,
     headers: dict[str, str],
+    on_start: OnStart | None = None,
 ) -> dict[str, Any]:
     """A streamed call, read from its events as plain JSON (``agentpool.runtime.reply_stream``: the
     SDK's typed stream cost the worker a fifth more than a ``create()``); the request, its status
@@ -507,6 +523,8 @@ def _streamed(
             headers.update(rate_limit_headers(raw.headers))
             for event in events(raw.iter_lines()):
                 reply.add(event)
+                if on_start is not None and event["type"] == "message_start" and reply.message is not None:
+                    on_start(str(reply.message.get("id") or ""), dict(reply.spent))
                 if live is not None and event["type"] in ("content_block_start", "content_block_delta"):
                     _forward(live, event)
                 if time.monotonic() > deadline:

@@ -27,6 +27,7 @@ import random
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -135,6 +136,9 @@ def run_turn(run_id: str, turn: int) -> str:
     watch = live.WatchLookup(r)
     reserving = lease_reservation(r, settings, run_id, turn, _carried_call(job))
     job_id = job.id if job is not None else ""
+    # Only a re-enqueued turn can follow an attempt whose worker died during its call: the others skip
+    # the look at the note such a call left.
+    taken_over = requeued(job)
     # One round trip takes the lease (recording turn_started), reserves the call and reads the run it now owns.
     got = acquire(
         r,
@@ -143,7 +147,11 @@ def run_turn(run_id: str, turn: int) -> str:
         worker_id=worker_identity(),
         ttl_ms=settings.lease_ttl_ms,
         event=Event.of(run_id, "turn_started", turn=turn),
-        then=lambda pipe: (window.stage_load(pipe, keys, start=window_from), watch.stage(pipe, keys)),
+        then=lambda pipe: (
+            window.stage_load(pipe, keys, start=window_from),
+            taken_over and pipe.get(keys.call),  # a call an earlier attempt noted as billed (spend.note_call)
+            watch.stage(pipe, keys),
+        ),
         reserve=reserving,
         job_id=job_id,
     )
@@ -165,7 +173,8 @@ def run_turn(run_id: str, turn: int) -> str:
     with keep_alive(r, keys, token, settings.lease_ttl_ms), tracing.turn_span(r, keys, turn, got.then[0]) as span:
         try:
             header, loaded, *rest = got.then
-            outcome = work.run(header, loaded, watched=watch.watched(rest))
+            noted = rest.pop(0) if taken_over else None
+            outcome = work.run(header, loaded, watched=watch.watched(rest), noted=noted)
             tracing.set_attributes(span, **{"agentpool.turn.outcome": outcome})
             return outcome
         except (LeaseLost, RunNotActive) as exc:
@@ -308,18 +317,24 @@ class Turn:
         self.responded = False  # save point A committed this turn's model reply
         self.slot_key = ""  # the concurrency key whose slot this turn holds
         self.ancestors: list[str] = []  # a child run's ancestors: its calls' spend counts in their trees
+        self.noted_call = ""  # the API's id for this turn's latest model call, once its reply began
         self.settles: list[Rider] = []  # the model calls' rate-limit settles not sent yet (settle_later)
         # The call reserved with the lease and what the budget answered, until a call takes it.
         self.prereserved: (
             tuple[ratelimit.ReserveRequest, ratelimit.Reservation | ratelimit.Wait | ratelimit.Unlimited] | None
         ) = None
 
-    def run(self, header: dict[bytes, bytes], loaded: list[Any], watched: bool = False) -> str:
-        """The turn, given the run's header and window (``store.window``) as read with the lease."""
+    def run(
+        self, header: dict[bytes, bytes], loaded: list[Any], watched: bool = False, noted: bytes | None = None
+    ) -> str:
+        """The turn, given the run's header and window (``store.window``) as read with the lease, and the
+        note of the run's last billed call (``spend.note_call``)."""
         state = window.decode(self.run_id, header, loaded, start=self.window_from)
         remember_queue(self.run_id, state.queue)  # its next turn, or this one deferred, goes back there
         self.ancestors = state.ancestors
         self.watched = watched
+        if lost := spend.lost_call(noted, state.last_call):
+            self.count_lost_call(*lost)
         if state.concurrency_key:
             slot = concurrency.acquire(self.r, state.concurrency_key, self.run_id, state.max_concurrency, self.token)
             if not slot.granted:
@@ -358,7 +373,7 @@ class Turn:
             return self.stop(_context_full(agent, str(exc)))
         except ModelRejected as exc:
             if exc.spent:  # refused midway through its stream, after message_start: billed all the same
-                self.count_unused_call(agent, exc.spent, "rejected")
+                self.count_unused_call(agent.model, exc.spent, "rejected")
             return self.end("failed", f"the model API rejected the request: {exc}")
         else:
             fault("after_model_reply", self.run_id, self.turn)
@@ -425,23 +440,45 @@ class Turn:
     def count_cut_stream(self, agent: Agent, exc: ModelUnavailable) -> None:
         """A stream cut midway was billed for the tokens it reported: count them (its output is dropped)."""
         if exc.spent:
-            self.count_unused_call(agent, exc.spent, exc.kind)
+            self.count_unused_call(agent.model, exc.spent, exc.kind)
             fault("after_partial_spend", self.run_id, self.turn)
 
-    def count_unused_call(self, agent: Agent, usage: dict[str, int], why: str) -> None:
-        """Count the tokens of a call whose output is not kept (a ``model_cut`` event says ``why``)."""
-        price = price_of(agent.model)
+    def count_unused_call(self, model: str, usage: dict[str, int], why: str, *, call_id: str = "") -> None:
+        """Count the tokens of a call whose output is not kept (a ``model_cut`` event says ``why``):
+        ``call_id`` (by default this turn's last call), which no takeover must count again."""
+        call_id = call_id or self.noted_call
+        price = price_of(model)
         cost = price.cost(usage) if price else 0.0
         spend.count_spend(
             self.r,
             self.keys,
             self.token,
-            spend_id=uuid.uuid4().hex,
+            spend_id=f"call:{call_id}" if call_id else uuid.uuid4().hex,
             usage=usage,
             cost_usd=cost,
             ancestors=self.ancestors,
             event=Event.of(self.run_id, "model_cut", turn=self.turn, error_type=why, cost_usd=round(cost, 8), **usage),
         )
+        if call_id:
+            spend.forget_call(self.r, self.keys, call_id)
+
+    def count_lost_call(self, call_id: str, model: str, usage: dict[str, int]) -> None:
+        """An earlier attempt's worker died during a call it had noted as billed (or after its reply,
+        before save point A): counted once (its id is the spend id), as far as the note says."""
+        log.warning("%s: counting call %s, billed to a worker that died before saving it", self.where, call_id)
+        self.count_unused_call(model, usage, "worker_lost", call_id=call_id)
+
+    def note_call(self, agent: Agent) -> Callable[[str, dict[str, int]], None]:
+        """What a model call of this turn tells once its reply begins: the note a takeover counts."""
+
+        def noted(call_id: str, usage: dict[str, int]) -> None:
+            self.noted_call = call_id
+            try:
+                spend.note_call(self.r, self.keys, call_id=call_id, model=agent.model, usage=usage)
+            except RedisError as exc:  # the call goes on; only a crash before its save would go uncounted
+                log.warning("%s: could not note call %s as billed: %s", self.where, call_id, exc)
+
+        return noted
 
     def handle_reply(self, agent: Agent, state: RunState, reply: ModelReply, seconds: float) -> str:
         tool_uses = [b for b in reply.message["content"] if b.get("type") == "tool_use"]
@@ -529,6 +566,10 @@ class Turn:
         try:
             with tracing.span("agentpool.save_point A", **{"agentpool.run.id": self.run_id, "agentpool.status": final}):
                 commit(final)
+        except (LeaseLost, RunNotActive, TurnMoved):
+            # Refused, with the call counted all the same (it was paid for): no takeover counts it again.
+            spend.forget_call(self.r, self.keys, str(reply.meta.get("id") or ""))
+            raise
         except MessagesWaiting:
             # Messages were sent while the model answered: the run answers them before it completes
             # (this turn's save point B delivers them; save point A wrote nothing).
