@@ -304,3 +304,18 @@ def test_a_warm_stop_does_not_wait_a_minute_for_the_command_channel(r, kind):
     stopping.start()
     stopping.join(timeout=20)
     assert not stopping.is_alive(), "the worker's stop waited for its command channel's minute"
+
+
+def test_a_turn_past_the_workers_turn_timeout_stops_its_run_once_instead_of_retrying_it(r, pool, model):
+    """AGENTPOOL_TURN_TIMEOUT is the forking worker's hard limit on a runaway turn, and the worker's own
+    setting holds (this test process, which enqueues, has the default hour). The turn is cut once and its
+    run stops, resumable, with the reason: retried as a crash it would run as long again, 25 times."""
+    model.set_scripts({"slow": [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 30}}]}, {"text": "ok"}]})
+    pool.start(1, AGENTPOOL_TURN_TIMEOUT="3")
+    run_id = enqueue_run("pool_agents:support", script_task("slow"), connection=r)
+    wait_for_status(r, run_id, "stopped", timeout=60)
+    run = get_run(run_id, connection=r)
+    assert "ran past AGENTPOOL_TURN_TIMEOUT (3 s)" in run.error and "resume" in run.error, run.error
+    time.sleep(2)  # a reaper pass or two: nothing takes the turn up again
+    assert [e["tool"] for e in pool.effects()] == ["slow_read"], "the cut turn was not retried"
+    assert r.zcard(turn_queue(r).failed_job_registry.key) == 0, "a stop, not a failed job"

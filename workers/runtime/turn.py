@@ -35,6 +35,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 from rq import get_current_job
 from rq.job import Job
+from rq.timeouts import JobTimeoutException
 
 from agentpool.agent import Agent
 from agentpool.pricing import price_of
@@ -206,6 +207,14 @@ def run_turn(run_id: str, turn: int) -> str:
                 pool_webhook=settings.pool_webhook,
             )
             return "failed"
+        except JobTimeoutException:
+            # AGENTPOOL_TURN_TIMEOUT (the forking worker's hard limit on a runaway turn) cut it where it
+            # stood: retried as a crash, it would run as long again, up to MAX_TURN_ATTEMPTS times. The
+            # run stops instead, resumable; a resume settles what the cut turn left pending as a
+            # takeover would.
+            reason = f"turn {turn} ran past AGENTPOOL_TURN_TIMEOUT ({settings.turn_timeout:g} s)"
+            log.error("run %s: %s; stopped", run_id, reason)
+            return work.end("stopped", f"{reason}; resume it to go on from its checkpoint")
         except BaseException:
             # A bug, a lost Redis, a shutdown: give the turn back; the reaper re-enqueues it shortly.
             release(r, keys, token, recheck_in_ms=CRASH_RECHECK_MS)

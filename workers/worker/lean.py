@@ -60,6 +60,7 @@ from rq.worker import WorkerStatus
 
 from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import ended_by_turn, keep_queues_registered, note_execution, turn_of_job_id
+from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import is_turn_job
 from agentpool.store.staged_job import EndedJob
 
@@ -99,6 +100,7 @@ class LeanTurnJobs:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("worker_ttl", WORKER_TTL)
         super().__init__(*args, **kwargs)
+        self.turn_timeout = int(Settings.from_env().turn_timeout)
 
     # -- the worker's own records ----------------------------------------------------------------
 
@@ -281,6 +283,9 @@ class LeanTurnJobs:
             raise
         if turn is not None and is_turn_job(job):
             job._agentpool_claimed = execution_id  # type: ignore[attr-defined]
+            # This worker's AGENTPOOL_TURN_TIMEOUT, not the one of whoever enqueued the turn (an app's,
+            # unset, for a run's first turn): a forking worker's horse is held to it (RQ's death penalty).
+            job.timeout = self.turn_timeout
             fault("after_claim_killed", *turn)
         elif lean:  # not a turn job after all: RQ's whole bookkeeping, under an execution of its own
             self.connection.zrem(queue.started_job_registry.key, member)
