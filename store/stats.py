@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from agentpool.store.keys import STATS, stats_flush_key
@@ -152,3 +152,20 @@ def count(counters: Mapping[str, float]) -> None:
     write itself added them)."""
     if _tally is not None and counters:
         _tally.add(counters)
+
+
+_handing: Callable[[], None] | None = None
+
+
+def hand_over_to(send: Callable[[], None] | None) -> None:
+    """In a forked work horse: how to hand what it counted so far to its worker (``hand_over``). A
+    horse killed mid-turn then loses what it counted since its last milestone, not its whole turn."""
+    global _handing
+    _handing = send
+
+
+def hand_over() -> None:
+    """A turn's milestone (its lease taken, save point A, a tool about to run): a forked work horse hands
+    its counters to its worker now; anywhere else, nothing."""
+    if _handing is not None:
+        _handing()

@@ -17,6 +17,7 @@ import pytest
 from agentpool import enqueue_run, get_run, wait_for_run
 from agentpool.runtime.jobs import turn_queue
 from agentpool.store.events import read as read_events
+from agentpool.testing import settled_stats
 from agentpool.testing.localpool import horses_of
 
 from conftest import assert_valid_conversation, script_task
@@ -264,3 +265,24 @@ def test_a_reply_that_ends_the_run_is_decided_in_save_point_a_itself(stop_reason
     closing = run.messages[-1]["content"][0]
     assert closing["type"] == "tool_result" and closing.get("is_error") and "Not executed" in closing["content"]
     assert not [e for e in pool.effects() if e.get("run") == run_id], "no tool of the failed reply ran"
+
+
+def test_a_work_horse_killed_mid_turn_loses_none_of_the_metrics_its_turn_had_counted(r, pool, model):
+    """A horse hands its counters to its worker at each milestone of its turn (its lease, save point A, a
+    tool about to run), not only as it ends: the OOM killer taking it inside a tool loses nothing already
+    counted. Each turn here is killed once, inside its tool, after its model call was saved."""
+    model.set_scripts({"crash": CRASH_SCRIPT})
+    pool.start(1, AGENTPOOL_FAULTS="in_tool")
+    run_id = enqueue_run("pool_agents:support", script_task("crash"), connection=r)
+    run = wait_for_run(run_id, timeout=120, connection=r)
+    assert run.status == "completed", (run.error, pool.logs())
+    assert kills_at(pool, "in_tool", run_id) >= 4
+    pool.stop(signal.SIGTERM)  # a warm stop flushes what the worker holds
+
+    counted = settled_stats(r)
+    kinds = Counter(e["kind"] for _, e in read_events(r, run_id))
+    assert counted.get("turns") == kinds["turn_started"], (counted, kinds)
+    assert sum(v for k, v in counted.items() if k.startswith("tool_calls|")) == kinds["tool_started"]
+    for name, used in run.usage.items():
+        assert counted.get(f"tokens|kind={name}", 0) == used, (name, counted)
+    assert counted.get("cost_usd") == pytest.approx(run.cost_usd)

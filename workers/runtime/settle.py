@@ -26,7 +26,7 @@ from agentpool.runtime.reconcile import Action, idempotency_key, plan, running_u
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.subagents import Delegation, waiting_event, wake_parent_of
 from agentpool.runtime.toolcall import Ownership, bounded, result_text, run_tool, run_verify
-from agentpool.store import approvals, checkpoint, children, ledger
+from agentpool.store import approvals, checkpoint, children, ledger, stats
 from agentpool.store.clock import now_ms
 from agentpool.store.codec import pack
 from agentpool.store.durability import NotReplicated, Proof, wait_durable
@@ -390,6 +390,7 @@ class Settlement:
         timeout = self.timeout_of(tool, agent)
         if call["id"] not in self.started:  # a read started by save point A has its intent already
             self.write_intent(tool, call, attempt, timeout)
+        stats.hand_over()  # its tool_started counted before the tool can kill the horse
         fault("before_tool", self.run_id, self.turn, tool=call["name"])
         ownership = Ownership(self.r, self.keys, self.token)
         outcome = run_tool(

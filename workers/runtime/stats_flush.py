@@ -10,7 +10,8 @@ The same thread sends the rate-limit settles that may wait (``agentpool.store.ra
 one script call a second for all of them.
 
 A forking worker's work horses are forked for one turn each and never run this thread: a horse hands
-what it counted, and its settles, to its worker through a pipe as it ends (``agentpool.worker.forking``).
+what it counted to its worker through a pipe at each milestone of its turn (``stats.hand_over``), and
+its settles as it ends (``agentpool.worker.forking``).
 """
 
 from __future__ import annotations

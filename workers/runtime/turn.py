@@ -61,7 +61,7 @@ from agentpool.runtime.settings import Settings, connect
 from agentpool.runtime.settle import EarlierAttemptMayRun, Settlement
 from agentpool.runtime.stream import LiveOutput
 from agentpool.runtime.subagents import late_answer, wake_parent_of
-from agentpool.store import checkpoint, concurrency, handback, live, ratelimit, spend, window
+from agentpool.store import checkpoint, concurrency, handback, live, ratelimit, spend, stats, window
 from agentpool.store.clock import now_ms
 from agentpool.store.crypto import EncryptionKeyMissing, KeyNotHeld
 from agentpool.store.durability import NotReplicated
@@ -168,6 +168,7 @@ def run_turn(run_id: str, turn: int) -> str:
         log.info("run %s turn %s: %s (%s); nothing to do", run_id, turn, got.code.name.lower(), got.detail)
         return got.code.name.lower()
     token = got.token
+    stats.hand_over()  # the turn's start is counted: a milestone
     work = Turn(r, keys, token, turn, settings, window_from=window_from, job=job)
     if reserving is not None and got.reserved is not None:
         work.prereserved = (reserving, got.reserved)
@@ -590,6 +591,7 @@ class Turn:
         if final:
             return final
         tracing.tools_phase()  # the model call and save point A exported before a tool can kill the horse
+        stats.hand_over()  # and counted
         # A child started now gets what is left after this very call (save point A counted it).
         self.tools.state = replace(
             state,

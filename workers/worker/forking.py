@@ -14,8 +14,9 @@
   worker (``agentpool.runtime.loader``), and new code arrives when the worker restarts.
 - The durability guard is decided here too, before each fork (at most every 10 s), and inherited.
 - Pool-wide counters are added up in this process and flushed about once a second
-  (``agentpool.runtime.stats_flush``); a horse hands what its turn counted to its worker through a pipe
-  as it ends (a horse killed outright loses its turn's counts), with the rate-limit settles that may
+  (``agentpool.runtime.stats_flush``); a horse hands what its turn counted to its worker through a pipe,
+  at each milestone of its turn (its lease, save point A, a tool about to run) and as it ends (a horse
+  killed mid-turn loses what it counted since its last milestone), with the rate-limit settles that may
   wait (``agentpool.store.ratelimit.DeferredSettles``), with what it learnt of "nobody watches
   any run" (``agentpool.store.live``) and of models found unlimited (``agentpool.store.ratelimit``), so
   that the next horse need not look again for a second.
@@ -73,6 +74,11 @@ def _end_mcp_calls(horse: int, grace: float) -> None:
     hub = existing_hub()
     if hub is not None:
         hub.end_calls_of(horse, grace)
+
+
+# What a horse's milestones may write to its counts pipe (a line each, a few hundred bytes): with its
+# last line, well within the pipe's buffer, which its worker reads only once the horse has ended.
+MILESTONE_BYTES = 16 * 1024
 
 
 class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
@@ -238,6 +244,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         # SIGALRM raised anywhere): its horse hands no connection on (agentpool.worker.handdown).
         handed_on = self._hand_down.give_back_from_horse() if self._hand_down and succeeded else None
         done, seconds = self.take_job_counts()
+        stats.hand_over_to(None)
         counted = {
             "stats": stats.accumulate().take(),
             "jobs": [done, seconds],
@@ -247,13 +254,32 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
             "connection": handed_on,
         }
         try:
-            # A few dozen counters: far below a pipe's buffer, so the write never waits for the worker.
-            os.write(self._counts_pipe[1], json.dumps(counted).encode())
+            # A few dozen counters, after at most MILESTONE_BYTES of the turn's milestones: far below a
+            # pipe's buffer, so the write never waits for the worker (which reads once the horse ends).
+            os.write(self._counts_pipe[1], json.dumps(counted).encode() + b"\n")
         except OSError as exc:
             log.warning("work horse: could not hand its counters to its worker: %s", exc)
 
+    def _hand_over_so_far(self) -> None:
+        """In the horse, at a turn's milestone (``stats.hand_over``): what it counted since the last one
+        goes to its worker now, one line a milestone (under PIPE_BUF: written whole or not at all), so a
+        horse killed mid-turn loses only what it counted since. Past MILESTONE_BYTES a turn's counts
+        wait for its end."""
+        if self._counts_pipe is None or self._milestone_bytes >= MILESTONE_BYTES:
+            return
+        counted = stats.accumulate().take()
+        if not counted:
+            return
+        line = json.dumps({"stats": counted}).encode() + b"\n"
+        try:
+            os.write(self._counts_pipe[1], line)
+            self._milestone_bytes += len(line)
+        except OSError:
+            stats.count(counted)  # kept: the next milestone, or the end, hands it over
+
     def _take_horse_counts(self) -> None:
-        """The ended horse's counters into this process's tally (nothing if it was killed first)."""
+        """The ended horse's counters into this process's tally (of a horse killed mid-turn: what it handed
+        over at the turn's milestones)."""
         if self._counts_pipe is None:
             return
         reader, self._counts_pipe = self._counts_pipe[0], None
@@ -262,9 +288,17 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         try:
             while chunk := os.read(reader, 1 << 16):
                 chunks.append(chunk)
-            if chunks:
-                counted = json.loads(b"".join(chunks))
-                stats.count(counted["stats"])
+            # A line per milestone of the turn, then the horse's last line as it ended; a horse killed
+            # mid-turn wrote only the first (and perhaps part of a line, which is left).
+            for line in b"".join(chunks).split(b"\n"):
+                try:
+                    record = json.loads(line) if line else None
+                except ValueError:
+                    continue
+                if isinstance(record, dict):
+                    stats.count(record.get("stats") or {})
+                    counted = record if "jobs" in record else counted
+            if counted:
                 self.count_jobs(*counted["jobs"])
                 # The next horse skips the looks it need not make (agentpool.store.hints).
                 live.nobody_watched.adopt(counted.get("watch") or {})
@@ -294,6 +328,8 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         self.take_job_counts()  # the worker's own, not yet sent with its heartbeat: not the horse's to send
         if self._counts_pipe is not None:
             os.close(self._counts_pipe[0])
+        self._milestone_bytes = 0
+        stats.hand_over_to(self._hand_over_so_far)
         super().setup_work_horse_signals()
         # A horse whose worker was SIGKILLed would run on unwatched (nobody ends its process group or
         # reports its job): it is killed instead, and its turn is taken over once its lease expires.
