@@ -424,3 +424,19 @@ def test_nan_infinity_and_bools_are_refused_on_every_way_a_limit_is_set(r, pool,
     # A NaN an older version let into the record is replaced by the next resume, not added to.
     r.hset(RunKeys.of(run_id).run, "limits", pack({**stopped.limits, "extra_usd": math.nan}))
     assert resume(run_id, add_usd=1.0, connection=r).limits["extra_usd"] == 1.0
+
+
+def test_a_call_whose_input_can_never_run_is_refused_without_asking_anyone(r, pool, model):
+    """Nobody is asked to approve what cannot run: input that fails the tool's schema is answered with its
+    validation error at once, and the run never waits for a person."""
+    model.set_scripts({"bad": [{"tool_calls": [{"name": "deploy", "input": {"version": 7}}]}, {"text": "fixed"}]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:guarded", script_task("bad"), connection=r)
+    done = wait_for_run(run_id, timeout=60, connection=r)
+    assert done.status == "completed", done.error
+    result = _tool_result(done, "deploy")
+    assert result["is_error"] and "version" in result["content"], result
+    statuses = [e.get("status") for _, e in read_events(r, run_id) if e["kind"] == "status"]
+    assert "waiting_approval" not in statuses, statuses
+    assert not r.exists(RunKeys.of(run_id).approvals), "no request for a decision was written"
+    assert "deploy" not in [e["tool"] for e in pool.effects()]

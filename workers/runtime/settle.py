@@ -298,14 +298,20 @@ class Settlement:
         tool = agent.tool_named(call["name"])
         # Only a call that would now start needs one: not a recorded outcome, not an unsafe call in
         # doubt (that one is never started again), not a call already refused for another reason.
-        return bool(
+        if not (
             tool
             and tool.requires_approval
             and entry.outcome is None
             and entry.intent is None
             and "not_run" not in call
             and call["id"] not in decisions
-        )
+        ):
+            return False
+        try:
+            tool.validate(call["input"])
+        except ToolInputError:
+            return False  # refused for its input (settle_one says why): nobody is asked about what cannot run
+        return True
 
     def wait_for_approval(self, agent: Agent, calls: list[dict[str, Any]]) -> None:
         """Before any intent is written: record what a person must decide, and release the run.
