@@ -422,6 +422,10 @@ def test_approve_in_the_page_lets_a_paused_run_finish(r, pool, model, board, pag
     assert [call["name"] for call in paused.pending] == ["wire_money"]
     assert not any(e["tool"] == "wire_money" for e in pool.effects()), "nothing runs before the decision"
 
+    status, refused = board.request("POST", f"/api/runs/{run_id}/approve", {})  # says neither yes nor no
+    assert status == 400 and "approved (bool, required)" in refused["error"], refused
+    assert get_run(run_id, connection=r).status == "waiting_approval", "a body that does not say decides nothing"
+
     page.goto(f"{board.base}/runs/{run_id}")
     expect(page.locator("#run-status")).to_have_text("waiting_approval")
     expect(page.locator(".approval")).to_contain_text('"amount_cents": 1250')

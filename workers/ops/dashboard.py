@@ -13,7 +13,7 @@ below, which read Redis through ``agentpool.client`` and ``store``::
     GET  /api/runs/<id>/timeline          the run's turns (model, tools, waits, takeovers, compactions, tokens,
                                           cost) from its recorded events
     POST /api/runs/<id>/cancel            {}
-    POST /api/runs/<id>/approve           {"tool_use_id": str|null, "approved": bool, "reason": str|null}
+    POST /api/runs/<id>/approve           {"approved": bool (required), "tool_use_id": str|null, "reason": str|null}
     POST /api/runs/<id>/resume            {"add_turns": int, "add_tokens": int, "add_usd": float}
     POST /api/runs/<id>/message           {"text": str, "message_id": str|null} -> {"ok", "message_id"}
     POST /api/runs/<id>/fork              {"at_turn": int|null, "fork_id": str|null} -> {"ok", "run_id"}
@@ -292,14 +292,16 @@ def act(r: Redis | Shards, run_id: str, action: str, body: dict[str, Any]) -> di
         before = client.cancel_run(run_id, connection=r, reason="cancelled from the dashboard")
         return {"ok": True, "before": before}
     if action == "approve":
-        tool_use_id, reason, approved = body.get("tool_use_id"), body.get("reason"), body.get("approved", True)
+        # `approved` has no default: a body that does not say is refused, never taken for a yes.
+        tool_use_id, reason, approved = body.get("tool_use_id"), body.get("reason"), body.get("approved")
         if (
             not isinstance(approved, bool)
             or not isinstance(tool_use_id, (str, type(None)))
             or not isinstance(reason, (str, type(None)))
         ):
             raise HttpError(
-                HTTPStatus.BAD_REQUEST, "approve takes tool_use_id (string), approved (bool), reason (string)"
+                HTTPStatus.BAD_REQUEST,
+                "approve takes approved (bool, required), tool_use_id (string) and reason (string)",
             )
         result = client.approve(run_id, tool_use_id, approved=approved, reason=reason or None, connection=r)
         return {"ok": True, "result": result}

@@ -415,9 +415,11 @@ function waitingCallout(waiting, now) {
 function actionsPanel(run, post) {
   const out = [];
   if (run.status === "waiting_approval") {
-    const calls = run.pending && run.pending.length ? run.pending : [{ id: null, name: "(all pending tool calls)", input: null }];
+    // Only the calls shown are decided, each by its id: a decision is never sent for calls nobody saw.
+    const calls = run.pending || [];
     out.push(h("div", { class: "approval" },
       h("h2", {}, "Waiting for approval"),
+      calls.length ? null : h("p", { class: "muted" }, "Its calls are being decided; the page shows them on its next refresh."),
       calls.map((call) => {
         const reason = h("input", { type: "text", class: "reason", placeholder: "reason (optional)", "aria-label": "reason" });
         const decide = (approved) => post("approve", { tool_use_id: call.id, approved, reason: reason.value || null },
