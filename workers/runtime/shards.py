@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from redis import Redis
@@ -238,13 +239,33 @@ def each_answering(connection: Any, read: Callable[[Redis], T]) -> tuple[list[tu
         return [(None, read(client_for(connection)))], []
     answers: list[tuple[int | None, T]] = []
     silent: list[str] = []
-    for shard, client in enumerate(shards.clients):
-        try:
-            answers.append((shard, read(client)))
-        except (ConnectionError, TimeoutError) as exc:
-            cause = exc.__cause__ or exc  # the API's RedisUnreachable names the server: the shard's name does
+    for shard, outcome in enumerate(on_every_shard(shards.clients, read)):
+        if isinstance(outcome, (ConnectionError, TimeoutError)):
+            cause = outcome.__cause__ or outcome  # the API's RedisUnreachable names the server: the shard's name does
             silent.append(f"{shards.name(shard)}: {str(cause).strip() or type(cause).__name__}")
+        elif isinstance(outcome, BaseException):
+            raise outcome
+        else:
+            answers.append((shard, outcome))
     return answers, silent
+
+
+def on_every_shard(clients: list[Redis], read: Callable[[Redis], T]) -> list[T | Exception]:
+    """``read`` of each client, all at once (a thread each): the answer, or the exception it raised, in
+    the clients' order. A shard that does not answer costs its socket timeout (and retries) once, not
+    once per shard before it, so a view of the pool (a metrics scrape, within Prometheus's timeout)
+    takes as long as its slowest shard, not their sum."""
+    if len(clients) == 1:
+        return [_outcome(read, clients[0])]
+    with ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="agentpool-shard") as pool:
+        return list(pool.map(functools.partial(_outcome, read), clients))
+
+
+def _outcome(read: Callable[[Redis], T], client: Redis) -> T | Exception:
+    try:
+        return read(client)
+    except Exception as exc:  # noqa: BLE001 - returned: the caller tells a silent shard from a bug
+        return exc
 
 
 def each(connection: Any) -> list[tuple[int | None, Redis]]:
