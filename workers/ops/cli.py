@@ -954,7 +954,7 @@ def check(url: str | None, strict: bool, shard_picks: tuple[str, ...]) -> None:
     from agentpool.runtime.redis_checks import hazards
 
     picked = _shards_served(url, shard_picks)[0] if shard_picks else None
-    pool = pool_client(url, socket_timeout=2)
+    pool = pool_client(url, socket_timeout=2, retries=0)  # a probe answers within 2 s; its caller retries
     found: list[str] = []
     unreachable = 0
     for shard, client in each(pool):
