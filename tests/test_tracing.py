@@ -247,3 +247,29 @@ def test_a_service_name_given_in_otel_resource_attributes_is_kept(r, pool, model
     spans = _wait_for_spans(spans_file, lambda got: any(s["name"] == "turn 0" for s in got), "turn 0")
     assert {s["resource"]["service.name"] for s in spans} == {"billing-agents"}
     assert {s["resource"]["deployment.environment.name"] for s in spans} == {"staging"}
+
+
+def test_a_sub_agents_run_is_traced_in_its_parents_trace(r, pool, model, tmp_path):
+    """A child run's spans are in the trace of the parent that started it, under the parent's turn."""
+    model.set_scripts(
+        {
+            "lead": [
+                {"tool_calls": [{"name": "researcher", "input": {"task": "Look [script:research]"}}]},
+                {"text": "ok"},
+            ],
+            "research": [{"text": "found"}],
+        }
+    )
+    spans_file = tmp_path / "spans.jsonl"
+    pool.start(2, OTEL_TRACES_EXPORTER="agentpool_jsonl", AGENTPOOL_TEST_SPANS=str(spans_file))
+    run_id = enqueue_run("subagent_agents:orchestrator", script_task("lead"), connection=r)
+    done = wait_for_run(run_id, timeout=120, connection=r)
+    assert done.status == "completed", done.error
+    (child,) = done.children
+    spans = read_spans(str(spans_file))
+    runs = {s["attributes"].get("agentpool.run.id"): s for s in spans if s["name"].startswith("invoke_agent")}
+    assert {run_id, child} <= set(runs), sorted(s["name"] for s in spans)
+    assert runs[child]["trace_id"] == runs[run_id]["trace_id"], "one trace for the tree"
+    by_id = {s["span_id"]: s for s in spans}
+    parent_span = by_id.get(runs[child]["parent_id"])
+    assert parent_span is not None and parent_span["attributes"].get("agentpool.run.id", run_id) == run_id

@@ -18,6 +18,7 @@ from redis import Redis
 from redis.client import Pipeline
 
 from agentpool.agent import Agent
+from agentpool.runtime import tracing
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.takeover import read_header, stage_restart
@@ -75,6 +76,9 @@ class Delegation:
             "ancestors": " ".join([self.keys.run_id, *self.state.ancestors]),
             "queue": queue,
         }
+        traced_from = tracing.current_parent()  # the parent's turn: the child's run is a span of its trace
+        if traced_from:
+            fields[tracing.PARENT_FIELD] = traced_from
         if sub.concurrency_key:  # its own key, limited by max_concurrency or an operator's setting
             fields["ckey"] = sub.concurrency_key
             fields.update({"cmax": sub.max_concurrency} if sub.max_concurrency else {})
