@@ -273,3 +273,31 @@ def test_a_sub_agents_run_is_traced_in_its_parents_trace(r, pool, model, tmp_pat
     by_id = {s["span_id"]: s for s in spans}
     parent_span = by_id.get(runs[child]["parent_id"])
     assert parent_span is not None and parent_span["attributes"].get("agentpool.run.id", run_id) == run_id
+
+
+def test_a_tool_span_exported_before_its_horse_is_killed_still_has_its_parent(r, pool, model, tmp_path):
+    """The batch processor exports finished spans on its own schedule (100 ms here): a read tool's span is
+    out while the next tool still runs, and the horse is then killed in that tool. The tool's span has a
+    parent that was exported before it (the turn's span, out since save point A)."""
+    calls = [{"name": "read_notes", "input": {"topic": "a"}}, {"name": "slow_read", "input": {"seconds": 1}}]
+    model.set_scripts({"two": [{"tool_calls": calls}, {"text": "done"}]})
+    arms = tmp_path / "arms"
+    arms.mkdir()
+    run_id = "r_orphan_spans_1"
+    (arms / f"in_tool-{run_id}").write_text("slow_read")
+    spans_file = tmp_path / "spans.jsonl"
+    pool.start(
+        2,
+        OTEL_TRACES_EXPORTER="agentpool_jsonl",
+        AGENTPOOL_TEST_SPANS=str(spans_file),
+        OTEL_BSP_SCHEDULE_DELAY="100",
+        AGENTPOOL_FAULT_ARMS=str(arms),
+    )
+    enqueue_run("pool_agents:support", script_task("two"), run_id=run_id, connection=r)
+    assert wait_for_run(run_id, timeout=120, connection=r).status == "completed"
+    assert list(arms.glob("fired-*")), "the horse was killed in slow_read"
+    spans = read_spans(str(spans_file))
+    ids = {s["span_id"] for s in spans}
+    reads = [s for s in spans if s["name"] == "execute_tool read_notes"]
+    assert len(reads) >= 1 and all(s["parent_id"] in ids for s in reads), "a tool span exported without its parent"
+    assert all(s["parent_id"] in ids for s in spans if s["parent_id"]), "no exported span lacks its parent"

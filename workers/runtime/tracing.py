@@ -216,9 +216,9 @@ def run_context(r: Redis, keys: RunKeys, header: dict[bytes, bytes], agent: str)
 
 
 class _TurnTrace:
-    """The open span of a turn, current while it runs. ``tools_phase`` ends it at save point A and opens
-    ``turn <n> tools`` beside it (both children of the run's span): a horse killed in a tool then loses
-    only the span of its tool phase, never the exported model call's parent."""
+    """The open span of a turn, current while it runs. ``tools_phase`` ends it at save point A (it is
+    exported then) and opens ``turn <n> tools`` beside it (both children of the run's span): a horse
+    killed in a tool then loses only the span of its tool phase, and every span exported has its parent."""
 
     def __init__(self, t: Any, parent: Any, turn: int, attributes: dict[str, Any]) -> None:
         self.t, self.parent, self.turn, self.attributes = t, parent, turn, attributes
@@ -239,8 +239,16 @@ class _TurnTrace:
         self.span.end()
 
     def tools_phase(self) -> None:
+        """The tool phase's spans are made children of the turn's span, ended and exported by now, not
+        of ``turn <n> tools`` (which times the phase beside it): the batch processor exports a finished
+        tool's span on its own schedule, and a horse killed later in the phase would leave it exported
+        without its parent."""
+        from opentelemetry import context, trace
+
         self.close()
-        self._open(f"turn {self.turn} tools")
+        done = self.span
+        self.span = self.t.start_span(f"turn {self.turn} tools", context=self.parent, attributes=self.attributes)
+        self._token = context.attach(trace.set_span_in_context(done))
 
 
 _current_turn: contextvars.ContextVar[_TurnTrace | None] = contextvars.ContextVar("agentpool_turn", default=None)
