@@ -137,6 +137,7 @@ def test_every_end_status_is_posted_signed_with_the_runs_summary(r: Redis, pool,
     )
     hook.wait_for(lambda got: len(got) >= 4, "four deliveries")
     wait_for_status(r, asks, "waiting_approval")
+    (waited,) = get_run(asks, connection=r).pending
     cancel_run(asks, connection=r)
     hook.wait_for(lambda got: len(got) >= 5, "the cancel's delivery")
 
@@ -156,6 +157,11 @@ def test_every_end_status_is_posted_signed_with_the_runs_summary(r: Redis, pool,
     assert done["agent"] == "pool_agents:support" and done["turns"] == run.turns == 1
     assert done["usage"] == run.usage and sum(done["usage"].values()) > 0
     assert done["cost_usd"] == pytest.approx(run.cost_usd) and done["error"] is None and done["parent"] is None
+    # A run waiting for a person names the calls it waits on, each decided by its id.
+    assert events[(asks, "run.waiting_approval")]["run"]["awaiting"] == [
+        {"tool_use_id": waited["id"], "tool": "deploy"}
+    ]
+    assert "awaiting" not in events[(asks, "run.ended")]["run"] and "awaiting" not in done
     assert "400" in events[(failed, "run.ended")]["run"]["error"]
     assert "max_turns" in events[(stopped, "run.ended")]["run"]["error"]
     # Each delivery's id is in its header and its body; nothing of the pool's secrets is in a body.

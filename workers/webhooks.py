@@ -168,6 +168,10 @@ def body_of(
     withheld = not with_result or text.startswith(RESULT_SEALED_PREFIX)
     truncated = len(text) > RESULT_CHARS or number("result_bytes") > len(result)
     event = summary.get("event", "ended")
+    run: dict[str, Any] = {}
+    if event == "waiting_approval":  # the calls it waits on, each decided by its id
+        calls = [entry.partition(" ") for entry in str(summary.get("awaiting") or "").split(",") if entry]
+        run["awaiting"] = [{"tool_use_id": call_id, "tool": tool} for call_id, _, tool in calls]
     return {
         "type": f"run.{event}",
         "delivery": delivery_id,
@@ -185,6 +189,7 @@ def body_of(
             "queue": summary.get("queue") or "default",
             "parent": summary.get("parent") or None,
             "created_at": number("created_at") / 1000,
+            **run,
         },
     }
 

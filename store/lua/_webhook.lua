@@ -28,12 +28,14 @@ local function record_webhook(w, header, run_id, status, now)
   -- Made here, not at the helper's top (see store/scripts.py).
   local WEBHOOK_FIELDS = {'agent', 'turns', 'error', 'queue', 'parent', 'created_at', 'cost_usd', 'tree_cost_usd',
     'input_tokens', 'output_tokens', 'cache_read_input_tokens', 'cache_creation_input_tokens',
-    'tree_input_tokens', 'tree_output_tokens', 'tree_cache_read_input_tokens', 'tree_cache_creation_input_tokens'}
+    'tree_input_tokens', 'tree_output_tokens', 'tree_cache_read_input_tokens', 'tree_cache_creation_input_tokens',
+    'awaiting'}
   local values = redis.call('HMGET', header, unpack(WEBHOOK_FIELDS))
   local summary = {event = event, status = status, at = tonumber(now), url = own[1] or '', maybe = maybe and 1 or 0}
   for i, name in ipairs(WEBHOOK_FIELDS) do
     if values[i] then summary[name] = values[i] end
   end
+  if event ~= 'waiting_approval' then summary.awaiting = nil end  -- left from an earlier wait
   local result = redis.call('HGET', header, 'result') or ''
   summary.result_bytes = #result
   local id = run_id .. '.' .. (summary.created_at or '0') .. '.' .. n

@@ -43,6 +43,22 @@ if parent_keys > 0 and ARGV[2] ~= 'waiting_approval' and ARGV[2] ~= 'waiting_chi
   end
 end
 remember(KEYS[1], ARGV[12], joined)
+if ARGV[2] == 'waiting_approval' then
+  -- The calls it now waits on ("<tool_use_id> <tool>", comma-separated), for its webhook: a receiver
+  -- decides each by its id, never "whatever waits" by the time its decision lands. A request is
+  -- `<id>:wait` in the approvals hash (KEYS[9]); a call decided (in an earlier wait) has `<id>` too.
+  local fields = redis.call('HGETALL', KEYS[9])
+  local decided, waiting = {}, {}
+  for i = 1, #fields, 2 do decided[fields[i]] = true end
+  for i = 1, #fields, 2 do
+    local id = string.match(fields[i], '^(.+):wait$')
+    if id and not decided[id] then
+      local ok, request = pcall(cmsgpack.unpack, fields[i + 1])
+      waiting[#waiting + 1] = id .. ' ' .. (ok and type(request) == 'table' and tostring(request.name) or '?')
+    end
+  end
+  redis.call('HSET', KEYS[1], 'awaiting', table.concat(waiting, ','))
+end
 record_webhook(webhook, KEYS[1], ARGV[5], ARGV[2], ARGV[4])
 record_event(KEYS[6], KEYS[5], 14)  -- before the retention's EXPIRE, which it must not outlive
 local ttl = tonumber(ARGV[9])
