@@ -155,12 +155,16 @@ def test_an_unanswered_approval_expires_and_the_run_goes_on(r, pool, model):
     pool.start(1)
     run_id = enqueue_run("pool_agents:guarded", script_task("wipe"), connection=r)
     wait_for_status(r, run_id, "waiting_approval")
+    (asked,) = get_run(run_id, connection=r).pending
     wait_for_status(r, run_id, "completed", timeout=90)  # nobody answers: the reaper denies it
     done = get_run(run_id, connection=r)
     result = _tool_result(done, "wipe_cache")
     assert done.status == "completed"
     assert result["is_error"] and "expired" in result["content"]
     assert "wipe_cache" not in [e["tool"] for e in pool.effects()]
+    # An approval that comes too late says what became of the call, not only that the run moved on.
+    with pytest.raises(ApprovalError, match=f"{asked['id']} was denied already, automatically: its approval expired"):
+        approve(run_id, asked["id"], connection=r)
 
 
 def test_a_token_budget_stops_the_run_between_turns_and_resume_continues_it(r, pool, model):

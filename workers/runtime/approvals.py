@@ -39,16 +39,18 @@ def decide(r: Redis, run_id: str, tool_use_ids: list[str] | None, *, approved: b
         if done is not None:
             pipe.unwatch()
             return done.split(","), None, False
-        if header.status != "waiting_approval":
-            raise ApprovalError(f"run {run_id} is {header.status}, not waiting for approval")
         waits, decisions = approvals.read(pipe, keys)  # type: ignore[arg-type]
+        if header.status != "waiting_approval":
+            raise ApprovalError(
+                f"run {run_id} is {header.status}, not waiting for approval{_decided(decisions, tool_use_ids)}"
+            )
         awaiting = [i for i in waits if i not in decisions]
         targets = awaiting if tool_use_ids is None else tool_use_ids
         unknown = [i for i in targets if i not in awaiting]
         if unknown or not targets:
             raise ApprovalError(
                 f"run {run_id} is not waiting for a decision on {', '.join(unknown) or 'anything'}; "
-                f"it waits on: {', '.join(awaiting) or 'nothing'}"
+                f"it waits on: {', '.join(awaiting) or 'nothing'}{_decided(decisions, unknown)}"
             )
         now = time.time()
         pipe.multi()
@@ -81,6 +83,18 @@ def decide(r: Redis, run_id: str, tool_use_ids: list[str] | None, *, approved: b
     if goes_on:
         emit(r, run_id, "status", status="running", reason="decisions taken")
     return targets
+
+
+def _decided(decisions: dict[str, approvals.Decision], tool_use_ids: list[str] | None) -> str:
+    """What became of calls a decision came too late for (the expiry denied one first, say)."""
+    said = []
+    for tool_use_id in tool_use_ids or []:
+        decision = decisions.get(tool_use_id)
+        if decision is not None:
+            verdict = "approved" if decision.approved else "denied"
+            who = "automatically: its approval expired" if decision.by == "expiry" else f"by {decision.by}"
+            said.append(f"{tool_use_id} was {verdict} already, {who}")
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def expire_due(r: Redis, run_id: str) -> list[str]:
