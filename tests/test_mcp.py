@@ -410,6 +410,70 @@ def test_an_http_server_that_went_down_gives_an_error_result_and_is_reached_agai
     assert [e["tool"] for e in _effects(tmp_path / "mcp-effects.jsonl")].count("refund") == 1
 
 
+def test_a_call_after_an_http_server_restarted_while_idle_runs_once_on_a_new_session(r, pool, model, mcp_env, tmp_path):
+    """The CRM is redeployed between two turns: the worker's session is unknown to the new process, which
+    answers 404 to the next call (the spec's "start a new session"). That request did nothing, so the
+    unsafe refund is made again, once, on a new session: it runs exactly once and the model gets its result."""
+    server = HttpServer(mcp_env, tmp_path).start()
+    model.set_scripts(
+        {
+            "redeploy": [
+                {"tool_calls": [{"name": "mcp__crm__refund", "input": {"customer": "acme", "amount_cents": 1}}]},
+                {"tool_calls": [{"name": "mcp__docs__held_search", "input": {"query": "a", "gate": "g1"}}]},
+                {"tool_calls": [{"name": "mcp__crm__refund", "input": {"customer": "acme", "amount_cents": 2}}]},
+                {"text": "Refunded."},
+            ]
+        }
+    )
+    try:
+        pool.start(1, **mcp_env, MCP_CRM_URL=server.url)
+        run_id = enqueue_run("mcp_agents:support", script_task("redeploy"), connection=r)
+        _wait_for(tmp_path / "mcp-effects.jsonl", "held_search_started")
+        server.stop()
+        server.start()
+        (tmp_path / "gates" / "g1").touch()
+        run = wait_for_run(run_id, timeout=180, connection=r)
+    finally:
+        server.stop()
+
+    assert run.status == "completed", (run.error, pool.logs())
+    assert_valid_conversation(run.messages)
+    refunds = [b for name, b in _results(run).items() if name.startswith("mcp__crm__refund")]
+    assert [b["content"] for b in refunds] == ["refunded 1", "refunded 2"], refunds
+    ran = [e for e in _effects(tmp_path / "mcp-effects.jsonl") if e["tool"] == "refund"]
+    assert [e["amount_cents"] for e in ran] == [1, 2], "each refund ran exactly once"
+    assert ran[0]["pid"] != ran[1]["pid"], "the second one on the restarted server"
+
+
+def test_a_call_after_a_stdio_server_exited_while_idle_goes_to_a_new_one(r, pool, model, mcp_env, tmp_path):
+    """The CRM's stdio process dies between two turns. Its process is gone before the next call is
+    written, so that call is sent to a new server process, not into the dead one's pipe (which would
+    leave the model with "whether refund took effect is unknown" for a refund that never ran)."""
+    model.set_scripts(
+        {
+            "died": [
+                {"tool_calls": [{"name": "mcp__crm__refund", "input": {"customer": "acme", "amount_cents": 1}}]},
+                {"tool_calls": [{"name": "mcp__docs__held_search", "input": {"query": "a", "gate": "g1"}}]},
+                {"tool_calls": [{"name": "mcp__crm__refund", "input": {"customer": "acme", "amount_cents": 2}}]},
+                {"text": "Refunded."},
+            ]
+        }
+    )
+    pool.start(1, **mcp_env)
+    run_id = enqueue_run("mcp_agents:support", script_task("died"), connection=r)
+    first = _wait_for(tmp_path / "mcp-effects.jsonl", "refund")
+    _wait_for(tmp_path / "mcp-effects.jsonl", "held_search_started")
+    os.kill(first["pid"], signal.SIGKILL)
+    (tmp_path / "gates" / "g1").touch()
+    run = wait_for_run(run_id, timeout=180, connection=r)
+
+    assert run.status == "completed", (run.error, pool.logs())
+    refunds = [b for name, b in _results(run).items() if name.startswith("mcp__crm__refund")]
+    assert [b["content"] for b in refunds] == ["refunded 1", "refunded 2"], refunds
+    ran = [e for e in _effects(tmp_path / "mcp-effects.jsonl") if e["tool"] == "refund"]
+    assert [e["amount_cents"] for e in ran] == [1, 2] and ran[0]["pid"] != ran[1]["pid"]
+
+
 def test_an_mcp_tool_can_require_a_persons_approval(r, pool, model, mcp_env, tmp_path):
     from agentpool import approve, get_run
 
@@ -516,6 +580,85 @@ def test_a_server_that_refused_a_moment_ago_is_tried_again_at_once_when_called(m
     finally:
         hub.close()
         server.stop()
+
+
+class SilentServer:
+    """An HTTP MCP server that hung: it accepts TCP connections and never answers. Counts the accepts,
+    which is how many times a worker tried to connect."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/mcp"
+        self.held: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.listener.accept()
+            except OSError:
+                return
+            self.held.append(connection)  # kept open, never read or answered
+
+    @property
+    def attempts(self) -> int:
+        return len(self.held)
+
+    def close(self) -> None:
+        self.listener.close()
+        for connection in self.held:
+            connection.close()
+
+
+def test_a_hung_server_is_not_waited_on_in_every_turn(r, pool, model, mcp_env, tmp_path):
+    """A server that accepts and never answers costs a connect attempt the whole connect timeout, and
+    every turn lists the agent's tools (in a forking worker, once more in the preload before each fork):
+    after an attempt that hung, the server is left untried for a while that doubles, so a run of sixteen
+    tool turns connects a few times (1 s, 2 s, 4 s... apart), not once a turn. Its tools are simply not offered meanwhile."""
+    silent = SilentServer()
+    # Each model call takes a moment, as a real one does: longer than the first pause after a hung attempt.
+    search = {"tool_calls": [{"name": "mcp__docs__search_docs", "input": {"query": "sla"}}], "delay": 0.6}
+    model.set_scripts({"hung": [search] * 16 + [{"text": "Done."}]})
+    try:
+        pool.start(1, AGENTPOOL_MCP_CONNECT_TIMEOUT="1", MCP_CRM_URL=silent.url, **mcp_env)
+        run_id = enqueue_run("mcp_agents:support", script_task("hung"), connection=r)
+        run = wait_for_run(run_id, timeout=120, connection=r)
+        attempts = silent.attempts
+    finally:
+        silent.close()
+
+    assert run.status == "completed", (run.error, pool.logs())
+    assert_valid_conversation(run.messages)
+    assert [b["content"] for b in _results(run).values()] == ["3 pages about sla: setup, billing, limits"] * 16
+    # Doubling pauses: about five attempts in the run's 15 s or so (eight even if it took twice as long);
+    # once a turn would be 17 or more.
+    assert 1 <= attempts <= 8, f"{attempts} connect attempts in 17 turns: the hung server was waited on each turn"
+
+
+def test_reprs_of_an_agent_and_its_server_configs_show_no_secret():
+    """Tokens ride in a stdio server's env, an HTTP server's headers, and its URL (credentials, query):
+    an agent or a server config printed in a log or a traceback shows none of them."""
+    secrets = ["env-token-1", "header-token-2", "url-password-3", "query-token-4"]
+    agent = Agent(
+        model="claude-sonnet-5-5",
+        mcp_servers={
+            "docs": {"command": "docs-mcp", "env": {"DOCS_TOKEN": secrets[0]}},
+            "crm": {
+                "type": "http",
+                "url": f"https://bot:{secrets[2]}@crm.internal:8443/mcp?key={secrets[3]}",
+                "headers": {"Authorization": f"Bearer {secrets[1]}"},
+            },
+        },
+    )
+    shown = [repr(agent), repr(agent.mcp_configs), str(agent.mcp_configs["crm"]), str(agent.mcp_configs["docs"])]
+    for text in shown:
+        assert not [secret for secret in secrets if secret in text], text
+    assert "DOCS_TOKEN" in shown[0] and "Authorization" in shown[0] and "crm.internal:8443/mcp" in shown[0]
+    assert "DOCS_TOKEN" in shown[3] and "https://***@crm.internal:8443/mcp?***" in shown[2]
+    assert agent.mcp_servers["crm"]["headers"]["Authorization"] == f"Bearer {secrets[1]}", "only the repr hides them"
 
 
 def _stdio(kind: str, env: dict[str, str]) -> dict:

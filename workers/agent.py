@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentpool.checks import limit_value, optional_limit
-from agentpool.mcp_tools import PREFIX, McpTool, ServerConfig, parse_servers, require_mcp
+from agentpool.mcp_tools import PREFIX, McpTool, ServerConfig, ServerSpecs, parse_servers, require_mcp
 from agentpool.store.keys import check_concurrency_key, check_queue
 from agentpool.tools import Tool
 
@@ -212,6 +212,7 @@ class Agent:
         if self.mcp_servers:
             require_mcp()
             self.mcp_configs = parse_servers(self.mcp_servers, self.mcp_effects, self.mcp_requires_approval)
+            self.mcp_servers = ServerSpecs(self.mcp_servers)  # the same dict, with a repr that hides its tokens
             clash = [t.name for t in self.tools if t.name.startswith(PREFIX)]
             if clash:
                 raise ValueError(f"tool names starting with {PREFIX} are for MCP servers' tools: {', '.join(clash)}")

@@ -20,9 +20,11 @@ import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import pydantic
 
+from agentpool.store.webhooks import bare_url
 from agentpool.tools import EFFECTS, IDEMPOTENCY_PARAM, Effect, Tool, ToolInputError
 
 PREFIX = "mcp__"
@@ -45,6 +47,39 @@ def require_mcp() -> None:
         raise McpNotInstalled(INSTALL_HINT) from None
 
 
+def shown_url(url: str) -> str:
+    """A server's URL for a repr or a log: no credentials, no query (a token often rides in either);
+    ``***`` says that something was there."""
+    try:
+        parts = urlsplit(url)
+        bare = bare_url(url)
+    except ValueError:  # a port that is no number: nothing of it is shown
+        return "***"
+    userinfo = "***@" if "@" in parts.netloc else ""
+    return bare.replace("://", f"://{userinfo}", 1) + ("?***" if parts.query else "")
+
+
+def shown_spec(spec: Any) -> Any:
+    """A server's config dict as a repr may show it: env and header values (tokens) and the URL's
+    credentials and query hidden; the rest as given."""
+    if not isinstance(spec, Mapping):
+        return spec
+    shown = dict(spec)
+    for secret in ("env", "headers"):
+        if isinstance(shown.get(secret), Mapping):
+            shown[secret] = dict.fromkeys(shown[secret], "***")
+    if isinstance(shown.get("url"), str):
+        shown["url"] = shown_url(shown["url"])
+    return shown
+
+
+class ServerSpecs(dict):  # type: ignore[type-arg]
+    """``Agent.mcp_servers`` as given, with a repr that shows no secret of theirs (``shown_spec``)."""
+
+    def __repr__(self) -> str:
+        return repr({name: shown_spec(spec) for name, spec in self.items()})
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """One server, as ``{"type": "stdio", "command", "args", "env"}`` or ``{"type": "http", "url", "headers"}``."""
@@ -55,7 +90,10 @@ class ServerConfig:
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
     url: str = ""
-    headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)  # may hold a token: never shown
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def __repr__(self) -> str:  # env, headers and the URL may hold tokens: their values are never shown
+        return f"ServerConfig(name={self.name!r}, {shown_spec(self.as_dict())!r})"
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (for the worker's hub, across a process boundary)."""

@@ -21,6 +21,12 @@ with an error (``isError``, or a JSON-RPC error reply such as invalid params): t
 session is kept. The call was lost on the way (the server died or dropped the connection mid-call, or
 gave no answer within the tool's timeout): whether it took effect is unknown, and only that session is
 dropped; the next call or listing connects again. A server that cannot be reached fails the call too.
+
+A call is made again only where it provably never reached the server: a stdio server whose process
+had exited before the call was written (the launcher records its process id) gets a new process first;
+an HTTP server that answered the call's own request with a 404 for its session (it restarted, or
+expired the session: the spec's "start a new session") gets it again once, on a new session. A server
+whose connect attempt hung is left untried for a while that doubles (1 s up to a minute).
 """
 
 from __future__ import annotations
@@ -35,24 +41,36 @@ import socket
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from agentpool.agent import Agent
 from agentpool.mcp_tools import McpTool, ServerConfig, build_tool
 from agentpool.runtime import mcp_launch
+from agentpool.runtime.settings import mcp_connect_timeout
 
 if TYPE_CHECKING:
     from mcp import MCPError
 
 log = logging.getLogger("agentpool.mcp")
-CONNECT_TIMEOUT = 30.0  # seconds to start (or reach) a server, initialize the session and list its tools
+# Seconds to start (or reach) a server, initialize the session and list its tools: AGENTPOOL_MCP_CONNECT_TIMEOUT.
+CONNECT_TIMEOUT = mcp_connect_timeout()
 # A server whose connect attempt hung (no answer for SLOW_FAILURE seconds or more) is not tried again
-# for RETRY_AFTER seconds, so that each turn does not wait on it in turn. One that refused at once (its
-# process is down, nothing listens) costs nothing to try again, and is: it may be back already.
+# for a while, so that each turn (and a forking worker's preload before each fork) does not wait on it
+# in turn: RETRY_AFTER after the first such attempt, doubling with each one in a row, up to RETRY_MAX.
+# One that refused at once (its process is down, nothing listens) costs nothing to try again, and is:
+# it may be back already.
 RETRY_AFTER = 1.0
+RETRY_MAX = 60.0
 SLOW_FAILURE = 0.5
+# Seconds a session may take to close before it is abandoned: an HTTP server is told the session ended
+# (it may not answer), a stdio server is stopped (the SDK's own bounded sequence: stdin closed, 2 s,
+# SIGTERM, 2 s, SIGKILL), which must finish: a server with a dead horse's call in flight must not live on.
+CLOSE_WAIT = 10.0
 MAX_LINE = 64 * 1024 * 1024  # one request or reply between a work horse and its worker's hub
+MCP_SESSION_HEADER = "mcp-session-id"
+ATTEMPT_META = "agentpool/attempt"  # in a call's _meta over HTTP: which request a 404 refused
 
 
 class McpUnavailable(Exception):
@@ -101,15 +119,19 @@ class _Connection:
     """One server's session, held open by a task of the hub's loop (the SDK's contexts must be entered
     and left in one task)."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, workdir: str) -> None:
         self.config = config
+        self._workdir = workdir  # the hub's private directory
+        self._pid_file = ""  # where the launcher wrote the stdio server's process id
         self.session: Any = None
         self.tools: list[dict[str, Any]] | None = None
         self._holder: asyncio.Task[None] | None = None
         self._stop: asyncio.Event | None = None
         self._lock = asyncio.Lock()
-        self._failed_at = 0.0  # when the last connect attempt that hung gave up
+        self._retry_at = 0.0  # no connect attempt before then: the last ones hung
+        self._hung = 0  # connect attempts in a row that hung
         self._failure = ""
+        self._refused: set[str] = set()  # attempts of calls an HTTP server refused: it knew no such session
 
     def _transport(self) -> Any:
         from mcp import StdioServerParameters, stdio_client
@@ -121,11 +143,26 @@ class _Connection:
             # Started by the hub's event loop thread (the SDK spawns from the loop), which lives as long
             # as the hub: PR_SET_PDEATHSIG fires when the thread that forked exits, so the server dies
             # with the worker process (or at Hub.close, after the sessions are closed).
-            command, args = mcp_launch.command_line(c.command, list(c.args))
+            with contextlib.suppress(OSError):
+                os.unlink(self._pid_file)  # the previous server's
+            self._pid_file = os.path.join(self._workdir, f"stdio-{uuid.uuid4().hex}.pid")
+            command, args = mcp_launch.command_line(c.command, list(c.args), self._pid_file)
             params = StdioServerParameters(command=command, args=args, env=dict(c.env) or None)
             return stdio_client(params), None
         client = create_mcp_http_client(headers=dict(c.headers) or None)
+        client.event_hooks = {**client.event_hooks, "response": [*client.event_hooks["response"], self._note_refusal]}
         return streamable_http_client(c.url, http_client=client), client
+
+    async def _note_refusal(self, response: Any) -> None:
+        """An HTTP server answers 404 to a request naming a session it does not know (it restarted, or
+        expired the session): the spec's "start a new session", and proof that it did not process the
+        request. A call's request carries its attempt id (``_meta``), so the call can tell that its own
+        request was the one refused, not another one on the same session."""
+        request = response.request
+        if response.status_code != 404 or request.method != "POST" or MCP_SESSION_HEADER not in request.headers:
+            return
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            self._refused.add(json.loads(request.content)["params"]["_meta"][ATTEMPT_META])
 
     async def _hold(self, ready: asyncio.Future[None]) -> None:
         from mcp import ClientSession
@@ -160,8 +197,11 @@ class _Connection:
     async def ensure(self) -> Any:
         async with self._lock:
             if self.session is not None and self._holder is not None and not self._holder.done():
-                return self.session
-            if time.monotonic() - self._failed_at < RETRY_AFTER:
+                if not self._stdio_server_exited():
+                    return self.session
+                # Nothing was sent to it since it exited: the call about to be made goes to a new one.
+                await self.reset("its process exited while idle", self.session)
+            if time.monotonic() < self._retry_at:
                 raise McpUnavailable(self._failure)
             ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             attempt = time.monotonic()
@@ -170,23 +210,45 @@ class _Connection:
             try:
                 await asyncio.wait_for(asyncio.shield(ready), CONNECT_TIMEOUT)
             except BaseException as exc:  # noqa: BLE001 - a cancelled connect fails the same way
-                await self._close_holder()
-                if time.monotonic() - attempt >= SLOW_FAILURE:
-                    self._failed_at = time.monotonic()
+                ready.cancel()  # nobody waits for it any more: the holder must not set an exception nobody reads
+                await self._close_holder(connected=False)
                 self._failure = f"MCP server {self.config.name} is unavailable: {_describe(exc)}"
-                log.warning("%s", self._failure)
+                self._back_off(hung=time.monotonic() - attempt >= SLOW_FAILURE)
                 raise McpUnavailable(self._failure) from None
+            self._hung, self._retry_at = 0, 0.0
             log.info("MCP server %s connected: %d tools", self.config.name, len(self.tools or []))
             return self.session
 
-    async def _close_holder(self) -> None:
+    def _stdio_server_exited(self) -> bool:
+        """Whether the stdio server's process is known to have exited (its id as the launcher wrote it).
+        False where that is not known: no launcher (not Linux), or an HTTP server."""
+        pid = _read_pid(self._pid_file)
+        return pid is not None and not _running(pid)
+
+    def _back_off(self, hung: bool) -> None:
+        """After a failed connect attempt: one that hung keeps the server untried for a while, longer
+        with each such attempt in a row, so a server that accepts and never answers costs a turn now and
+        then, not every turn (each attempt waits CONNECT_TIMEOUT)."""
+        if not hung:
+            log.warning("%s", self._failure)
+            return
+        self._hung += 1
+        wait = min(RETRY_MAX, RETRY_AFTER * 2 ** (self._hung - 1))
+        self._retry_at = time.monotonic() + wait
+        log.warning("%s; not tried again for %g s", self._failure, wait)
+
+    async def _close_holder(self, connected: bool = True) -> None:
+        """End the holder's session: politely (a session is closed: an HTTP server is told it ended, a
+        stdio server is stopped) for at most CLOSE_WAIT seconds, then cancelled. A connect attempt that
+        failed is cancelled at once: it is stuck in a step that does not watch the stop event."""
         if self._stop is not None:
             self._stop.set()
-        if self._holder is not None and not self._holder.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(self._holder), 10)
-            except BaseException:  # noqa: BLE001 - a transport that will not close is abandoned
-                self._holder.cancel()
+        holder = self._holder
+        if holder is not None and not holder.done():
+            if not connected:
+                holder.cancel()
+            await asyncio.wait([holder], timeout=CLOSE_WAIT)
+            holder.cancel()  # a transport that will not close is abandoned (a no-op once it has ended)
         self.session = None
 
     async def reset(self, why: str, session: Any = None) -> None:
@@ -201,29 +263,77 @@ class _Connection:
         return list(self.tools or [])
 
     async def call(self, tool: str, arguments: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """One call; made again once, on a new session, if the server refused it for an unknown session
+        (it restarted while idle): that request provably did nothing, so even an unsafe tool may be."""
+        try:
+            return await self._call_once(tool, arguments, timeout)
+        except _SessionUnknown as exc:
+            await self.reset(f"it knew no session of ours ({exc}): it restarted or expired it", exc.session)
+        try:
+            return await self._call_once(tool, arguments, timeout)
+        except _SessionUnknown:
+            raise McpUnavailable(
+                f"MCP server {self.config.name} refused {tool} twice for an unknown session; it did not run"
+            ) from None
+
+    async def _call_once(self, tool: str, arguments: dict[str, Any], timeout: float) -> dict[str, Any]:
         from mcp import MCPError
 
         session = await self.ensure()
+        attempt = uuid.uuid4().hex
+        meta = {ATTEMPT_META: attempt} if self.config.type == "http" else None
         try:
-            result = await asyncio.wait_for(session.call_tool(tool, arguments), timeout)
+            result = await asyncio.wait_for(session.call_tool(tool, arguments, meta=meta), timeout)
+        except MCPError as exc:
+            if attempt in self._refused:
+                raise _SessionUnknown(session, exc) from None
+            if _lost_on_the_way(exc):
+                raise await self._lost(session, tool, f"lost the connection during {tool} ({exc})") from None
+            # The server's own error reply: it refused or failed the call, and its session is sound.
+            return {"text": f"MCP server {self.config.name} answered {tool} with an error: {exc}", "is_error": True}
         except TimeoutError:
             raise await self._lost(session, tool, f"gave no answer to {tool} within {timeout:g} s") from None
         except asyncio.CancelledError:
             await self.reset(f"a call of {tool} was cancelled", session)
             raise
-        except MCPError as exc:
-            if _lost_on_the_way(exc):
-                raise await self._lost(session, tool, f"lost the connection during {tool} ({exc})") from None
-            # The server's own error reply: it refused or failed the call, and its session is sound.
-            return {"text": f"MCP server {self.config.name} answered {tool} with an error: {exc}", "is_error": True}
         except Exception as exc:  # noqa: BLE001 - a transport that broke mid-call
             raise await self._lost(session, tool, f"failed during {tool} ({_describe(exc)})") from None
+        finally:
+            self._refused.discard(attempt)
         return _result_text(result)
 
     async def _lost(self, session: Any, tool: str, what: str) -> McpUnavailable:
         """A call lost on the way (as a tool timeout is): its session dropped, its outcome unknown."""
         await self.reset(what, session)
         return McpUnavailable(f"MCP server {self.config.name} {what}; whether {tool} took effect is unknown")
+
+
+def _read_pid(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _running(pid: int) -> bool:
+    """Whether the process runs: a zombie has exited (the hub's loop has not reaped it yet); a process
+    id taken again by another process reads as running, which only keeps the old answer: not known."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
+class _SessionUnknown(Exception):
+    """An HTTP server refused a call's own request with a 404 for its session: the call did not run."""
+
+    def __init__(self, session: Any, exc: Exception) -> None:
+        super().__init__(str(exc))
+        self.session = session
 
 
 def _describe(exc: BaseException) -> str:
@@ -264,7 +374,7 @@ class Hub:
     def _connection(self, config: ServerConfig) -> _Connection:
         conn = self._connections.get(config.key)
         if conn is None:
-            conn = self._connections[config.key] = _Connection(config)
+            conn = self._connections[config.key] = _Connection(config, self._dir)
         return conn
 
     def tools(self, configs: list[ServerConfig]) -> list[list[dict[str, Any]] | McpUnavailable]:

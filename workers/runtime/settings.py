@@ -193,6 +193,12 @@ class Settings:
             )
 
 
+def mcp_connect_timeout() -> float:
+    """AGENTPOOL_MCP_CONNECT_TIMEOUT: seconds to start (or reach) an MCP server, initialize its session and
+    list its tools (agentpool.runtime.mcp_hub); read where the hub is imported, in the worker process."""
+    return _env_float("AGENTPOOL_MCP_CONNECT_TIMEOUT", 30.0)
+
+
 def configure_encryption() -> None:
     """Encryption at rest from AGENTPOOL_ENCRYPTION_KEY (encrypts and decrypts) and
     AGENTPOOL_ENCRYPTION_OLD_KEYS (comma-separated, decrypt only: keys being rotated out)."""
