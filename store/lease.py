@@ -85,7 +85,7 @@ def acquire(
         keys.run_id,
         turn,
         SCHEMA_VERSION,
-        f"{job_id} {new_id()}" if job_id else new_id(),  # RQ job ids have no spaces
+        f"{job_id}/{new_id()}" if job_id else new_id(),  # no "/" in an RQ job id: one token in a logged command
         len(reserving),
         *reserving,
         *script_args(event),
@@ -136,7 +136,7 @@ def claimed_job_state(r: Redis, keys: RunKeys, job_id: str, grace_ms: int) -> st
         pipe.get(keys.unleased)
         pipe.pttl(keys.unleased)
         acq, _, seen, ttl = pipe.execute()
-    if (acq or b"").partition(b" ")[0] == job_id.encode():
+    if (acq or b"").partition(b"/")[0] == job_id.encode():
         return "lapsed"
     if seen != job_id.encode():  # another job's sighting, left from an earlier turn
         r.set(keys.unleased, job_id, px=2 * grace_ms)
