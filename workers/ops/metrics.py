@@ -23,7 +23,6 @@ and leaves the sums out of that scrape (a sum missing a shard would look like a 
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -132,10 +131,6 @@ def _split(field_name: str) -> tuple[str, dict[str, str]]:
     return metric, labels
 
 
-def _families_of(client: Redis, *, max_runs: int) -> list[Metric]:
-    return PoolCollector(client, max_runs=max_runs).families()
-
-
 class PoolCollector(Collector):
     """Reads the pool's state from Redis on every ``collect()``; holds no state of its own."""
 
@@ -172,8 +167,8 @@ class PoolCollector(Collector):
         per_shard: dict[int, list[Metric]] = {}
         # Every shard read at once: shards that do not answer cost one socket timeout, not one each.
         clients = self.r.clients  # type: ignore[union-attr]
-        read = functools.partial(_families_of, max_runs=self.max_runs)
-        for shard, outcome in enumerate(on_every_shard(clients, read)):
+        pages = on_every_shard(clients, lambda client: PoolCollector(client, max_runs=self.max_runs).families())
+        for shard, outcome in enumerate(pages):
             if isinstance(outcome, RedisError):
                 log.warning("metrics scrape: shard %s's Redis failed: %s", shard, outcome)
                 shard_up.add_metric([str(shard)], 0)

@@ -48,14 +48,15 @@ from typing import TYPE_CHECKING, Any
 from agentpool.agent import Agent
 from agentpool.mcp_tools import McpTool, ServerConfig, build_tool
 from agentpool.runtime import mcp_launch
-from agentpool.runtime.settings import mcp_connect_timeout
+from agentpool.runtime.settings import Settings
 
 if TYPE_CHECKING:
     from mcp import MCPError
 
 log = logging.getLogger("agentpool.mcp")
-# Seconds to start (or reach) a server, initialize the session and list its tools: AGENTPOOL_MCP_CONNECT_TIMEOUT.
-CONNECT_TIMEOUT = mcp_connect_timeout()
+# Seconds to start (or reach) a server, initialize the session and list its tools: AGENTPOOL_MCP_CONNECT_TIMEOUT,
+# read once where the hub is imported (the worker process).
+CONNECT_TIMEOUT = Settings.from_env().mcp_connect_timeout
 # A server whose connect attempt hung (no answer for SLOW_FAILURE seconds or more) is not tried again
 # for a while, so that each turn (and a forking worker's preload before each fork) does not wait on it
 # in turn: RETRY_AFTER after the first such attempt, doubling with each one in a row, up to RETRY_MAX.

@@ -95,7 +95,7 @@ def _choice(name: str, allowed: tuple[str, ...], default: str) -> str:
 class Settings:
     redis_url: str
     lease_ttl: float  # seconds a turn's lease lives without a heartbeat
-    turn_timeout: float  # RQ's hard limit for one turn job
+    turn_timeout: float  # a forking worker's hard limit on one turn (RQ's job timeout)
     reaper_interval: float
     model_retries: int  # consecutive transient model errors before a run is stopped
     retention: int  # seconds a finished run is kept; 0 keeps it forever
@@ -139,6 +139,9 @@ class Settings:
     # Seconds between a worker process's flushes of the pool-wide counters and of the rate-limit settles
     # that may wait (agentpool.runtime.stats_flush): what a worker killed outright loses at most.
     flush_interval: float = 1.0
+    # Seconds to start (or reach) an MCP server, initialize its session and list its tools
+    # (agentpool.runtime.mcp_hub).
+    mcp_connect_timeout: float = 30.0
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -148,6 +151,7 @@ class Settings:
             turn_timeout=_env_float("AGENTPOOL_TURN_TIMEOUT", 3600.0),
             reaper_interval=_env_float("AGENTPOOL_REAPER_INTERVAL", 1.0, zero_ok=True),  # 0: no reaper thread
             flush_interval=_env_float("AGENTPOOL_FLUSH_INTERVAL", 1.0),
+            mcp_connect_timeout=_env_float("AGENTPOOL_MCP_CONNECT_TIMEOUT", 30.0),
             model_retries=int(_env_float("AGENTPOOL_MODEL_RETRIES", 6, zero_ok=True)),
             retention=int(_env_float("AGENTPOOL_RETENTION_SECONDS", 7 * 24 * 3600, zero_ok=True)),
             takeover_margin=_env_float("AGENTPOOL_TAKEOVER_MARGIN", 5.0, zero_ok=True),
@@ -191,12 +195,6 @@ class Settings:
                 "AGENTPOOL_WEBHOOK_URL is set but AGENTPOOL_WEBHOOK_SECRET is not: webhooks are signed with "
                 "it; set the same secret on every worker (agentpool genkey prints one)"
             )
-
-
-def mcp_connect_timeout() -> float:
-    """AGENTPOOL_MCP_CONNECT_TIMEOUT: seconds to start (or reach) an MCP server, initialize its session and
-    list its tools (agentpool.runtime.mcp_hub); read where the hub is imported, in the worker process."""
-    return _env_float("AGENTPOOL_MCP_CONNECT_TIMEOUT", 30.0)
 
 
 def configure_encryption() -> None:

@@ -243,7 +243,7 @@ def each_answering(connection: Any, read: Callable[[Redis], T]) -> tuple[list[tu
         if isinstance(outcome, (ConnectionError, TimeoutError)):
             cause = outcome.__cause__ or outcome  # the API's RedisUnreachable names the server: the shard's name does
             silent.append(f"{shards.name(shard)}: {str(cause).strip() or type(cause).__name__}")
-        elif isinstance(outcome, BaseException):
+        elif isinstance(outcome, Exception):
             raise outcome
         else:
             answers.append((shard, outcome))
