@@ -112,13 +112,18 @@ def _results(run) -> dict[str, dict]:
     }
 
 
-def test_an_agent_uses_tools_of_two_mcp_servers_over_one_session_each(r, pool, model, mcp_env, crm_transport, tmp_path):
-    model.set_scripts({"work": WORK})
-    pool.start(1, **mcp_env, **crm_transport)
-    run_id = enqueue_run("mcp_agents:support", script_task("work"), connection=r)
-    run = wait_for_run(run_id, timeout=180, connection=r)
-
+def _run_to_end(r, pool, model, agent: str, steps: list[dict], *, timeout: float = 180, **worker_env: str):
+    """One worker, and one run of ``agent`` whose model follows ``steps``, waited for until it completed."""
+    model.set_scripts({"steps": steps})
+    pool.start(1, **worker_env)
+    run = wait_for_run(enqueue_run(agent, script_task("steps"), connection=r), timeout=timeout, connection=r)
     assert run.status == "completed", (run.error, pool.logs())
+    return run
+
+
+def test_an_agent_uses_tools_of_two_mcp_servers_over_one_session_each(r, pool, model, mcp_env, crm_transport, tmp_path):
+    run = _run_to_end(r, pool, model, "mcp_agents:support", WORK, **mcp_env, **crm_transport)
+
     assert_valid_conversation(run.messages)
     assert model.stats()["rejected"] == 0, model.stats()["rejections"]
     texts = [b["content"] for b in _results(run).values()]
@@ -248,20 +253,12 @@ def test_a_server_that_dies_mid_call_leaves_the_calls_status_unknown(r, pool, mo
     response stream ended. The SDK raises an MCPError of its own for that, which is no reply of the
     server's: the model is told (and the ledger records) that whether the charge took effect is unknown,
     as after a timeout, never that the server answered with an error."""
-    model.set_scripts(
-        {
-            "charge": [
-                {"tool_calls": [{"name": "mcp__crm__charge", "input": {"customer": "acme", "amount_cents": 500}}]},
-                {"text": "Checked."},
-            ]
-        }
-    )
-    pool.start(1, **mcp_env, **crm_transport)
-    run = wait_for_run(
-        enqueue_run("mcp_agents:support", script_task("charge"), connection=r), timeout=180, connection=r
-    )
+    steps = [
+        {"tool_calls": [{"name": "mcp__crm__charge", "input": {"customer": "acme", "amount_cents": 500}}]},
+        {"text": "Checked."},
+    ]
+    run = _run_to_end(r, pool, model, "mcp_agents:support", steps, **mcp_env, **crm_transport)
 
-    assert run.status == "completed", (run.error, pool.logs())
     assert_valid_conversation(run.messages)
     (charge,) = _results(run).values()
     assert charge.get("is_error") and "whether charge took effect is unknown" in charge["content"], charge
@@ -273,21 +270,13 @@ def test_a_servers_error_reply_fails_the_call_and_keeps_its_session(r, pool, mod
     """A JSON-RPC error the server sent (invalid params) is its answer: the call failed (not "unknown"),
     and the session is sound, so the next call goes to the same server process, not a new one (a reset
     would also end other runs' calls in flight on that session)."""
-    model.set_scripts(
-        {
-            "refunds": [
-                {"tool_calls": [{"name": "mcp__crm__strict_refund", "input": {"customer": "acme", "amount_cents": 0}}]},
-                {"tool_calls": [{"name": "mcp__crm__strict_refund", "input": {"customer": "acme", "amount_cents": 5}}]},
-                {"text": "Refunded."},
-            ]
-        }
-    )
-    pool.start(1, **mcp_env)
-    run = wait_for_run(
-        enqueue_run("mcp_agents:support", script_task("refunds"), connection=r), timeout=180, connection=r
-    )
+    steps = [
+        {"tool_calls": [{"name": "mcp__crm__strict_refund", "input": {"customer": "acme", "amount_cents": 0}}]},
+        {"tool_calls": [{"name": "mcp__crm__strict_refund", "input": {"customer": "acme", "amount_cents": 5}}]},
+        {"text": "Refunded."},
+    ]
+    run = _run_to_end(r, pool, model, "mcp_agents:support", steps, **mcp_env)
 
-    assert run.status == "completed", (run.error, pool.logs())
     refused, refunded = _results(run).values()
     assert refused.get("is_error"), refused
     assert "answered strict_refund with an error: amount_cents must be positive" in refused["content"]
@@ -334,35 +323,22 @@ def test_a_tool_whose_schema_cannot_be_applied_gives_an_error_result_and_the_run
 ):
     """A listed schema with a $ref to nothing passes jsonschema's schema check but breaks validation: the
     call is refused with an is_error result naming why (it used to crash the turn, again and again)."""
-    model.set_scripts(
-        {"broken": [{"tool_calls": [{"name": "mcp__broken__lookup", "input": {"q": "x"}}]}, {"text": "ok"}]}
-    )
-    pool.start(1, **mcp_env)
-    run_id = enqueue_run("mcp_agents:broken_schema", script_task("broken"), connection=r)
-    run = wait_for_run(run_id, timeout=60, connection=r)
+    steps = [{"tool_calls": [{"name": "mcp__broken__lookup", "input": {"q": "x"}}]}, {"text": "ok"}]
+    run = _run_to_end(r, pool, model, "mcp_agents:broken_schema", steps, timeout=60, **mcp_env)
 
-    assert run.status == "completed", (run.error, pool.logs())
     (lookup,) = _results(run).values()
     assert lookup.get("is_error") and "inputSchema cannot be checked" in lookup["content"], lookup
     assert _effects(tmp_path / "mcp-effects.jsonl") == [], "a call whose input was not checked is not made"
 
 
 def test_a_server_that_times_out_gives_an_error_result_and_is_connected_again(r, pool, model, mcp_env, tmp_path):
-    model.set_scripts(
-        {
-            "slow": [
-                {"tool_calls": [{"name": "mcp__docs__slow_search", "input": {"query": "q", "seconds": 30}}]},
-                {"tool_calls": [{"name": "mcp__docs__search_docs", "input": {"query": "q"}}]},
-                {"text": "ok"},
-            ]
-        }
-    )
-    pool.start(1, **mcp_env)
-    run = wait_for_run(
-        enqueue_run("mcp_agents:impatient", script_task("slow"), connection=r), timeout=120, connection=r
-    )
+    steps = [
+        {"tool_calls": [{"name": "mcp__docs__slow_search", "input": {"query": "q", "seconds": 30}}]},
+        {"tool_calls": [{"name": "mcp__docs__search_docs", "input": {"query": "q"}}]},
+        {"text": "ok"},
+    ]
+    run = _run_to_end(r, pool, model, "mcp_agents:impatient", steps, timeout=120, **mcp_env)
 
-    assert run.status == "completed", (run.error, pool.logs())
     slow, search = _results(run).values()
     assert slow.get("is_error") and "slow_search" in slow["content"] and "1 s" in slow["content"]
     assert search["content"] == "3 pages about q: setup, billing, limits" and not search.get("is_error")
@@ -623,9 +599,11 @@ def test_a_hung_server_is_not_waited_on_in_every_turn(r, pool, model, mcp_env, t
     search = {"tool_calls": [{"name": "mcp__docs__search_docs", "input": {"query": "sla"}}], "delay": 0.6}
     model.set_scripts({"hung": [search] * 16 + [{"text": "Done."}]})
     try:
-        pool.start(1, AGENTPOOL_MCP_CONNECT_TIMEOUT="1", MCP_CRM_URL=silent.url, **mcp_env)
+        # 4 s: time for the docs server, a stdio process importing the MCP SDK, to start on a loaded machine
+        # (its connect runs beside the hung one's, under the same timeout).
+        pool.start(1, AGENTPOOL_MCP_CONNECT_TIMEOUT="4", MCP_CRM_URL=silent.url, **mcp_env)
         run_id = enqueue_run("mcp_agents:support", script_task("hung"), connection=r)
-        run = wait_for_run(run_id, timeout=120, connection=r)
+        run = wait_for_run(run_id, timeout=180, connection=r)
         attempts = silent.attempts
     finally:
         silent.close()
@@ -633,7 +611,7 @@ def test_a_hung_server_is_not_waited_on_in_every_turn(r, pool, model, mcp_env, t
     assert run.status == "completed", (run.error, pool.logs())
     assert_valid_conversation(run.messages)
     assert [b["content"] for b in _results(run).values()] == ["3 pages about sla: setup, billing, limits"] * 16
-    # Doubling pauses: about five attempts in the run's 15 s or so (eight even if it took twice as long);
+    # Doubling pauses: about five attempts in the run's 30 s or so (eight even if it took twice as long);
     # once a turn would be 17 or more.
     assert 1 <= attempts <= 8, f"{attempts} connect attempts in 17 turns: the hung server was waited on each turn"
 
