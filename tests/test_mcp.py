@@ -558,6 +558,41 @@ def test_a_server_that_refused_a_moment_ago_is_tried_again_at_once_when_called(m
         server.stop()
 
 
+def test_a_call_a_dead_horse_wrote_that_the_hub_had_not_read_is_never_made(mcp_env, tmp_path):
+    """A horse can write its request to the hub's socket and be killed before the hub reads it (the hub's
+    loop was busy). The worker ends the horse's calls before its turn is handed over; the request read
+    after that must be refused, or the delete lands after the takeover told the model it is unknown."""
+    from agentpool.mcp_tools import ServerConfig
+    from agentpool.runtime.mcp_hub import Hub
+
+    server = HttpServer(mcp_env, tmp_path).start()
+    spec = {"type": "http", "url": server.url}
+    hub = Hub()
+    try:
+        hub.tools([ServerConfig.of("crm", spec)])  # connected, as a worker's preload leaves it
+        hub.loop.call_soon_threadsafe(time.sleep, 3)  # the hub's loop is busy: nothing is read meanwhile
+        call = (
+            "import sys; from agentpool.mcp_tools import ServerConfig; from agentpool.runtime.mcp_hub import HubClient;"
+            f"HubClient({hub.socket_path!r}, horse=7).call(ServerConfig.of('crm', {spec!r}), 'delete_customer',"
+            " {'customer': 'globex'}, 30); sys.stdout.write('answered')"
+        )
+        horse = subprocess.Popen([sys.executable, "-c", call], stdout=subprocess.PIPE)
+        time.sleep(1.5)  # the request is written (the horse waits for its reply)
+        assert horse.poll() is None
+        horse.kill()
+        assert horse.communicate(timeout=10) == (b"", None) and horse.returncode == -signal.SIGKILL
+        hub.end_calls_of(7, grace=5)  # what the worker does before it hands the dead horse's turn over
+        time.sleep(2)  # the hub reads the dead horse's request now
+        assert not any(e["tool"] == "delete_customer" for e in _effects(tmp_path / "mcp-effects.jsonl"))
+        # The hub serves a horse that is still running as before.
+        reply = hub.call(ServerConfig.of("crm", spec), "set_tier", {"customer": "acme", "tier": "gold"}, 30)
+        assert not reply["is_error"], reply
+        assert [e["tool"] for e in _effects(tmp_path / "mcp-effects.jsonl")] == ["set_tier"]
+    finally:
+        hub.close()
+        server.stop()
+
+
 class SilentServer:
     """An HTTP MCP server that hung: it accepts TCP connections and never answers. Counts the accepts,
     which is how many times a worker tried to connect."""

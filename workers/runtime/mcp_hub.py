@@ -10,7 +10,10 @@ So a forking worker starts one server process per stdio server, not one per hors
 costs one local socket round trip more. When a horse dies mid-call, the worker ends that call before
 it hands the turn over (``end_calls_of``): a stdio server with a call of the dead horse in flight is
 stopped (its process, like a tool's subprocess, must not take effect after the takeover decided the
-call did not), an HTTP request is cancelled (as the horse's own request would have died with it).
+call did not), an HTTP request is cancelled (as the horse's own request would have died with it). A
+request the dead horse wrote that the hub had not read yet is refused when it is read: the worker
+numbers its horses (``next_horse``), each request carries its horse's number, and the hub serves no
+call of a horse it was told has ended. (Numbers, not process ids: a later horse may get a dead one's.)
 
 A stdio server is started through ``agentpool.runtime.mcp_launch``, so that (on Linux) it dies with the
 worker process that started it: the SDK puts it in a session of its own, where ending a dead worker's
@@ -32,6 +35,7 @@ whose connect attempt hung is left untried for a while that doubles (1 s up to a
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import logging
@@ -352,8 +356,13 @@ class Hub:
         self.pid = os.getpid()
         self.loop = asyncio.new_event_loop()
         self._connections: dict[str, _Connection] = {}
-        self._by_pid: dict[int, set[tuple[asyncio.Task[Any], str]]] = {}
+        self._by_horse: dict[int, set[tuple[asyncio.Task[Any], str]]] = {}
+        # Every horse numbered this or lower has ended: a call it asked for is not made. Read and written
+        # in the loop's thread only, so that a request is either refused or registered before its horse's
+        # calls are ended, never neither.
+        self._ended_through = 0
         self._dir = tempfile.mkdtemp(prefix="agentpool-mcp-")  # 0700: only this user reaches the socket
+        atexit.register(self._remove_dir)  # its stdio servers die with the process (mcp_launch); not the directory
         self.socket_path = os.path.join(self._dir, "hub.sock")
         started = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(started,), name="agentpool-mcp", daemon=True)
@@ -393,22 +402,25 @@ class Hub:
         )
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One request of a work horse: ``{"op": "tools"|"call", "config", "tool", "arguments", "timeout", "pid"}``."""
+        """One request of a work horse: ``{"op": "tools"|"call", "config", "tool", "arguments", "timeout", "horse"}``."""
         try:
             request = json.loads(await reader.readline())
             config = ServerConfig.of(request["config"]["name"], request["config"]["spec"])
             conn = self._connection(config)
             if request["op"] == "tools":
                 reply: dict[str, Any] = {"tools": await conn.list_tools()}
+            elif (horse := int(request["horse"])) <= self._ended_through:
+                # Written just before its horse died, read only now: its turn is handed over already.
+                reply = {"unavailable": f"the call was not made: the work horse that asked for it ({horse}) has ended"}
             else:
                 task = asyncio.current_task()
                 assert task is not None
                 mine = (task, config.key)
-                self._by_pid.setdefault(int(request["pid"]), set()).add(mine)
+                self._by_horse.setdefault(horse, set()).add(mine)
                 try:
                     reply = {"result": await conn.call(request["tool"], request["arguments"], request["timeout"])}
                 finally:
-                    self._by_pid.get(int(request["pid"]), set()).discard(mine)
+                    self._by_horse.get(horse, set()).discard(mine)
         except McpUnavailable as exc:
             reply = {"unavailable": str(exc)}
         except asyncio.CancelledError:
@@ -422,23 +434,28 @@ class Hub:
         except Exception:  # noqa: BLE001,S110 - the horse is gone; nobody reads the reply
             pass
 
-    def end_calls_of(self, pid: int, grace: float) -> None:
-        """Before a dead work horse's turn is handed over: end its calls still in flight here."""
+    def end_calls_of(self, horse: int, grace: float) -> None:
+        """Once a work horse has ended (before a dead one's turn is handed over): end its calls still in
+        flight here, and refuse any it asked for that is read from now on."""
 
         async def end() -> None:
-            calls = self._by_pid.pop(pid, set())
+            self._ended_through = max(self._ended_through, horse)
+            calls = self._by_horse.pop(horse, set())
             for key in {key for _task, key in calls if self._connections[key].config.type == "stdio"}:
-                await self._connections[key].reset(f"the work horse {pid} died during a call: server stopped")
+                await self._connections[key].reset(f"the work horse {horse} died during a call: server stopped")
             for task, _key in calls:
                 task.cancel()
             if calls:
                 await asyncio.wait([task for task, _key in calls], timeout=grace)
 
-        if self._by_pid.get(pid):
-            try:
-                self._submit(end(), grace + 15)
-            except Exception:
-                log.exception("could not end the MCP calls of work horse %d", pid)
+        try:
+            self._submit(end(), grace + 15)
+        except Exception:
+            log.exception("could not end the MCP calls of work horse %d", horse)
+
+    def _remove_dir(self) -> None:
+        if os.getpid() == self.pid:  # not in a forked child that happens to exit through atexit
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def close(self) -> None:
         async def close_all() -> None:
@@ -456,15 +473,16 @@ class Hub:
 class HubClient:
     """A work horse's way to its worker's hub (forked from the process that holds it)."""
 
-    def __init__(self, socket_path: str) -> None:
+    def __init__(self, socket_path: str, horse: int) -> None:
         self.socket_path = socket_path
+        self.horse = horse  # this horse's number (``next_horse``), which its worker ends its calls by
 
     def _ask(self, request: dict[str, Any], timeout: float) -> dict[str, Any]:
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
                 s.settimeout(timeout)
                 s.connect(self.socket_path)
-                s.sendall(json.dumps({**request, "pid": os.getpid()}).encode() + b"\n")
+                s.sendall(json.dumps({**request, "horse": self.horse}).encode() + b"\n")
                 chunks = []
                 while not chunks or not chunks[-1].endswith(b"\n"):
                     chunk = s.recv(1 << 20)
@@ -498,6 +516,15 @@ class HubClient:
 
 _hub: Hub | None = None
 _hub_lock = threading.Lock()
+_horse = 0  # in a forking worker, the number of its latest horse; in a horse, its own (inherited)
+
+
+def next_horse() -> int:
+    """The number of the work horse a forking worker is about to fork (the horse inherits it): what its
+    requests to the hub carry, and what the worker ends its calls by (``Hub.end_calls_of``)."""
+    global _horse
+    _horse += 1
+    return _horse
 
 
 def hub() -> Hub | HubClient:
@@ -505,7 +532,7 @@ def hub() -> Hub | HubClient:
     global _hub
     with _hub_lock:
         if _hub is not None and _hub.pid != os.getpid():
-            return HubClient(_hub.socket_path)
+            return HubClient(_hub.socket_path, _horse)
         if _hub is None:
             _hub = Hub()
         return _hub

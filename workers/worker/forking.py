@@ -45,7 +45,7 @@ from rq import Worker
 from rq.exceptions import StopRequested
 from rq.worker import WorkerStatus
 
-from agentpool.runtime import connections, durability, tracing
+from agentpool.runtime import connections, durability, mcp_hub, tracing
 from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import give_back, turn_of_job_id
 from agentpool.runtime.loader import load_agent
@@ -68,10 +68,9 @@ AGENTS_REMEMBERED = 10_000  # run id -> agent path, so a turn costs no extra rea
 
 def _end_mcp_calls(horse: int, grace: float) -> None:
     """A horse's MCP calls still in flight in this process's hub (``agentpool.runtime.mcp_hub``) end
-    with it, before anything hands its turn over; a worker without MCP agents has no hub."""
-    from agentpool.runtime.mcp_hub import existing_hub
-
-    hub = existing_hub()
+    with it, before anything hands its turn over, and any it asked for that the hub has not read yet is
+    refused; a worker without MCP agents has no hub. ``horse`` is the horse's number (``next_horse``)."""
+    hub = mcp_hub.existing_hub()
     if hub is not None:
         hub.end_calls_of(horse, grace)
 
@@ -99,6 +98,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         self._group_watcher = GroupWatcher()
         self._counts_pipe: tuple[int, int] | None = None  # the horse's counters come back through it
         self._hand_down: HandDown | None = None  # the Redis connection each horse gets (made at the first fork)
+        self._mcp_horse = 0  # the number of the latest horse, as the MCP hub knows it
 
     @property
     def dequeue_timeout(self) -> int:
@@ -187,7 +187,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
             # asked the tool's verify hook and was told "not happened".
             if not end_process_group(retpid, self.group_grace):
                 log.error("work horse %d's process group did not end; handing its turn over anyway", retpid)
-            _end_mcp_calls(retpid, self.group_grace)  # its MCP calls run in this process's hub
+            _end_mcp_calls(self._mcp_horse, self.group_grace)  # its MCP calls run in this process's hub
             hand_over_dead_holder(
                 self.connection, job, f"{self.name}.{retpid}", cause=f"work horse {retpid} died ({how})"
             )
@@ -213,7 +213,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
             self._take_horse_counts()
             if horse:
                 end_process_group(horse, self.group_grace)  # no-op (one failed killpg) when nothing is left
-                _end_mcp_calls(horse, self.group_grace)
+                _end_mcp_calls(self._mcp_horse, self.group_grace)
                 self._group_watcher.watch(0)
 
     def fork_work_horse(self, job: Any, queue: Any) -> None:
@@ -224,6 +224,7 @@ class AgentWorker(QuickUnsubscribe, LeanTurnJobs, Worker):
         if self._hand_down is None:
             self._hand_down = HandDown(self.connection, f"{self.name}:horses")
         self._hand_down.before_fork()
+        self._mcp_horse = mcp_hub.next_horse()
         super().fork_work_horse(job, queue)
         os.close(self._counts_pipe[1])  # only the worker gets here: the horse exits in RQ's code
         self._group_watcher.watch(self._horse_pid)
