@@ -593,6 +593,28 @@ def test_a_call_a_dead_horse_wrote_that_the_hub_had_not_read_is_never_made(mcp_e
         server.stop()
 
 
+def test_a_call_is_never_sent_after_its_timeout_however_long_the_connect_took(mcp_env, tmp_path):
+    """A takeover takes a call to be over by its start plus its timeout (it may repeat an idempotent
+    one after that). A call that had to connect first (its server had died) to a server slow to start
+    must not be sent once its timeout has passed: it fails, not made, and the server never runs it."""
+    from agentpool.mcp_tools import ServerConfig
+    from agentpool.runtime.mcp_hub import Hub, McpUnavailable
+
+    slow_start = f"sleep 3; exec {sys.executable} {SERVERS} crm stdio"
+    config = ServerConfig.of("crm", {"type": "stdio", "command": "sh", "args": ["-c", slow_start], "env": mcp_env})
+    hub = Hub()
+    try:
+        with pytest.raises(McpUnavailable, match="set_tier was not made: connecting took its whole 1 s timeout"):
+            hub.call(config, "set_tier", {"customer": "acme", "tier": "gold"}, 1)
+        time.sleep(1)
+        assert _effects(tmp_path / "mcp-effects.jsonl") == []
+        reply = hub.call(config, "set_tier", {"customer": "acme", "tier": "gold"}, 1)  # connected by now
+        assert not reply["is_error"], reply
+        assert [e["tool"] for e in _effects(tmp_path / "mcp-effects.jsonl")] == ["set_tier"]
+    finally:
+        hub.close()
+
+
 class SilentServer:
     """An HTTP MCP server that hung: it accepts TCP connections and never answers. Counts the accepts,
     which is how many times a worker tried to connect."""

@@ -268,27 +268,37 @@ class _Connection:
         return list(self.tools or [])
 
     async def call(self, tool: str, arguments: dict[str, Any], timeout: float) -> dict[str, Any]:
-        """One call; made again once, on a new session, if the server refused it for an unknown session
-        (it restarted while idle): that request provably did nothing, so even an unsafe tool may be."""
+        """One call, within ``timeout`` from now, a connect included; made again once, on a new session,
+        if the server refused it for an unknown session (it restarted while idle): that request provably
+        did nothing, so even an unsafe tool may be."""
+        deadline = time.monotonic() + timeout
         try:
-            return await self._call_once(tool, arguments, timeout)
+            return await self._call_once(tool, arguments, timeout, deadline)
         except _SessionUnknown as exc:
             await self.reset(f"it knew no session of ours ({exc}): it restarted or expired it", exc.session)
         try:
-            return await self._call_once(tool, arguments, timeout)
+            return await self._call_once(tool, arguments, timeout, deadline)
         except _SessionUnknown:
             raise McpUnavailable(
                 f"MCP server {self.config.name} refused {tool} twice for an unknown session; it did not run"
             ) from None
 
-    async def _call_once(self, tool: str, arguments: dict[str, Any], timeout: float) -> dict[str, Any]:
+    async def _call_once(self, tool: str, arguments: dict[str, Any], timeout: float, deadline: float) -> dict[str, Any]:
         from mcp import MCPError
 
         session = await self.ensure()
+        # The ledger takes the call to be over by its start plus its timeout (``running_until``: a
+        # takeover may repeat an idempotent call, or ask a verify hook, after that): a call is never sent
+        # later, however long a connect took, nor left running past it.
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise McpUnavailable(
+                f"MCP server {self.config.name}: {tool} was not made: connecting took its whole {timeout:g} s timeout"
+            )
         attempt = uuid.uuid4().hex
         meta = {ATTEMPT_META: attempt} if self.config.type == "http" else None
         try:
-            result = await asyncio.wait_for(session.call_tool(tool, arguments, meta=meta), timeout)
+            result = await asyncio.wait_for(session.call_tool(tool, arguments, meta=meta), left)
         except MCPError as exc:
             if attempt in self._refused:
                 raise _SessionUnknown(session, exc) from None
