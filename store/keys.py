@@ -207,6 +207,7 @@ class RunKeys:
     webhooks: str
     unleased: str
     call: str
+    home: str  # on a sharded pool, on the id's rule shard (not necessarily the run's): see shards.claim
 
     @classmethod
     def of(cls, run_id: str) -> RunKeys:
@@ -229,6 +230,7 @@ class RunKeys:
             webhooks=f"{base}:webhooks",
             unleased=f"{base}:unleased",
             call=f"{base}:call",
+            home=f"{base}:home",
         )
 
     def all(self) -> tuple[str, ...]:

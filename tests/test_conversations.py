@@ -14,6 +14,7 @@ from agentpool import (
     enqueue_run,
     fork_run,
     get_run,
+    list_runs,
     resume,
     send_message,
     wait_for_run,
@@ -273,6 +274,48 @@ def test_a_fork_mid_turn_starts_from_the_last_committed_turn(r, pool, model):
     with pytest.raises(ValueError, match="at_turn"):
         fork_run(parent, at_turn=5, connection=r)
     assert get_run(parent, connection=r).status == "waiting_approval"
+
+
+def test_the_latest_fork_of_a_run_whose_tools_have_run_is_refused_not_sent_again(r, pool, model):
+    """A fork "now" of a run in its tool phase would leave out the reply in flight; once one of its calls
+    has run (the email is sent), the fork's model would be asked again without it and send it again. So
+    it is refused, saying how to fork; the turn asked for by number forks from before it, as asked."""
+    email = {"name": "send_email", "input": {"to": "c@example.com", "subject": "Refund", "body": "Done."}}
+    model.set_scripts(
+        {"mail": [{"tool_calls": [email, {"name": "slow_read", "input": {"seconds": 4}}]}, {"text": "Done."}]}
+    )
+    pool.start(1)
+    parent = enqueue_run("pool_agents:support", script_task("mail"), connection=r)
+    pool.wait_for_effect("send_email")
+    with pytest.raises(ValueError, match=r"tool calls of its turn 1, and some have run.*at_turn=0"):
+        fork_run(parent, connection=r)
+    assert [run.id for run in list_runs(connection=r)] == [parent], "no fork was made"
+    before = fork_run(parent, at_turn=0, connection=r)  # from before the email, as asked: its own branch
+    assert get_run(before, connection=r).forked_at == 0
+    done = wait_for_run(parent, timeout=60, connection=r)
+    assert done.status == "completed"
+    latest = get_run(fork_run(parent, connection=r), connection=r)  # once the turn is saved: the whole copy
+    assert latest.status == "completed" and latest.messages == done.messages
+    assert wait_for_run(before, timeout=60, connection=r).status == "completed"
+    emails = [e["run"] for e in pool.effects() if e["tool"] == "send_email"]
+    assert sorted(emails) == sorted([parent, before]), "once by the parent, once by the fork that went back"
+
+
+def test_a_fork_keeps_its_parents_tenant_share_and_webhook(r):
+    """A fork of a tenant's run counts against the same fair share, and its end is posted to the same
+    webhook: it is the same agent's work for the same customer."""
+    parent = enqueue_run(
+        "pool_agents:support",
+        script_task("x"),
+        concurrency_key="acme",
+        max_concurrency=1,
+        webhook="https://hooks.example.com/runs",
+        webhook_events=("ended", "waiting_approval"),
+        connection=r,
+    )
+    fork = fork_run(parent, connection=r)
+    fields = ["ckey", "cmax", "webhook", "webhook_events", "queue"]
+    assert r.hmget(RunKeys.of(fork).run, fields) == r.hmget(RunKeys.of(parent).run, fields)
 
 
 def test_the_cli_sends_waits_for_the_answer_and_forks(r, redis_server, pool, model):

@@ -23,7 +23,7 @@ import agentpool
 import agentpool.aio
 from agentpool import Shards, fork_run, get_run, list_runs
 from agentpool.ops.metrics import registry_for
-from agentpool.runtime.shards import rule
+from agentpool.runtime.shards import rendezvous, rule
 from agentpool.store.children import child_id
 from agentpool.store.keys import RunKeys
 from agentpool.testing import LocalPool
@@ -279,11 +279,62 @@ def test_enqueueing_a_callers_id_again_finds_it_on_the_shard_it_was_made_on(tmp_
         assert get_run(moved[0], connection=pool.redis).status == "queued"
         with pytest.raises(agentpool.RunExists):
             agentpool.enqueue_run("pool_agents:support", "another task", run_id=moved[0], connection=pool.redis)
-        fresh = [_dbsize(url) for url in pool.redis_urls]
-        assert fresh[1] == 0, "nothing was written on the shard the hash now names"
+        with Redis.from_url(pool.redis_urls[1]) as added:
+            written = sorted(key.decode() for key in added.scan_iter())
+        # Only the ids' claims (shards.claim): no run was made on the shard the hash now names.
+        assert written == sorted(RunKeys.of(run_id).home for run_id in moved)
         assert json.loads(cli(shard_env(pool), "show", "--json", moved[0]).stdout)["shard"] == 0
 
 
-def _dbsize(url: str) -> int:
-    with Redis.from_url(url) as client:
-        return int(client.dbsize())
+def _race(urls: list[str], make: list, start: float, results) -> None:
+    """In a process of its own: ``make(Shards)`` at ``start``, and what came of it."""
+    import time
+
+    pool = Shards(urls)
+    while time.time() < start:
+        pass
+    try:
+        results.put(("made", make[0](pool, *make[1:])))
+    except agentpool.RunExists as exc:
+        results.put(("exists", str(exc)))
+
+
+def _fork(pool, parent, fork_id):
+    return fork_run(parent, fork_id=fork_id, connection=pool)
+
+
+def _enqueue(pool, run_id, key):
+    return agentpool.enqueue_run("pool_agents:support", "t", run_id=run_id, concurrency_key=key, connection=pool)
+
+
+def test_a_callers_id_raced_onto_two_shards_is_made_on_one(tmp_path):
+    """Two requests that would make one id on two shards at the same instant (forks of parents on
+    different shards; enqueues with concurrency keys of different shards): one is made, the other gets
+    RunExists, never one id naming two runs (a reader would find either)."""
+    import multiprocessing
+    import time
+
+    keys = {rendezvous(f"ckey:{k}", 2): k for k in ("acme", "globex", "initech", "umbrella", "hooli")}
+    assert set(keys) == {0, 1}
+    context = multiprocessing.get_context("fork")
+    with sharded_pool(tmp_path, workers=0) as pool:
+        parents = [
+            agentpool.enqueue_run("pool_agents:support", "t", run_id=f"parent-s{n}", connection=pool.redis)
+            for n in (0, 1)
+        ]
+        for i in range(12):
+            for requests in (
+                [[_fork, parent, f"fork-{i}"] for parent in parents],
+                [[_enqueue, f"order-{i}", keys[n]] for n in (0, 1)],
+            ):
+                results = context.Queue()
+                start = time.time() + 0.2
+                racers = [context.Process(target=_race, args=(pool.redis_urls, r, start, results)) for r in requests]
+                for racer in racers:
+                    racer.start()
+                for racer in racers:
+                    racer.join(30)
+                outcomes = sorted(results.get(timeout=5)[0] for _ in racers)
+                run_id = requests[0][2] if requests[0][0] is _fork else requests[0][1]
+                assert outcomes == ["exists", "made"], (run_id, outcomes)
+                assert len(holder(pool, run_id)) == 1, f"{run_id} was made on both shards"

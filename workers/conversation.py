@@ -19,7 +19,7 @@ from redis import Redis
 from redis.client import Pipeline
 
 from agentpool.client import limits_held_to, new_run_id
-from agentpool.runtime import shards
+from agentpool.runtime import shards, tracing
 from agentpool.runtime.answers import FINISHED_STOPS, trailing_text
 from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import stage_turn
@@ -188,6 +188,11 @@ def _stage_append(pipe: Any, keys: RunKeys, message_id: str, content: Any, *, tu
     Event.of(keys.run_id, "message_delivered", messages=message_id, turn=turns).stage(pipe)
 
 
+# What a fork keeps of its parent's header besides its agent, limits and queue: its tenant's concurrency
+# key and limit (a fork counts against the same share) and its webhook (a fork's end is posted too).
+INHERITED = ("ckey", "cmax", "webhook", "webhook_events")
+
+
 @names_the_server
 def fork_run(
     run_id: str,
@@ -197,8 +202,9 @@ def fork_run(
     connection: Redis | str | shards.Shards | None = None,
 ) -> str:
     """A new run with ``run_id``'s conversation up to the end of its committed turn ``at_turn`` (the
-    latest by default; a turn still in flight forks from the one before it), the same agent and
-    limits, ``forked_from``/``forked_at`` saying where it came from, and usage from zero. Returns its id.
+    latest by default; a turn still in flight forks from the one before it, unless some of its tool
+    calls have started: then a ``ValueError``), the same agent, limits, queue, concurrency key and
+    webhook, ``forked_from``/``forked_at`` saying where it came from, and usage from zero. Returns its id.
 
     Nothing of the parent runs again: the copy holds the tool_results of every copied turn, and the
     fork's ledger starts empty with no tool_use left pending. The parent is not changed. A fork whose
@@ -212,10 +218,12 @@ def fork_run(
         check_run_id(fork_id)  # before anything is read: a completed fork enqueues nothing to catch it
     r, shard = shards.located(connection, run_id)
     pool = shards.pool_of(connection)
-    if fork_id is not None and pool is not None:  # the fork goes to its parent's shard: its id must be free on all
+    if fork_id is not None and pool is not None and shard is not None:
+        # The fork goes to its parent's shard: its id must be free on all, now and while it is made.
         elsewhere = pool.find(fork_id)
         if elsewhere is not None and elsewhere != shard:
             raise RunExists(fork_id, f"on {pool.name(elsewhere)} and is not a fork of run {run_id}")
+        pool.claim(fork_id, shard)
     parent = RunKeys.of(run_id)
     with r.pipeline(transaction=True) as pipe:  # one consistent snapshot of the parent
         pipe.hgetall(parent.run)
@@ -232,6 +240,14 @@ def fork_run(
     else:
         turn = min(at_turn, committed)
     end = replies[turn] if turn < len(replies) else len(messages)
+    # The latest fork of a run in its tool phase leaves the reply in flight out; if any of its calls has
+    # started, that would be going back before an effect nobody asked to undo (its model could ask for
+    # the same email again): refused, unless that turn was asked for by number.
+    in_flight = (
+        [b["id"] for b in messages[end]["content"] if b.get("type") == "tool_use"]
+        if at_turn is None and turn < len(replies)
+        else []
+    )
     # A summary written at the start of the next turn belongs to that turn.
     while end > 1 and message_meta(blobs[end - 1], end - 1).get("compaction") == "summary":
         end -= 1
@@ -261,6 +277,8 @@ def fork_run(
         result=trailing_text(messages[:end]) if finished else "",
         finished=finished,
         held_to=held_to.limit_fields() if held_to else {},
+        unstarted=(parent.ledger, in_flight),
+        inherited={name: raw_header[name.encode()] for name in INHERITED if name.encode() in raw_header},
     )
 
 
@@ -279,9 +297,15 @@ def _create_fork(
     result: str,
     finished: bool,
     held_to: dict[str, Any],
+    unstarted: tuple[str, list[str]],
+    inherited: dict[str, bytes],
 ) -> str:
+    """``unstarted``: the parent's ledger and the calls left out of the copy that must not have started
+    (checked under WATCH of that ledger, so a call that starts meanwhile is seen). ``inherited``: the
+    parent's header fields in ``INHERITED``."""
     keys = RunKeys.of(fork_id)
     now = time.time()
+    ledger, calls = unstarted
 
     def attempt(pipe: Pipeline, _write_id: str) -> str:  # a fork id is its own write id
         existing = pipe.hmget(keys.run, ["forked_from", "forked_at", "fork_asked"])
@@ -293,7 +317,16 @@ def _create_fork(
             if existing[0] == parent.encode() and (same_turn or existing[2] == asked.encode()):
                 return fork_id  # a retried fork: it was created once
             raise RunExists(fork_id, f"and is not the fork of run {parent} at turn {turn}")
+        if calls and any(pipe.hmget(ledger, calls)):
+            pipe.unwatch()
+            raise ValueError(
+                f"run {parent} is in the middle of the tool calls of its turn {turn + 1}, and some have run: "
+                f"a fork now would leave them out and could make them again. Fork once the turn is saved, "
+                f"or name at_turn={turn} to fork from before them"
+            )
         header = new_header(agent, limits, now, queue)  # the fork's turns go where the parent's went
+        traced_from = tracing.current_parent()  # the app's span, as for a run it enqueues
+        header.update(inherited, **({tracing.PARENT_FIELD: traced_from} if traced_from else {}))
         header.update(
             turns=turn,
             window=window,
@@ -321,4 +354,4 @@ def _create_fork(
         fault("after_fork_commit", fork_id, 0)
         return fork_id
 
-    return writes.watched(r, [keys.run], attempt)
+    return writes.watched(r, [keys.run, ledger] if calls else [keys.run], attempt)

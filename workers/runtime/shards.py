@@ -30,13 +30,14 @@ from redis import Redis
 from redis.exceptions import ConnectionError, RedisError, TimeoutError
 
 from agentpool.runtime.settings import BadRedisUrl, check_redis_url, client_for, redact_url, server_of
-from agentpool.store.errors import RedisUnreachable
+from agentpool.store.errors import RedisUnreachable, RunExists
 from agentpool.store.keys import RunKeys, tagged_shard
 
 T = TypeVar("T")
 
 ENV = "AGENTPOOL_SHARDS"
 MAX_SHARDS = 1000  # the id ending holds up to three digits
+ID_CLAIM_SECONDS = 3600  # how long an id of the caller's stays taken for the shard it was first created on
 FORM = f"{ENV} is the shards' Redis URLs separated by spaces, shard 0 first: redis://a:6379/0 redis://b:6379/0"
 _GLUED = re.compile(r",\s*(rediss?|unix|rediss?\+sentinel)://", re.IGNORECASE)
 
@@ -168,6 +169,24 @@ class Shards:
             ) from exc
         return None
 
+    def claim(self, run_id: str, shard: int) -> None:
+        """Before a run with an id of the caller's is created on ``shard``: the id is taken for that shard
+        on the id's rule shard (``SET NX``), so that two requests racing to create it on two shards (two
+        concurrency keys, a fork of a parent on another shard, a shard that was down when one of them
+        looked) cannot both make it: the one that comes second gets :class:`RunExists` naming where it
+        is made; a request for the same shard goes on, and its shard's own transaction decides (a retry
+        returns the run it made). The claim only has to outlive the race: after ``ID_CLAIM_SECONDS``
+        a creator finds the run itself (``find``)."""
+        key = RunKeys.of(run_id).home
+        client = self.clients[rule(run_id, len(self))]
+        if client.set(key, shard, nx=True, ex=ID_CLAIM_SECONDS):
+            return
+        claimed = client.get(key)
+        if claimed is not None and int(claimed) != shard:
+            raise RunExists(run_id, f"or is being created, on {self.name(int(claimed))}")
+        if claimed is None:  # the claim expired between the two commands: take it again
+            self.claim(run_id, shard)
+
     def for_new_run(self, run_id: str | None, concurrency_key: str | None = None) -> int:
         """The shard a new run goes to: where an id the caller gave lives already (its enqueue is then
         idempotent as on one Redis); else a concurrency key's own shard, whatever the id (the key's
@@ -176,12 +195,16 @@ class Shards:
         id's own."""
         if len(self) == 1:
             return 0
-        found = None if run_id is None else self.find(run_id)
-        if found is not None:
-            return found
-        if concurrency_key is not None:
-            return rendezvous(f"ckey:{concurrency_key}", len(self))
-        return rule(run_id, len(self)) if run_id is not None else next(self._next) % len(self)
+        if run_id is None:
+            return next(self._next) % len(self) if concurrency_key is None else self._key_shard(concurrency_key)
+        shard = self.find(run_id)
+        if shard is None:
+            shard = rule(run_id, len(self)) if concurrency_key is None else self._key_shard(concurrency_key)
+        self.claim(run_id, shard)
+        return shard
+
+    def _key_shard(self, concurrency_key: str) -> int:
+        return rendezvous(f"ckey:{concurrency_key}", len(self))
 
 
 _from_env: dict[tuple[str, ...], Shards] = {}
