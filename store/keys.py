@@ -21,8 +21,10 @@ Per run (all keys of a run share the hash tag ``{run:<id>}``)::
     ap:{run:<id>}:children  list    the run's child runs (sub-agents), in tool_use order, each once
     ap:{run:<id>}:joins     hash    "<child id>" -> "open" while that child runs (or is held by its
                                     tree's budget), "ended" once it has ended, and "<child id>:end" ->
-                                    its status then: the child's terminal write marks it, and wakes the
-                                    parent (status waiting_children) when it was the last open one
+                                    its status then, and "<child id>:late" -> the late answer it gave
+                                    (once, after an end without one): the child's terminal write marks
+                                    it, and wakes the parent (status waiting_children) when it was the
+                                    last open one
     ap:{run:<id>}:inbox     list    ids of the messages sent to the run (``send_message``) that wait for
                                     delivery at its next turn boundary, oldest first
     ap:{run:<id>}:received  hash    "<message_id>" -> the message as sent (sealed like the conversation),

@@ -10,7 +10,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from agentpool import Agent, Subagent, approve, cancel_run, enqueue_run, get_run, resume, wait_for_run
+from agentpool import Agent, Subagent, approve, cancel_run, enqueue_run, get_run, resume, send_message, wait_for_run
 from agentpool.client import ResumeRefused
 from agentpool.ops.cli import main
 from agentpool.ops.dashboard import run_detail
@@ -402,6 +402,41 @@ def test_a_child_stopped_by_its_own_limit_answers_with_an_error_and_later_as_a_m
     assert [e["messages"] for e in kinds(r, parent, "message_delivered")] == [f"{child}.t2"]
     assert not get_run(parent, connection=r).inbox
     assert_valid_conversation(done.messages)
+
+
+def test_a_message_sent_to_a_completed_child_is_answered_to_its_sender_not_to_the_parent(r, pool, model):
+    """A person follows up with a sub-agent's run (the dashboard, send_message): the child goes on and
+    answers them. Its parent had its answer already: the new one stays with the child, and the parent
+    finishes as it would have, with no "late answer" that claims the child had stopped."""
+    model.set_scripts(
+        {
+            "orchestrate": [fan_out(1), {"text": "Final report written.", "delay": 6.0}, {"text": "an extra turn"}],
+            "research0": [{"text": "answer 0"}, {"text": "answer to the follow-up"}],
+        }
+    )
+    pool.start(2)
+    parent = enqueue_run("subagent_agents:orchestrator", script_task("orchestrate"), connection=r)
+    answered_parent = lambda p: get_run(p.children[0], connection=r).status == "completed" and p.status == "running"
+    (child,) = _children_when(r, parent, answered_parent)
+    sent = send_message(child, "Please also check topic 0b.", connection=r)  # the parent is in its 6 s call
+    answered = wait_for_run(child, after_message=sent, timeout=60, connection=r)
+    assert answered.result == "answer to the follow-up"
+    assert get_run(parent, connection=r).status == "running", "the child answered while its parent ran"
+    done = wait_for_run(parent, timeout=60, connection=r)
+    assert done.status == "completed" and done.result == "Final report written." and done.turns == 2
+    assert tool_results(done, 0)[0]["content"] == "answer 0"
+    assert not any(child in str(m["content"]) for m in done.messages[3:]), "nothing of the child's after its result"
+    assert not kinds(r, parent, "message_queued")
+
+
+def _children_when(r, parent: str, ready, timeout: float = 60) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        run = get_run(parent, connection=r)
+        if run.children and ready(run):
+            return run.children
+        time.sleep(0.05)
+    raise AssertionError(f"run {parent} did not get there: {get_run(parent, connection=r).status}")
 
 
 def test_a_child_resumed_alone_after_its_parent_completed_is_not_held_by_the_parents_spent_budget(r, pool, model):

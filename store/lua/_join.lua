@@ -15,21 +15,29 @@
 -- Usage is not added here: each call's spend reached the parent's tree counters when it was counted
 -- (_tree.lua), except for a child made before that (no `ancestors` field), whose usage and cost (its
 -- own and its children's) are rolled into the parent's tree counters now.
--- A child that ends again after its join had ended (it stopped, answered its parent with an error, was
--- resumed, and has now completed) gives its parent its answer late: `late_blob` (the message content,
--- packed by the caller) goes to the parent's inbox under `late_id`, once, unless the parent has ended
--- (completed, failed, cancelled): the answer then stays readable from the child.
+-- A child that ends again after its join had ended without an answer (it stopped, answered its parent
+-- with an error, was resumed, and has now completed) gives its parent its answer late: `late_blob` (the
+-- message content, packed by the caller) goes to the parent's inbox under `late_id` ("<child>:late" in
+-- the joins hash records it), once per child, unless the parent has ended (completed, failed,
+-- cancelled): the answer then stays readable from the child. A completion after that, or after a join
+-- that ended completed, answers a message sent to the child: it stays with the child.
 -- Returns 2 if the parent was woken, 1 if only marked, 3 if a late answer was queued, 0 if nothing was done.
 local function join_parent(child, at, watch, child_id, parent_id, now, late_id, late_blob, ended_as)
   local parent, joins, events = KEYS[at], KEYS[at + 1], KEYS[at + 2]
   local joined = redis.call('HGET', joins, child_id)
   if joined ~= 'open' then
     if not joined or not late_blob or late_blob == '' then return 0 end
+    -- Only the answer the parent never had: not when the join ended with one (the child completed, and
+    -- completes again answering a message sent to it: that answer is the sender's, not the parent's),
+    -- and only once (later completions are answers to messages too).
+    if redis.call('HGET', joins, child_id .. ':end') == 'completed' then return 0 end
+    if redis.call('HEXISTS', joins, child_id .. ':late') == 1 then return 0 end
     local status = redis.call('HGET', parent, 'status')
     if not status or status == 'completed' or status == 'failed' or status == 'cancelled' then return 0 end
     local inbox, received = KEYS[at + 3], KEYS[at + 4]
     if redis.call('HEXISTS', received, late_id) == 1 then return 0 end
     redis.call('HSET', received, late_id, late_blob)
+    redis.call('HSET', joins, child_id .. ':late', late_id)
     redis.call('RPUSH', inbox, late_id)
     redis.call('XADD', events, 'MAXLEN', '~', 1000, '*', 'kind', 'message_queued', 'message', late_id,
       'status', status, 'child', child_id)
