@@ -64,13 +64,23 @@ def waiting_run(r, pool, model):
     return run_id
 
 
-def test_reading_runs_loads_neither_the_sdk_nor_pydantic_nor_rq(redis_server, waiting_run):
-    for args in (("runs",), ("show", waiting_run), ("runs", "--status", "waiting_approval")):
+def test_reading_runs_loads_neither_the_sdk_nor_pydantic_nor_rq(r, redis_server, waiting_run):
+    queued = enqueue_run("pool_agents:guarded", "no worker takes it", connection=r)  # its turn is an RQ job
+    for args in (("runs",), ("show", waiting_run), ("show", queued), ("runs", "--status", "waiting_approval")):
         loaded, out = _loaded(redis_server.url, *args)
         assert out.stdout and "Traceback" not in out.stderr, out.stderr
         assert loaded == [], (args, loaded)
     row = next(line for line in out.stdout.splitlines() if line.startswith(waiting_run))  # `runs`, filtered
     assert row.endswith(f"waiting for a person's decision: agentpool approve {waiting_run} [--deny]"), row
+    assert "waiting for a worker since" in _loaded(redis_server.url, "show", queued)[1].stdout
+
+
+def test_reading_runs_names_rqs_job_keys_as_rq_does():
+    from rq.job import Job
+
+    from agentpool.runtime.progress import rq_job_key
+
+    assert rq_job_key("r_1-t0") == Job.key_for("r_1-t0")
 
 
 def test_approving_and_sending_load_rq_to_queue_the_turn_but_nothing_heavier(redis_server, waiting_run):

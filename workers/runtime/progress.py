@@ -20,6 +20,7 @@ A queued or running run is, at any moment, in one of these states (``Waiting.kin
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -111,10 +112,8 @@ def why_waiting(r: Redis, run_id: str, status: str) -> Waiting | None:
         if until < now - 5:
             note += " (overdue: is any worker or `agentpool reap` running?)"
         return Waiting("backoff", note, until=until, detail=why)
-    from rq.job import Job  # here: only a run whose turn is an RQ job needs RQ's key names
-
     job_status, enqueued_at, created_at = (
-        r.hmget(Job.key_for(jid), ["status", "enqueued_at", "created_at"]) if jid else (None,) * 3
+        r.hmget(rq_job_key(jid), ["status", "enqueued_at", "created_at"]) if jid else (None,) * 3
     )
     state = (job_status or b"").decode("utf-8", errors="replace")
     if state == "started":
@@ -123,3 +122,9 @@ def why_waiting(r: Redis, run_id: str, status: str) -> Waiting | None:
         since = _rq_time(enqueued_at) or _rq_time(created_at)
         return Waiting("queued", "waiting for a worker" + (f" since {_clock(since)}" if since else ""), since=since)
     return Waiting("lost", f"its turn's job is {state or 'missing'}; the reaper re-enqueues it shortly")
+
+
+def rq_job_key(job_id: str) -> str:
+    """RQ's ``Job.key_for(job_id)`` (RQ 3: its ``RQ_KEY_PREFIX``, ``:job:``, the id), without importing
+    RQ: reading runs (``agentpool runs``, ``show``) stays quick. A test holds the two to the same key."""
+    return os.environ.get("RQ_KEY_PREFIX", "rq") + ":job:" + job_id
