@@ -615,6 +615,35 @@ def test_a_call_is_never_sent_after_its_timeout_however_long_the_connect_took(mc
         hub.close()
 
 
+def test_an_http_call_that_times_out_leaves_the_calls_in_flight_beside_it_on_their_session(mcp_env, tmp_path):
+    """One slow call is not a broken session: the calls other runs have in flight on it go on and are
+    answered (dropping the session under them made each one's outcome unknown)."""
+    import threading
+
+    from agentpool.mcp_tools import ServerConfig
+    from agentpool.runtime.mcp_hub import Hub, McpUnavailable
+
+    server = HttpServer(mcp_env, tmp_path).start()
+    config = ServerConfig.of("crm", {"type": "http", "url": server.url})
+    hub = Hub()
+    try:
+        hub.tools([config])
+        replies: list = []
+        other = threading.Thread(
+            target=lambda: replies.append(hub.call(config, "held_delete", {"customer": "acme", "gate": "g2"}, 30))
+        )
+        other.start()
+        _wait_for(tmp_path / "mcp-effects.jsonl", "held_delete_started")
+        with pytest.raises(McpUnavailable, match="gave no answer to held_delete within 1 s"):
+            hub.call(config, "held_delete", {"customer": "globex", "gate": "never"}, 1)
+        (tmp_path / "gates" / "g2").touch()
+        other.join(30)
+        assert replies == [{"text": "deleted acme", "is_error": False}]
+    finally:
+        hub.close()
+        server.stop()
+
+
 class SilentServer:
     """An HTTP MCP server that hung: it accepts TCP connections and never answers. Counts the accepts,
     which is how many times a worker tried to connect."""

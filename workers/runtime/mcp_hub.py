@@ -23,7 +23,8 @@ A call fails in one of two ways, and the model (and the ledger) is told which. T
 with an error (``isError``, or a JSON-RPC error reply such as invalid params): the call failed, and the
 session is kept. The call was lost on the way (the server died or dropped the connection mid-call, or
 gave no answer within the tool's timeout): whether it took effect is unknown, and only that session is
-dropped; the next call or listing connects again. A server that cannot be reached fails the call too.
+dropped; the next call or listing connects again. (An HTTP call that timed out beside other calls in
+flight on its session leaves the session to them.) A server that cannot be reached fails the call too.
 
 A call is made again only where it provably never reached the server: a stdio server whose process
 had exited before the call was written (the launcher records its process id) gets a new process first;
@@ -137,6 +138,7 @@ class _Connection:
         self._hung = 0  # connect attempts in a row that hung
         self._failure = ""
         self._refused: set[str] = set()  # attempts of calls an HTTP server refused: it knew no such session
+        self._in_flight = 0  # calls sent and not answered yet
 
     def _transport(self) -> Any:
         from mcp import StdioServerParameters, stdio_client
@@ -297,6 +299,7 @@ class _Connection:
             )
         attempt = uuid.uuid4().hex
         meta = {ATTEMPT_META: attempt} if self.config.type == "http" else None
+        self._in_flight += 1
         try:
             result = await asyncio.wait_for(session.call_tool(tool, arguments, meta=meta), left)
         except MCPError as exc:
@@ -307,13 +310,25 @@ class _Connection:
             # The server's own error reply: it refused or failed the call, and its session is sound.
             return {"text": f"MCP server {self.config.name} answered {tool} with an error: {exc}", "is_error": True}
         except TimeoutError:
-            raise await self._lost(session, tool, f"gave no answer to {tool} within {timeout:g} s") from None
+            what = f"gave no answer to {tool} within {timeout:g} s"
+            if self.config.type == "http" and self._in_flight > 1:
+                # A slow call, while other calls on the session are still in flight: the session is not
+                # dropped under them (an HTTP request is cancelled alone; a stdio server is stopped, so
+                # that its call does not land later). If the session is broken, they time out too.
+                log.warning(
+                    "MCP server %s %s; its session is kept for the calls still in flight", self.config.name, what
+                )
+                raise McpUnavailable(
+                    f"MCP server {self.config.name} {what}; whether {tool} took effect is unknown"
+                ) from None
+            raise await self._lost(session, tool, what) from None
         except asyncio.CancelledError:
             await self.reset(f"a call of {tool} was cancelled", session)
             raise
         except Exception as exc:  # noqa: BLE001 - a transport that broke mid-call
             raise await self._lost(session, tool, f"failed during {tool} ({_describe(exc)})") from None
         finally:
+            self._in_flight -= 1
             self._refused.discard(attempt)
         return _result_text(result)
 
