@@ -15,12 +15,13 @@ import json
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Annotated
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import HTMLResponse, StreamingResponse
 from pydantic import BaseModel
 
-from agentpool import RunNotFound, aio
+from agentpool import ApprovalError, RunNotFound, aio
 
 AGENT = os.environ.get("EXAMPLE_AGENT", "myapp.agents:support")
 
@@ -59,7 +60,7 @@ async def start_run(body: NewRun) -> dict:
 @app.get("/runs/{run_id}")
 async def show_run(run_id: str) -> dict:
     try:
-        run = await aio.get_run(run_id, connection=app.state.redis)
+        run = await aio.get_run(run_id, connection=app.state.redis, window=True)  # not its whole history
     except RunNotFound:
         raise HTTPException(404, f"no run {run_id}") from None
     return {
@@ -73,23 +74,29 @@ async def show_run(run_id: str) -> dict:
 
 @app.post("/runs/{run_id}/approve")
 async def decide(run_id: str, body: Decision) -> dict:
-    decided = await aio.approve(
-        run_id, body.tool_use_id, approved=body.approved, reason=body.reason or None, connection=app.state.redis
-    )
+    try:
+        decided = await aio.approve(
+            run_id, body.tool_use_id, approved=body.approved, reason=body.reason or None, connection=app.state.redis
+        )
+    except RunNotFound:
+        raise HTTPException(404, f"no run {run_id}") from None
+    except ApprovalError as exc:  # the run no longer waits on that call: decided elsewhere, expired, cancelled
+        raise HTTPException(409, str(exc)) from None
     return {"decided": decided}
 
 
 @app.get("/runs/{run_id}/events")
-async def events(run_id: str, since_start: bool = True) -> StreamingResponse:
+async def events(run_id: str, after: Annotated[str | None, Query(pattern=r"^\d+-\d+$")] = None) -> StreamingResponse:
     """The run's events and the model's words as server-sent events, until the run ends or waits for a
-    person (the page follows again, from then on, once it has sent the decision)."""
+    person. The page follows again after a decision, from the ``id`` of the last item it was given
+    (``after``): what came since, and nothing it has shown already."""
     try:
-        await aio.get_run(run_id, connection=app.state.redis)
+        await aio.get_run(run_id, connection=app.state.redis, window=True)
     except RunNotFound:
         raise HTTPException(404, f"no run {run_id}") from None
 
     async def stream() -> AsyncIterator[str]:
-        async for item in aio.watch(run_id, connection=app.state.redis, since_start=since_start):
+        async for item in aio.watch(run_id, connection=app.state.redis, after=after):
             yield f"data: {json.dumps(item)}\n\n"
             if item["type"] == "status" and item.get("status") == "waiting_approval":
                 break
@@ -106,28 +113,35 @@ PAGE = """<!doctype html>
 <pre id="output"></pre>
 <div id="approvals"></div>
 <p id="result"></p>
+<p id="error"></p>
 <script>
 const $ = (id) => document.getElementById(id);
 let runId = null;
+let lastId = null;  // the id of the last item shown: the page follows again from there
 $("start").onsubmit = async (e) => {
   e.preventDefault();
   const res = await fetch("/runs", {method: "POST", headers: {"Content-Type": "application/json"},
                                     body: JSON.stringify({task: $("task").value})});
   runId = (await res.json()).id;
+  lastId = null;
   $("run").textContent = runId;
   follow();
 };
-function follow(fromStart = true) {
-  const source = new EventSource(`/runs/${runId}/events?since_start=${fromStart}`);
+function follow() {
+  const source = new EventSource(`/runs/${runId}/events` + (lastId ? `?after=${lastId}` : ""));
   source.onmessage = (msg) => {
     const item = JSON.parse(msg.data);
+    if (item.id) lastId = item.id;
     if (item.type === "text_delta") $("output").textContent += item.text;
     if (item.type === "status") $("status").textContent = item.status;
   };
-  source.addEventListener("end", async () => { source.close(); await refresh(); });
+  source.addEventListener("end", () => { source.close(); refresh(); });
 }
+// After a stream's end or a decision: show the run and the calls it waits on; follow it again if it goes on.
 async function refresh() {
-  const run = await (await fetch(`/runs/${runId}`)).json();
+  const res = await fetch(`/runs/${runId}`);
+  if (!res.ok) { $("error").textContent = (await res.json()).detail; return; }
+  const run = await res.json();
   $("status").textContent = run.status;
   $("approvals").replaceChildren(...run.awaiting_approval.map((call) => {
     const row = document.createElement("div");
@@ -137,10 +151,12 @@ async function refresh() {
       const button = document.createElement("button");
       button.textContent = label;
       button.onclick = async () => {
-        await fetch(`/runs/${runId}/approve`, {method: "POST", headers: {"Content-Type": "application/json"},
-                                               body: JSON.stringify({tool_use_id: call.id, approved})});
-        $("approvals").replaceChildren();
-        follow(false);
+        $("approvals").replaceChildren();  // one decision at a time
+        const res = await fetch(`/runs/${runId}/approve`, {method: "POST", headers: {"Content-Type": "application/json"},
+                                                           body: JSON.stringify({tool_use_id: call.id, approved})});
+        $("error").textContent = res.ok ? "" : `Not decided: ${(await res.json()).detail}`;
+        if (res.ok && run.awaiting_approval.length === 1) follow();  // the run goes on
+        else await refresh();  // it waits on its other calls, or they were decided elsewhere
       };
       row.append(button);
     }
@@ -148,6 +164,7 @@ async function refresh() {
   }));
   if (run.result) $("result").textContent = run.result;
   if (run.error) $("result").textContent = "Error: " + run.error;
+  if (!["waiting_approval", "completed", "failed", "cancelled", "stopped"].includes(run.status)) follow();
 }
 </script>
 </body></html>

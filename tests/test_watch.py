@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 
-from agentpool import enqueue_run, wait_for_run, watch
+import pytest
+
+from agentpool import approve, enqueue_run, wait_for_run, watch
 from agentpool.store import crypto
 from agentpool.store.crypto import Cipher, generate_key
 from agentpool.store.hints import pool_key
@@ -92,6 +94,37 @@ def test_events_only_and_since_now(r, pool, model):
     items = collect(run.id, r, live_output=False)
     assert not any(i["type"].endswith("_delta") for i in items) and items[-1]["status"] == "completed"
     assert collect(run.id, r, since_start=False) == [], "an ended run has nothing new"
+
+
+def test_a_watcher_goes_on_after_the_last_item_it_was_given(r, pool, model):
+    """What a page does after a person's decision: it follows the run again from its last item's id,
+    and is given neither the earlier call's words again (the live stream keeps them) nor less."""
+    model.set_scripts(
+        {
+            "deploy": [
+                {"text": "Deploying once you approve.", "tool_calls": [{"name": "deploy", "input": {"version": "2"}}]},
+                {"text": "Deployed.", "stream": SLOW},
+            ]
+        }
+    )
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:guarded", script_task("deploy"), connection=r)
+    first = []
+    for item in watch(run_id, connection=r):
+        first.append(item)
+        if item["type"] == "status" and item["status"] == "waiting_approval":
+            break
+    assert r.exists(RunKeys.of(run_id).live), "the first call's words are still in the live stream"
+    approve(run_id, connection=r)
+    rest = collect(run_id, r, after=first[-1]["id"])
+
+    assert text_of(first) == "Deploying once you approve." and text_of(rest) == "Deployed."
+    seen = [i["id"] for i in first + rest if "id" in i]
+    events = [i["id"] for i in collect(run_id, r, live_output=False) if "id" in i]
+    assert len(seen) == len(set(seen)) and set(events) <= set(seen), "nothing twice, nothing missed"
+    assert rest[-1]["status"] == "completed"
+    with pytest.raises(ValueError, match="after must be the id of an item watch gave"):
+        next(watch(run_id, connection=r, after="$"))
 
 
 def test_the_cli_prints_the_words_as_they_arrive(r, pool, model):

@@ -9,6 +9,7 @@ the call's output so far.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +25,7 @@ from agentpool.store.keys import RunKeys
 
 END_STATUSES = frozenset({"completed", "failed", "cancelled", "stopped"})
 DELTAS = frozenset({"text_delta", "thinking_delta", "input_json_delta"})
+STREAM_ID = re.compile(r"[0-9]{1,20}-[0-9]{1,20}")  # an item's id, as Redis gave it to its stream
 RENEW_EVERY = 3.0  # seconds between renewals of the watcher's presence (it lives live.WATCH_TTL_MS)
 
 
@@ -51,6 +53,7 @@ def watch(
     *,
     connection: Redis | shards.Shards | None = None,
     since_start: bool = True,
+    after: str | None = None,
     live_output: bool = True,
     block_ms: int = 1000,
 ) -> Iterator[dict[str, Any]]:
@@ -74,19 +77,26 @@ def watch(
 
     It starts with the events recorded so far (``since_start=False``: only new ones) and the current
     call's output so far, and ends once the run has ended (completed, failed, cancelled or stopped) and
-    its last events are out. Raises RunNotFound for an unknown run. ``live_output=False`` follows the
-    events only (and costs the workers nothing).
+    its last events are out. ``after``, the ``id`` of the last item a watcher was given, goes on where it
+    left off instead: the events and output written after it, no earlier call's output again (a call
+    that nobody watched for a while meanwhile starts over: a ``call_start``, then its text so far).
+    Raises RunNotFound for an unknown run. ``live_output=False`` follows the events only (and costs the
+    workers nothing).
     """
+    if after is not None and not STREAM_ID.fullmatch(after):
+        raise ValueError(f"after must be the id of an item watch gave (like '1733512345678-0'), got {after!r}")
     r = shards.route(connection, run_id)
     keys = RunKeys.of(run_id)
     if not r.exists(keys.run):
         raise RunNotFound(run_id)
-    if since_start:
+    if after is not None:
+        events_from = after  # the two streams' ids share the Redis server's clock: one cursor covers both
+    elif since_start:
         events_from = "0-0"
     else:
         last = r.xrevrange(keys.events, count=1)
         events_from = last[0][0].decode() if last else "0-0"
-    cursors = {keys.events: events_from, **({keys.live: "0-0"} if live_output else {})}
+    cursors = {keys.events: events_from, **({keys.live: after or "0-0"} if live_output else {})}
     renew_at = 0.0
     said = ""  # the last waiting note yielded
     while True:
