@@ -91,7 +91,8 @@ def create_run(
 ) -> bool:
     """Create the run and its first turn's job (``stage_enqueue``), with ``event`` (its ``queued``
     status), in one transaction, unless a run with this id exists. Returns True if it was created now,
-    False if it already existed for the very same request (agent, task and limits): a client retrying
+    False if it already existed for the very same request (agent, task, limits and the ``REQUEST_FIELDS``
+    of ``extra``): a client retrying
     its enqueue gets the run it made. An existing run made for anything else raises RunExists; an
     existing run is never touched (its header, counters and fence stay as they are).
 
@@ -105,7 +106,7 @@ def create_run(
             pipe.unwatch()
             if writes.landed(header.get(writes.OTHERS.encode()), write_id):
                 return True  # this very call created it; the reply to its EXEC was lost
-            _check_same_request(r, run_id, header, agent=agent, task=task, limits=limits)
+            _check_same_request(r, run_id, header, agent=agent, task=task, limits=limits, extra=extra or {})
             return False
         pipe.multi()
         # The header is new (WATCHed, read empty): its ring of writes is this one alone, in its HSET.
@@ -125,13 +126,32 @@ def create_run(
     return created
 
 
+# The header fields of a request (``enqueue_run``'s ``extra``) a retry must repeat: a retry that changed
+# one would be told "done" for a run that does not do what it asked (another queue, no webhook, no cap).
+# What they are when a request did not give them (new_header writes the queue; the others are left out).
+REQUEST_FIELDS = {"queue": "default", "ckey": "", "cmax": "", "webhook": "", "webhook_events": ""}
+
+
 def _check_same_request(
-    r: Redis, run_id: str, header: Mapping[bytes, bytes], *, agent: str, task: str, limits: Mapping[str, Any]
+    r: Redis,
+    run_id: str,
+    header: Mapping[bytes, bytes],
+    *,
+    agent: str,
+    task: str,
+    limits: Mapping[str, Any],
+    extra: Mapping[str, Any],
 ) -> None:
     """Compares what was asked with what is stored (the task is the first message, sealed or not):
     no digest of the task is kept beside it, which would let anyone with a dump test guesses."""
     if header.get(b"agent", b"").decode("utf-8", errors="replace") != agent:
         raise RunExists(run_id, f"for agent {header.get(b'agent', b'?').decode('utf-8', errors='replace')!r}")
+    for name, unset in REQUEST_FIELDS.items():
+        stored = header.get(name.encode(), b"").decode("utf-8", errors="replace") or unset
+        asked = str(extra.get(name, "")) or unset
+        if stored != asked:  # named, not shown: a webhook's URL may carry a token
+            shown = {"ckey": "concurrency_key", "cmax": "max_concurrency"}.get(name, name)
+            raise RunExists(run_id, f"with another {shown}")
     raw_limits = header.get(b"limits")
     try:
         stored = unpack(raw_limits, "run limits") if raw_limits else {}

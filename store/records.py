@@ -132,10 +132,24 @@ def seal_value(value: Any) -> dict[str, Any]:
     return {"sealed": cipher.seal(pack(value))} if cipher else {"plain": value}
 
 
-def open_value(record: dict[str, Any], what: str) -> Any:
-    if "sealed" in record:
+def open_value(record: Any, what: str) -> Any:
+    """The value ``seal_value`` stored. Anything else (a record damaged, or written by hand) is an
+    UnreadableRecord naming ``what``: a raw TypeError or KeyError here would take down every reader
+    that meets the record (a listing of the whole pool, for one bad run)."""
+    if isinstance(record, dict) and "sealed" in record:
         return unpack(crypto.open_sealed(record["sealed"], what), what)
+    if not isinstance(record, dict) or "plain" not in record:
+        raise UnreadableRecord(f"{what} is not a stored value (neither plain nor sealed)")
     return record["plain"]
+
+
+def _check_block(block: Any, where: str) -> None:
+    """A content block must be a dict with a ``type``; a tool_use must name its id and tool, which the
+    ledger, approvals and ``show`` key on."""
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise UnreadableRecord(f"{where} holds a content block that is not one: {str(block)[:60]!r}")
+    if block["type"] == "tool_use" and not (isinstance(block.get("id"), str) and isinstance(block.get("name"), str)):
+        raise UnreadableRecord(f"{where} holds a tool_use without an id or a tool name")
 
 
 def tool_uses(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -176,6 +190,13 @@ def unpack_message(blob: bytes, index: int) -> dict[str, Any]:
         content = unpack(crypto.open_sealed(record["sealed"], f"message {index}"), f"message {index}")
     else:
         content = record["content"]
+    # The API's shapes: a text, or a list of blocks. Checked here, once, so that everything that reads
+    # a conversation (a turn, ``show``, the dashboard) can rely on them.
+    if not isinstance(record["role"], str) or not isinstance(content, (str, list)):
+        raise UnreadableRecord(f"message {index} has the wrong shape (its content is {type(content).__name__})")
+    if isinstance(content, list):
+        for block in content:
+            _check_block(block, f"message {index}")
     return {"role": record["role"], "content": content}
 
 
@@ -199,6 +220,12 @@ def unpack_pending(blob: bytes, run_id: str, open_sealed: bool = True) -> list[d
     pending = record if isinstance(record, list) else open_value(record, f"run {run_id} pending tool_uses")
     if not isinstance(pending, list):
         raise UnreadableRecord(f"run {run_id}: pending tool_uses have the wrong shape")
+    for call in pending:
+        # Each is a tool_use the model asked for: its id, tool name and input are what the turn runs
+        # (the input as the model gave it, maybe None for a call cut short: its presence is checked).
+        if not isinstance(call, dict) or "input" not in call:
+            raise UnreadableRecord(f"run {run_id}: a pending tool_use has the wrong shape")
+        _check_block({"type": "tool_use", **call}, f"run {run_id} pending tool_uses")
     return pending
 
 

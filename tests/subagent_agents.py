@@ -59,3 +59,5 @@ router = Agent(
     },
     max_turns=4,
 )
+# Delegates to the patient agent, whose deploy asks a person first (tests/test_usability.py: wait_for_run).
+overseer = Agent(model=MODEL, system="Delegate.", subagents={"deployer": "subagent_agents:patient"}, max_turns=4)

@@ -17,7 +17,7 @@ from re import escape as re_escape
 import pytest
 from test_concurrency import start_threaded, worker_process
 
-from agentpool import Agent, ToolInputError, enqueue_run, wait_for_run
+from agentpool import Agent, ToolInputError, enqueue_run, get_run, wait_for_run
 from agentpool.mcp_tools import effect_from_annotations
 from agentpool.runtime.mcp_hub import McpToolFailed
 from agentpool.testing.localpool import free_port, horses_of
@@ -642,6 +642,35 @@ def test_an_http_call_that_times_out_leaves_the_calls_in_flight_beside_it_on_the
     finally:
         hub.close()
         server.stop()
+
+
+def test_an_app_enqueueing_an_mcp_agent_starts_none_of_its_servers(r, mcp_env, monkeypatch):
+    """enqueue_run checks the agent loads, in the app's process: that must not start its stdio servers
+    (children of the app, with their tokens, left running) nor wait to connect to them."""
+    for name, value in mcp_env.items():
+        monkeypatch.setenv(name, value)
+    run_id = enqueue_run("mcp_agents:support", script_task("work"), connection=r)
+    assert get_run(run_id, connection=r).status == "queued"
+    mine = [
+        p.name
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and _parent_of(p) == os.getpid() and "mcp_servers.py" in _cmdline(p)
+    ]
+    assert mine == [], "an MCP server was started by the app"
+
+
+def _parent_of(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 class SilentServer:

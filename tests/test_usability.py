@@ -306,3 +306,97 @@ def test_a_password_with_url_syntax_in_it_is_never_shown(url, secret):
     out = agentpool_cli("runs", "--url", url)
     assert out.returncode == 2 and "is not a Redis URL" in out.stderr, out
     assert secret not in out.stdout + out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    "first, retry, differs",
+    [
+        ({}, {"queue": "urgent"}, "queue"),
+        ({"queue": "urgent"}, {}, "queue"),
+        ({}, {"webhook": "https://hooks.example.com/x?token=t0k3n"}, "webhook"),
+        (
+            {"webhook": "https://hooks.example.com/x"},
+            {"webhook": "https://hooks.example.com/x", "webhook_events": ("ended", "waiting_approval")},
+            "webhook_events",
+        ),
+        ({}, {"concurrency_key": "acme", "max_concurrency": 1}, "concurrency_key"),
+        (
+            {"concurrency_key": "acme", "max_concurrency": 1},
+            {"concurrency_key": "acme", "max_concurrency": 2},
+            "max_concurrency",
+        ),
+    ],
+)
+def test_an_enqueue_retried_with_another_queue_webhook_or_concurrency_key_is_refused(r, first, retry, differs):
+    """The same run_id is idempotent only for the very same request: a retry told "done" for a run on
+    another queue, without its webhook or its cap would believe what is not so."""
+    run_id = enqueue_run("pool_agents:support", "t", connection=r, run_id="order-1", **first)
+    assert enqueue_run("pool_agents:support", "t", connection=r, run_id="order-1", **first) == run_id, (
+        "the same: idempotent"
+    )
+    before = {key: r.dump(key) for key in (RunKeys.of(run_id).run, RunKeys.of(run_id).messages)}
+    with pytest.raises(agentpool.RunExists, match=f"already exists with another {differs};") as refused:
+        enqueue_run("pool_agents:support", "t", connection=r, run_id="order-1", **retry)
+    assert "t0k3n" not in str(refused.value), "a webhook's URL is not shown"
+    assert {key: r.dump(key) for key in before} == before, "nothing was changed"
+
+
+def test_a_refused_password_is_said_at_once_not_retried_as_an_unreachable_redis(r, redis_server):
+    """redis-py's AuthenticationError is a ConnectionError: the API's clients retried a wrong password
+    like a Redis restart (12 times, 17 s), then called the server "unreachable"."""
+    from redis.exceptions import AuthenticationError
+
+    from agentpool import RedisUnreachable, Shards
+    from agentpool.runtime.settings import RedisCredentialsRefused
+
+    r.acl_setuser("app-user", enabled=True, passwords=["+right-pw"], commands=["+@all"], keys=["*"])
+    try:
+        where = redis_server.url.split("://", 1)[1]  # 127.0.0.1:PORT/0
+        url = f"redis://app-user:wrong-pw@{where}"
+        for connection in (url, Shards([url])):
+            started = time.monotonic()
+            with pytest.raises(RedisCredentialsRefused, match="refused the credentials: ") as refused:
+                list_runs(connection=connection)
+            assert time.monotonic() - started < 2, "not retried"
+            assert "wrong-pw" not in str(refused.value)
+            assert "127.0.0.1" in str(refused.value), "it names the server"
+            assert isinstance(refused.value, RedisUnreachable) and isinstance(refused.value, AuthenticationError)
+        with pytest.raises(RedisCredentialsRefused, match=r"Redis at redis://app-user:\*\*\*@127.0.0.1:\d+/0 refused"):
+            get_run("r_x", connection=url)
+        assert get_run(enqueue_run("pool_agents:support", "t", connection=r), connection=url.replace("wrong", "right"))
+    finally:
+        r.acl_deluser("app-user")
+
+
+def test_wait_for_run_returns_when_a_child_run_waits_for_a_person_and_a_timeout_says_why(r, pool, model):
+    """A parent waiting_children whose child waits for approval moves only once somebody decides:
+    wait_for_run returns then (as for the run's own waiting_approval) instead of waiting out its timeout."""
+    from agentpool import approve
+    from agentpool.client import RunTimeout
+
+    model.set_scripts(
+        {
+            "oversee": [
+                {"tool_calls": [{"name": "deployer", "input": {"task": "deploy 9 [script:dep]"}}]},
+                {"text": "overseen"},
+            ],
+            "dep": [{"tool_calls": [{"name": "deploy", "input": {"version": "9"}}]}, {"text": "deployed"}],
+        }
+    )
+    idle = enqueue_run("pool_agents:support", "no worker serves this queue", connection=r, queue="nobody")
+    with pytest.raises(RunTimeout, match=r"still queued after 0.3 s \(turn 0\): waiting for a worker"):
+        wait_for_run(idle, timeout=0.3, connection=r)
+    for bad in (float("nan"), None, -1, float("inf"), "60"):
+        with pytest.raises(ValueError, match="timeout must be"):
+            wait_for_run(idle, timeout=bad, connection=r)
+
+    pool.start(1)
+    parent = enqueue_run("subagent_agents:overseer", script_task("oversee"), connection=r)
+    started = time.monotonic()
+    run = wait_for_run(parent, timeout=120, connection=r)
+    assert time.monotonic() - started < 60, "returned when the child asked, not at the timeout"
+    (child,) = run.children
+    assert run.status == "waiting_children" and run.waiting["waiting_approval"] == [child], run.waiting
+    assert get_run(child, connection=r).status == "waiting_approval"
+    approve(child, connection=r)
+    assert wait_for_run(parent, timeout=120, connection=r).status == "completed"

@@ -15,7 +15,7 @@ from agentpool.checks import limit_value
 from agentpool.runtime import shards, tracing
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.progress import why_waiting
-from agentpool.runtime.settings import Settings, client_for, names_the_server
+from agentpool.runtime.settings import RedisCredentialsRefused, Settings, client_for, names_the_server
 from agentpool.store import approvals, checkpoint, children, concurrency, events, inbox, runs_index, webhooks, writes
 from agentpool.store import window as run_window
 from agentpool.store.codec import pack
@@ -23,6 +23,7 @@ from agentpool.store.errors import AgentPoolError, RedisUnreachable, RunNotFound
 from agentpool.store.events import Event, emit
 from agentpool.store.keys import (
     DEFAULT_QUEUE,
+    RUNS,
     RunKeys,
     check_concurrency_key,
     check_queue,
@@ -34,6 +35,11 @@ from agentpool.webhooks import check_events, check_url
 
 # What enqueues a turn (RQ) or loads an agent (pydantic) is imported by the functions that do: reading
 # runs (`agentpool runs`, `show`) must not pay for them.
+
+
+# ``list_runs``' status for a run whose record it cannot decode (not a status a run is ever in).
+UNREADABLE = "unreadable"
+LISTED_STATUSES = STATUSES | {UNREADABLE}
 
 
 class RunTimeout(AgentPoolError):
@@ -172,8 +178,8 @@ def enqueue_run(
     until the receiver answers 2xx, for a day; without it, the workers' pool default
     (``AGENTPOOL_WEBHOOK_URL``) if they have one. Check deliveries with ``agentpool.webhooks.verify``.
 
-    Idempotent with your own ``run_id``: if that run exists for the same agent, task and limits, its
-    id is returned and the run is left as it is (a retried enqueue gets the run it made, never a
+    Idempotent with your own ``run_id``: if that run exists for the same request (agent, task, limits,
+    queue, webhook and its events, concurrency key and max_concurrency), its id is returned and the run is left as it is (a retried enqueue gets the run it made, never a
     second one); if it exists for anything else, ``RunExists`` is raised and nothing changes. An
     existing run is never reset."""
     from agentpool.agent import check_agent_path
@@ -242,7 +248,7 @@ def _check_loadable(agent: str) -> None:
     from agentpool.runtime.loader import AgentNotFound, load_agent
 
     try:
-        load_agent(agent, add_cwd=False)
+        load_agent(agent, add_cwd=False, connect_mcp=False)  # its MCP servers are the workers to start
     except AgentNotFound as exc:
         raise AgentNotLoadable(
             f"{exc}; fix the agent's path, or pass check_agent=False (agentpool enqueue --no-check-agent) "
@@ -272,21 +278,27 @@ def get_run(run_id: str, *, connection: Redis | str | shards.Shards | None = Non
     run.children = children.children(r, RunKeys.of(run_id))
     run.webhooks = webhooks.deliveries(r, RunKeys.of(run_id))
     if run.status == "waiting_children":
-        run.waiting = _waiting_children(r, run)
+        run.waiting = _waiting_children(r, run.id, run.children)
     return run
 
 
-def _waiting_children(r: Redis, run: Run) -> dict[str, Any]:
-    """What a run waiting for its child runs waits on: how many still run, and which wait for a person."""
-    joins = children.joins(r, RunKeys.of(run.id))
-    open_ = [c for c in run.children if joins.get(c) == "open"]
+def _open_children(r: Redis, run_id: str, kids: list[str]) -> dict[str, str]:
+    """The child runs ``run_id`` still waits for (its join open), each with its status."""
+    joins = children.joins(r, RunKeys.of(run_id))
+    open_ = [c for c in kids if joins.get(c) == "open"]
     with r.pipeline(transaction=False) as pipe:
         for child in open_:
             pipe.hget(RunKeys.of(child).run, "status")
-        statuses = [(s or b"").decode() for s in pipe.execute()]
-    asking = [c for c, s in zip(open_, statuses) if s == "waiting_approval"]
-    held = [c for c, s in zip(open_, statuses) if s == "stopped"]  # an open join: held by a tree's budget
-    note = f"waiting for {len(open_)} of {len(run.children)} child runs"
+        return {c: (s or b"").decode() for c, s in zip(open_, pipe.execute())}
+
+
+def _waiting_children(r: Redis, run_id: str, kids: list[str]) -> dict[str, Any]:
+    """What a run waiting for its child runs waits on: how many still run, and which wait for a person."""
+    statuses = _open_children(r, run_id, kids)
+    open_ = list(statuses)
+    asking = [c for c, s in statuses.items() if s == "waiting_approval"]
+    held = [c for c, s in statuses.items() if s == "stopped"]  # an open join: held by a tree's budget
+    note = f"waiting for {len(open_)} of {len(kids)} child runs"
     if asking:
         note += f"; waiting for approval: {', '.join(asking)}"
     if held:
@@ -338,13 +350,16 @@ def wait_for_run(
     poll: float = 0.2,
     after_message: str | None = None,
 ) -> Run:
-    """Block until the run is no longer queued, running or waiting for its child runs; raise RunTimeout
-    after ``timeout`` s.
+    """Block until the run is no longer queued, running or waiting for its child runs, or until it
+    waits for a person: its own ``waiting_approval``, or (still ``waiting_children``) a child run below it
+    waiting for approval or held stopped by the tree's budget (``run.waiting["note"]`` names them).
+    Raise RunTimeout after ``timeout`` s (finite, >= 0), saying what the run still waits for.
 
     With ``after_message`` (an id ``send_message`` returned), until the run has answered that message:
     it was delivered and the run has taken a turn since, and is no longer queued or running (or it was
     stopped, failed or cancelled, which the returned run says). A run that was ``completed`` when the
     message was sent does not count as answered; ``run.result`` is then the answer to the message."""
+    check_wait_times(timeout, poll)
     r = shards.route(connection, run_id)
     check_waitable(r, run_id, after_message)
     deadline = time.monotonic() + timeout
@@ -353,8 +368,18 @@ def wait_for_run(
         if state is None:
             return get_run(run_id, connection=r)
         if time.monotonic() >= deadline:
-            raise timed_out(state, after_message, timeout)
+            raise timed_out(state, after_message, timeout, why_still(r, state))
         time.sleep(poll)
+
+
+def check_wait_times(timeout: object, poll: object) -> None:
+    """A wait's ``timeout`` (seconds, >= 0) and ``poll`` (> 0): a NaN would never time out, None or a
+    string would fail midway with a bare TypeError."""
+    for name, value, least in (("timeout", timeout, 0.0), ("poll", poll, None)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number of seconds, got {value!r}")
+        if value < 0 or (least is None and value == 0):
+            raise ValueError(f"{name} must be {'>= 0' if least is not None else '> 0'} seconds, got {value!r}")
 
 
 # The pieces of wait_for_run, shared with agentpool.aio's (which pauses with asyncio.sleep instead).
@@ -369,15 +394,46 @@ def waited_for(r: Redis, run_id: str, after_message: str | None) -> RunState | N
     """None once the wait is over; else the run's header as it is now."""
     state = checkpoint.load_run(r, run_id, with_messages=False)
     keys = RunKeys.of(run_id)
-    going_on = state.status in ACTIVE_STATUSES or state.status == "waiting_children"  # no person needed
+    going_on = state.status in ACTIVE_STATUSES or state.status == "waiting_children"
+    if state.status == "waiting_children" and after_message is None and _person_needed_below(r, run_id):
+        # Its tree waits for a person (a child run waiting for approval, or held by the tree's
+        # budget): nothing moves until somebody acts, as for the run's own waiting_approval.
+        going_on = False
     if not going_on and (after_message is None or _answered(r, keys, after_message, state)):
         return None
     return state
 
 
-def timed_out(state: RunState, after_message: str | None, timeout: float) -> RunTimeout:
+def _person_needed_below(r: Redis, run_id: str, depth: int = 0) -> bool:
+    """Whether a run below ``run_id`` that it still waits for (its join open, at any depth) waits for a
+    person: ``waiting_approval``, or ``stopped`` with its join open (held by the tree's budget until
+    somebody resumes the run whose budget it is)."""
+    if depth > 12:  # as deep as run_tree looks; a deeper tree is waited for, not searched
+        return False
+    statuses = _open_children(r, run_id, children.children(r, RunKeys.of(run_id)))
+    return any(
+        status in ("waiting_approval", "stopped")
+        or (status == "waiting_children" and _person_needed_below(r, child, depth + 1))
+        for child, status in statuses.items()
+    )
+
+
+def why_still(r: Redis, state: RunState) -> str | None:
+    """What a run a wait timed out on waits for (as ``get_run(...).waiting["note"]`` says), if known."""
+    if state.status == "waiting_children":
+        return str(_waiting_children(r, state.id, children.children(r, RunKeys.of(state.id)))["note"])
+    if state.status == "waiting_approval":
+        return f"waiting for a person's decision: agentpool approve {state.id}"
+    found = why_waiting(r, state.id, state.status)
+    return found.note if found else None
+
+
+def timed_out(state: RunState, after_message: str | None, timeout: float, why: str | None = None) -> RunTimeout:
     waits_for = f" for an answer to message {after_message}" if after_message else ""
-    return RunTimeout(f"run {state.id} still {state.status}{waits_for} after {timeout:g} s (turn {state.turns})")
+    because = f": {why}" if why else ""
+    return RunTimeout(
+        f"run {state.id} still {state.status}{waits_for} after {timeout:g} s (turn {state.turns}){because}"
+    )
 
 
 def _answered(r: Redis, keys: RunKeys, message_id: str, state: RunState) -> bool:
@@ -590,21 +646,37 @@ def list_runs(
     """Newest first, headers only (``messages`` left empty). ``agent`` matches as ``agent_matches``
     says; an unknown ``status`` is a ValueError listing the valid ones. With a filter, the whole
     index is looked through (headers read in pipelined pages) until ``limit`` runs match. On a sharded
-    pool, each shard's newest ``limit`` merged by creation time."""
-    if status is not None and status not in STATUSES:
-        raise ValueError(f"unknown status {status!r}; valid: {', '.join(sorted(STATUSES))}")
+    pool, each shard's newest ``limit`` merged by creation time.
+
+    A run whose header this agentpool cannot decode (written by a newer agentpool during a rolling
+    deploy, or damaged) is listed with status ``unreadable``, ``error`` saying why, and its agent and
+    queue (counters zero); ``status="unreadable"`` lists only those, another status leaves them out.
+    ``get_run`` of it raises the same error (``SchemaTooNew`` or ``UnreadableRecord``)."""
+    if status is not None and status not in LISTED_STATUSES:
+        raise ValueError(f"unknown status {status!r}; valid: {', '.join(sorted(LISTED_STATUSES))}")
     pool = shards.pool_of(connection)
     if pool is not None:  # all of the runs or an error: a list short of a silent shard's runs would mislead
-        pages, silent = shards.each_answering(
-            pool, lambda r: list_runs(connection=r, limit=limit, status=status, agent=agent)
-        )
+        refused: list[RedisCredentialsRefused] = []
+
+        def shard_runs(r: Redis) -> list[Run]:
+            try:
+                return list_runs(connection=r, limit=limit, status=status, agent=agent)
+            except RedisCredentialsRefused as exc:
+                refused.append(exc)  # a wrong password is not a silent shard: raised below as it is
+                return []
+
+        pages, silent = shards.each_answering(pool, shard_runs)
+        if refused:
+            raise refused[0]
         if silent:
             raise RedisUnreachable(f"Redis unreachable at {silent[0]}")
         return newest_first([page for _shard, page in pages], limit)
     r = client_for(connection)
 
     def wanted(run_status: str, run_agent: str) -> bool:
-        return (not status or run_status == status) and (not agent or agent_matches(agent, run_agent))
+        # Whether a run is unreadable shows only once its header is decoded: that filter reads them all.
+        status_ok = not status or status == UNREADABLE or run_status == status
+        return status_ok and (not agent or agent_matches(agent, run_agent))
 
     filtered = bool(status or agent)
     runs: list[Run] = []
@@ -617,13 +689,43 @@ def list_runs(
         if len(runs) >= limit:
             break
         try:
-            state = load_header(run_id, header, open_sealed=False)
-        except AgentPoolError:
-            continue  # an unreadable record is shown by `agentpool show`, not guessed at here
-        run = Run.from_state(state)
+            run = Run.from_state(load_header(run_id, header, open_sealed=False))
+        except AgentPoolError as exc:
+            # Listed, not skipped: a run this agentpool cannot read (damaged, or written by a newer
+            # one during a rolling deploy) must not vanish from the list, or nobody learns its id.
+            if status in (None, UNREADABLE):
+                runs.append(_unreadable(r, run_id, header, exc))
+            continue
+        if status == UNREADABLE:
+            continue
         run.waiting = _waiting(r, run)
         runs.append(run)
     return runs
+
+
+def _unreadable(r: Redis, run_id: str, header: dict[bytes, bytes], exc: AgentPoolError) -> Run:
+    """A run ``list_runs`` cannot decode, as a Run with status ``unreadable`` and the reason in
+    ``error``. Only fields that are plain text are taken from the header (the agent and queue: what a
+    person needs to find whose run it is); the counters may be what does not decode."""
+
+    def text(name: bytes) -> str:
+        return header.get(name, b"").decode("utf-8", errors="replace")
+
+    created = (r.zscore(RUNS, run_id) or 0) / 1000  # the index's time: the header's may be what is broken
+    return Run(
+        id=run_id,
+        agent=text(b"agent"),
+        status=UNREADABLE,
+        turns=0,
+        messages=[],
+        pending=[],
+        usage={},
+        result=None,
+        error=str(exc),
+        created_at=created,
+        updated_at=created,
+        queue=text(b"queue") or DEFAULT_QUEUE,
+    )
 
 
 @names_the_server

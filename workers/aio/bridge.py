@@ -12,6 +12,7 @@ written twice, and a fix to one is a fix to both. The greenlet only ever waits o
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import sys
 from collections.abc import Callable
@@ -40,6 +41,10 @@ def await_only(awaitable: Any) -> Any:
 async def run_sync(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)``, whose Redis commands are awaited on this loop."""
     child = _Bridged(fn, greenlet.getcurrent())
+    # A new greenlet starts with an empty context: the sync code would not see the caller's context
+    # variables (the app's current OpenTelemetry span, which enqueue_run keeps with the run). A copy,
+    # as asyncio gives each task and asyncio.to_thread its function.
+    child.gr_context = contextvars.copy_context()
     result = child.switch(*args, **kwargs)
     while not child.dead:
         try:

@@ -370,7 +370,12 @@ def _age(seconds: float) -> str:
 
 @main.command()
 @url_option
-@click.option("--status", type=click.Choice(sorted(STATUSES)), default=None, help="Only runs with this status.")
+@click.option(
+    "--status",
+    type=click.Choice(sorted(STATUSES | {"unreadable"})),
+    default=None,
+    help="Only runs with this status (unreadable: the runs this agentpool cannot decode).",
+)
 @click.option(
     "--agent",
     default=None,
@@ -421,6 +426,9 @@ def _tree_lines(nodes: list[dict[str, Any]], level: int) -> list[str]:
 
 def _short_note(run: Run, now: float) -> str:
     """Why a queued or running run is not moving, in a few words (``show`` gives the whole story)."""
+    if run.status == "unreadable":  # the whole error is `agentpool show RUN_ID`'s, without the run's id
+        why = (run.error or "").removeprefix(f"run {run.id}").lstrip(": ")
+        return f"cannot read it here: {why}"[:120]
     waiting = run.waiting or {}
     kind = waiting.get("kind")
     if kind == "handed_back" and waiting["reason"] == "agent_not_loadable":
@@ -565,21 +573,34 @@ def _clip(text: str, limit: int) -> str:
 
 
 def _describe(content: object) -> list[str]:
+    """A message's lines for ``show``. Whatever the content holds is printed somehow: ``show`` is what a
+    person runs to look at a damaged run, so it must not fail on the damage (records.unpack_message
+    checks the shapes a run's messages have; an inbox message, for one, comes from elsewhere)."""
     if isinstance(content, str):
         return [_clip(content, 300)]
+    if not isinstance(content, list):
+        return [f"(unexpected content: {_clip(repr(content), 200)})"]
     lines = []
-    for block in content:  # type: ignore[union-attr]
+    for block in content:
+        if not isinstance(block, dict):
+            lines.append(f"(unexpected block: {_clip(repr(block), 200)})")
+            continue
         kind = block.get("type")
         if kind == "text":
-            lines.append(_clip(block["text"], 300))
+            lines.append(_clip(str(block.get("text")), 300))
         elif kind == "tool_use":
-            lines.append(f"-> {block['name']}({_clip(json.dumps(block.get('input')), 200)})  [{block['id']}]")
+            lines.append(
+                f"-> {block.get('name', '?')}({_clip(json.dumps(block.get('input'), default=str), 200)})"
+                f"  [{block.get('id', '?')}]"
+            )
         elif kind == "compaction":
-            lines.append(f"[compaction] {_clip(block.get('content') or '(failed)', 300)}")
+            lines.append(f"[compaction] {_clip(str(block.get('content') or '(failed)'), 300)}")
         elif kind == "tool_result":
             body = block.get("content")
-            body = body if isinstance(body, str) else json.dumps(body)
-            lines.append(f"<- {'ERROR ' if block.get('is_error') else ''}{_clip(body, 200)}  [{block['tool_use_id']}]")
+            body = body if isinstance(body, str) else json.dumps(body, default=str)
+            lines.append(
+                f"<- {'ERROR ' if block.get('is_error') else ''}{_clip(body, 200)}  [{block.get('tool_use_id', '?')}]"
+            )
         else:
             lines.append(f"({kind})")
     return lines

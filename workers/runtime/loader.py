@@ -25,9 +25,11 @@ class AgentNotFound(AgentPoolError):
     attribute, or the attribute is not an ``Agent``. Possibly only this worker's code is old."""
 
 
-def load_agent(path: str, *, add_cwd: bool = True) -> Agent:
+def load_agent(path: str, *, add_cwd: bool = True, connect_mcp: bool = True) -> Agent:
     """Import ``module:attribute`` with the current directory on the path, as ``rq worker`` does
-    (``add_cwd=False``: with the process's own path, for an app checking an agent at enqueue)."""
+    (``add_cwd=False``: with the process's own path, for an app checking an agent at enqueue).
+    ``connect_mcp=False``: the agent's MCP servers are not connected to (nor a stdio one started) to
+    list their tools: an app checking the agent it enqueues runs none of them."""
     check_agent_path(path)
     module_name, _, attr = path.partition(":")
     if add_cwd and "" not in sys.path and "." not in sys.path:
@@ -42,7 +44,7 @@ def load_agent(path: str, *, add_cwd: bool = True) -> Agent:
         raise AgentNotFound(f"module {module_name!r} has no attribute {attr!r} (agent {path!r})") from None
     if not isinstance(agent, Agent):
         raise AgentNotFound(f"{path!r} is not an agentpool Agent (found {type(agent).__name__})")
-    if agent.mcp_configs:  # its servers' tools, as listed now (connecting once per worker process)
+    if agent.mcp_configs and connect_mcp:  # its servers' tools, as listed now (connecting once per worker process)
         from agentpool.runtime.mcp_hub import attach
 
         attach(agent)

@@ -12,7 +12,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from redis import ConnectionPool, Redis
 from redis.connection import URL_QUERY_ARGUMENT_PARSERS, parse_url
-from redis.exceptions import ConnectionError, TimeoutError
+from redis.exceptions import AuthenticationError, ConnectionError, TimeoutError
 
 from agentpool import webhooks
 from agentpool.checks import limit_value
@@ -346,10 +346,17 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 
+class RedisCredentialsRefused(RedisUnreachable, AuthenticationError):
+    """Redis refused the password or user an API call connected with; the message names the server
+    (without its password). Raised at once: retrying cannot fix credentials. A
+    :class:`RedisUnreachable` still (Redis cannot be used from here, as before), and redis-py's
+    ``AuthenticationError``."""
+
+
 def names_the_server(fn: Callable[P, T]) -> Callable[P, T]:
     """For the API's functions: a Redis that cannot be reached is a :class:`RedisUnreachable` naming
     the server it tried (``connection=``'s, else ``REDIS_URL``'s, without a password), not redis-py's
-    bare ``ConnectionError``."""
+    bare ``ConnectionError``; one that refuses the credentials, a :class:`RedisCredentialsRefused`."""
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> T:
@@ -357,6 +364,9 @@ def names_the_server(fn: Callable[P, T]) -> Callable[P, T]:
             return fn(*args, **kwargs)
         except RedisUnreachable:
             raise
+        except AuthenticationError as exc:  # before ConnectionError, its base: it is not a dropped connection
+            server = server_of(kwargs.get("connection"))
+            raise RedisCredentialsRefused(f"Redis at {server} refused the credentials: {exc}") from exc
         except (ConnectionError, TimeoutError) as exc:
             raise RedisUnreachable(f"Redis unreachable at {server_of(kwargs.get('connection'))}: {exc}") from exc
 
@@ -379,7 +389,15 @@ def server_of(connection: Any) -> str:
         )
     if isinstance(connection, str):
         return redact_url(connection)
-    kwargs = getattr(getattr(connection, "connection_pool", None), "connection_kwargs", {})
+    pool = getattr(connection, "connection_pool", None)
+    kwargs = getattr(pool, "connection_kwargs", {})
+    manager = getattr(pool, "sentinel_manager", None)  # a Sentinel client (redis.sentinel or redis.asyncio's)
+    if manager is not None:  # named as its URL names it: the primary's address changes with a failover
+        sentinels = ",".join(
+            f"{s.connection_pool.connection_kwargs.get('host')}:{s.connection_pool.connection_kwargs.get('port')}"
+            for s in manager.sentinels
+        )
+        return f"redis+sentinel://{sentinels}/{pool.service_name}/{kwargs.get('db', 0)}"
     if "path" in kwargs:
         return f"unix://{kwargs['path']}"
     if "host" in kwargs:
