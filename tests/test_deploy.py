@@ -403,21 +403,41 @@ ONE = [a for a in UNIQUE if a[1] in ONE_SHOT]
 
 
 @pytest.mark.parametrize("argv", ONE, ids=[" ".join(a[1:]) for a in ONE])
-def test_each_probe_command_passes_with_redis_and_fails_without(argv, redis_server, agentpool_path):
-    ok = subprocess.run(
-        list(argv),
-        env=_env(agentpool_path, redis_server.url),
-        cwd=ROOT,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+def test_each_probe_command_passes_with_redis_and_fails_without(argv, redis_server, agentpool_path, tmp_path):
+    ready = {"AGENTPOOL_READY_DIR": str(tmp_path / "ready")}  # `check --worker`: this machine's workers
+    worker = None
+    if "--worker" in argv:  # passes once a worker here is registered (tests/test_worker_registration.py)
+        worker = subprocess.Popen(
+            ["agentpool", "worker", "--no-scheduler"],
+            env=_env(agentpool_path, redis_server.url, **ready),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            ok = subprocess.run(
+                list(argv),
+                env=_env(agentpool_path, redis_server.url, **ready),
+                cwd=ROOT,
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            if ok.returncode == 0 or worker is None or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+    finally:
+        if worker is not None:
+            worker.kill()
+            worker.wait()
     assert ok.returncode == 0, ok.stderr
     started = time.monotonic()
     down = subprocess.run(
         list(argv),
-        env=_env(agentpool_path, f"redis://127.0.0.1:{free_port()}/0"),
+        env=_env(agentpool_path, f"redis://127.0.0.1:{free_port()}/0", **ready),
         cwd=ROOT,
         check=False,
         capture_output=True,
@@ -813,8 +833,12 @@ def test_k8s_worker_deployment_probes_grace_resources_and_security():
     assert pod["terminationGracePeriodSeconds"] > TURN_BOUND
     assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
     (container,) = pod["containers"]
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert as_agentpool(container[probe]["exec"]["command"]) == ("agentpool", "check")
+    # Ready once the pod's worker is registered (a rollout waits for it); alive while Redis answers.
+    for probe, argv in (
+        ("readinessProbe", ("agentpool", "check", "--worker")),
+        ("livenessProbe", ("agentpool", "check")),
+    ):
+        assert as_agentpool(container[probe]["exec"]["command"]) == argv
         assert container[probe]["timeoutSeconds"] > 2, "`agentpool check` itself waits up to 2 s"
     assert container["resources"]["requests"]["memory"] and container["resources"]["limits"]["memory"]
     assert container["securityContext"]["allowPrivilegeEscalation"] is False

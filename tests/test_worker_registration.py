@@ -109,3 +109,31 @@ def test_a_worker_killed_whole_mid_turn_leaves_rq_info_within_90_seconds(r, pool
         assert time.monotonic() - killed < RECORD_TTL + 10, "rq info still lists the dead worker"
         time.sleep(2)
     assert rq_info_line(redis_server.url, "heir") is not None
+
+
+@pytest.mark.parametrize("kind", ["forking", "threaded"])
+def test_check_worker_is_ready_once_this_machines_worker_is_registered_and_not_once_it_is_gone(
+    kind, r, pool, model, redis_server, tmp_path
+):
+    """A readiness probe for a worker's pod: `agentpool check` says Redis answers, which it does long
+    before the worker has registered (and after it died); `check --worker` says the worker took its
+    place in the pool."""
+    ready_dir = {"AGENTPOOL_READY_DIR": str(tmp_path / "ready")}
+
+    def check_worker() -> subprocess.CompletedProcess[str]:
+        return pool.cli("check", "--worker", timeout=30, **ready_dir)
+
+    before = check_worker()
+    assert before.returncode == 1 and "no worker of this machine is registered" in before.stderr, before
+    threads = ("--concurrency", "2") if kind == "threaded" else ()
+    (worker,) = WorkerProcesses.start(pool, 1, "--name", f"ready-{kind}", "--no-scheduler", *threads, **ready_dir)
+    deadline = time.monotonic() + 60
+    while (up := check_worker()).returncode != 0:
+        assert time.monotonic() < deadline, (up.stderr, pool.logs())
+        time.sleep(0.3)
+    assert up.stdout.strip() == "ok" and r.exists(f"rq:worker:ready-{kind}")
+    pool.kill(worker)  # SIGKILL: its RQ record stays behind for a while, its note too
+    assert r.exists(f"rq:worker:ready-{kind}")
+    gone = check_worker()
+    assert gone.returncode == 1 and "no worker of this machine is registered" in gone.stderr, gone
+    assert list((tmp_path / "ready").iterdir()) == [], "the dead worker's note was removed"

@@ -964,15 +964,28 @@ def genkey() -> None:
     multiple=True,
     help="On a sharded pool: check only this shard (repeatable), as a probe of a worker serving it should.",
 )
-def check(url: str | None, strict: bool, shard_picks: tuple[str, ...]) -> None:
+@click.option(
+    "--worker",
+    "worker_here",
+    is_flag=True,
+    help="Also exit non-zero until a worker started on this machine is registered in the pool (on each "
+    "shard checked): a readiness probe for a worker's pod.",
+)
+def check(url: str | None, strict: bool, shard_picks: tuple[str, ...], worker_here: bool) -> None:
     """Exit 0 if Redis answers within 2 s (for liveness/readiness probes), non-zero otherwise. Server
     settings that put runs at risk, and a durability guard that cannot be met (no replica acknowledges),
     are printed as warnings (and fail the check with --strict). On a sharded pool, every shard (or
-    those given with --shard)."""
+    those given with --shard). With --worker, also whether a worker process of this machine
+    (``agentpool worker``) has taken its place in the pool: registered in RQ, on each shard checked."""
     from redis.exceptions import RedisError
 
     from agentpool.runtime.durability import unmet
     from agentpool.runtime.redis_checks import hazards
+    from agentpool.runtime.settings import server_of
+    from agentpool.worker import ready
+
+    here = ready.noted() if worker_here else []
+    missing: list[str] = []
 
     picked = _shards_served(url, shard_picks)[0] if shard_picks else None
     pool = pool_client(url, socket_timeout=2, retries=0)  # a probe answers within 2 s; its caller retries
@@ -988,6 +1001,10 @@ def check(url: str | None, strict: bool, shard_picks: tuple[str, ...]) -> None:
             found += [said + hazard for hazard in hazards(client)]
             guard = unmet(client)
             found += [said + guard] if guard else []
+            if worker_here:
+                keys = [note["key"] for note in here if note.get("server") == server_of(client)]
+                if not keys or not client.exists(*keys):
+                    missing.append(f"{said}no worker of this machine is registered (yet)")
         except RedisError as exc:
             if shard is None:
                 raise  # one Redis: the group's one line says where
@@ -999,7 +1016,9 @@ def check(url: str | None, strict: bool, shard_picks: tuple[str, ...]) -> None:
         click.echo(f"warning: {hazard}", err=True)
     if strict and found:
         raise click.ClickException(f"{len(found)} problem(s) put runs at risk or make them wait (above)")
-    if unreachable:
+    for line in missing:
+        click.echo(f"error: {line}", err=True)
+    if unreachable or missing:
         sys.exit(1)
     click.echo("ok")
 

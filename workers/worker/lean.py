@@ -60,9 +60,10 @@ from rq.worker import WorkerStatus
 
 from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import ended_by_turn, keep_queues_registered, note_execution, turn_of_job_id
-from agentpool.runtime.settings import Settings
+from agentpool.runtime.settings import Settings, server_of
 from agentpool.runtime.takeover import is_turn_job
 from agentpool.store.staged_job import EndedJob
+from agentpool.worker import ready
 
 HEARTBEAT_EVERY = 5.0  # seconds between the worker's own heartbeats
 # RQ keeps a worker's record worker_ttl + 60 s past each heartbeat, and job_monitoring_interval (30) + 60 s
@@ -103,6 +104,14 @@ class LeanTurnJobs:
         self.turn_timeout = int(Settings.from_env().turn_timeout)
 
     # -- the worker's own records ----------------------------------------------------------------
+
+    def register_birth(self) -> None:
+        super().register_birth()  # type: ignore[misc]
+        ready.note(self.key, server_of(self.connection))  # what `agentpool check --worker` looks for
+
+    def register_death(self) -> None:
+        ready.forget()
+        super().register_death()  # type: ignore[misc]
 
     def heartbeat(self, timeout: int | None = None, pipeline: Pipeline | None = None) -> None:
         """RQ calls this around every dequeue and job; it is sent at most every ``HEARTBEAT_EVERY``
