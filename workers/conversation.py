@@ -223,7 +223,8 @@ def fork_run(
         elsewhere = pool.find(fork_id)
         if elsewhere is not None and elsewhere != shard:
             raise RunExists(fork_id, f"on {pool.name(elsewhere)} and is not a fork of run {run_id}")
-        pool.claim(fork_id, shard)
+        if elsewhere is None:
+            pool.claim(fork_id, shard)
     parent = RunKeys.of(run_id)
     with r.pipeline(transaction=True) as pipe:  # one consistent snapshot of the parent
         pipe.hgetall(parent.run)

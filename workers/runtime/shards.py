@@ -170,8 +170,8 @@ class Shards:
         return None
 
     def claim(self, run_id: str, shard: int) -> None:
-        """Before a run with an id of the caller's is created on ``shard``: the id is taken for that shard
-        on the id's rule shard (``SET NX``), so that two requests racing to create it on two shards (two
+        """Before a run with an id of the caller's, found on no shard, is created on ``shard``: the id is
+        taken for that shard on the id's rule shard (``SET NX``), so that two requests racing to create it on two shards (two
         concurrency keys, a fork of a parent on another shard, a shard that was down when one of them
         looked) cannot both make it: the one that comes second gets :class:`RunExists` naming where it
         is made; a request for the same shard goes on, and its shard's own transaction decides (a retry
@@ -198,8 +198,9 @@ class Shards:
         if run_id is None:
             return next(self._next) % len(self) if concurrency_key is None else self._key_shard(concurrency_key)
         shard = self.find(run_id)
-        if shard is None:
-            shard = rule(run_id, len(self)) if concurrency_key is None else self._key_shard(concurrency_key)
+        if shard is not None:
+            return shard  # it exists: its shard's own transaction decides (the same request, or RunExists)
+        shard = rule(run_id, len(self)) if concurrency_key is None else self._key_shard(concurrency_key)
         self.claim(run_id, shard)
         return shard
 
