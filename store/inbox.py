@@ -74,7 +74,7 @@ def read_for_delivery(pipe: Pipeline | Redis, keys: RunKeys) -> tuple[list[tuple
 
 def merged(message: Mapping[str, Any] | None, waiting: list[tuple[str, Any]]) -> dict[str, Any] | None:
     """The user message that closes a turn: its tool_results (``message``) first, then the waiting messages."""
-    blocks = list(message["content"]) if message else []
+    blocks = as_blocks(message["content"]) if message else []  # a text content is one text block
     for _id, content in waiting:
         if content is not None:
             blocks.extend(as_blocks(content))

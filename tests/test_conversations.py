@@ -404,7 +404,7 @@ def test_a_fork_retried_after_its_parent_moved_on_returns_the_fork_it_made(r):
             r,
             keys,
             got.token,
-            message={"role": "user", "content": [{"type": "text", "text": "go on"}]},
+            message={"role": "user", "content": "go on"},
             enqueue_next=lambda pipe: None,
             turns=turn + 1,
         )
