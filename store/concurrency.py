@@ -49,13 +49,13 @@ def acquire(r: Redis, key: str, run_id: str, max_concurrency: int, token: str) -
 
 def release(r: Redis, key: str, run_id: str, token: str) -> bool:
     """Free the slot of the run's turn that held ``token``, waking the first waiter. True if one was woken."""
-    return _release(r, key, f"{run_id}|{token}", 0)
+    return bool(_release(r, key, f"{run_id}|{token}", 0))
 
 
 def wake_if_free(r: Redis, key: str, max_concurrency: int) -> bool:
     """Wake the first waiter if fewer than the key's limit are held: a turn's check once its wait is
     recorded (a slot freed between its acquire and that record woke nobody). True if one was woken."""
-    return _release(r, key, "", max_concurrency)
+    return bool(_release(r, key, "", max_concurrency))
 
 
 def leave_line(r: Redis, key: str, run_id: str) -> None:
@@ -68,14 +68,15 @@ def leave_line(r: Redis, key: str, run_id: str) -> None:
         pipe.execute()
 
 
-def _release(r: Redis, key: str, slot: str, max_concurrency: int) -> bool:
+def _release(r: Redis, key: str, slot: str, max_concurrency: int, wake: int = 1) -> int:
+    """How many waiters were woken (at most ``wake``)."""
     keys = ConcurrencyKeys.of(key)
-    return bool(
-        run_script(
+    return int(
+        run_script(  # type: ignore[arg-type]
             "slot_release",
             r,
             [keys.slots, keys.waiting, keys.wake, TURNS_DEFERRED, CONCURRENCY_LIMITS],
-            [slot, key, int(max_concurrency or 0)],
+            [slot, key, int(max_concurrency or 0), wake],
         )
     )
 
@@ -85,14 +86,22 @@ def stage_wake(pipe: Pipeline, key: str, run_id: str, deferred_member: str, expi
     pipe.hset(ConcurrencyKeys.of(key).wake, run_id, f"{expires_ms}|{deferred_member}")
 
 
-def set_limit(r: Redis, key: str, limit: int | None) -> None:
-    """The operator's limit for ``key`` (None: the runs' own max_concurrency again)."""
+# Waiters an unset operator limit wakes at most: each asks again with its run's own max_concurrency
+# (those that find no slot wait again); the rest are woken as slots free.
+WAKE_ON_UNSET = 100
+
+
+def set_limit(r: Redis, key: str, limit: int | None) -> int:
+    """The operator's limit for ``key`` (None: the runs' own max_concurrency again). Turns waiting for
+    the key are woken for the slots a higher limit frees at once (their deferred turns made due), not
+    left until a holder ends or their poll. Returns how many were woken."""
     ConcurrencyKeys.of(key)  # a clear error for a bad key
     if limit is None:
         r.hdel(CONCURRENCY_LIMITS, key)
-    else:
-        r.hset(CONCURRENCY_LIMITS, key, int(limit))
-        r.sadd(CONCURRENCY_KEYS, key)
+        return _release(r, key, "", WAKE_ON_UNSET, wake=WAKE_ON_UNSET)
+    r.hset(CONCURRENCY_LIMITS, key, int(limit))
+    r.sadd(CONCURRENCY_KEYS, key)
+    return _release(r, key, "", int(limit), wake=int(limit))
 
 
 @dataclass(frozen=True)

@@ -202,6 +202,24 @@ def test_a_slot_freed_while_a_turn_records_its_wait_wakes_it(r: Redis) -> None:
     assert not concurrency.wake_if_free(r, "acme", 1) and not _woken(r, _waits(r, "x"))
 
 
+def test_an_operator_raising_a_keys_limit_wakes_the_turns_it_lets_in(r: Redis) -> None:
+    """`agentpool limits set acme 3` while two turns wait behind one: both are woken now (their deferred
+    turns made due), not when the holder ends or their poll comes; a limit that frees no slot wakes none."""
+    concurrency.set_limit(r, "acme", 1)
+    _hold(r, "h", "1:h")
+    assert concurrency.acquire(r, "acme", "h", 5, "1:h").granted
+    waiting = {}
+    for run_id in ("w1", "w2", "w3"):
+        _hold(r, run_id, "1:x")
+        assert not concurrency.acquire(r, "acme", run_id, 5, "1:x").granted
+        waiting[run_id] = _waits(r, run_id)
+        time.sleep(0.002)  # the line is ordered by when each began to wait
+    assert concurrency.set_limit(r, "acme", 1) == 0 and not any(_woken(r, m) for m in waiting.values())
+    assert concurrency.set_limit(r, "acme", 3) == 2, "two slots free: the first two in line"
+    assert [_woken(r, waiting[w]) for w in ("w1", "w2", "w3")] == [True, True, False]
+    assert concurrency.set_limit(r, "acme", None) >= 1 and _woken(r, waiting["w3"]), "its run's own limit (5) holds"
+
+
 def test_a_cancelled_waiter_leaves_the_line_and_the_next_one_is_woken(r: Redis) -> None:
     """Left in line, a cancelled run took the next wake-up and counted as ahead until its place expired."""
     holder = enqueue_run("pool_agents:support", "holds", connection=r, concurrency_key="acme", max_concurrency=1)

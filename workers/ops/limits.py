@@ -40,11 +40,11 @@ def set_limit(url: str | None, key: str, limit: int) -> None:
     from agentpool.store import concurrency
 
     try:
-        for _shard, r in each(pool_client(url)):  # every shard: a key's runs may be on any after a shard is added
-            concurrency.set_limit(r, key, limit)
+        # every shard: a key's runs may be on any after a shard is added
+        woken = sum(concurrency.set_limit(r, key, limit) for _shard, r in each(pool_client(url)))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="KEY") from None
-    click.echo(f"{key}: at most {limit} turn(s) in flight")
+    click.echo(f"{key}: at most {limit} turn(s) in flight" + (f"; {woken} waiting turn(s) woken" if woken else ""))
 
 
 @limits.command("unset")
@@ -55,11 +55,10 @@ def unset_limit(url: str | None, key: str) -> None:
     from agentpool.store import concurrency
 
     try:
-        for _shard, r in each(pool_client(url)):
-            concurrency.set_limit(r, key, None)
+        woken = sum(concurrency.set_limit(r, key, None) for _shard, r in each(pool_client(url)))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="KEY") from None
-    click.echo(f"{key}: the runs' own max_concurrency holds")
+    click.echo(f"{key}: the runs' own max_concurrency holds" + (f"; {woken} waiting turn(s) woken" if woken else ""))
 
 
 @limits.command()
