@@ -6,12 +6,14 @@ when the status does: a worker killed right after the run ended still leaves it 
 sits in the run's ``webhooks`` hash (which expires with the run) and in ``ap:webhooks:due`` (due time),
 where the delivery threads of every worker find it (``agentpool.runtime.webhook_delivery``). A worker
 claims one delivery at a time with a lease (its place in the due set moves a lease ahead); one killed
-while delivering leaves it due again when the lease ends. What the run's body says and how it is signed
-is ``agentpool.webhooks``'s.
+while delivering leaves it due again when the lease ends. Leases and due times are read on Redis's clock
+(TIME), never a worker's: a worker whose clock runs ahead would otherwise take live claims. What the
+run's body says and how it is signed is ``agentpool.webhooks``'s.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -56,8 +58,11 @@ def split_id(delivery_id: str) -> tuple[str, int]:
 
 
 def due(r: Redis, *, limit: int = 20) -> list[str]:
-    """Ids of deliveries due now (and not claimed by a live worker), the longest due first."""
-    return [raw.decode() for raw in r.zrangebyscore(WEBHOOKS_DUE, "-inf", now_ms(), start=0, num=limit)]
+    """Ids of deliveries due now (and not claimed by a live worker), the longest due first. "Now" is
+    Redis's clock, the one claims and retries are scored on (a worker's clock may be off)."""
+    seconds, micros = r.time()
+    now = seconds * 1000 + micros // 1000
+    return [raw.decode() for raw in r.zrangebyscore(WEBHOOKS_DUE, "-inf", now, start=0, num=limit)]
 
 
 @dataclass(frozen=True)
@@ -82,11 +87,8 @@ def claim(r: Redis, delivery_id: str, *, lease_ms: int, secret: bool, default: b
     run_id, n = split_id(delivery_id)
     keys = RunKeys.of(run_id)
     token = secrets.token_hex(8)
-    now = now_ms()
     has = ",".join(name for name, ok in (("secret", secret), ("default", default)) if ok)
-    got = run_script(
-        "webhook_claim", r, [WEBHOOKS_DUE, keys.webhooks], [delivery_id, n, now, now + lease_ms, token, has]
-    )
+    got = run_script("webhook_claim", r, [WEBHOOKS_DUE, keys.webhooks], [delivery_id, n, int(lease_ms), token, has])
     if not isinstance(got, list):
         return int(got)  # type: ignore[call-overload]
     attempt, summary, result = got
@@ -102,24 +104,41 @@ def _summary(blob: bytes | None) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-def done(r: Redis, claim: Claim, outcome: str, *, error: str = "", retry_at_ms: int = 0) -> bool:
-    """Record an attempt's ``outcome``: ``delivered``, ``retry`` (due again at ``retry_at_ms``),
-    or ``undelivered`` (given up). True if recorded (a late failure, from a worker whose claim another
-    worker took over, is not)."""
+def done(r: Redis, claim: Claim, outcome: str, *, error: str = "", retry_in_ms: int = 0) -> bool:
+    """Record an attempt's ``outcome``: ``delivered``, ``retry`` (due again ``retry_in_ms`` from now,
+    on Redis's clock), or ``undelivered`` (given up). True if recorded (a late failure, from a worker
+    whose claim another worker took over, is not)."""
     keys = RunKeys.of(claim.run_id)
     return bool(
         run_script(
             "webhook_done",
             r,
             [WEBHOOKS_DUE, keys.webhooks],
-            [claim.delivery_id, claim.n, claim.token, outcome, now_ms(), retry_at_ms, safe_text(error)[:500]],
+            [claim.delivery_id, claim.n, claim.token, outcome, max(0, int(retry_in_ms)), safe_text(error)[:500]],
         )
     )
 
 
+def shown_receiver(url: str) -> str:
+    """A webhook's ``url`` as readers of the run may see it: ``scheme://host[:port]`` and a short digest
+    of the whole URL (so two receivers on one host can be told apart), never its path, query or
+    credentials: Slack's and Discord's webhooks carry their secret in the path, others in the query.
+    '' stays '' (the pool's default receiver)."""
+    if not url:
+        return ""
+    try:
+        parts = urlsplit(url)
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:  # not a URL check_url let through (recorded by an older version): nothing of it
+        return "(an unreadable URL)"
+    host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname
+    digest = hashlib.sha256(url.encode("utf-8", errors="replace")).hexdigest()[:8]
+    return f"{parts.scheme}://{host}{port} (#{digest})"
+
+
 def bare_url(url: str) -> str:
-    """``url`` as readers may see it: scheme, host, port and path; never credentials or a query (a
-    receiver's token often rides there). '' stays '' (the pool's default receiver)."""
+    """``url`` without credentials or a query: scheme, host, port and path (MCP servers' URLs, see
+    agentpool.mcp_tools; a webhook's is shown by ``shown_receiver``, without its path). '' stays ''."""
     if not url:
         return ""
     parts = urlsplit(url)
@@ -131,7 +150,7 @@ def deliveries(r: Redis, keys: RunKeys) -> list[dict[str, Any]]:
     """The run's deliveries, oldest first, for ``get_run``, ``agentpool show`` and the dashboard:
     id, event, status (the run's, when recorded), state, attempts, at (recorded, s), last_attempt_at,
     next_at, done_at (s), error (the last failure), waiting (why nobody makes it), url ('' for the pool
-    default; without credentials or query: ``bare_url``)."""
+    default; scheme, host, port and a digest, never path or query: ``shown_receiver``)."""
     raw = {k.decode(): v for k, v in r.hgetall(keys.webhooks).items()}
     found = []
     for name in sorted((k for k in raw if k.isdigit()), key=int):
@@ -157,7 +176,7 @@ def deliveries(r: Redis, keys: RunKeys) -> list[dict[str, Any]]:
                 "done_at": seconds("done"),
                 "error": text("error") or None,
                 "waiting": text("waiting") or None,
-                "url": bare_url(summary.get("url", "")),
+                "url": shown_receiver(summary.get("url", "")),
             }
         )
     return found

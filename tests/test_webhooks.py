@@ -5,6 +5,7 @@ check it with ``agentpool.webhooks.verify``. A real HTTP receiver runs in this p
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +29,7 @@ from conftest import TESTS, script_task, wait_for_status
 
 SECRET = "whsec-test-0123456789abcdef"
 WORKER_ENV = {"AGENTPOOL_WEBHOOK_SECRET": SECRET, "AGENTPOOL_WEBHOOK_TIMEOUT": "2"}
+FAILED = "no 2xx answer (the reason is in the worker's log)"  # all a reader of a run learns of a failure
 DONE = [{"text": "All done: the notes are summarized."}]
 READ = {"name": "read_notes", "input": {"topic": "weekly"}}
 
@@ -189,16 +191,29 @@ def test_a_failing_receiver_gets_the_same_delivery_again_until_it_answers_2xx(r:
     assert all(d["event"] is not None for d in hook.received), "each retry is signed anew and verifies"
     [shown] = _delivered(r, run_id)
     assert shown["state"] == "delivered" and shown["attempts"] == 4
-    assert shown["error"] == "HTTP 500", "the last failure is kept"
-    # The receiver's answer goes to the worker's log, not to readers of the run: a webhook pointed at an
-    # internal service must not read its answers back through the run.
-    assert "HTTP 500: nope" in pool.logs() and "nope" not in json.dumps(get_run(run_id, connection=r).webhooks)
+    assert shown["error"] == FAILED, "the last failure is kept"
+    # The receiver's answer, and even its status, go to the worker's log, not to readers of the run: a
+    # webhook pointed at an internal service must not read its answers (or whether it is there) back
+    # through the run.
+    assert "HTTP 500: nope" in pool.logs()
+    assert "nope" not in json.dumps(get_run(run_id, connection=r).webhooks) and "500" not in shown["error"]
+    # The URL is shown as scheme, host, port and a digest: never its path or query, where Slack's and
+    # Discord's webhooks (path) and others (query) carry their secret; nor in the worker's log.
     show = pool.cli("show", run_id, timeout=60)
     line = next(line for line in show.stdout.splitlines() if shown["id"] in line)
-    assert "delivered (4 attempts)" in line and "team=qa" not in line, line  # the query is not shown
-    # Nor to a reader of the run, through the API or the dashboard's JSON: a receiver's token rides there.
-    assert shown["url"] == hook.url.split("?")[0] and "team=qa" not in json.dumps(run_detail(r, run_id, 0))
-    assert [w["url"] for w in get_run(run_id, connection=r).webhooks] == [shown["url"]]
+    assert "delivered (4 attempts)" in line and "hooks/agentpool" not in line and "team=qa" not in line, line
+    assert shown["url"].startswith(f"http://127.0.0.1:{hook.server.server_address[1]} (#"), shown["url"]
+    other = hook.url.replace("team=qa", "team=ops")
+    with r.pipeline() as pipe:  # a run of another team, to the same host: its receiver is told apart
+        pipe.multi()
+        r.hset(RunKeys.of("r-other").run, mapping={"webhook": other, "created_at": 1})
+        deliveries.stage_record(pipe, RunKeys.of("r-other"), "completed", "")
+        pipe.execute()
+    [theirs] = deliveries.deliveries(r, RunKeys.of("r-other"))
+    assert theirs["url"] != shown["url"] and theirs["url"].split(" ")[0] == shown["url"].split(" ")[0]
+    for shown_to in (json.dumps(run_detail(r, run_id, 0)), json.dumps(get_run(run_id, connection=r).webhooks)):
+        assert shown["url"] in shown_to and "hooks/agentpool" not in shown_to and "team=qa" not in shown_to
+    assert "hooks/agentpool" not in pool.logs(tail=10_000_000)
 
 
 def test_a_delivery_nobody_accepts_is_given_up_after_its_max_age_and_shown_undelivered(
@@ -209,10 +224,10 @@ def test_a_delivery_nobody_accepts_is_given_up_after_its_max_age_and_shown_undel
     pool.start(1, AGENTPOOL_WEBHOOK_MAX_AGE="3", **WORKER_ENV)
     run_id = enqueue_run("pool_agents:support", script_task("done"), connection=r, webhook=hook.url)
     [given_up] = _delivered(r, run_id)
-    assert given_up["state"] == "undelivered" and given_up["error"] == "HTTP 500"
+    assert given_up["state"] == "undelivered" and given_up["error"] == FAILED
     assert given_up["attempts"] == len(hook.received) >= 2 and r.zcard(WEBHOOKS_DUE) == 0
     show = pool.cli("show", run_id, timeout=60)
-    assert f"UNDELIVERED, given up after {given_up['attempts']} attempts; last error: HTTP 500" in show.stdout
+    assert f"UNDELIVERED, given up after {given_up['attempts']} attempts; last error: {FAILED}" in show.stdout
     pool.wait_for_log(lambda line: "undelivered after" in line, "about the delivery given up")
 
 
@@ -325,6 +340,8 @@ def test_the_status_write_itself_records_the_delivery_and_a_child_runs_names_its
 def test_verify_refuses_a_forged_a_replayed_and_an_unsigned_delivery() -> None:
     body = json.dumps({"type": "run.ended", "delivery": "r_1.1.1", "run": {"id": "r_1", "status": "completed"}})
     header = sign(body.encode(), SECRET)
+    now = int(time.time())
+    other_digits = "".join(chr(0x660 + int(digit)) for digit in str(now))  # now, in Arabic-Indic digits
     assert verify(body.encode(), header, SECRET)["run"]["status"] == "completed"
     assert verify(body, header, ["an-old-secret-rotated-out", SECRET])["delivery"] == "r_1.1.1"
     forged = body.replace("completed", "failed")
@@ -334,6 +351,9 @@ def test_verify_refuses_a_forged_a_replayed_and_an_unsigned_delivery() -> None:
         "replayed an hour later": (body, sign(body.encode(), SECRET, at=int(time.time()) - 3600), SECRET),
         "unsigned": (body, None, SECRET),
         "malformed": (body, "v1=abc", SECRET),
+        # Only ASCII digits and hex: other characters are refused as malformed, never a TypeError.
+        "non-ASCII signature": (body, f"t={int(time.time())},v1=\u00e9abc", SECRET),
+        "non-ASCII digits": (body, f"t={other_digits},{sign(body.encode(), SECRET, at=now).split(',')[1]}", SECRET),
     }
     for what, (text, signature, secret) in refusals.items():
         with pytest.raises(WebhookSignatureError) as caught:
@@ -378,6 +398,10 @@ def test_a_bad_webhook_is_refused_at_enqueue_in_one_line_and_makes_nothing(r: Re
         ("https://", "must name a host"),
         ("https://user:s3cr3t@hooks.example.com/x", "credentials"),
         ("https://hooks.example.com:port/x", "not a valid URL"),
+        # An HTTP request line is ASCII: such a URL could never be POSTed.
+        ("https://hooks.example.com/caf\u00e9", "must be ASCII"),
+        ("https://hooks.example.com/x?token=\u00fc", "must be ASCII"),
+        ("https://b\u00fccher.example/x", "must be ASCII"),
     ]:
         with pytest.raises(ValueError) as caught:
             enqueue_run("pool_agents:support", "task", connection=r, webhook=webhook)
@@ -398,3 +422,119 @@ def test_a_bad_webhook_is_refused_at_enqueue_in_one_line_and_makes_nothing(r: Re
     )
     assert cli.returncode != 0 and "http:// or https://" in cli.stderr and len(cli.stderr.strip().splitlines()) == 1
     assert r.zcard(RUNS) == 0
+
+
+class TricklingReceiver:
+    """A receiver that reads the request, then answers one byte every second, never finishing: each
+    socket read of the worker gets a byte well within AGENTPOOL_WEBHOOK_TIMEOUT (2 s)."""
+
+    def __init__(self) -> None:
+        self.posts: list[float] = []  # when each request arrived (monotonic)
+        self.stopping = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/hook"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(65536)
+            self.posts.append(time.monotonic())
+            try:
+                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000:
+                    if self.stopping.wait(1.0):
+                        return
+                    conn.send(bytes([byte]))
+            except OSError:  # the worker gave up on us
+                return
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.listener.close()
+
+
+def test_a_receiver_trickling_its_answer_holds_the_delivery_thread_no_longer_than_the_timeout(
+    r: Redis, pool, model, receiver
+) -> None:
+    slow, good = TricklingReceiver(), receiver()
+    try:
+        model.set_scripts({"done": DONE})
+        pool.start(1, **WORKER_ENV)  # one worker, one delivery thread; the claim's lease is 11 s
+        slowed = enqueue_run("pool_agents:support", script_task("done", "slow"), connection=r, webhook=slow.url)
+        deadline = time.monotonic() + 60
+        while not slow.posts:
+            assert time.monotonic() < deadline, "the trickling receiver was never POSTed"
+            time.sleep(0.05)
+        # Another tenant's run, to a healthy receiver, while the thread is in the trickling one: the
+        # attempt ends at its timeout (2 s) whatever the receiver does, so this one is delivered soon,
+        # well before the slow delivery's lease would end (the pool is not stuck behind one receiver).
+        other = enqueue_run("pool_agents:support", script_task("done", "other"), connection=r, webhook=good.url)
+        good.wait_for(lambda got: len(got) == 1, "the other tenant's delivery", timeout=20)
+        assert good.accepted()[other]["run"]["status"] == "completed"
+        # The slow attempt was recorded as a failure, to be retried, by the worker that made it.
+        [stuck] = deliveries.deliveries(r, RunKeys.of(slowed))
+        assert stuck["state"] == "pending" and stuck["attempts"] >= 1 and stuck["error"] == FAILED, stuck
+        pool.wait_for_log(lambda line: "no answer within 2 s" in line, "about the slow receiver", timeout=10)
+    finally:
+        slow.stop()
+
+
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return s.getsockname()[1]
+
+
+def test_a_delivery_that_cannot_be_made_is_given_up_and_readers_never_learn_why(r: Redis, pool, model, receiver):
+    hook = receiver(fail_first=10**6)
+    model.set_scripts({"done": DONE})
+    odd = enqueue_run("pool_agents:support", script_task("done", "odd"), connection=r, webhook=hook.url)
+    # A URL an older version let through (check_url now refuses it): http.client cannot send it at all.
+    r.hset(RunKeys.of(odd).run, "webhook", hook.url.replace("agentpool", "caf\u00e9"))
+    refused = f"http://127.0.0.1:{_free_port()}/hook"  # nothing listens there
+    closed = enqueue_run("pool_agents:support", script_task("done", "closed"), connection=r, webhook=refused)
+    failing = enqueue_run("pool_agents:support", script_task("done", "failing"), connection=r, webhook=hook.url)
+    pool.start(1, AGENTPOOL_WEBHOOK_MAX_AGE="3", **WORKER_ENV)
+    for run_id in (odd, closed, failing):
+        [given_up] = _delivered(r, run_id, timeout=60)
+        # Retried and given up like any failure; and one error text for all: whoever reads runs must not
+        # learn which ports are open, or which speak HTTP, through a webhook pointed at them.
+        assert given_up["state"] == "undelivered" and given_up["attempts"] >= 1, given_up
+        assert given_up["error"] == FAILED, given_up
+    logs = pool.logs(tail=10_000_000)
+    assert "UnicodeEncodeError" in logs and "Connection refused" in logs and "HTTP 500: nope" in logs
+    assert "unexpected error" not in logs and "Traceback" not in logs
+
+
+def test_a_claimer_whose_clock_runs_ahead_takes_no_live_claim(r: Redis, redis_server) -> None:
+    keys = RunKeys.of("r-skewed")
+    with r.pipeline() as pipe:
+        pipe.multi()
+        r.hset(keys.run, mapping={"webhook": "http://hooks.example.com/x", "created_at": 1})
+        deliveries.stage_record(pipe, keys, "completed", "")
+        pipe.execute()
+    [due] = deliveries.due(r)
+    first = deliveries.claim(r, due, lease_ms=35_000, secret=True, default=False)
+    assert isinstance(first, deliveries.Claim)
+    # Another worker, a process whose wall clock runs a minute ahead, looks for due deliveries and
+    # tries to claim this one: the lease is Redis's time, so it is still live for that worker too.
+    skewed = (
+        "import time; real = time.time; time.time = lambda: real() + 60\n"
+        "from redis import Redis\n"
+        "from agentpool.store import webhooks as d\n"
+        f"r = Redis.from_url({redis_server.url!r})\n"
+        f"got = d.claim(r, {due!r}, lease_ms=35_000, secret=True, default=False)\n"
+        "print(d.due(r), 'claimed' if isinstance(got, d.Claim) else got)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", skewed], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split() == ["[]", str(deliveries.NOT_DUE)], done.stdout
+    assert deliveries.done(r, first, "retry", error=FAILED, retry_in_ms=1000), "the first claim still holds"
+    assert deliveries.deliveries(r, keys)[0]["attempts"] == 1

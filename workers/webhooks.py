@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from urllib.parse import urlsplit
 
 from agentpool.store.errors import AgentPoolError
 from agentpool.store.records import RESULT_SEALED_PREFIX, USAGE_FIELDS
-from agentpool.store.webhooks import EVENTS, bare_url
+from agentpool.store.webhooks import EVENTS, shown_receiver
 
 SIGNATURE_HEADER = "Agentpool-Signature"
 DELIVERY_HEADER = "Agentpool-Delivery"
@@ -68,6 +69,13 @@ def check_url(url: object, *, subject: str = "webhook") -> str:
         raise ValueError(f"{subject} must not hold credentials (user:password@): deliveries are signed instead")
     if any(c.isspace() or ord(c) < 32 for c in url) or len(url) > 2000:
         raise ValueError(f"{subject} holds whitespace or control characters, or is longer than 2000 characters")
+    # An HTTP request line is ASCII: a URL with any other character could never be POSTed (each attempt
+    # would fail the same way until the delivery is given up a day later), so it is refused here, now.
+    if not url.isascii():
+        raise ValueError(
+            f"{subject} must be ASCII: percent-encode the path and query (caf%C3%A9), "
+            "write an international host name in its xn-- (IDNA) form"
+        )
     return url
 
 
@@ -81,8 +89,9 @@ def check_events(events: object, *, subject: str = "webhook_events") -> tuple[st
 
 
 def shown_url(url: str) -> str:
-    """The URL for logs and ``show``: scheme, host, port and path; never credentials or a query."""
-    return bare_url(url) or "the pool default (AGENTPOOL_WEBHOOK_URL)"
+    """The URL for logs and ``show``: scheme, host and port and a digest of the whole URL; never its
+    path, query or credentials (``shown_receiver``)."""
+    return shown_receiver(url) or "the pool default (AGENTPOOL_WEBHOOK_URL)"
 
 
 def sign(body: bytes, secret: str, *, at: int | None = None) -> str:
@@ -130,17 +139,24 @@ def verify(
         raise WebhookSignatureError(f"signed body is not JSON: {exc}") from None
 
 
+# ASCII only: str.isdigit() takes other scripts' digits ("\u0661"), and hmac.compare_digest raises
+# TypeError, not a refusal, on a non-ASCII str. Anything else in the header is not ours: ignored.
+_TIMESTAMP = re.compile(r"[0-9]{1,12}", re.ASCII)
+_SIGNATURE = re.compile(r"[0-9a-fA-F]{1,128}", re.ASCII)
+
+
 def _parse(header: str) -> tuple[int, list[str]]:
     t: int | None = None
     signatures = []
     for item in header.split(","):
         name, eq, value = item.strip().partition("=")
+        value = value.strip()
         if not eq:
             continue
-        if name == "t" and value.isdigit():
+        if name == "t" and _TIMESTAMP.fullmatch(value):
             t = int(value)
-        elif name == "v1" and value:
-            signatures.append(value.strip().lower())
+        elif name == "v1" and _SIGNATURE.fullmatch(value):
+            signatures.append(value.lower())
     if t is None or not signatures:
         raise WebhookSignatureError(f"malformed {SIGNATURE_HEADER} header: expected t=<unix seconds>,v1=<hex>")
     return t, signatures

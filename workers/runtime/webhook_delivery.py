@@ -7,24 +7,29 @@ exponential backoff with jitter, until the delivery is ``AGENTPOOL_WEBHOOK_MAX_A
 undelivered, with the last error, which ``agentpool show`` and the dashboard show.
 
 It runs beside the turns, never inside one and never inside a model call: a slow or dead receiver
-delays other deliveries, never a turn. One attempt is bounded by ``AGENTPOOL_WEBHOOK_TIMEOUT`` per
-socket operation (connect, send, the status line); the claim's lease covers three of them and a margin,
-so a worker killed while delivering leaves the delivery due again for any worker then. Redirects are
-not followed (a 3xx is a failure); nothing but the run's summary is sent (no key, no Redis URL), and
-logs name the receiver without its credentials or query.
+delays other deliveries, never a turn. One attempt as a whole (DNS, connect, TLS, send, the answer's
+status line and headers) is bounded by ``AGENTPOOL_WEBHOOK_TIMEOUT``, not each socket read: a receiver
+trickling its answer cannot hold the thread, and every attempt ends well inside the claim's lease
+(three timeouts and a margin), so no other worker takes over a delivery still being made. A worker
+killed while delivering leaves the delivery due again for any worker when the lease ends. Redirects
+are not followed (a 3xx is a failure); nothing but the run's summary is sent (no key, no Redis URL);
+logs name the receiver by scheme, host and port only; the run records only that an attempt failed
+(``FAILED``), the reason goes to the log.
 """
 
 from __future__ import annotations
 
+import http.client
+import io
 import logging
 import random
 import socket
+import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from redis import Redis
 from redis.exceptions import RedisError
@@ -45,26 +50,24 @@ LEFT_FOR_OTHERS = 30.0  # seconds this worker leaves alone a delivery it cannot 
 USER_AGENT = "agentpool-webhooks/1"
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None  # urllib then raises HTTPError with the 3xx: a failure, retried like any other
-
-
-_opener = urllib.request.build_opener(_NoRedirects)
-
-
 def backoff(attempt: int) -> float:
     """Seconds before the next try after failed attempt ``attempt`` (1, 2, ...): exponential, capped,
     with jitter so that the deliveries of a receiver that was down do not all come back at once."""
     return min(MAX_BACKOFF, FIRST_BACKOFF * 2 ** min(attempt - 1, 30)) * random.uniform(0.5, 1.0)
 
 
+# What readers of a run see of any failed attempt: the same words whatever happened. A run's webhook may
+# point anywhere the workers reach; if "connection refused", "HTTP 403" or "no answer" were recorded
+# with the run, whoever may enqueue and read runs could map the workers' network (which ports are
+# open, which speak HTTP) through it. The reason itself goes to the worker's log.
+FAILED = "no 2xx answer (the reason is in the worker's log)"
+
+
 @dataclass(frozen=True)
 class Failure:
-    """What went wrong, in one line (no URL: it may carry a token), and the start of the receiver's
-    answer. Only ``what`` is recorded with the run, where whoever may read the run reads it: an answer's
-    body, read back from wherever the run's webhook pointed (an internal service, say), goes to the
-    worker's log only."""
+    """What went wrong, in one line for the worker's log (no URL: it may carry a token), and the start of
+    the receiver's answer (log only too: an answer read back from wherever the run's webhook pointed,
+    an internal service say, must not reach whoever reads the run). The run records ``FAILED``."""
 
     what: str
     answer: str = ""
@@ -73,32 +76,151 @@ class Failure:
         return f"{self.what}: {self.answer}" if self.answer else self.what
 
 
+class _Deadline:
+    """The end of one attempt. ``left()`` is the time remaining, and raises TimeoutError once none is:
+    each socket operation gets only that, so the attempt as a whole, not each read, is bounded (a
+    receiver trickling a byte a second would otherwise hold the delivery thread for ever)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the attempt's deadline passed")
+        return left
+
+
+def _resolve(host: str, port: int, deadline: _Deadline) -> list[Any]:
+    """getaddrinfo within the deadline. The resolver has no timeout of its own, so it runs in a thread
+    that is left behind if it is late (it ends when the resolver gives up: a few seconds)."""
+    found: list[Any] = []
+
+    def look_up() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller as is
+            found.append(exc)
+
+    thread = threading.Thread(target=look_up, name="agentpool-webhook-dns", daemon=True)
+    thread.start()
+    thread.join(deadline.left())
+    if not found:
+        raise TimeoutError(f"resolving {host} took longer than the attempt's deadline")
+    if isinstance(found[0], Exception):
+        raise found[0]
+    return found[0]
+
+
+class _DeadlineSocket:
+    """The connected socket as http.client uses it (``sendall``, ``makefile``, ``close``), every
+    operation given only the time left until the attempt's deadline."""
+
+    def __init__(self, sock: socket.socket, deadline: _Deadline) -> None:
+        self.sock, self.deadline = sock, deadline
+
+    def sendall(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:  # chunk by chunk: a receiver reading slowly cannot stretch the send either
+            self.sock.settimeout(self.deadline.left())
+            view = view[self.sock.send(view) :]
+
+    def makefile(self, mode: str = "rb") -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self))
+
+    def close(self) -> None:
+        pass  # http.client closes the connection before the answer is read (Connection: close): post does
+
+
+class _DeadlineReader(io.RawIOBase):
+    def __init__(self, owner: _DeadlineSocket) -> None:
+        self.owner = owner
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        self.owner.sock.settimeout(self.owner.deadline.left())
+        return self.owner.sock.recv_into(b)
+
+
+class _Connection(http.client.HTTPConnection):
+    """http.client's connection, connected (DNS, TCP, TLS) within the attempt's deadline and then
+    reading and writing through a :class:`_DeadlineSocket`."""
+
+    def __init__(self, scheme: str, host: str, port: int | None, deadline: _Deadline) -> None:
+        self.tls = scheme == "https"
+        self.default_port = 443 if self.tls else 80  # the Host header names the port only if another
+        super().__init__(host, port or self.default_port)
+        self.deadline = deadline
+        self.opened: socket.socket | None = None
+
+    def connect(self) -> None:
+        error: Exception = OSError(f"no address for {self.host}")
+        for family, kind, proto, _, address in _resolve(self.host, self.port, self.deadline):
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.settimeout(self.deadline.left())
+                sock.connect(address)
+                break
+            except OSError as exc:  # TimeoutError included: try the next address while time is left
+                sock.close()
+                error = exc
+        else:
+            raise error
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls:  # the handshake is bounded by the timeout as a whole (ssl's own deadline)
+                sock.settimeout(self.deadline.left())
+                sock = _TLS.wrap_socket(sock, server_hostname=self.host)
+        except BaseException:
+            sock.close()
+            raise
+        self.opened = sock  # closed by post
+        self.sock = _DeadlineSocket(sock, self.deadline)  # type: ignore[assignment]
+
+
+_TLS = ssl.create_default_context()  # certificates checked as urllib checks them
+
+
 def post(url: str, body: bytes, headers: dict[str, str], timeout: float) -> Failure | None:
-    """POST ``body``; None on a 2xx, else the :class:`Failure`."""
-    request = urllib.request.Request(url, data=body, method="POST", headers=headers)
+    """POST ``body``; None on a 2xx, else the :class:`Failure`. The whole attempt (resolving the host,
+    connecting, TLS, sending, the answer's status line, headers and the start of its body) gets
+    ``timeout`` seconds. Redirects are not followed. Never raises: whatever goes wrong is a Failure, so
+    that every attempt is recorded, retried and, in the end, given up."""
+    deadline = _Deadline(timeout)
+    connection = None
     try:
-        with _opener.open(request, timeout=timeout) as answer:
-            answer.read(1024)
-            status = answer.status
-    except urllib.error.HTTPError as exc:
-        status = exc.code
-        redirect = " (redirects are not followed)" if 300 <= status < 400 else ""
-        return Failure(f"HTTP {status}{redirect}", _snippet(exc))
-    except urllib.error.URLError as exc:
-        reason = exc.reason
-        if isinstance(reason, socket.timeout | TimeoutError):
-            return Failure(f"no answer within {timeout:g} s")
-        return Failure(f"cannot connect: {reason}")
-    except TimeoutError:
+        parts = urlsplit(url)
+        connection = _Connection(parts.scheme, parts.hostname or "", parts.port, deadline)
+        target = urlunsplit(("", "", parts.path or "/", parts.query, ""))
+        connection.request("POST", target, body=body, headers={**headers, "Connection": "close"})
+        answer = connection.getresponse()
+        status = answer.status
+        # The answer is known; the start of its body is for the log only, so a late one changes nothing.
+        snippet = _snippet(answer) if not 200 <= status < 300 else ""
+    except TimeoutError:  # socket.timeout is TimeoutError
         return Failure(f"no answer within {timeout:g} s")
-    except OSError as exc:
-        return Failure(f"connection failed: {exc}")
-    return None if 200 <= status < 300 else Failure(f"HTTP {status}")
+    except (ConnectionRefusedError, socket.gaierror) as exc:
+        return Failure(f"cannot connect: {exc}")
+    except (OSError, http.client.HTTPException) as exc:
+        return Failure(f"connection failed: {type(exc).__name__}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - anything else (a URL recorded by an older version...) is a failure too
+        return Failure(f"could not be sent: {type(exc).__name__}: {exc}")
+    finally:
+        if connection is not None:
+            connection.close()
+            if connection.opened is not None:
+                connection.opened.close()
+    if 200 <= status < 300:
+        return None
+    redirect = " (redirects are not followed)" if 300 <= status < 400 else ""
+    return Failure(f"HTTP {status}{redirect}", snippet)
 
 
-def _snippet(exc: urllib.error.HTTPError) -> str:
+def _snippet(answer: http.client.HTTPResponse) -> str:
     try:
-        text = exc.read(300).decode("utf-8", errors="replace")
+        text = answer.read(300).decode("utf-8", errors="replace")
     except Exception:  # noqa: BLE001 - the status alone says enough
         return ""
     return " ".join(text.split())[:200]
@@ -181,7 +303,7 @@ class WebhookDelivery:
         give_up_at = recorded_at + int(self.settings.webhook_max_age * 1000)
         now = now_ms()
         if now >= give_up_at:
-            deliveries.done(self.r, claim, "undelivered", error=failure.what)
+            deliveries.done(self.r, claim, "undelivered", error=FAILED)
             log.error(
                 "run %s: webhook %s to %s undelivered after %d attempts over %.0f s; last: %s",
                 claim.run_id,
@@ -192,8 +314,8 @@ class WebhookDelivery:
                 failure.for_log(),
             )
             return
-        retry_at = min(now + int(backoff(claim.attempt) * 1000), give_up_at)
-        deliveries.done(self.r, claim, "retry", error=failure.what, retry_at_ms=retry_at)
+        retry_in = min(int(backoff(claim.attempt) * 1000), give_up_at - now)
+        deliveries.done(self.r, claim, "retry", error=FAILED, retry_in_ms=retry_in)
         log.warning(
             "run %s: webhook %s to %s failed (attempt %d: %s); next try in %.1f s",
             claim.run_id,
@@ -201,7 +323,7 @@ class WebhookDelivery:
             where,
             claim.attempt,
             failure.for_log(),
-            (retry_at - now) / 1000,
+            retry_in / 1000,
         )
 
 
