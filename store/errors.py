@@ -14,7 +14,10 @@ class AgentPoolError(Exception):
 
 class RedisUnreachable(AgentPoolError, RedisConnectionError, RedisTimeoutError):
     """An API call could not reach Redis; the message names the server (without its password).
-    Still a redis-py ``ConnectionError``/``TimeoutError`` for code that catches those."""
+    Still a redis-py ``ConnectionError``/``TimeoutError`` for code that catches those. On a sharded
+    pool ``shard`` is the number of the shard that did not answer, when one is to blame."""
+
+    shard: int | None = None
 
 
 class StoreError(AgentPoolError):

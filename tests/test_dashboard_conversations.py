@@ -92,3 +92,31 @@ def test_the_message_and_fork_api(r, pool, model, board):  # noqa: F811
     board.request("POST", f"/api/runs/{waiting}/cancel", {})
     status, doc = board.request("POST", f"/api/runs/{waiting}/message", {"text": "Still?", "message_id": None})
     assert status == 409 and "cancelled" in doc["error"]
+
+
+def test_a_fork_retried_after_a_lost_reply_is_made_once(r, pool, model, board, page):  # noqa: F811
+    """The Fork button sent fork_id null: a click again after a network error made a second fork. Its
+    id keeps the parent's "-sN" ending (on a sharded pool, the shard the fork lives on)."""
+    model.set_scripts({"chat": [{"text": "Hi."}]})
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:support", script_task("chat"), connection=r, run_id="r_chat-s3")
+    wait_for_run(run_id, timeout=60, connection=r)
+    lost = []
+
+    def lose_the_first_reply(route):  # the request reaches the dashboard; its answer never reaches the page
+        if not lost:
+            lost.append(route.fetch().json())
+            route.abort()
+        else:
+            route.continue_()
+
+    page.route("**/api/runs/*/fork", lose_the_first_reply)
+    page.goto(f"{board.base}/runs/{run_id}")
+    expect(page.locator("#run-status")).to_have_text("completed")
+    page.click("#fork-run")
+    expect(page.locator("#talk-feedback")).to_contain_text("unreachable")
+    page.click("#fork-run")
+    expect(page.locator("#forked-from")).to_have_text(run_id)
+    fork_id = page.locator("#run-id").inner_text()
+    assert fork_id == lost[0]["run_id"] and fork_id.startswith("r_web_") and fork_id.endswith("-s3")
+    assert sorted(row["id"] for row in board.get("/api/runs")["runs"]) == sorted([run_id, fork_id])

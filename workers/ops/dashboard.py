@@ -9,7 +9,8 @@ below, which read Redis through ``agentpool.client`` and ``store``::
                                           moving, since when), messages[N:], ledger
     GET  /api/runs/<id>/events?after=ID   events after stream id ID
     GET  /api/runs/<id>/live?after=ID     the model call in flight, as it streams: entries after ID, waiting
-                                          up to 2 s for one (a long poll); asking is what makes workers publish
+                                          up to 2 s for one (a long poll; ``busy``: too many wait already, so
+                                          this one did not); asking is what makes workers publish
     GET  /api/runs/<id>/timeline          the run's turns (model, tools, waits, takeovers, compactions, tokens,
                                           cost) from its recorded events
     POST /api/runs/<id>/cancel            {}
@@ -18,8 +19,9 @@ below, which read Redis through ``agentpool.client`` and ``store``::
     POST /api/runs/<id>/message           {"text": str, "message_id": str|null} -> {"ok", "message_id"}
     POST /api/runs/<id>/fork              {"at_turn": int|null, "fork_id": str|null} -> {"ok", "run_id"}
 
-Errors are ``{"error": text}``: 400 bad input (NaN, an unknown status), 401, 403, 404, 409 refused by
-the run's state (a resume that cannot help), 415, 503 Redis unavailable. docs/operations.md documents it all.
+Errors are ``{"error": text}``: 400 bad input (NaN, an unknown status), 401, 403, 404, 408, 409 refused by
+the run's state (a resume that cannot help), 415, 503 Redis (or the run's shard: ``unavailable`` says which)
+unavailable, or too many connections. docs/operations.md documents it all.
 On a sharded pool (``AGENTPOOL_SHARDS``) the list merges every shard's runs, newest first, and a run's
 endpoints read the shard that holds it; each run (row and header) then says its ``shard``.
 
@@ -28,7 +30,10 @@ naming another Host are refused (a DNS-rebinding page cannot reach it). Bound an
 to start without a token, and then every /api/ request but /api/config must carry
 ``Authorization: Bearer <token>``: conversations are the users' data, so reading them is guarded too.
 Every POST must be JSON (so a cross-site form cannot send one without a CORS preflight, which this
-server never grants) from no Origin or its own.
+server never grants) from no Origin or its own. Without a token, a request through a proxy (Forwarded,
+X-Forwarded-*) is refused: a proxy on this machine would pass the Host check. A connection gets
+``AGENTPOOL_DASHBOARD_IDLE_TIMEOUT`` seconds per read or write, and at most
+``AGENTPOOL_DASHBOARD_MAX_CONNECTIONS`` are served at once, so idle connections cannot starve the rest.
 """
 
 from __future__ import annotations
@@ -37,9 +42,11 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
 import re
 import socket
 import sys
+import threading
 import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -59,7 +66,7 @@ from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import redact_url
 from agentpool.runtime.shards import Shards, each_answering, located
 from agentpool.store import children, events, handback, inbox, ledger, live, runs_index, webhooks
-from agentpool.store.errors import AgentPoolError, RunNotFound
+from agentpool.store.errors import AgentPoolError, RedisUnreachable, RunNotFound
 from agentpool.store.keys import RunKeys
 from agentpool.store.records import STATUSES, load_header, unpack_message
 from agentpool.watching import live_item
@@ -81,6 +88,20 @@ RUN_PATH = re.compile(
     r"^/api/runs/([A-Za-z0-9_-]{1,100})(/events|/live|/timeline|/cancel|/approve|/resume|/message|/fork)?$"
 )
 LIVE_WAIT_MS = 2000  # a live request waits this long for output before answering empty
+# Each waiting long poll holds one of the Redis client's pooled connections for LIVE_WAIT_MS: past this
+# many at once (open tabs, a script), a poll answers at once with what there is, so the lists, pages and
+# actions always find a connection.
+LIVE_POLLS = 16
+IDLE_TIMEOUT_ENV = "AGENTPOOL_DASHBOARD_IDLE_TIMEOUT"
+MAX_CONNECTIONS_ENV = "AGENTPOOL_DASHBOARD_MAX_CONNECTIONS"
+IDLE_TIMEOUT = 30.0  # seconds a client may leave a socket read or write unfinished (request line, headers, body)
+MAX_CONNECTIONS = 256  # connections served at once; more are answered 503 and closed
+PROXY_HEADERS = ("Forwarded", "X-Forwarded-For", "X-Forwarded-Host", "X-Forwarded-Proto", "X-Real-IP")
+BUSY = (
+    b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+    b"Connection: close\r\n\r\n"
+    b'{"error": "the dashboard is serving too many connections; try again shortly"}'
+)
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
@@ -262,15 +283,16 @@ def run_detail(r: Redis, run_id: str, start: int) -> dict[str, Any]:
     }
 
 
-def live_output(r: Redis, run_id: str, after: str) -> dict[str, Any]:
-    """The run's live output after stream id ``after``, waiting a little for some; marks the run watched."""
+def live_output(r: Redis, run_id: str, after: str, *, wait: bool = True) -> dict[str, Any]:
+    """The run's live output after stream id ``after``, waiting a little for some (unless ``wait`` is
+    false: too many polls wait already, and ``busy`` tells the page to pause); marks the run watched."""
     keys = RunKeys.of(run_id)
     if not r.exists(keys.run):
         raise RunNotFound(run_id)
     live.mark_watching(r, keys)
-    replies = r.xread({keys.live: after}, count=500, block=LIVE_WAIT_MS) or []
+    replies = r.xread({keys.live: after}, count=500, block=LIVE_WAIT_MS if wait else None) or []
     entries = [live_item(i, f) for _key, rows in replies for i, f in live.decode_entries(rows)]  # type: ignore[union-attr]
-    return {"entries": entries, "last": entries[-1]["id"] if entries else after}
+    return {"entries": entries, "last": entries[-1]["id"] if entries else after, "busy": not wait}
 
 
 # -- actions -----------------------------------------------------------------------------------
@@ -340,15 +362,65 @@ def act(r: Redis | Shards, run_id: str, action: str, body: dict[str, Any]) -> di
 # -- HTTP --------------------------------------------------------------------------------------
 
 
+def _setting(name: str, default: float) -> float:
+    """A positive number from the environment (the default when unset); anything else stops the start."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):  # NaN and infinity too
+        raise ValueError(f"{name} must be a positive number, not {raw!r}")
+    return value
+
+
 class DashboardServer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # a burst of page loads waits in the kernel's queue, not refused by it
 
-    def __init__(self, address: tuple[str, int], r: Redis | Shards, token: str | None) -> None:
+    def __init__(
+        self,
+        address: tuple[str, int],
+        r: Redis | Shards,
+        token: str | None,
+        *,
+        idle_timeout: float = IDLE_TIMEOUT,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.r, self.token = r, token
         self.loopback = is_loopback(address[0])
+        self.idle_timeout = idle_timeout
+        # A thread per connection, and a connection may be slow on purpose: both are bounded.
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.live_polls = threading.BoundedSemaphore(LIVE_POLLS)
         super().__init__(address, Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            # Full: answer at once rather than queue behind connections that may never finish. The
+            # send is a few bytes into a new socket's empty buffer; the timeout only guards the odd case.
+            try:
+                request.settimeout(1)
+                request.sendall(BUSY)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A browser that closed its connection mid-request is no error worth a traceback.
@@ -360,6 +432,13 @@ class Handler(BaseHTTPRequestHandler):
     server: DashboardServer
     server_version = "agentpool-dashboard"
     sys_version = ""
+    shard: str | None = None  # "shard N", on a sharded pool the shard of the run asked about: a 503 names it
+
+    def setup(self) -> None:
+        # Every read and write of the connection (request line, headers, body, the answer) gets this long:
+        # a client that stops sending half-way loses its connection instead of holding a thread forever.
+        self.timeout = self.server.idle_timeout
+        super().setup()
 
     def log_message(self, format: str, *args: Any) -> None:  # the base class's parameter name
         # Requests are polled every second; the path may carry ?token= on a first visit.
@@ -372,6 +451,7 @@ class Handler(BaseHTTPRequestHandler):
         self._dispatch()
 
     def _dispatch(self) -> None:
+        self.shard = None  # this request's (a kept-alive connection serves several)
         try:
             self._check_host()
             url = urlsplit(self.path)
@@ -386,11 +466,16 @@ class Handler(BaseHTTPRequestHandler):
             self._json(exc.status, {"error": str(exc)})
         except RunNotFound as exc:
             self._json(HTTPStatus.NOT_FOUND, {"error": str(exc)})
+        except RedisError as exc:
+            # Before AgentPoolError: the API's RedisUnreachable is both, and an unreachable Redis is no
+            # refusal by the run's state (409) but a 503 the page shows and retries.
+            log.warning("dashboard: Redis failed: %s", exc)
+            where = self.shard or "Redis"
+            self._json(
+                HTTPStatus.SERVICE_UNAVAILABLE, {"error": f"{where} is unavailable; retrying", "unavailable": where}
+            )
         except (AgentPoolError, ValueError) as exc:
             self._json(HTTPStatus.CONFLICT, {"error": str(exc)})
-        except RedisError as exc:
-            log.warning("dashboard: Redis failed: %s", exc)
-            self._json(HTTPStatus.SERVICE_UNAVAILABLE, {"error": "Redis is unavailable; retrying"})
         except Exception:
             log.exception("dashboard: %s %s failed", self.command, urlsplit(self.path).path)
             self._json(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": "internal error; see the dashboard's log"})
@@ -400,6 +485,15 @@ class Handler(BaseHTTPRequestHandler):
     def _check_host(self) -> None:
         if self.server.token or not self.server.loopback:
             return
+        # A reverse proxy on this machine connects from loopback and may pass a loopback Host: without a
+        # token, everyone the proxy serves could act. Its forwarding headers give it away.
+        forwarded = [name for name in PROXY_HEADERS if name in self.headers]
+        if forwarded:
+            raise HttpError(
+                HTTPStatus.FORBIDDEN,
+                f"this request came through a proxy ({forwarded[0]}) and the dashboard has no token: "
+                f"set {TOKEN_ENV} (or --token) to serve it through a proxy",
+            )
         host = (self.headers.get("Host") or "").strip()
         name = host[1 : host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
         if not is_loopback(name):
@@ -428,6 +522,8 @@ class Handler(BaseHTTPRequestHandler):
             raise HttpError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "body too large")
         try:
             body = json.loads(self.rfile.read(length) or b"{}")
+        except TimeoutError:
+            raise HttpError(HTTPStatus.REQUEST_TIMEOUT, "the request body did not arrive in time") from None
         except ValueError:
             raise HttpError(HTTPStatus.BAD_REQUEST, "body is not JSON") from None
         if not isinstance(body, dict):
@@ -461,7 +557,14 @@ class Handler(BaseHTTPRequestHandler):
         if not match:
             raise HttpError(HTTPStatus.NOT_FOUND, "no such endpoint")
         run_id, sub = match.group(1), (match.group(2) or "").lstrip("/")
-        r, shard = located(pool, run_id)  # one Redis, or the shard that holds the run
+        try:
+            r, shard = located(pool, run_id)  # one Redis, or the shard that holds the run
+        except RedisUnreachable as exc:
+            # No shard that answers has the run: the silent one may (Shards.find says which).
+            self.shard = f"shard {exc.shard}" if exc.shard is not None else None
+            raise
+        if shard is not None:
+            self.shard = f"shard {shard}"
         if self.command == "GET" and not sub:
             detail = run_detail(r, run_id, max(number("from", 0), 0))
             if shard is not None:
@@ -479,7 +582,12 @@ class Handler(BaseHTTPRequestHandler):
             after = arg("after") or "0-0"
             if not re.fullmatch(r"\d+-\d+", after):
                 raise HttpError(HTTPStatus.BAD_REQUEST, "after must be a stream id like 1700000000000-0")
-            return live_output(r, run_id, after)
+            waiting = self.server.live_polls.acquire(blocking=False)
+            try:
+                return live_output(r, run_id, after, wait=waiting)
+            finally:
+                if waiting:
+                    self.server.live_polls.release()
         if self.command == "POST" and sub in ("cancel", "approve", "resume", "message", "fork"):
             return act(pool, run_id, sub, self._body())
         raise HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.command} is not allowed here")
@@ -521,7 +629,17 @@ def make_server(
             f"the dashboard would listen on {host}, beyond this machine, with no token: set {TOKEN_ENV} "
             "or pass --token (then every request must carry it), or bind 127.0.0.1"
         )
-    return DashboardServer((host, port), r, token or None)
+    if token and not token.isascii():
+        # HTTP headers arrive decoded as Latin-1 and browsers send non-ASCII ones unlike curl: such a
+        # token could never be matched reliably.
+        raise ValueError(f"the dashboard token ({TOKEN_ENV} or --token) must be ASCII characters only")
+    return DashboardServer(
+        (host, port),
+        r,
+        token or None,
+        idle_timeout=_setting(IDLE_TIMEOUT_ENV, IDLE_TIMEOUT),
+        max_connections=max(1, int(_setting(MAX_CONNECTIONS_ENV, MAX_CONNECTIONS))),
+    )
 
 
 @click.command()

@@ -164,9 +164,11 @@ class Shards:
                 silent = silent or (shard, exc)
         if silent:
             shard, exc = silent
-            raise RedisUnreachable(
+            unreachable = RedisUnreachable(
                 f"Redis unreachable at {self.name(shard)}, which may hold run {run_id}: {exc}"
-            ) from exc
+            )
+            unreachable.shard = shard
+            raise unreachable from exc
         return None
 
     def claim(self, run_id: str, shard: int) -> None:

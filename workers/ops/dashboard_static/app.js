@@ -134,7 +134,8 @@ async function api(path, options = {}) {
     doc = {};
   }
   if (resp.status === 401) askForToken("The dashboard refused the token. Enter it again.");
-  if (resp.status >= 500) setConn(false, resp.status === 503 ? "Redis unavailable" : "server error");
+  // A 503 names what is down (Redis, or on a sharded pool the run's shard); without a name, the server is full.
+  if (resp.status >= 500) setConn(false, resp.status !== 503 ? "server error" : doc.unavailable ? doc.unavailable + " unavailable" : "server busy");
   else setConn(true);
   if (!resp.ok) throw new ApiError(resp.status, doc.error || resp.statusText);
   return doc;
@@ -494,9 +495,16 @@ function talkPanel(runId, done) {
     const reply = await act("message", { text: pending.text, message_id: pending.id }, (r) => "Sent (" + r.message_id + ").");
     if (reply) { text.value = ""; pending = null; }
   } }, "Send");
+  // Likewise one fork id per turn asked for, kept across retries: a click again after a lost reply gets
+  // the fork already made, not a second one. It keeps the parent's "-sN" ending: the fork lives on its shard.
+  let pendingFork = null;
   const fork = h("button", { type: "button", id: "fork-run", dataset: { action: "fork" }, onclick: async () => {
     const turn = atTurn.value === "" ? null : Number(atTurn.value);
-    const reply = await act("fork", { at_turn: turn, fork_id: null }, (r) => "Forked: " + r.run_id);
+    if (!pendingFork || pendingFork.turn !== turn) {
+      const shard = runId.match(/-s\d+$/);
+      pendingFork = { turn, id: "r_web_" + Date.now().toString(16) + Math.random().toString(16).slice(2, 10) + (shard ? shard[0] : "") };
+    }
+    const reply = await act("fork", { at_turn: turn, fork_id: pendingFork.id }, (r) => "Forked: " + r.run_id);
     if (reply) location.href = "/runs/" + encodeURIComponent(reply.run_id);
   } }, "Fork");
   const card = h("section", { class: "card", id: "talk-card" },
@@ -651,7 +659,9 @@ function runPage(app, runId) {
   const actions = h("div", { id: "run-actions", class: "actions" });
   // Outside the actions panel, which is rebuilt when the status changes: the outcome of a click stays.
   const feedback = h("div", { class: "feedback", id: "action-feedback", role: "status" });
-  const header = h("section", { class: "card run-header", id: "run-header" }, headerInfo, actions, feedback);
+  // Why the run cannot be read now (Redis or its shard down); the header below is as last read, if ever.
+  const unavailable = h("p", { class: "error-text", id: "run-unavailable", role: "status", hidden: true });
+  const header = h("section", { class: "card run-header", id: "run-header" }, unavailable, headerInfo, actions, feedback);
   const conversation = h("div", { id: "conversation", class: "conversation" });
   const ledgerBox = h("div", { id: "ledger" });
   const eventList = h("ol", { id: "events", class: "events", reversed: true });
@@ -693,8 +703,13 @@ function runPage(app, runId) {
       doc = await api("/api/runs/" + encodeURIComponent(runId) + "?from=" + state.from);
     } catch (err) {
       if (err.status === 404) showError(app, err);
+      if (err.status === 503) {
+        unavailable.textContent = "Cannot read this run: " + err.message;
+        unavailable.hidden = false;
+      }
       throw err;
     }
+    unavailable.hidden = true;
     const run = doc.run;
     state.run = run;
     headerInfo.replaceChildren(...runHeader(run, doc.now).filter(Boolean));
@@ -740,6 +755,7 @@ function runPage(app, runId) {
         const doc = await api("/api/runs/" + encodeURIComponent(runId) + "/live?after=" + state.liveAfter);
         for (const entry of doc.entries) live.apply(entry);
         state.liveAfter = doc.last;
+        if (doc.busy) await sleep(1000); // the server had no room for one more waiting poll: ask again later
       } catch (err) {
         if (err.status === 404 || err.status === 401) return;
         await sleep(2000);
