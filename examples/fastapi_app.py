@@ -136,6 +136,7 @@ function follow() {
     if (item.type === "status") $("status").textContent = item.status;
   };
   source.addEventListener("end", () => { source.close(); refresh(); });
+  return new Promise((resolve) => source.addEventListener("open", () => resolve(source), {once: true}));
 }
 // After a stream's end or a decision: show the run and the calls it waits on; follow it again if it goes on.
 async function refresh() {
@@ -152,11 +153,18 @@ async function refresh() {
       button.textContent = label;
       button.onclick = async () => {
         $("approvals").replaceChildren();  // one decision at a time
+        // The run's last awaited call: the page follows before it decides, so that the worker streams the
+        // next call's words from the first (a watcher that comes once a call has begun gets its words
+        // only from when the worker notices it: a short call can be over by then).
+        const last = run.awaiting_approval.length === 1;
+        const source = last ? await follow() : null;
         const res = await fetch(`/runs/${runId}/approve`, {method: "POST", headers: {"Content-Type": "application/json"},
                                                            body: JSON.stringify({tool_use_id: call.id, approved})});
         $("error").textContent = res.ok ? "" : `Not decided: ${(await res.json()).detail}`;
-        if (res.ok && run.awaiting_approval.length === 1) follow();  // the run goes on
-        else await refresh();  // it waits on its other calls, or they were decided elsewhere
+        if (!res.ok || !last) {  // it waits on its other calls, or they were decided elsewhere
+          if (source) source.close();
+          await refresh();
+        }
       };
       row.append(button);
     }
