@@ -66,6 +66,36 @@ def test_expired_lease_can_be_taken_and_the_old_token_is_dead(r):
     assert r.llen(KEYS.messages) == 1, "the zombie's response was not appended"
 
 
+@pytest.mark.parametrize("takeover_first", [True, False], ids=["takeover-counts-first", "refusal-counts-first"])
+def test_a_call_of_a_worker_fenced_out_alive_is_counted_once_with_its_takeovers_count(r, takeover_first):
+    """A live worker loses its lease mid-turn (a silent connection). The takeover counts the call from
+    the worker's billed-call note (spend id call:<id>); the worker's save point A is refused and counts
+    the call too (it was paid for). Whichever comes first, the call is counted once."""
+    create(r)
+    usage = {"input_tokens": 1000, "output_tokens": 100, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+    old = take(r, ttl_ms=100)
+    time.sleep(0.2)
+    new = take(r, worker="w2.200")
+
+    def takeover_counts() -> None:
+        spend.count_spend(
+            r, KEYS, new, spend_id="call:msg_x", usage={**usage, "output_tokens": 1}, cost_usd=0.0,
+            event=Event.of(RUN, "model_cut", turn=0, error_type="worker_lost"),
+        )  # fmt: skip
+
+    def refused_save_counts() -> None:
+        with pytest.raises(LeaseLost):
+            checkpoint.commit_response(
+                r, KEYS, old, turns_before=0, message=reply(), meta={"id": "msg_x"}, pending=[], usage=usage
+            )
+
+    for step in (takeover_counts, refused_save_counts) if takeover_first else (refused_save_counts, takeover_counts):
+        step()
+    counted = r.hmget(KEYS.run, ["input_tokens", "output_tokens"])
+    assert int(counted[0]) == 1000, f"the call counted once, not {counted}"
+    assert int(counted[1]) in (1, 100), "as whichever counted it first saw it"
+
+
 def test_acquire_refuses_stale_turns_inactive_missing_and_newer_runs(r):
     assert acquire(r, KEYS, turn=0, worker_id="w", ttl_ms=1000).code is Acquire.NO_RUN
     create(r)

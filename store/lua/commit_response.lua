@@ -41,10 +41,28 @@ if seen then return tonumber(seen) end
 if not h[1] then return -4 end
 if ARGV[7] == 'completed' and redis.call('LLEN', KEYS[10]) > 0 then return -5 end
 local parent_keys = tonumber(ARGV[19])
+local leased = redis.call('GET', KEYS[2]) == ARGV[1]
 -- The spend rides in whichever HSET of the header comes next (a refusal's, or the turn's), the same
 -- script either way; a child run writes it at once, for its join with its parent reads it.
 local spend = spend_fields(KEYS[1], 12, {h[5], h[6], h[7], h[8], h[9]})
-if parent_keys > 0 then
+local call_spend = nil  -- a fenced-out attempt's call, as a takeover counts it from its note: 'call:<id>'
+if not leased then
+  -- This worker lost its lease while alive (a silent connection, a pause): the attempt that took the
+  -- run over may have counted this very call already, from the note it made at message_start
+  -- (count_spend.lua, spend id 'call:<API id>'). Counted once: here only if that has not been.
+  local ok, record = pcall(cmsgpack.unpack, ARGV[3])
+  local id = ok and type(record) == 'table' and type(record.meta) == 'table' and record.meta.id
+  if type(id) == 'string' and id ~= '' then
+    call_spend = 'call:' .. id
+    if redis.call('HGET', KEYS[1], 'spent') == call_spend then
+      spend = {}
+    elseif #spend > 0 then  -- counted here: a takeover reading the note later does not count it again
+      table.insert(spend, 'spent')
+      table.insert(spend, call_spend)
+    end
+  end
+end
+if parent_keys > 0 and (#spend > 0 or call_spend == nil) then
   if #spend > 0 then redis.call('HSET', KEYS[1], unpack(spend)) end
   spend = {}
   roll_up_spend(KEYS[1], ancestor_headers(#KEYS - parent_keys + 1, 5), 12)
@@ -54,7 +72,7 @@ local function refused(code)
   redis.call('HSET', KEYS[1], 'writes', ring_with(h[4], ARGV[17], code), unpack(spend))
   return code
 end
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return refused(-1) end
+if not leased then return refused(-1) end
 if h[1] ~= 'running' then return refused(-2) end
 if h[2] ~= ARGV[2] or h[3] ~= 'model' then return refused(-3) end
 redis.call('RPUSH', KEYS[3], ARGV[3])
