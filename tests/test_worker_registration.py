@@ -137,3 +137,28 @@ def test_check_worker_is_ready_once_this_machines_worker_is_registered_and_not_o
     gone = check_worker()
     assert gone.returncode == 1 and "no worker of this machine is registered" in gone.stderr, gone
     assert list((tmp_path / "ready").iterdir()) == [], "the dead worker's note was removed"
+
+
+def test_a_killed_workers_readiness_note_goes_when_the_next_worker_starts_without_any_probe(pool, tmp_path):
+    """A machine nobody probes (no `check --worker`) must not keep a note for every worker ever killed."""
+    ready_dir = {"AGENTPOOL_READY_DIR": str(tmp_path / "ready")}
+
+    def notes() -> list[str]:
+        return sorted(p.name for p in (tmp_path / "ready").glob("*.json"))
+
+    def wait_for(count: int, why: str) -> None:
+        deadline = time.monotonic() + 60
+        while len(notes()) != count:
+            assert time.monotonic() < deadline, (why, notes(), pool.logs())
+            time.sleep(0.2)
+
+    (first,) = WorkerProcesses.start(pool, 1, "--name", "noted-1", "--no-scheduler", **ready_dir)
+    wait_for(1, "the first worker noted itself")
+    dead = notes()
+    pool.kill(first)  # SIGKILL: it cannot drop its note
+    assert notes() == dead
+    WorkerProcesses.start(pool, 1, "--name", "noted-2", "--no-scheduler", **ready_dir)
+    deadline = time.monotonic() + 60
+    while len(notes()) != 1 or notes() == dead:
+        assert time.monotonic() < deadline, ("only the living worker's note is left", notes(), pool.logs())
+        time.sleep(0.2)

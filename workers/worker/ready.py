@@ -28,9 +28,12 @@ def directory() -> Path:
 
 
 def note(worker_key: str, server: str) -> None:
-    """This process's worker is registered in RQ as ``worker_key`` on ``server``."""
+    """This process's worker is registered in RQ as ``worker_key`` on ``server``. The notes of processes
+    that died without dropping theirs (SIGKILL, the OOM killer) go now, so that on a machine nobody
+    probes they do not pile up with every worker that was killed."""
     folder = directory()
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    noted()
     path = folder / f"{os.getpid()}.json"
     part = path.with_suffix(".part")
     part.write_text(json.dumps({"pid": os.getpid(), "key": worker_key, "server": server}))
