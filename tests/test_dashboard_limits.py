@@ -234,4 +234,6 @@ def test_bad_limits_in_the_environment_stop_the_start(pool):
         timeout=60,
         check=False,
     )
-    assert done.returncode != 0 and "AGENTPOOL_DASHBOARD_IDLE_TIMEOUT must be a positive number" in done.stderr
+    assert (
+        done.returncode != 0 and "AGENTPOOL_DASHBOARD_IDLE_TIMEOUT must be a finite number > 0, got '0'" in done.stderr
+    )

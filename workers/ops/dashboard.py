@@ -42,7 +42,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import os
 import re
 import socket
 import sys
@@ -63,7 +62,7 @@ from agentpool.checks import InvalidLimit, limit_value
 from agentpool.ops.redisconn import pool_client, target_url, warn_if_unreachable
 from agentpool.ops.timeline import timeline
 from agentpool.runtime.progress import why_waiting
-from agentpool.runtime.settings import redact_url
+from agentpool.runtime.settings import env_number, redact_url
 from agentpool.runtime.shards import Shards, each_answering, located
 from agentpool.store import children, events, handback, inbox, ledger, live, runs_index, webhooks
 from agentpool.store.errors import AgentPoolError, RedisUnreachable, RunNotFound
@@ -362,20 +361,6 @@ def act(r: Redis | Shards, run_id: str, action: str, body: dict[str, Any]) -> di
 # -- HTTP --------------------------------------------------------------------------------------
 
 
-def _setting(name: str, default: float) -> float:
-    """A positive number from the environment (the default when unset); anything else stops the start."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):  # NaN and infinity too
-        raise ValueError(f"{name} must be a positive number, not {raw!r}")
-    return value
-
-
 class DashboardServer(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # a burst of page loads waits in the kernel's queue, not refused by it
@@ -637,8 +622,8 @@ def make_server(
         (host, port),
         r,
         token or None,
-        idle_timeout=_setting(IDLE_TIMEOUT_ENV, IDLE_TIMEOUT),
-        max_connections=max(1, int(_setting(MAX_CONNECTIONS_ENV, MAX_CONNECTIONS))),
+        idle_timeout=env_number(IDLE_TIMEOUT_ENV, IDLE_TIMEOUT),
+        max_connections=max(1, int(env_number(MAX_CONNECTIONS_ENV, MAX_CONNECTIONS))),
     )
 
 

@@ -24,14 +24,24 @@ from agentpool.store.ratelimit import parse_limits
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
-def _env_float(name: str, default: float, *, zero_ok: bool = False) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
+def env_number(name: str, default: float, *, zero_ok: bool = False) -> float:
+    """The number in the environment variable ``name`` (``default`` when unset or empty); a
+    ``ValueError`` naming it when it is not a finite number > 0 (>= 0 with ``zero_ok``)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
         return default
     try:
         return limit_value(name, float(raw), zero_ok=zero_ok)
     except ValueError:
-        raise SystemExit(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {raw!r}") from None
+        raise ValueError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'}, got {raw!r}") from None
+
+
+def _env_float(name: str, default: float, *, zero_ok: bool = False) -> float:
+    """:func:`env_number` for a worker's settings: a bad one stops the start with its message."""
+    try:
+        return env_number(name, default, zero_ok=zero_ok)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _replica_acks() -> str:
