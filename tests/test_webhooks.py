@@ -426,9 +426,11 @@ def test_a_bad_webhook_is_refused_at_enqueue_in_one_line_and_makes_nothing(r: Re
 
 class TricklingReceiver:
     """A receiver that reads the request, then answers one byte every second, never finishing: each
-    socket read of the worker gets a byte well within AGENTPOOL_WEBHOOK_TIMEOUT (2 s)."""
+    socket read of the worker gets a byte well within AGENTPOOL_WEBHOOK_TIMEOUT (2 s). ``silent``: it
+    reads the request and never answers at all (a hung app behind an open port)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, silent: bool = False) -> None:
+        self.silent = silent
         self.posts: list[float] = []  # when each request arrived (monotonic)
         self.stopping = threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -449,6 +451,9 @@ class TricklingReceiver:
             while b"\r\n\r\n" not in head:
                 head += conn.recv(65536)
             self.posts.append(time.monotonic())
+            if self.silent:
+                self.stopping.wait()
+                return
             try:
                 for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000:
                     if self.stopping.wait(1.0):
@@ -462,17 +467,18 @@ class TricklingReceiver:
         self.listener.close()
 
 
+@pytest.mark.parametrize("kind", ["trickling", "silent"])
 def test_a_receiver_trickling_its_answer_holds_the_delivery_thread_no_longer_than_the_timeout(
-    r: Redis, pool, model, receiver
+    kind, r: Redis, pool, model, receiver
 ) -> None:
-    slow, good = TricklingReceiver(), receiver()
+    slow, good = TricklingReceiver(silent=kind == "silent"), receiver()
     try:
         model.set_scripts({"done": DONE})
         pool.start(1, **WORKER_ENV)  # one worker, one delivery thread; the claim's lease is 11 s
         slowed = enqueue_run("pool_agents:support", script_task("done", "slow"), connection=r, webhook=slow.url)
         deadline = time.monotonic() + 60
         while not slow.posts:
-            assert time.monotonic() < deadline, "the trickling receiver was never POSTed"
+            assert time.monotonic() < deadline, f"the {kind} receiver was never POSTed"
             time.sleep(0.05)
         # Another tenant's run, to a healthy receiver, while the thread is in the trickling one: the
         # attempt ends at its timeout (2 s) whatever the receiver does, so this one is delivered soon,
