@@ -8,6 +8,8 @@ import time
 import pytest
 
 from agentpool import approve, enqueue_run, get_run, wait_for_run
+from agentpool.store.events import MAX_EVENTS
+from agentpool.store.keys import RunKeys
 
 from conftest import script_task
 from test_dashboard import board, dashboard_process, expect, page, wait_status  # noqa: F401 - fixtures
@@ -82,6 +84,19 @@ def test_timeline_shows_model_tools_waits_and_compactions_per_turn(r, pool, mode
     compactions = [c for row in rows for c in row["compactions"]]
     assert compactions and {c["mode"] for c in compactions} == {"summary"}
     assert sum(row["tokens"] for row in rows) == read.total_tokens, "summary calls are counted in their turn"
+
+
+def test_timeline_of_a_long_run_shows_its_latest_turns(r, pool, board):
+    """The events stream is trimmed about at 1,000 entries (whole nodes of it at a time), so it may hold
+    more: the timeline says it is drawn from the most recent events, and its last turn is the run's."""
+    run_id = enqueue_run("pool_agents:support", "wait", connection=r)  # no worker: only the events below
+    stream = RunKeys.of(run_id).events
+    for turn in range(400):
+        for kind in ("turn_started", "model_responded", "turn_committed"):
+            r.xadd(stream, {"kind": kind, "turn": str(turn), "seconds": "0"}, maxlen=MAX_EVENTS, approximate=True)
+    assert r.xlen(stream) > MAX_EVENTS, "the stream keeps more than the cap: the case this test is about"
+    doc = board.get(f"/api/runs/{run_id}/timeline")
+    assert doc["events"] == MAX_EVENTS and doc["turns"][-1]["turn"] == 399
 
 
 def test_run_page_shows_the_words_live_then_the_timeline(r, pool, model, board, page):

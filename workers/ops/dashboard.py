@@ -563,7 +563,9 @@ class Handler(BaseHTTPRequestHandler):
             return {"events": [{"id": i, **fields} for i, fields in rows]}
         if self.command == "GET" and sub in ("live", "timeline"):
             if sub == "timeline":
-                return timeline(events.read(r, run_id))
+                # The newest events, oldest first: the stream is trimmed only about at MAX_EVENTS, so
+                # reading from its start could leave a long run's latest turns out.
+                return timeline(events.latest(r, run_id, count=events.MAX_EVENTS)[::-1])
             after = arg("after") or "0-0"
             if not re.fullmatch(r"\d+-\d+", after):
                 raise HttpError(HTTPStatus.BAD_REQUEST, "after must be a stream id like 1700000000000-0")
