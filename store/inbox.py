@@ -10,6 +10,8 @@ refuses to complete), so its save point B delivers them. A run that stopped with
 (a limit checked at a turn's start ends the run as it is) gets them in the write that restarts it
 (``send_message``, ``resume``), before the model call it goes on with. An id whose content is missing
 (a damaged record) leaves the inbox with the messages delivered around it, named in the event as lost.
+A fork of the run's whole committed conversation (``fork_run``) gets a copy of the messages waiting,
+delivered in it at once; the run keeps its inbox as it was.
 
 ``received`` keeps every message after delivery too: a retried ``send_message`` with the same id finds
 it (delivered once), and ``wait_for_run(after_message=...)`` reads where it was delivered.
@@ -55,10 +57,15 @@ def read_waiting(pipe: Pipeline | Redis, keys: RunKeys) -> list[tuple[str, Any]]
     missing from ``received`` (never written apart, so only a damaged record: it can never be delivered,
     and delivery drops it from the inbox with the rest). Called while the caller watches ``keys.inbox``
     (immediate mode), so the list cannot change before its EXEC."""
-    ids = [i.decode() for i in pipe.lrange(keys.inbox, 0, -1)]
+    return with_contents(pipe, keys, [i.decode() for i in pipe.lrange(keys.inbox, 0, -1)])
+
+
+def with_contents(r: Pipeline | Redis, keys: RunKeys, ids: list[str]) -> list[tuple[str, Any]]:
+    """``(message_id, content)`` for each of ``ids``, content None where ``received`` lacks it. A message's
+    content never changes once kept, so the ids may come from an earlier read."""
     if not ids:
         return []
-    blobs = pipe.hmget(keys.received, ids)
+    blobs = r.hmget(keys.received, ids)
     return [
         (i, unpack_content(blob, f"message {i} to run {keys.run_id}") if blob else None)
         for i, blob in zip(ids, blobs, strict=True)

@@ -289,6 +289,8 @@ def test_the_latest_fork_of_a_run_whose_tools_have_run_is_refused_not_sent_again
     pool.wait_for_effect("send_email")
     with pytest.raises(ValueError, match=r"tool calls of its turn 1, and some have run.*at_turn=0"):
         fork_run(parent, connection=r)
+    with pytest.raises(ValueError, match=r"tool calls of its turn 1, and some have run.*at_turn=0"):
+        fork_run(parent, at_turn=1, connection=r)  # turn 1 is the one in flight: the latest fork by its number
     assert [run.id for run in list_runs(connection=r)] == [parent], "no fork was made"
     before = fork_run(parent, at_turn=0, connection=r)  # from before the email, as asked: its own branch
     assert get_run(before, connection=r).forked_at == 0

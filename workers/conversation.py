@@ -5,7 +5,8 @@ delivered at the run's next turn boundary (``agentpool.store.inbox``). A message
 one stopped for a reason other than a limit) becomes its next user message at once and the run goes on;
 one that a limit stopped, or that completed at a limit, refuses it until ``resume`` raises its limits.
 A fork is a new run holding a copy of another's conversation up to the end of one of its committed
-turns; it runs no tool again (the copy holds their results) and its usage starts from zero.
+turns (from the latest, with the messages still waiting in its inbox); it runs no tool again (the copy
+holds their results) and its usage starts from zero.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import stage_turn
 from agentpool.runtime.settings import Settings, names_the_server
 from agentpool.runtime.takeover import read_header, stage_restart
-from agentpool.store import checkpoint, inbox, writes
+from agentpool.store import checkpoint, children, inbox, writes
 from agentpool.store.errors import MessageRefused, RunExists, RunNotFound
 from agentpool.store.events import Event
 from agentpool.store.keys import RUNS, RUNS_WATCH, RunKeys, check_run_id
@@ -203,8 +204,12 @@ def fork_run(
 ) -> str:
     """A new run with ``run_id``'s conversation up to the end of its committed turn ``at_turn`` (the
     latest by default; a turn still in flight forks from the one before it, unless some of its tool
-    calls have started: then a ``ValueError``), the same agent, limits, queue, concurrency key and
-    webhook, ``forked_from``/``forked_at`` saying where it came from, and usage from zero. Returns its id.
+    calls or sub-agents have started: then a ``ValueError``), the same agent, limits, queue, concurrency
+    key and webhook, ``forked_from``/``forked_at`` saying where it came from, and usage from zero.
+    Returns its id.
+
+    A fork from the latest committed turn also takes the messages waiting in the parent's inbox (sent,
+    not yet delivered), delivered in the fork at once: its first model call sees them.
 
     Nothing of the parent runs again: the copy holds the tool_results of every copied turn, and the
     fork's ledger starts empty with no tool_use left pending. The parent is not changed. A fork whose
@@ -229,32 +234,39 @@ def fork_run(
     with r.pipeline(transaction=True) as pipe:  # one consistent snapshot of the parent
         pipe.hgetall(parent.run)
         pipe.lrange(parent.messages, 0, -1)
-        raw_header, blobs = pipe.execute()
+        pipe.lrange(parent.inbox, 0, -1)
+        raw_header, blobs, waiting_ids = pipe.execute()
     state = checkpoint.decode_run(run_id, raw_header, None)
     messages = [unpack_message(blob, i) for i, blob in enumerate(blobs)]
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     committed = len(replies) - (1 if state.phase == "tools" else 0)
-    if at_turn is None:
-        turn = committed
-    elif not isinstance(at_turn, int) or isinstance(at_turn, bool) or at_turn < 0 or at_turn > len(replies):
+    if at_turn is not None and (
+        not isinstance(at_turn, int) or isinstance(at_turn, bool) or at_turn < 0 or at_turn > len(replies)
+    ):
         raise ValueError(f"at_turn must be a turn of run {run_id}: 0 to {committed}")
-    else:
-        turn = min(at_turn, committed)
+    # Asking for the turn in flight (not saved yet) is asking for the latest fork, and is checked as one.
+    latest = at_turn is None or at_turn > committed
+    turn = committed if at_turn is None else min(at_turn, committed)
     end = replies[turn] if turn < len(replies) else len(messages)
     # The latest fork of a run in its tool phase leaves the reply in flight out; if any of its calls has
-    # started, that would be going back before an effect nobody asked to undo (its model could ask for
-    # the same email again): refused, unless that turn was asked for by number.
+    # started (a tool, a sub-agent's child run), that would be going back before an effect nobody asked
+    # to undo (its model could ask for the same email again): refused, unless an earlier turn was named.
     in_flight = (
         [b["id"] for b in messages[end]["content"] if b.get("type") == "tool_use"]
-        if at_turn is None and turn < len(replies)
+        if latest and turn < len(replies)
         else []
     )
+    # Messages the parent accepted but has not delivered yet come after all it committed: a fork of its
+    # whole committed conversation keeps them (for a cancelled parent, the only way they are answered).
+    ids = [i.decode() for i in waiting_ids] if turn == committed else []
+    waiting = [(i, content) for i, content in inbox.with_contents(r, parent, ids) if content is not None]
     # A summary written at the start of the next turn belongs to that turn.
     while end > 1 and message_meta(blobs[end - 1], end - 1).get("compaction") == "summary":
         end -= 1
     last = messages[end - 1]
     meta = message_meta(blobs[end - 1], end - 1) if last["role"] == "assistant" else {}
-    finished = last["role"] == "assistant" and meta.get("stop_reason") in FINISHED_STOPS
+    # Messages delivered after the final answer make a fork that answers them, not a completed one.
+    finished = last["role"] == "assistant" and meta.get("stop_reason") in FINISHED_STOPS and not waiting
     window = max(
         [i for i in range(end) if is_compaction_point(messages[i])]
         + [i for i in range(end) if message_meta(blobs[i], i).get("compaction") == "summary"]
@@ -278,7 +290,8 @@ def fork_run(
         result=trailing_text(messages[:end]) if finished else "",
         finished=finished,
         held_to=held_to.limit_fields() if held_to else {},
-        unstarted=(parent.ledger, in_flight),
+        waiting=waiting,
+        unstarted=(parent, in_flight),
         inherited={name: raw_header[name.encode()] for name in INHERITED if name.encode() in raw_header},
     )
 
@@ -298,15 +311,17 @@ def _create_fork(
     result: str,
     finished: bool,
     held_to: dict[str, Any],
-    unstarted: tuple[str, list[str]],
+    waiting: list[tuple[str, Any]],
+    unstarted: tuple[RunKeys, list[str]],
     inherited: dict[str, bytes],
 ) -> str:
-    """``unstarted``: the parent's ledger and the calls left out of the copy that must not have started
-    (checked under WATCH of that ledger, so a call that starts meanwhile is seen). ``inherited``: the
-    parent's header fields in ``INHERITED``."""
+    """``waiting``: the parent's undelivered messages, delivered after the copy. ``unstarted``: the
+    parent's keys and the calls left out of the copy that must not have started (checked under WATCH
+    of its ledger and joins, so a tool or a child run that starts meanwhile is seen). ``inherited``:
+    the parent's header fields in ``INHERITED``."""
     keys = RunKeys.of(fork_id)
     now = time.time()
-    ledger, calls = unstarted
+    up, calls = unstarted
 
     def attempt(pipe: Pipeline, _write_id: str) -> str:  # a fork id is its own write id
         existing = pipe.hmget(keys.run, ["forked_from", "forked_at", "fork_asked"])
@@ -318,7 +333,10 @@ def _create_fork(
             if existing[0] == parent.encode() and (same_turn or existing[2] == asked.encode()):
                 return fork_id  # a retried fork: it was created once
             raise RunExists(fork_id, f"and is not the fork of run {parent} at turn {turn}")
-        if calls and any(pipe.hmget(ledger, calls)):
+        if calls and (
+            any(pipe.hmget(up.ledger, calls))
+            or any(pipe.hmget(up.joins, [children.child_id(parent, call) for call in calls]))
+        ):
             pipe.unwatch()
             raise ValueError(
                 f"run {parent} is in the middle of the tool calls of its turn {turn + 1}, and some have run: "
@@ -346,6 +364,9 @@ def _create_fork(
             pipe.zadd(RUNS_WATCH, {fork_id: int(now * 1000) + checkpoint.QUEUED_RECHECK_MS})
             stage_turn(pipe, r, fork_id, turn, queue=queue)
         Event.of(fork_id, "forked", parent=parent, at_turn=turn, status=header["status"], **held_to).stage(pipe)
+        for message_id, content in waiting:  # kept by id, as sent: a retried send to the fork finds it
+            inbox.stage_received(pipe, keys, message_id, content)
+        inbox.stage_user_message(pipe, keys, None, waiting, turns=turn, index=len(blobs))
         retention = Settings.from_env().retention
         if finished and retention > 0:
             for key in keys.kept():
@@ -355,4 +376,4 @@ def _create_fork(
         fault("after_fork_commit", fork_id, 0)
         return fork_id
 
-    return writes.watched(r, [keys.run, ledger] if calls else [keys.run], attempt)
+    return writes.watched(r, [keys.run, up.ledger, up.joins] if calls else [keys.run], attempt)
