@@ -288,7 +288,9 @@ def commit_response(
     """Save point A: count the call's ``usage`` and cost with the ``responded`` event, then commit
     its response with the ``event`` that reports it. The spend counts even when the response can no
     longer be committed (the run was cancelled meanwhile, or this worker lost its lease while the
-    model answered): the call was made and billed, and usage covers every call paid for.
+    model answered): the call was made and billed, and usage covers every call paid for. Counted
+    once: a worker that lost its lease counts nothing, and records no ``responded`` event, when the
+    attempt that took the run over has counted the call already from its note (``agentpool.store.spend``).
 
     With a ``final_status`` the run ends in the same step; ``closing`` is then a user message
     appended after the response (the tool_results of tool_uses that will never run), so a run
@@ -350,9 +352,11 @@ def commit_response(
         ],
         riders,
     )
-    if int(code) not in (-4, -5) and responded:  # type: ignore[arg-type]
+    # -6: the lease was lost and the attempt that took the run over had counted the call from its note:
+    # nothing was counted or reported here.
+    if int(code) not in (-4, -5, -6) and responded:  # type: ignore[arg-type]
         responded.landed()
-    _check(int(code), keys, r)  # type: ignore[arg-type]
+    _check(-1 if int(code) == -6 else int(code), keys, r)  # type: ignore[arg-type]
     for landed in (event, *(started for _, _, started in intents)):
         if landed:
             landed.landed()

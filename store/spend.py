@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 
 from redis import Redis
 
+from agentpool.store import writes
 from agentpool.store.checkpoint import _check
 from agentpool.store.events import Event, script_args
 from agentpool.store.keys import STATS, RunKeys
@@ -65,9 +66,10 @@ def count_spend(
     ancestors: Sequence[str] = (),
 ) -> bool:
     """Add ``usage`` and ``cost_usd`` to the run's counters with ``event``. ``spend_id`` names the call:
-    delivered twice, it counts once. Returns False when it had been counted already. A worker fenced out
-    meanwhile still counts it (the call was paid for), then gets ``LeaseLost``. A child run's spend counts
-    in its ``ancestors``' tree counters too, in the same step."""
+    delivered twice, or counted by a takeover (from the call's note) and by its fenced-out worker too, it
+    counts once. Returns False when it had been counted already. A worker fenced out meanwhile still
+    counts it (the call was paid for), then gets ``LeaseLost``. A child run's spend counts in its
+    ``ancestors``' tree counters too, in the same step."""
     code = int(
         run_script(  # type: ignore[arg-type]
             "count_spend",
@@ -78,11 +80,12 @@ def count_spend(
                 spend_id,
                 *(int(usage.get(name) or 0) for name in USAGE_FIELDS),
                 repr(float(cost_usd)),
+                writes.new_id(),
                 *script_args(event),
             ],
         )
     )
-    if code == 1:
+    if code in (1, -1):  # counted by this write (-1: and the lease is lost)
         event.landed()
-    _check(code, keys, r)
+    _check(-1 if code == -6 else code, keys, r)
     return code == 1

@@ -131,8 +131,9 @@ def commit_summary(
     """Save a summary as the run's new compaction point at ``index`` (the end of the message list),
     with the spend of the call that wrote it and the ``event`` that reports it. Fenced; a crash leaves
     the old window or the new one. The call's spend counts even when the summary can no longer be saved
-    (the lease was lost or the run ended meanwhile): it was paid for. A child run's spend counts in its
-    ``ancestors``' tree counters too, in the same step."""
+    (the lease was lost or the run ended meanwhile): it was paid for; once, with a takeover's count of
+    the call's note (as at save point A). A child run's spend counts in its ``ancestors``' tree counters
+    too, in the same step."""
     code = run_script(
         "commit_summary",
         r,
@@ -149,6 +150,6 @@ def commit_summary(
             *script_args(event),
         ],
     )
-    if int(code) != -4:  # type: ignore[arg-type]
+    if int(code) not in (-4, -6):  # type: ignore[arg-type]
         event.landed()
-    _check(int(code), keys, r)  # type: ignore[arg-type]
+    _check(-1 if int(code) == -6 else int(code), keys, r)  # type: ignore[arg-type]

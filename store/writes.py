@@ -9,8 +9,8 @@ is therefore one of:
   release, a lease renewal, an HSET of a ledger record that is already there, byte for byte);
 - a script carrying a **write id** (``new_id()``): the script records the id with its result in the
   run's ``writes`` field (``store/lua/_once.lua``) and a re-delivery returns the first result without
-  doing anything again (save point A with its spend, ``finish``, events, the hand-back, a lease
-  acquire recognises its own request);
+  doing anything again (save point A with its spend, a cut stream's spend, ``finish``, events, the
+  hand-back, a lease acquire recognises its own request);
 - a WATCH/MULTI transaction: redis-py never re-sends those (a dropped connection while watching
   raises ``WatchError``), so the transaction records its write id (``stage_remember``) and the
   caller's retry loop first asks whether it landed (``landed``) before deciding again; ``watched``

@@ -612,14 +612,19 @@ def test_stats_scripts_and_unknown_paths(model: ScriptedModel) -> None:
         "summaries",
         "request_bytes",
         "rate_limited",
+        "tokens",
     }
 
     status, _, body = raw_post(model.base_url + "/_scripts", {"only": [{"text": "replaced"}]})
     assert status == 200 and body["scripts"] == ["only"]
     with anthropic.Anthropic(base_url=model.base_url, api_key="k", max_retries=0) as c:
-        assert create(c, [user("[script:only] go")]).content[0].text == "replaced"
+        served = create(c, [user("[script:only] go")])
+        assert served.content[0].text == "replaced"
         with pytest.raises(anthropic.BadRequestError, match="unknown script 'calc'"):
             create(c, [user("[script:calc] go")])
+    kinds = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert model.stats()["tokens"] == {kind: getattr(served.usage, kind) or 0 for kind in kinds}
+    assert model.stats()["tokens"]["output_tokens"] > 0
 
     status, _, body = raw_post(model.base_url + "/_scripts", {"bad": [{"txet": "typo"}]})
     assert status == 400 and "unknown step keys" in body["error"]["message"]

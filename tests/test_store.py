@@ -7,7 +7,7 @@ import time
 import msgpack
 import pytest
 
-from agentpool.store import checkpoint, events, ledger, ratelimit, spend, stats
+from agentpool.store import checkpoint, events, ledger, ratelimit, spend, stats, window
 from agentpool.store.codec import pack, unpack
 from agentpool.store.errors import LeaseLost, RunNotActive, UnreadableRecord
 from agentpool.store.events import Event
@@ -66,11 +66,13 @@ def test_expired_lease_can_be_taken_and_the_old_token_is_dead(r):
     assert r.llen(KEYS.messages) == 1, "the zombie's response was not appended"
 
 
+@pytest.mark.parametrize("save", ["reply", "summary"])
 @pytest.mark.parametrize("takeover_first", [True, False], ids=["takeover-counts-first", "refusal-counts-first"])
-def test_a_call_of_a_worker_fenced_out_alive_is_counted_once_with_its_takeovers_count(r, takeover_first):
+def test_a_call_of_a_worker_fenced_out_alive_is_counted_once_with_its_takeovers_count(r, takeover_first, save):
     """A live worker loses its lease mid-turn (a silent connection). The takeover counts the call from
-    the worker's billed-call note (spend id call:<id>); the worker's save point A is refused and counts
-    the call too (it was paid for). Whichever comes first, the call is counted once."""
+    the worker's billed-call note (spend id call:<id>); the worker's save (save point A, or a summary's)
+    is refused and counts the call too (it was paid for). Whichever comes first, the call is counted
+    once: in the run's spend, in its events and in the pool-wide counters."""
     create(r)
     usage = {"input_tokens": 1000, "output_tokens": 100, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
     old = take(r, ttl_ms=100)
@@ -80,20 +82,33 @@ def test_a_call_of_a_worker_fenced_out_alive_is_counted_once_with_its_takeovers_
     def takeover_counts() -> None:
         spend.count_spend(
             r, KEYS, new, spend_id="call:msg_x", usage={**usage, "output_tokens": 1}, cost_usd=0.0,
-            event=Event.of(RUN, "model_cut", turn=0, error_type="worker_lost"),
+            event=Event.of(RUN, "model_cut", turn=0, error_type="worker_lost", **{**usage, "output_tokens": 1}),
         )  # fmt: skip
 
     def refused_save_counts() -> None:
         with pytest.raises(LeaseLost):
-            checkpoint.commit_response(
-                r, KEYS, old, turns_before=0, message=reply(), meta={"id": "msg_x"}, pending=[], usage=usage
-            )
+            if save == "reply":
+                checkpoint.commit_response(
+                    r, KEYS, old, turns_before=0, message=reply(), meta={"id": "msg_x"}, pending=[], usage=usage,
+                    responded=Event.of(RUN, "model_responded", turn=0, **usage),
+                )  # fmt: skip
+            else:
+                summary = {"role": "user", "content": [{"type": "text", "text": "summary"}]}
+                window.commit_summary(
+                    r, KEYS, old, turns_before=0, index=1, message=summary,
+                    meta={"id": "msg_x", "compaction": "summary"}, usage=usage, cost_usd=0.0,
+                    event=Event.of(RUN, "compacted", turn=0, mode="summary", **usage),
+                )  # fmt: skip
 
     for step in (takeover_counts, refused_save_counts) if takeover_first else (refused_save_counts, takeover_counts):
         step()
     counted = r.hmget(KEYS.run, ["input_tokens", "output_tokens"])
     assert int(counted[0]) == 1000, f"the call counted once, not {counted}"
     assert int(counted[1]) in (1, 100), "as whichever counted it first saw it"
+    pool_wide = stats.read_all(r)
+    assert (pool_wide["tokens|kind=input_tokens"], pool_wide["tokens|kind=output_tokens"]) == tuple(map(int, counted))
+    reported = [e for _, e in events.read(r, RUN) if e["kind"] in stats.SPEND_EVENTS]
+    assert len(reported) == 1, reported
 
 
 def test_acquire_refuses_stale_turns_inactive_missing_and_newer_runs(r):

@@ -26,3 +26,15 @@ local function add_spend(header, first, current)
   local fields = spend_fields(header, first, current)
   if #fields > 0 then redis.call('HSET', header, unpack(fields)) end
 end
+--   fenced_call(header, blob) -> for a worker that lost its lease while alive (a silent connection, a
+--                               pause) and saves a call's reply: the spend id the turn that took the run
+--                               over counts that call under, from the note it made at message_start
+--                               ('call:<API id>', see count_spend.lua; nil for a message with no id), and
+--                               whether the run's last count was that call's (counted already).
+local function fenced_call(header, blob)
+  local ok, record = pcall(cmsgpack.unpack, blob)
+  local id = ok and type(record) == 'table' and type(record.meta) == 'table' and record.meta.id
+  if type(id) ~= 'string' or id == '' then return nil, false end
+  local spend_id = 'call:' .. id
+  return spend_id, redis.call('HGET', header, 'spent') == spend_id
+end

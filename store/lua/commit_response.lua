@@ -33,7 +33,9 @@
 -- Returns 1 ok (2: ok, the run ended and was its parent's last open child, now woken), -1 lease lost, -2 run not running (status changed under us), -3 stale turn (each of
 -- these three with the spend counted), -4 no such run (nothing counted), -5 the reply would complete
 -- the run but messages wait in its inbox (nothing counted, nothing changed: the caller commits the
--- reply as a turn that goes on, and its save point B delivers them).
+-- reply as a turn that goes on, and its save point B delivers them), -6 lease lost and the call
+-- counted already, from its note, by the attempt that took the run over (nothing counted or reported:
+-- no event, no pool-wide counter).
 local webhook = take_webhook()
 local h = redis.call('HMGET', KEYS[1], 'status', 'turns', 'phase', 'writes', unpack(SPEND_FIELDS))
 local seen = replayed_in(h[4], ARGV[17])
@@ -45,24 +47,20 @@ local leased = redis.call('GET', KEYS[2]) == ARGV[1]
 -- The spend rides in whichever HSET of the header comes next (a refusal's, or the turn's), the same
 -- script either way; a child run writes it at once, for its join with its parent reads it.
 local spend = spend_fields(KEYS[1], 12, {h[5], h[6], h[7], h[8], h[9]})
-local call_spend = nil  -- a fenced-out attempt's call, as a takeover counts it from its note: 'call:<id>'
 if not leased then
-  -- This worker lost its lease while alive (a silent connection, a pause): the attempt that took the
-  -- run over may have counted this very call already, from the note it made at message_start
-  -- (count_spend.lua, spend id 'call:<API id>'). Counted once: here only if that has not been.
-  local ok, record = pcall(cmsgpack.unpack, ARGV[3])
-  local id = ok and type(record) == 'table' and type(record.meta) == 'table' and record.meta.id
-  if type(id) == 'string' and id ~= '' then
-    call_spend = 'call:' .. id
-    if redis.call('HGET', KEYS[1], 'spent') == call_spend then
-      spend = {}
-    elseif #spend > 0 then  -- counted here: a takeover reading the note later does not count it again
-      table.insert(spend, 'spent')
-      table.insert(spend, call_spend)
-    end
+  -- This worker lost its lease while alive: the attempt that took the run over may have counted this
+  -- very call already, from its note. Counted once: here only if that has not been.
+  local call_spend, counted = fenced_call(KEYS[1], ARGV[3])
+  if counted then  -- and reported, with its model_cut event and the pool-wide counters: nothing here
+    redis.call('HSET', KEYS[1], 'writes', ring_with(h[4], ARGV[17], -6))
+    return -6
+  end
+  if call_spend and #spend > 0 then  -- counted here: a takeover that reads the note later does not count it
+    table.insert(spend, 'spent')
+    table.insert(spend, call_spend)
   end
 end
-if parent_keys > 0 and (#spend > 0 or call_spend == nil) then
+if parent_keys > 0 then
   if #spend > 0 then redis.call('HSET', KEYS[1], unpack(spend)) end
   spend = {}
   roll_up_spend(KEYS[1], ancestor_headers(#KEYS - parent_keys + 1, 5), 12)

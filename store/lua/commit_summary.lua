@@ -10,18 +10,25 @@
 -- ARGV[4] summary message blob  ARGV[5] now ms  ARGV[6..9] input, output, cache-read, cache-write tokens
 -- ARGV[10] cost in USD  ARGV[11] write id  ARGV[12..] the compacted event (see _event.lua)
 -- Returns 1 saved, -1 lease lost, -2 run not running, -3 stale (each with the spend counted),
--- -4 no such run (nothing counted).
+-- -4 no such run (nothing counted), -6 lease lost and the call counted already, from its note, by the
+-- attempt that took the run over (nothing counted or reported, as at save point A).
 local seen = replayed(KEYS[1], ARGV[11])
 if seen then return tonumber(seen) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
-add_spend(KEYS[1], 6)
-roll_up_spend(KEYS[1], keys_from(6), 6)
-record_event(KEYS[5], KEYS[4], 12)
 local function done(code)
   remember(KEYS[1], ARGV[11], code)
   return code
 end
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return done(-1) end
+local leased = redis.call('GET', KEYS[2]) == ARGV[1]
+if not leased then  -- counted once with the takeover's count of this call's note (see commit_response.lua)
+  local call_spend, counted = fenced_call(KEYS[1], ARGV[4])
+  if counted then return done(-6) end
+  if call_spend then redis.call('HSET', KEYS[1], 'spent', call_spend) end
+end
+add_spend(KEYS[1], 6)
+roll_up_spend(KEYS[1], keys_from(6), 6)
+record_event(KEYS[5], KEYS[4], 12)
+if not leased then return done(-1) end
 local h = redis.call('HMGET', KEYS[1], 'status', 'turns', 'phase')
 if h[1] ~= 'running' then return done(-2) end
 local length = redis.call('LLEN', KEYS[3])

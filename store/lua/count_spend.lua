@@ -1,22 +1,30 @@
 -- The tokens a model call was billed for when its stream was cut before the message ended (the
 -- connection lost, the idle timeout, an `error` event after the 200): what message_start and the
 -- message_delta events had reported. Its output is never committed; its spend is, with the
--- model_cut event, exactly once: a spend id already counted (a client retry after a lost reply)
--- is a no-op. Counted even when this worker was fenced out meanwhile (the call was paid for, as at
--- save point A), then the lease is checked like every write of a turn.
+-- model_cut event, exactly once: a spend id already counted (a takeover counting a call its
+-- fenced-out worker counted already, or the other way round) is a no-op. Counted even when this
+-- worker was fenced out meanwhile (the call was paid for, as at save point A), then the lease is
+-- checked like every write of a turn. The result says whether this write counted the call, which a
+-- worker that adds up the pool-wide counters itself needs to know (agentpool.store.stats): so a
+-- re-delivery of the same write id returns the first delivery's result, changing nothing.
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] ap:stats   KEYS[4] events   KEYS[5..] the headers of the
 -- run's ancestors (a child run's spend counts in its tree's too: see _tree.lua)
 -- ARGV[1] token  ARGV[2] spend id  ARGV[3..6] input, output, cache-read, cache-write tokens
--- ARGV[7] cost in USD  ARGV[8..] the model_cut event (see _event.lua)
--- Returns 1 counted, 0 already counted, -1 counted but the lease is lost, -4 no such run.
+-- ARGV[7] cost in USD  ARGV[8] write id  ARGV[9..] the model_cut event (see _event.lua)
+-- Returns 1 counted, 0 already counted, -1 counted but the lease is lost, -6 already counted and the
+-- lease is lost, -4 no such run.
+local seen = replayed(KEYS[1], ARGV[8])
+if seen then return tonumber(seen) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
 local counted = 0
 if redis.call('HGET', KEYS[1], 'spent') ~= ARGV[2] then
   add_spend(KEYS[1], 3)
   roll_up_spend(KEYS[1], keys_from(5), 3)
   redis.call('HSET', KEYS[1], 'spent', ARGV[2])
-  record_event(KEYS[4], KEYS[3], 8)
+  record_event(KEYS[4], KEYS[3], 9)
   counted = 1
 end
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
-return counted
+local code = counted
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then code = counted == 1 and -1 or -6 end
+remember(KEYS[1], ARGV[8], code)
+return code

@@ -69,7 +69,8 @@ for requests, input tokens (cache reads do not count) and output tokens (``max_t
 reply is made), sends the ``anthropic-ratelimit-*`` headers on every reply and a 429 ``rate_limit_error``
 with ``retry-after`` beyond them. ``reset()`` refills the buckets.
 
-Other endpoints: ``GET /_stats``, ``POST /_scripts`` (JSON body replaces the scripts), ``POST /_reset``
+Other endpoints: ``GET /_stats`` (what ``stats()`` returns: requests and responses, the tokens of every
+reply served by kind, rejections...), ``POST /_scripts`` (JSON body replaces the scripts), ``POST /_reset``
 (zero the counters, forget injected-error counters and the prompt cache).
 ``ScriptedModel.delta_times()`` tells when each text delta left the server (for latency figures).
 

@@ -22,6 +22,7 @@ from agentpool.testing.scripted_model.sse import DeltaLog, StreamWriter
 
 MAX_REJECTIONS_KEPT = 50
 MAX_REQUEST_SIZES_KEPT = 10_000
+TOKEN_KINDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 
 class _Server(http.server.ThreadingHTTPServer):
@@ -168,6 +169,7 @@ class ScriptedModel:
             }
             self._rejections: list[str] = []
             self._by_script: dict[str, int] = {}
+            self._tokens = dict.fromkeys(TOKEN_KINDS, 0)  # of every reply served, as its usage says
             self._request_bytes: list[int] = []
             self._book.forget_errors()
             self._cache.clear()
@@ -189,6 +191,7 @@ class ScriptedModel:
                 **self._counts,
                 "rejections": list(self._rejections),
                 "by_script": dict(self._by_script),
+                "tokens": dict(self._tokens),
                 "request_bytes": list(self._request_bytes),
                 "rate_limited": self.limiter.refused,
             }
@@ -319,6 +322,8 @@ class ScriptedModel:
             self._counts["streams"] += streaming
             self._counts["streams_cut"] += streaming and answer.cut is not None
             self._by_script[answer.script] = self._by_script.get(answer.script, 0) + 1
+            for kind in TOKEN_KINDS:
+                self._tokens[kind] += int(answer.message["usage"].get(kind) or 0)
         if not streaming:
             self._send(handler, 200, answer.message, request_id, answer.headers)
             return
