@@ -2,7 +2,7 @@
 
 A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended, one that calls
 ``remember``/``replayed`` gets ``store/lua/_once.lua``, one that calls ``add_spend``, ``spend_fields`` or
-``fenced_call`` gets ``store/lua/_spend.lua``, one that calls ``join_parent`` gets ``store/lua/_join.lua``,
+``fenced_call`` (or ``spent_ring``) gets ``store/lua/_spend.lua``, one that calls ``join_parent`` gets ``store/lua/_join.lua``,
 one that calls ``roll_up_spend`` or ``tree_exhausted`` gets ``store/lua/_tree.lua``, one that calls
 ``take_webhook`` gets ``store/lua/_webhook.lua``, one that calls ``expire_run_keys`` gets
 ``store/lua/_retention.lua``, one that calls ``reserve_budget`` gets ``store/lua/_reserve.lua``, one that calls
@@ -41,6 +41,7 @@ _HELPERS = (
     ("_spend", "add_spend("),
     ("_spend", "spend_fields("),
     ("_spend", "fenced_call("),
+    ("_spend", "spent_ring("),
     ("_join", "join_parent("),
     ("_tree", "roll_up_spend("),
     ("_tree", "tree_exhausted("),

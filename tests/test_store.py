@@ -67,12 +67,13 @@ def test_expired_lease_can_be_taken_and_the_old_token_is_dead(r):
 
 
 @pytest.mark.parametrize("save", ["reply", "summary"])
-@pytest.mark.parametrize("takeover_first", [True, False], ids=["takeover-counts-first", "refusal-counts-first"])
-def test_a_call_of_a_worker_fenced_out_alive_is_counted_once_with_its_takeovers_count(r, takeover_first, save):
+@pytest.mark.parametrize("order", ["takeover-counts-first", "refusal-counts-first", "takeover-counts-two-first"])
+def test_a_call_of_a_worker_fenced_out_alive_is_counted_once_with_its_takeovers_count(r, order, save):
     """A live worker loses its lease mid-turn (a silent connection). The takeover counts the call from
     the worker's billed-call note (spend id call:<id>); the worker's save (save point A, or a summary's)
     is refused and counts the call too (it was paid for). Whichever comes first, the call is counted
-    once: in the run's spend, in its events and in the pool-wide counters."""
+    once: in the run's spend, in its events and in the pool-wide counters; also when the takeover has
+    counted a call of its own since (a cut stream), before the frozen worker woke."""
     create(r)
     usage = {"input_tokens": 1000, "output_tokens": 100, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
     old = take(r, ttl_ms=100)
@@ -100,15 +101,28 @@ def test_a_call_of_a_worker_fenced_out_alive_is_counted_once_with_its_takeovers_
                     event=Event.of(RUN, "compacted", turn=0, mode="summary", **usage),
                 )  # fmt: skip
 
-    for step in (takeover_counts, refused_save_counts) if takeover_first else (refused_save_counts, takeover_counts):
+    def takeover_counts_its_own_cut_call() -> None:
+        own = {"input_tokens": 500, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+        spend.count_spend(
+            r, KEYS, new, spend_id="call:msg_y", usage=own, cost_usd=0.0,
+            event=Event.of(RUN, "model_cut", turn=0, error_type="stream_cut", **own),
+        )  # fmt: skip
+
+    steps = {
+        "takeover-counts-first": (takeover_counts, refused_save_counts),
+        "refusal-counts-first": (refused_save_counts, takeover_counts),
+        "takeover-counts-two-first": (takeover_counts, takeover_counts_its_own_cut_call, refused_save_counts),
+    }[order]
+    for step in steps:
         step()
     counted = r.hmget(KEYS.run, ["input_tokens", "output_tokens"])
-    assert int(counted[0]) == 1000, f"the call counted once, not {counted}"
+    other = 500 if order == "takeover-counts-two-first" else 0
+    assert int(counted[0]) == 1000 + other, f"the call counted once, not {counted}"
     assert int(counted[1]) in (1, 100), "as whichever counted it first saw it"
     pool_wide = stats.read_all(r)
     assert (pool_wide["tokens|kind=input_tokens"], pool_wide["tokens|kind=output_tokens"]) == tuple(map(int, counted))
     reported = [e for _, e in events.read(r, RUN) if e["kind"] in stats.SPEND_EVENTS]
-    assert len(reported) == 1, reported
+    assert len(reported) == 1 + bool(other), reported
 
 
 def test_acquire_refuses_stale_turns_inactive_missing_and_newer_runs(r):

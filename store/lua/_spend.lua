@@ -26,15 +26,35 @@ local function add_spend(header, first, current)
   local fields = spend_fields(header, first, current)
   if #fields > 0 then redis.call('HSET', header, unpack(fields)) end
 end
+--   spent_ring(header) -> the spend ids of the run's last SPENT_KEPT counts of a call by its id
+--                               (space-separated, oldest first, in the header's 'spent' field).
+--   spent_has(ring, spend_id) -> whether the ring holds the id (counted already).
+--   spent_with(ring, spend_id) -> the ring with the id added (the oldest dropped past SPENT_KEPT):
+--                               more than the last one, as a takeover may count calls of its own
+--                               before the fenced-out worker that made an earlier one wakes.
+local SPENT_KEPT = 8
+local function spent_ring(header)
+  return redis.call('HGET', header, 'spent') or ''
+end
+local function spent_has(ring, spend_id)
+  return string.find(' ' .. ring .. ' ', ' ' .. spend_id .. ' ', 1, true) ~= nil
+end
+local function spent_with(ring, spend_id)
+  local ids = {}
+  for id in string.gmatch(ring, '%S+') do table.insert(ids, id) end
+  table.insert(ids, spend_id)
+  return table.concat(ids, ' ', math.max(1, #ids - SPENT_KEPT + 1))
+end
 --   fenced_call(header, blob) -> for a worker that lost its lease while alive (a silent connection, a
 --                               pause) and saves a call's reply: the spend id the turn that took the run
 --                               over counts that call under, from the note it made at message_start
---                               ('call:<API id>', see count_spend.lua; nil for a message with no id), and
---                               whether the run's last count was that call's (counted already).
+--                               ('call:<API id>', see count_spend.lua; nil for a message with no id), the
+--                               run's ring of counted ids, and whether that call is in it (counted already).
 local function fenced_call(header, blob)
   local ok, record = pcall(cmsgpack.unpack, blob)
   local id = ok and type(record) == 'table' and type(record.meta) == 'table' and record.meta.id
-  if type(id) ~= 'string' or id == '' then return nil, false end
+  if type(id) ~= 'string' or id == '' then return nil, nil, false end
   local spend_id = 'call:' .. id
-  return spend_id, redis.call('HGET', header, 'spent') == spend_id
+  local ring = spent_ring(header)
+  return spend_id, ring, spent_has(ring, spend_id)
 end

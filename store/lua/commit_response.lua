@@ -50,14 +50,14 @@ local spend = spend_fields(KEYS[1], 12, {h[5], h[6], h[7], h[8], h[9]})
 if not leased then
   -- This worker lost its lease while alive: the attempt that took the run over may have counted this
   -- very call already, from its note. Counted once: here only if that has not been.
-  local call_spend, counted = fenced_call(KEYS[1], ARGV[3])
+  local call_spend, ring, counted = fenced_call(KEYS[1], ARGV[3])
   if counted then  -- and reported, with its model_cut event and the pool-wide counters: nothing here
     redis.call('HSET', KEYS[1], 'writes', ring_with(h[4], ARGV[17], -6))
     return -6
   end
   if call_spend and #spend > 0 then  -- counted here: a takeover that reads the note later does not count it
     table.insert(spend, 'spent')
-    table.insert(spend, call_spend)
+    table.insert(spend, spent_with(ring, call_spend))
   end
 end
 if parent_keys > 0 then

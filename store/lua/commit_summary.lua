@@ -21,9 +21,9 @@ local function done(code)
 end
 local leased = redis.call('GET', KEYS[2]) == ARGV[1]
 if not leased then  -- counted once with the takeover's count of this call's note (see commit_response.lua)
-  local call_spend, counted = fenced_call(KEYS[1], ARGV[4])
+  local call_spend, ring, counted = fenced_call(KEYS[1], ARGV[4])
   if counted then return done(-6) end
-  if call_spend then redis.call('HSET', KEYS[1], 'spent', call_spend) end
+  if call_spend then redis.call('HSET', KEYS[1], 'spent', spent_with(ring, call_spend)) end
 end
 add_spend(KEYS[1], 6)
 roll_up_spend(KEYS[1], keys_from(6), 6)

@@ -17,10 +17,11 @@ local seen = replayed(KEYS[1], ARGV[8])
 if seen then return tonumber(seen) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
 local counted = 0
-if redis.call('HGET', KEYS[1], 'spent') ~= ARGV[2] then
+local ring = spent_ring(KEYS[1])
+if not spent_has(ring, ARGV[2]) then
   add_spend(KEYS[1], 3)
   roll_up_spend(KEYS[1], keys_from(5), 3)
-  redis.call('HSET', KEYS[1], 'spent', ARGV[2])
+  redis.call('HSET', KEYS[1], 'spent', spent_with(ring, ARGV[2]))
   record_event(KEYS[4], KEYS[3], 9)
   counted = 1
 end
