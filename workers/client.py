@@ -19,7 +19,7 @@ from agentpool.runtime.settings import RedisCredentialsRefused, Settings, client
 from agentpool.store import approvals, checkpoint, children, concurrency, events, inbox, runs_index, webhooks, writes
 from agentpool.store import window as run_window
 from agentpool.store.codec import pack
-from agentpool.store.errors import AgentPoolError, RedisUnreachable, RunNotFound
+from agentpool.store.errors import AgentPoolError, RedisUnreachable, RunNotFound, SchemaTooNew
 from agentpool.store.events import Event, emit
 from agentpool.store.keys import (
     DEFAULT_QUEUE,
@@ -30,7 +30,7 @@ from agentpool.store.keys import (
     check_run_id,
     shard_suffix,
 )
-from agentpool.store.records import ACTIVE_STATUSES, STATUSES, RunState, load_header
+from agentpool.store.records import ACTIVE_STATUSES, SCHEMA_VERSION, STATUSES, RunState, header_version, load_header
 from agentpool.webhooks import check_events, check_url
 
 # What enqueues a turn (RQ) or loads an agent (pydantic) is imported by the functions that do: reading
@@ -459,8 +459,34 @@ def cancel_run(
 ) -> str:
     """End a run that has not ended for good. A turn in flight notices at its next write and commits
     nothing further. A run already completed, failed or cancelled is left as it is. Returns the status
-    the run had before."""
+    the run had before.
+
+    A run (or a child run below it) written by a newer agentpool, during a rolling deploy, is a
+    ``SchemaTooNew`` and nothing is changed: cancel it with the newer agentpool."""
     r = shards.route(connection, run_id)  # its child runs are on the same shard
+    _refuse_newer_tree(r, run_id)
+    return _cancel(r, run_id, reason)
+
+
+def _refuse_newer_tree(r: Redis, run_id: str) -> None:
+    """SchemaTooNew if the run or a run below it has a newer schema version than this agentpool's: what
+    a status means there is that version's to say, so its tree is left whole rather than half cancelled."""
+    below = [run_id]
+    while below:
+        current = below.pop()
+        raw = r.hget(RunKeys.of(current).run, "v")
+        version = header_version({b"v": raw}) if raw is not None else SCHEMA_VERSION
+        if version > SCHEMA_VERSION:
+            which = "it" if current == run_id else f"its child run {current}"
+            raise SchemaTooNew(
+                f"run {run_id} cannot be cancelled here: {which} was written with schema version {version}, and "
+                f"this agentpool understands up to {SCHEMA_VERSION}; cancel it with the newer agentpool "
+                "(nothing was changed)"
+            )
+        below += children.children(r, RunKeys.of(current))
+
+
+def _cancel(r: Redis, run_id: str, reason: str) -> str:
     settings = Settings.from_env()
     before = checkpoint.set_status_unfenced(
         r,
@@ -478,7 +504,7 @@ def cancel_run(
     # Its child runs are cancelled too (theirs in turn); a child's cancel tells this run, already ended.
     for child in children.children(r, RunKeys.of(run_id)):
         try:
-            cancel_run(child, connection=r, reason=f"its parent run {run_id} was cancelled")
+            _cancel(r, child, reason=f"its parent run {run_id} was cancelled")
         except RunNotFound:
             continue  # an earlier turn's child whose record expired: the children after it are cancelled all the same
     from agentpool.runtime.subagents import wake_parent_of

@@ -18,6 +18,7 @@ from redis import Redis
 
 from agentpool.runtime import shards
 from agentpool.runtime.progress import why_waiting
+from agentpool.runtime.settings import names_the_server
 from agentpool.store import live
 from agentpool.store.errors import RunNotFound
 from agentpool.store.events import stream_order
@@ -80,11 +81,35 @@ def watch(
     its last events are out. ``after``, the ``id`` of the last item a watcher was given, goes on where it
     left off instead: the events and output written after it, no earlier call's output again (a call
     that nobody watched for a while meanwhile starts over: a ``call_start``, then its text so far).
-    Raises RunNotFound for an unknown run. ``live_output=False`` follows the events only (and costs the
-    workers nothing).
+    Raises RunNotFound for an unknown run, and ``RedisUnreachable`` naming the server (without its
+    password) for a Redis it cannot reach, as every API call does. ``live_output=False`` follows the
+    events only (and costs the workers nothing).
     """
     if after is not None and not STREAM_ID.fullmatch(after):
         raise ValueError(f"after must be the id of an item watch gave (like '1733512345678-0'), got {after!r}")
+    items = _follow(run_id, connection, since_start, after, live_output, block_ms)
+    try:
+        while (item := _next_item(items, connection=connection)) is not None:
+            yield item
+    finally:
+        items.close()
+
+
+@names_the_server
+def _next_item(items: Iterator[dict[str, Any]], *, connection: Any) -> dict[str, Any] | None:
+    """The next item (None once the run has ended). ``names_the_server`` wraps a call, and a generator's
+    Redis commands run at each ``next``, not when it is called: so each ``next`` is the wrapped call."""
+    return next(items, None)
+
+
+def _follow(
+    run_id: str,
+    connection: Redis | shards.Shards | None,
+    since_start: bool,
+    after: str | None,
+    live_output: bool,
+    block_ms: int,
+) -> Iterator[dict[str, Any]]:
     r = shards.route(connection, run_id)
     keys = RunKeys.of(run_id)
     if not r.exists(keys.run):

@@ -31,7 +31,7 @@ from agentpool import client, conversation, watching
 from agentpool.aio.bridge import GreenRedis, run_sync
 from agentpool.client import Run
 from agentpool.runtime import connections, sentinel, shards
-from agentpool.runtime.settings import Settings, check_redis_url, names_the_server
+from agentpool.runtime.settings import RedisCredentialsRefused, Settings, check_redis_url, names_the_server
 from agentpool.store.errors import AgentPoolError, RedisUnreachable
 
 __all__ = [
@@ -228,14 +228,19 @@ async def list_runs(
     )
     pages: list[list[Run]] = []
     silent: list[str] = []
+    refused: list[RedisCredentialsRefused] = []
     for shard, outcome in enumerate(outcomes):
-        if isinstance(outcome, (ConnectionError, TimeoutError)):
+        if isinstance(outcome, RedisCredentialsRefused):
+            refused.append(outcome)  # a wrong password is not a silent shard: raised as it is, as the sync list does
+        elif isinstance(outcome, (ConnectionError, TimeoutError)):
             cause = outcome.__cause__ or outcome  # the shard's name says where, as the sync list says it
             silent.append(f"{green.name(shard)}: {str(cause).strip() or type(cause).__name__}")
         elif isinstance(outcome, BaseException):
             raise outcome
         else:
             pages.append(outcome)
+    if refused:
+        raise refused[0]
     if silent:  # all of the runs or an error, as the sync list_runs
         raise RedisUnreachable(f"Redis unreachable at {silent[0]}")
     return client.newest_first(pages, limit)
@@ -291,13 +296,14 @@ async def wait_for_run(
     after_message: str | None = None,
 ) -> Run:
     """``agentpool.wait_for_run``, pausing with ``asyncio.sleep`` between reads."""
+    client.check_wait_times(timeout, poll)
     try:
         r = await run_sync(shards.route, _green(connection), run_id)  # the run's shard on a sharded pool
         await run_sync(client.check_waitable, r, run_id, after_message)
         deadline = time.monotonic() + timeout
         while (state := await run_sync(client.waited_for, r, run_id, after_message)) is not None:
             if time.monotonic() >= deadline:
-                raise client.timed_out(state, after_message, timeout)
+                raise client.timed_out(state, after_message, timeout, await run_sync(client.why_still, r, state))
             await asyncio.sleep(poll)
         return await run_sync(client.get_run, run_id, connection=r)
     except (ConnectionError, TimeoutError) as exc:  # the sync call names the server as a whole, not its pieces

@@ -27,9 +27,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from redis import Redis
-from redis.exceptions import ConnectionError, RedisError, TimeoutError
+from redis.exceptions import AuthenticationError, ConnectionError, RedisError, TimeoutError
 
-from agentpool.runtime.settings import BadRedisUrl, check_redis_url, client_for, redact_url, server_of
+from agentpool.runtime.settings import (
+    BadRedisUrl,
+    RedisCredentialsRefused,
+    check_redis_url,
+    client_for,
+    redact_url,
+    server_of,
+)
 from agentpool.store.errors import RedisUnreachable, RunExists
 from agentpool.store.keys import RunKeys, tagged_shard
 
@@ -152,7 +159,8 @@ class Shards:
 
         A shard that does not answer is passed over, so a run is found on the shards that do. Only when
         none of them has it is that a :class:`RedisUnreachable` naming the silent shard, as the run may
-        be there: never "no such run", and never a second run made by an enqueue of the same id."""
+        be there: never "no such run", and never a second run made by an enqueue of the same id. A shard
+        that refuses the credentials is a :class:`RedisCredentialsRefused` naming it, at once."""
         first = rule(run_id, len(self))
         key = RunKeys.of(run_id).run
         silent: tuple[int, RedisError] | None = None  # the first shard that did not answer
@@ -160,6 +168,10 @@ class Shards:
             try:
                 if self.clients[shard].exists(key):
                     return shard
+            except AuthenticationError as exc:  # a ConnectionError to redis-py, but a wrong password, no outage
+                refused = RedisCredentialsRefused(f"Redis at {self.name(shard)} refused the credentials: {exc}")
+                refused.shard = shard
+                raise refused from exc
             except (ConnectionError, TimeoutError) as exc:
                 silent = silent or (shard, exc)
         if silent:
