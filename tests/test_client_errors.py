@@ -103,6 +103,7 @@ def test_a_shard_refusing_the_password_is_said_at_once_naming_it_not_called_unre
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     (line,) = out.stderr.strip().splitlines()
     assert "refused the credentials" in line and "unreachable" not in line and "wrong-pw" not in line, line
+    assert "at shard 1, " in line and urls[0].split("//")[1] not in line, "it names the shard at fault, only"
 
 
 OVERSEE = {

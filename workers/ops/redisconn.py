@@ -102,10 +102,12 @@ def reason(exc: RedisError) -> str:
 
 
 def describe(exc: RedisError) -> str:
+    blamed = getattr(exc, "shard", None)  # the API knew which shard (RedisUnreachable.shard)
     if isinstance(exc, RedisUnreachable) and isinstance(exc.__cause__, RedisError):
         exc = exc.__cause__  # the API's own wording names the server; the command's names where the URL came from
     where = f"{_target.get('url', '?')} ({_target.get('origin', 'from REDIS_URL')})"
-    failed = _failed_shard(str(exc))
+    urls = _target.get("shards", "").split()
+    failed = (blamed, urls[blamed]) if isinstance(blamed, int) and 0 <= blamed < len(urls) else _failed_shard(str(exc))
     if failed is not None:
         where = f"shard {failed[0]}, {redact_url(failed[1])} (from {shards.ENV})"
     if isinstance(exc, MasterNotFoundError):
