@@ -31,6 +31,7 @@ from agentpool.store.errors import (
     RunExists,
     RunNotActive,
     RunNotFound,
+    SchemaTooNew,
     StoreError,
     TurnMoved,
     UnreadableRecord,
@@ -43,6 +44,7 @@ from agentpool.store.records import (
     TERMINAL_STATUSES,
     USAGE_FIELDS,
     RunState,
+    header_version,
     load_header,
     new_header,
     pack_message,
@@ -679,13 +681,21 @@ def set_status_unfenced(
     keys = RunKeys.of(run_id)
 
     def attempt(pipe: Pipeline, write_id: str) -> str:
-        current, recent, parent = pipe.hmget(keys.run, ["status", writes.OTHERS, "parent"])
+        current, recent, parent, version = pipe.hmget(keys.run, ["status", writes.OTHERS, "parent", "v"])
         done = writes.landed(recent, write_id)
         if done is not None:
             pipe.unwatch()
             return done
         if current is None:
             raise RunNotFound(run_id)
+        if version is not None and header_version({b"v": version}) > SCHEMA_VERSION:
+            # A newer agentpool's record (a rolling deploy): what its statuses mean is that version's to
+            # say. Checked under WATCH, so a newer worker rewriting the run meanwhile is seen too.
+            pipe.unwatch()
+            raise SchemaTooNew(
+                f"run {run_id} was written with schema version {int(version)}, and this agentpool understands "
+                f"up to {SCHEMA_VERSION}: its status was not changed"
+            )
         before = current.decode("utf-8", errors="replace")
         if before in TERMINAL_STATUSES or (allowed_from is not None and before not in allowed_from):
             pipe.unwatch()

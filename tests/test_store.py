@@ -9,7 +9,7 @@ import pytest
 
 from agentpool.store import checkpoint, events, ledger, ratelimit, spend, stats, window
 from agentpool.store.codec import pack, unpack
-from agentpool.store.errors import LeaseLost, RunNotActive, UnreadableRecord
+from agentpool.store.errors import LeaseLost, RunNotActive, SchemaTooNew, UnreadableRecord
 from agentpool.store.events import Event
 from agentpool.store.keys import RunKeys
 from agentpool.store.lease import Acquire, acquire, holder, release, release_dead_holder, renew
@@ -442,3 +442,14 @@ def test_a_billed_calls_note_is_counted_only_if_no_saved_message_carries_it_and_
     assert spend.lost_call(r.get(keys.call), last_saved="")[0] == "msg_b", "another attempt's note stays"
     spend.forget_call(r, keys, "msg_b")
     assert r.get(keys.call) is None
+
+
+def test_a_status_change_by_a_person_leaves_a_newer_agentpools_run_as_it_is(r):
+    """cancel_run's write itself refuses a run a newer agentpool wrote (checked under WATCH, so a newer
+    worker rewriting the run between an app's first look and its write is seen too)."""
+    create(r)
+    r.hset(KEYS.run, "v", SCHEMA_VERSION + 1)
+    before = r.hgetall(KEYS.run)
+    with pytest.raises(SchemaTooNew, match=f"schema version {SCHEMA_VERSION + 1}.*its status was not changed"):
+        checkpoint.set_status_unfenced(r, RUN, "cancelled", error="cancelled")
+    assert r.hgetall(KEYS.run) == before
