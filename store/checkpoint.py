@@ -286,6 +286,7 @@ def commit_response(
     intents: Sequence[tuple[str, Mapping[str, Any], Event]] = (),
     clear_handback: bool = True,
     riders: Sequence[Rider] = (),
+    window: int | None = None,
 ) -> int:
     """Save point A: count the call's ``usage`` and cost with the ``responded`` event, then commit
     its response with the ``event`` that reports it. The spend counts even when the response can no
@@ -320,6 +321,10 @@ def commit_response(
     ``riders``: other scripts sent in the same round trip, after this one's (the call's rate-limit
     settle); each keeps its reply or error, and is sent whatever this one answers.
 
+    ``window``: move the header's window there (``store.window``) with the commit: the reply's own index
+    when the API compacted the conversation in it, or the compaction point the turn found past the
+    header's. A reply that ends the run has no save point B to move it.
+
     Returns 2 when the run ended here and was the last open child of its parent (which is now due to
     be woken), 1 otherwise."""
     parent = tree_keys(ancestors_of(r, keys.run_id) if ancestors is None else ancestors)
@@ -346,6 +351,7 @@ def commit_response(
             len(parent),
             *(late or ("", "")),
             "1" if clear_handback else "",
+            "" if window is None else window,
             *script_args(responded, event),
             len(intents),
             *(x for tool_use_id, record, _ in intents for x in (tool_use_id, pack(record))),

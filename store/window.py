@@ -7,10 +7,11 @@ stays the whole conversation, append-only (``run.messages``, the audit trail); a
 only the window, so neither the load nor the request grows with the run's history.
 
 The header's ``window`` is the index of the latest compaction point it knows of. A summary moves it in
-the script that appends the summary (exact). A compaction block arrives inside a reply that save point A
-commits, and save point B moves the window to it; a crash between the two leaves the hint one turn
-behind, never ahead, and every load trims at the latest compaction block it finds: what a request sends
-is right either way.
+the script that appends the summary (exact). A compaction block arrives inside a reply, and save point
+A moves the window to it in the script that commits the reply (exact too: a reply that ends the run,
+say in a chat with no tool call, has no save point B). The hint is never ahead; a record that a release
+moving it only at save point B left behind is caught up by the next save point, and every load trims at
+the latest compaction block it finds: what a request sends is right either way.
 """
 
 from __future__ import annotations

@@ -4,8 +4,12 @@ with compaction off and resumed once it is on, and workers SIGKILLed at every wi
 
 from __future__ import annotations
 
+import base64
 import json
+import random
+import struct
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -359,3 +363,114 @@ def test_a_fork_of_a_summarized_run_starts_from_the_summary_its_copy_holds(r, lo
     assert [e["page"] for e in long_pool.effects() if e["run"] == fork_id] == list(range(8, 12))
     assert [e["page"] for e in long_pool.effects() if e["run"] == parent] == list(range(12))
     assert_valid_conversation(finished.messages)
+
+
+def test_a_chat_the_api_compacted_loads_its_turns_from_the_compaction_point(r, wide_pool, wide_model):
+    # A conversation with no tool call: every reply ends the run at save point A (there is no save point
+    # B to move the header's window). Once the API compacts it, later turns must still read only from
+    # the compaction point on: proof by damage, as above.
+    from agentpool import send_message
+
+    wide_model.set_scripts({"chat": [{"text": f"Noted, part {i}."} for i in range(8)]})
+    wide_pool.start(1)
+    notes = "the meeting decided item {} ships on time. "
+    run_id = enqueue_run(
+        "long_agents:compacting", script_task("chat", "Keep these notes. " + notes.format(0) * 1_400), connection=r
+    )
+    keys = RunKeys.of(run_id)
+    assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
+    for part in range(1, 8):
+        sent = send_message(run_id, notes.format(part) * 1_400, connection=r)
+        run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+        assert run.status == "completed", (run.error, wide_pool.logs())
+        if any(is_compaction_point(m) for m in run.messages):
+            break
+    points = [i for i, m in enumerate(run.messages) if is_compaction_point(m)]
+    assert points, "the API compacted the chat"
+    assert int(r.hget(keys.run, "window")) == points[-1] == run.window_start, "the window moved at save point A"
+    r.lset(keys.messages, 1, b"\xc1 not msgpack")
+    for part in range(2):
+        send_message(run_id, f"And part {part} of the follow-up?", connection=r)  # the run is running again
+        wait_for_status(r, run_id, "completed", timeout=60)  # (wait_for_run reads the whole conversation)
+        windowed = get_run(run_id, connection=r, window=True)
+    assert windowed.turns == run.turns + 2 and windowed.result == f"Noted, part {windowed.turns - 1}."
+    assert windowed.window_start == points[-1]
+    assert wide_model.stats()["rejected"] == 0, wide_model.stats()["rejections"]
+
+
+def test_a_message_longer_than_the_window_is_summarized_cut_like_a_long_tool_result(r, long_pool, small):
+    # A follow-up message sent as a plain string (kept so): once it alone passes the context window, the
+    # summary request is refused as too long and goes again with long texts cut, as for a tool result.
+    from agentpool import send_message
+
+    small.set_scripts({"chat": [{"text": "Ready."}, {"text": "Got the gist of it."}]})
+    long_pool.start(1)
+    run_id = enqueue_run("long_agents:summarizing", script_task("chat", "Read what I send"), connection=r)
+    assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
+    sent = send_message(run_id, "the archive says every item shipped on time. " * 1_400, connection=r)
+    run = wait_for_run(run_id, timeout=120, connection=r, after_message=sent)
+
+    assert run.status == "completed", (run.error, long_pool.logs())
+    assert run.result == "Got the gist of it."
+    assert [e["why"] for e in events(r, run_id, "compacted")] == ["trigger"]
+    assert [x for x in small.stats()["rejections"] if "prompt is too long" in x] and small.stats()["summaries"] == 1
+    assert_valid_conversation(run.messages)
+
+
+def test_a_summary_made_from_a_cut_window_keeps_the_summary_it_starts_from_whole(r, long_pool, small):
+    # The first summaries end with a line to remember, past the first 2,000 characters. A later page is
+    # larger than the window: that summary request is refused as too long and goes again with long
+    # texts cut, but never the summary the window starts from (what the run knows of its past).
+    remember = "Remember: the vault code is 4711."
+    long_summary = {"summary": {"text": "detail " * 400 + "\n" + remember}}
+    steps = [{**step, **long_summary} for step in pages(7)[:-1]]
+    steps += [{"tool_calls": [{"name": "read_page", "input": {"page": 7, "size": 60_000}}]}, {"text": "Done."}]
+    small.set_scripts({"pages": steps})
+    long_pool.start(1)
+    run = wait_for_run(
+        enqueue_run("long_agents:summarizing", script_task("pages", "Read the archive"), connection=r),
+        timeout=120,
+        connection=r,
+    )
+    assert run.status == "completed", (run.error, long_pool.logs())
+    at = summaries(run.messages)
+    assert len(at) >= 2 and at[-1] == run.window_start
+    assert [x for x in small.stats()["rejections"] if "prompt is too long" in x], "the last summary was cut"
+    before = run.messages[at[-2]]["content"][0]["text"]
+    assert before.index(remember) > 2_000, "the line to remember is past what a cut keeps"
+    assert remember in run.messages[at[-1]]["content"][0]["text"], run.messages[at[-1]]["content"][0]["text"]
+    assert_valid_conversation(run.messages)
+
+
+def png(width: int, height: int) -> str:
+    """A PNG of noise (its data does not compress: about 3 bytes a pixel), base64."""
+    noise = random.Random(width * height)
+    rows = b"".join(b"\x00" + noise.randbytes(3 * width) for _ in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    image = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    return base64.b64encode(image).decode()
+
+
+def test_an_image_counts_toward_the_trigger_as_the_model_counts_it_not_by_its_base64(r, long_pool, small):
+    # 90 KB of base64 for an image of 150 x 150 pixels (30 tokens to the model): read as text it would be
+    # 30,000 tokens, past the trigger (6,000), and the run would compact the image away before the model
+    # ever answered the message that brought it.
+    from agentpool import send_message
+
+    small.set_scripts({"chat": [{"text": "Ready."}, {"text": "A square of noise."}]})
+    long_pool.start(1)
+    run_id = enqueue_run("long_agents:summarizing", script_task("chat", "Describe what I send"), connection=r)
+    assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png(150, 150)}}
+    assert len(image["source"]["data"]) > 80_000
+    sent = send_message(run_id, [image, {"type": "text", "text": "What is this?"}], connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+
+    assert run.status == "completed" and run.result == "A square of noise.", (run.error, long_pool.logs())
+    assert not events(r, run_id, "compacted") and small.stats()["summaries"] == 0
+    assert run.window_start == 0 and run.window[-2]["content"][0] == image, "the model was sent the image"
+    assert small.stats()["rejected"] == 0, small.stats()["rejections"]

@@ -24,7 +24,11 @@
 -- completes a child run ('' otherwise): queued in the parent's inbox if the parent's join had ended
 -- before (see _join.lua)  ARGV[22] '1' to delete the hand-back record ('' when the caller knows there is
 -- none: a turn no re-enqueue brought, after the save point B that deleted the last)
--- ARGV[23..] two events (see _event.lua): the model_responded one, then the one reporting the commit;
+-- ARGV[23] the index the header's window moves to ('' leaves it): this reply's own index when the API
+-- compacted the conversation in it, or the compaction point the turn loaded its window from when the
+-- header lagged behind it. Moved here, not only by save point B: a reply that ends the run (a chat with
+-- no tool call) has no save point B, and every later turn would read the whole conversation again.
+-- ARGV[24..] two events (see _event.lua): the model_responded one, then the one reporting the commit;
 -- then n, n pairs of a ledger field (a tool_use id) and its intent blob, and n events (their
 -- tool_started): the intents of read tools the worker runs right after this commit, so that they need
 -- no fenced write of their own (written only when the reply is committed as a turn that goes on; n is
@@ -65,7 +69,7 @@ if parent_keys > 0 then
   spend = {}
   roll_up_spend(KEYS[1], ancestor_headers(#KEYS - parent_keys + 1, 5), 12)
 end
-local committed_event = record_event(KEYS[6], KEYS[5], 23)
+local committed_event = record_event(KEYS[6], KEYS[5], 24)
 local function refused(code)
   redis.call('HSET', KEYS[1], 'writes', ring_with(h[4], ARGV[17], code), unpack(spend))
   return code
@@ -80,6 +84,10 @@ if ARGV[7] ~= '' and parent_keys > 0 then
   if join_parent(KEYS[1], up, KEYS[4], ARGV[6], redis.call('HGET', KEYS[1], 'parent'), ARGV[5], ARGV[20], ARGV[21], ARGV[7]) == 2 then
     joined = 2
   end
+end
+if ARGV[23] ~= '' then  -- rides in the HSET below with the spend
+  table.insert(spend, 'window')
+  table.insert(spend, ARGV[23])
 end
 -- One HSET: the turn counted, the reply's tool_uses pending, the schema stamped, this write's id kept.
 redis.call('HSET', KEYS[1], 'turns', h[2] + 1, 'phase', 'tools', 'pending', ARGV[4], 'model_errors', '0',

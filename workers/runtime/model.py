@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import anthropic
 import httpx2
 
-from agentpool.agent import SUMMARY_PROMPT, Agent, Compaction
+from agentpool.agent import SUMMARY_PREAMBLE, SUMMARY_PROMPT, Agent, Compaction
 from agentpool.runtime import tracing
 from agentpool.runtime.reply_stream import Reply, StreamError, events
 from agentpool.runtime.settings import Settings
@@ -320,9 +320,13 @@ def summary_messages(
 ) -> list[dict[str, Any]]:
     """The window with the summary prompt after it: appended to its last user message (after any
     tool results, as the API wants them first) or as a user message of its own after an assistant one.
-    ``shrink`` cuts long tool results (for a window the API refused as too long to summarize whole)."""
+    ``shrink`` cuts long tool results and texts (for a window the API refused as too long to summarize
+    whole), but not the summary the window starts from: it is all the run knows of what came before it,
+    and no longer than ``summary_max_tokens``."""
     prompt = SUMMARY_PROMPT + (f"\n\nAlso: {instructions}" if instructions else "")
-    messages = [_shrunk(m) for m in window] if shrink else list(window)
+    messages = list(window)
+    if shrink:
+        messages = [m if i == 0 and _is_summary(m) else _shrunk(m) for i, m in enumerate(messages)]
     last = messages[-1]
     if last["role"] == "user":
         content = last["content"]
@@ -336,14 +340,27 @@ def summary_messages(
 SHRUNK_RESULT_CHARS = 2000
 
 
+def _is_summary(message: dict[str, Any]) -> bool:
+    """A summary agentpool's compaction saved (the message a window starts from)."""
+    content = message["content"]
+    first = content[0] if isinstance(content, list) and content else None
+    return (
+        message["role"] == "user"
+        and isinstance(first, dict)
+        and first.get("type") == "text"
+        and str(first.get("text", "")).startswith(SUMMARY_PREAMBLE)
+    )
+
+
 def _shrunk(message: dict[str, Any]) -> dict[str, Any]:
     """The message with long tool results (and long texts of the model's) cut, and without thinking
     blocks (the summary request has thinking off, so they may go, and with them any question of their
     signatures over what was cut): what a summary needs."""
-    if isinstance(message["content"], str):
-        return message
+    content = message["content"]
+    if isinstance(content, str):  # a message sent as a plain string: one text block, cut as one
+        content = [{"type": "text", "text": content}]
     blocks = []
-    for block in message["content"]:
+    for block in content:
         if block.get("type") in ("thinking", "redacted_thinking"):
             continue
         key = {"tool_result": "content", "text": "text"}.get(block.get("type"))

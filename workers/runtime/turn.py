@@ -567,6 +567,7 @@ class Turn:
                     intents=started if not final else (),
                     clear_handback=requeued(self.job),
                     riders=[call for call in self.settles if not call.sent],
+                    window=compaction.window_hint(state, reply),
                 )
                 == 2
             ):

@@ -1,15 +1,64 @@
 """Token estimates and prompt caching, as the API counts them: a prefix up to a cache breakpoint is
-written once and read while it lives (5 min, or 1 h with ttl "1h"); shorter prefixes are not cached."""
+written once and read while it lives (5 min, or 1 h with ttl "1h"); shorter prefixes are not cached.
+
+An image counts as the API counts it, by its pixels (width × height / 750, scaled down to 1,568 pixels
+on its long edge and about 1,600 tokens), not by the length of its base64 data: a PNG's size is read
+from its header; any other image counts as the most one costs."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import math
+import struct
 import time
 from typing import Any
 
 from agentpool.testing.scripted_model.common import canonical, estimate_tokens
 
 CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}
+IMAGE_MAX_EDGE = 1568
+IMAGE_MAX_TOKENS = 1600
+PIXELS_PER_TOKEN = 750
+
+
+def image_tokens(block: dict[str, Any]) -> int:
+    """What an image block costs the API's model (the vision guide's formula)."""
+    source = block.get("source") if isinstance(block.get("source"), dict) else {}
+    size = _png_size(source.get("data")) if source.get("type") == "base64" else None
+    if size is None:
+        return IMAGE_MAX_TOKENS
+    width, height = size
+    scale = min(1.0, IMAGE_MAX_EDGE / max(width, height))
+    scale = min(scale, math.sqrt(IMAGE_MAX_TOKENS * PIXELS_PER_TOKEN / (width * height)))
+    return max(1, math.ceil(width * height * scale * scale / PIXELS_PER_TOKEN))
+
+
+def _png_size(data: Any) -> tuple[int, int] | None:
+    if not isinstance(data, str):
+        return None
+    try:
+        head = base64.b64decode(data[:32])
+    except (binascii.Error, ValueError):
+        return None
+    if len(head) < 24 or head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
+        return None
+    width, height = struct.unpack(">II", head[16:24])
+    return (width, height) if width and height else None
+
+
+def _counted(block: Any) -> Any:
+    """The block as its tokens are counted: an image (also inside a tool_result) stands as text of its
+    cost in tokens, keyed by its data so that a prefix holding it is cached as itself."""
+    if not isinstance(block, dict):
+        return block
+    if block.get("type") == "image":
+        key = hashlib.sha256(canonical(block).encode()).hexdigest()
+        return {"type": "image", "counted_as": key + "." * max(0, 4 * image_tokens(block) - 96)}
+    if block.get("type") == "tool_result" and isinstance(block.get("content"), list):
+        return {**block, "content": [_counted(sub) for sub in block["content"]]}
+    return block
 
 
 def strip_cache_control(block: Any) -> tuple[Any, str | None]:
@@ -59,7 +108,7 @@ def cache_units(body: dict) -> tuple[list, list[tuple[int, str]]]:
             continue
         for block in content or []:
             stripped, ttl = strip_cache_control(block)
-            add(["message", i, role, stripped], ttl)
+            add(["message", i, role, _counted(stripped)], ttl)
     return units, markers
 
 

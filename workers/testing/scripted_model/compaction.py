@@ -310,9 +310,15 @@ def is_summary_request(messages: list[dict[str, Any]]) -> bool:
     )
 
 
+# A line of a summary that the summaries made after it keep, as a model keeps what the summary it was
+# given says to remember.
+REMEMBER = "Remember:"
+
+
 def summary_text(name: str, turns: int, view: list[dict[str, Any]], extra: str | None = None) -> str:
     """What the scripted model writes when it summarizes: the markers step selection reads back, the
-    task, and the gist of the last tool results."""
+    task, the gist of the last tool results, and every ``Remember:`` line of the summary (or text) the
+    conversation starts from, as far as the request carries it."""
     results: list[str] = []
     for message in view:
         for block in message["content"] if isinstance(message["content"], list) else []:
@@ -324,6 +330,7 @@ def summary_text(name: str, turns: int, view: list[dict[str, Any]], extra: str |
     lines = [f"Summary of the conversation so far [script:{name}] [turns:{turns}]", f"Task: {task}"]
     if results:
         lines.append("Latest tool results: " + " | ".join(results[-3:]))
+    lines += [line for line in _text_of(view[0]).splitlines() if line.startswith(REMEMBER)]
     if extra:
         lines.append(extra)
     return "\n".join(lines)
