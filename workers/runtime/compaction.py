@@ -18,16 +18,15 @@ A turn sends its run's window (``agentpool.store.window``: from the latest compa
 
 from __future__ import annotations
 
-import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from agentpool.agent import SUMMARY_PREAMBLE, Agent
 from agentpool.pricing import price_of
 from agentpool.runtime import tracing
 from agentpool.runtime.faults import fault
 from agentpool.runtime.model import ContextTooLong, ModelReply, ModelUnavailable
-from agentpool.runtime.ratelimit import CHARS_PER_TOKEN, after_last_reply, limited_call
+from agentpool.runtime.ratelimit import after_last_reply, estimate_tokens, limited_call
 from agentpool.store import window
 from agentpool.store.events import Event
 from agentpool.store.records import RunState
@@ -36,11 +35,6 @@ if TYPE_CHECKING:
     from agentpool.runtime.turn import Turn
 
 OVERFLOW = "model_context_window_exceeded"
-# The most one image costs the model: the API scales a larger one down (about 1,600 tokens on most
-# models, 4,784 on those with high-resolution vision). Its base64 data is no measure of it: a photo's
-# megabyte of data counted as text would pass any trigger, and the run would compact before the model
-# ever saw the image.
-IMAGE_TOKENS = 4_800
 log = logging.getLogger("agentpool.turn")
 # After a summary the model ended at summary_max_tokens: what it read next knows its tail is missing.
 SUMMARY_CUT_NOTE = (
@@ -59,28 +53,8 @@ def due(agent: Agent, state: RunState) -> str | None:
         return "overflow"
     if agent.compaction_mode == "server":
         return None  # the API compacts the request itself
-    estimate = int(reply.get("context_tokens") or 0) + added_tokens(after_last_reply(state.messages))
+    estimate = int(reply.get("context_tokens") or 0) + estimate_tokens(after_last_reply(state.messages))
     return "trigger" if estimate >= compaction.trigger else None  # type: ignore[union-attr]
-
-
-def added_tokens(messages: list[dict[str, Any]]) -> int:
-    """What ``messages`` add to a request, estimated: text at ``CHARS_PER_TOKEN``, an image at the most
-    one costs (``IMAGE_TOKENS``), wherever it stands (a message, a tool result)."""
-    images = 0
-
-    def without_images(value: Any) -> Any:
-        nonlocal images
-        if isinstance(value, dict):
-            if value.get("type") == "image":
-                images += 1
-                return None
-            return {k: without_images(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [without_images(v) for v in value]
-        return value
-
-    text = json.dumps(without_images(messages), ensure_ascii=False)
-    return len(text) // CHARS_PER_TOKEN + images * IMAGE_TOKENS
 
 
 def call(turn: Turn, agent: Agent, state: RunState) -> tuple[RunState, ModelReply]:

@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentpool.ratelimit")
 
 CHARS_PER_TOKEN = 3  # cautious: JSON and code run ~3 characters a token; the reservation is corrected after
+# The most one image costs the model: the API scales a larger one down (about 1,600 tokens on most
+# models, 4,784 on those with high-resolution vision).
+IMAGE_TOKENS = 4_800
 MIN_WAIT = 0.05
 _DIMENSIONS = {"requests": "requests", "input-tokens": "input", "output-tokens": "output"}
 
@@ -112,13 +115,31 @@ def estimate_input(agent: Agent, messages: list[dict[str, Any]], last_reply: Map
     call, or a summary) the whole request."""
     if last_reply and last_reply.get("context_tokens"):
         added = after_last_reply(messages)
-        return int(last_reply["context_tokens"]) + _tokens(added)
+        return int(last_reply["context_tokens"]) + estimate_tokens(added)
     tools = [t.to_param() for t in agent.tools]
-    return _tokens([agent.system or "", tools, messages])
+    return estimate_tokens([agent.system or "", tools, messages])
 
 
-def _tokens(value: Any) -> int:
-    return max(1, len(json.dumps(value, ensure_ascii=False, default=str)) // CHARS_PER_TOKEN)
+def estimate_tokens(value: Any) -> int:
+    """Input tokens ``value`` (messages, a system prompt, tool definitions) may count: text at
+    ``CHARS_PER_TOKEN``, an image at the most one costs (``IMAGE_TOKENS``) wherever it stands (a
+    message, a tool result). Its base64 data is no measure of it: a photo's megabyte counted as text
+    would reserve a whole minute's budget for one call, and pass any compaction trigger."""
+    images = 0
+
+    def without_images(item: Any) -> Any:
+        nonlocal images
+        if isinstance(item, dict):
+            if item.get("type") == "image":
+                images += 1
+                return None
+            return {k: without_images(v) for k, v in item.items()}
+        if isinstance(item, list):
+            return [without_images(v) for v in item]
+        return item
+
+    text = json.dumps(without_images(value), ensure_ascii=False, default=str)
+    return max(1, len(text) // CHARS_PER_TOKEN + images * IMAGE_TOKENS)
 
 
 def after_last_reply(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -143,7 +164,7 @@ def next_call(
     known unlimited here) or nothing tells the context's size."""
     if not turn.settings.rate_limiter or not context_tokens or ratelimit.known_unlimited(turn.r, agent.model):
         return None
-    return agent.model, int(context_tokens) + _tokens(added), int(agent.max_tokens)
+    return agent.model, int(context_tokens) + estimate_tokens(added), int(agent.max_tokens)
 
 
 def lease_reservation(r: Redis, settings: Settings, run_id: str, turn: int, carried: Any) -> ReserveRequest | None:
