@@ -204,7 +204,14 @@ def message_meta(blob: bytes, index: int) -> dict[str, Any]:
     """What was kept beside a message (an assistant reply's id, stop reason, usage; a summary's origin)."""
     record = unpack(blob, f"message {index}")
     meta = record.get("meta") if isinstance(record, dict) else None
-    return meta if isinstance(meta, dict) else {}
+    if not isinstance(meta, dict):
+        return {}
+    # What a turn computes with (the compaction trigger, the next call's reservation): a damaged one is
+    # an unreadable record, said once, not an error at every retry of the turn.
+    tokens = meta.get("context_tokens")
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+        raise UnreadableRecord(f"message {index} has a context_tokens that is not a count: {str(tokens)[:40]!r}")
+    return meta
 
 
 def pack_pending(pending: list[dict[str, Any]]) -> bytes:

@@ -474,3 +474,33 @@ def test_an_image_counts_toward_the_trigger_as_the_model_counts_it_not_by_its_ba
     assert not events(r, run_id, "compacted") and small.stats()["summaries"] == 0
     assert run.window_start == 0 and run.window[-2]["content"][0] == image, "the model was sent the image"
     assert small.stats()["rejected"] == 0, small.stats()["rejections"]
+
+
+def test_a_reply_whose_kept_context_size_is_damaged_fails_its_run_at_once_saying_so(r, long_pool, small):
+    """The turn after a reply computes with the context size kept beside it (the compaction trigger):
+    a damaged one is an unreadable record, the run failed saying where, its data left as found, and the
+    worker serves other runs; not a ValueError at every retry of the turn."""
+    from agentpool import send_message
+    from agentpool.store.codec import pack, unpack
+
+    small.set_scripts({"chat": [{"text": "Ready."}, {"text": "Again."}]})
+    long_pool.start(1)
+    bad = enqueue_run("long_agents:summarizing", script_task("chat", "Talk to me"), connection=r)
+    assert wait_for_run(bad, timeout=60, connection=r).status == "completed"
+    keys = RunKeys.of(bad)
+    record = unpack(r.lindex(keys.messages, 1), "reply")
+    assert isinstance(record["meta"]["context_tokens"], int)
+    record["meta"]["context_tokens"] = "lots"
+    r.lset(keys.messages, 1, pack(record))
+    damaged = r.lindex(keys.messages, 1)
+    send_message(bad, "One more thing.", connection=r)
+    good = enqueue_run("long_agents:summarizing", script_task("chat", "Talk to me too"), connection=r)
+
+    assert wait_for_run(good, timeout=60, connection=r).status == "completed"
+    failed = wait_for_run(bad, timeout=60, connection=r)
+    assert failed.status == "failed" and "message 1 has a context_tokens that is not a count" in failed.error, (
+        failed.status,
+        failed.error,
+        long_pool.logs(),
+    )
+    assert r.lindex(keys.messages, 1) == damaged, "the data is left as found"
