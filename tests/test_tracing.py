@@ -5,6 +5,8 @@ this process, and the run's trace is read back whole across work horses SIGKILLe
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -46,7 +48,12 @@ def test_a_runs_trace_is_one_trace_under_the_apps_span_across_every_worker_and_t
     assert_valid_conversation(run.messages)
 
     app_ctx = app_span.get_span_context()
-    spans = read_spans(str(spans_file))
+    # The last turn exports its spans after it wrote the run's status: wait for its model call's.
+    spans = _wait_for_spans(
+        spans_file,
+        lambda got: any(s["attributes"].get("gen_ai.response.finish_reasons") == ["end_turn"] for s in got),
+        "span of the run's last model call",
+    )
     assert spans, pool.logs()
     assert {s["trace_id"] for s in spans} == {f"{app_ctx.trace_id:032x}"}, "one trace, the app's, in every worker"
     (root,) = [s for s in spans if s["name"] == "invoke_agent pool_agents:support"]
@@ -170,6 +177,7 @@ def test_an_api_error_that_echoes_the_key_leaves_it_in_no_span(r, pool, model, t
     (error,) = [e["attributes"] for e in chat["events"] if e["name"] == "exception"]
     assert error["exception.type"] == "ModelRejected" and "authentication_error" in error["exception.message"]
     assert "exception.stacktrace" not in error
+    assert chat["attributes"]["error.type"] == "ModelRejected", "required by the GenAI conventions on a failed span"
 
 
 SLOW_TOOL = [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 2}}]}, {"text": "Done."}]
@@ -301,3 +309,139 @@ def test_a_tool_span_exported_before_its_horse_is_killed_still_has_its_parent(r,
     reads = [s for s in spans if s["name"] == "execute_tool read_notes"]
     assert len(reads) >= 1 and all(s["parent_id"] in ids for s in reads), "a tool span exported without its parent"
     assert all(s["parent_id"] in ids for s in spans if s["parent_id"]), "no exported span lacks its parent"
+
+
+def test_a_worker_stops_at_once_while_its_export_to_a_collector_that_never_answers_hangs(r, pool, model, tmp_path):
+    """A horse killed in a tool: its worker records the takeover and exports it, to an exporter that
+    hangs (a collector that takes the connection and never answers), and that export goes on in the
+    background. Stopped by a deploy's SIGTERM once the run is done, the worker exits as an untraced one
+    does (about 2 s), not after the SDK's exit-time shutdown, which waits 30 s for that export."""
+    model.set_scripts({"slow": [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 1}}]}, {"text": "Done."}]})
+    arms = tmp_path / "arms"
+    arms.mkdir()
+    run_id = "r_stop_hung_export_1"
+    (arms / f"in_tool-{run_id}").write_text("slow_read")
+    (worker,) = pool.start(
+        1,
+        OTEL_TRACES_EXPORTER="agentpool_jsonl",
+        AGENTPOOL_TEST_SPANS=str(tmp_path / "spans.jsonl"),
+        AGENTPOOL_TEST_SPANS_HANG="3600",
+        AGENTPOOL_FAULT_ARMS=str(arms),
+    )
+    enqueue_run("pool_agents:support", script_task("slow"), run_id=run_id, connection=r)
+    assert wait_for_run(run_id, timeout=120, connection=r).status == "completed"
+    assert list(arms.glob("fired-*")), "the horse was killed in slow_read"
+    pool.wait_for_log(lambda line: "takeover" in line and run_id in line, "of the takeover")
+    started = time.monotonic()
+    pool.kill(worker, signal.SIGTERM, with_horse=False)
+    worker.wait(timeout=120)
+    stopped = time.monotonic() - started
+    assert worker.returncode == 0, pool.logs()
+    assert stopped < 10, f"the worker took {stopped:.1f} s to stop"
+
+
+APP_MODULE = '''
+import os
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+from agentpool import Agent, tool
+from agentpool.testing.spans import FileSpanExporter
+
+# The app's own telemetry, set up when its agents' module is imported (a worker does that once it runs).
+provider = TracerProvider(resource=Resource.create({"service.name": "the-app"}))
+provider.add_span_processor(SimpleSpanProcessor(FileSpanExporter(os.environ["APP_SPANS"])))
+trace.set_tracer_provider(provider)
+tracer = trace.get_tracer("the-app")
+
+
+@tool(effect="read")
+def lookup_order(order: str) -> str:
+    """Look an order up."""
+    with tracer.start_as_current_span("lookup order"):
+        return f"order {order}: shipped"
+
+
+support = Agent(model="claude-sonnet-5-5", tools=[lookup_order])
+'''
+
+
+@pytest.mark.parametrize("agentpool_exports", [True, False], ids=["otel-variables-set", "no-otel-variables"])
+def test_an_app_that_sets_up_its_provider_in_its_agents_module_keeps_it(r, pool, model, tmp_path, agentpool_exports):
+    """The app's module sets its own tracer provider up at import, after the worker started (and decided
+    about tracing). Its set_tracer_provider is not refused, its own span inside a tool goes to its own
+    exporter under its own service name, a child of agentpool's execute_tool span, and agentpool's spans
+    go through the app's provider from then on, whether or not the OTEL_* variables turned agentpool's
+    own provider on."""
+    from conftest import TESTS
+
+    (tmp_path / "app_with_telemetry.py").write_text(APP_MODULE)
+    app_spans, own_spans = tmp_path / "app-spans.jsonl", tmp_path / "spans.jsonl"
+    env = {"OTEL_TRACES_EXPORTER": "agentpool_jsonl", "AGENTPOOL_TEST_SPANS": str(own_spans)}
+    pool.start(
+        1, PYTHONPATH=f"{tmp_path}{os.pathsep}{TESTS}", APP_SPANS=str(app_spans), **(env if agentpool_exports else {})
+    )
+    model.set_scripts({"app": [{"tool_calls": [{"name": "lookup_order", "input": {"order": "1042"}}]}, {"text": "ok"}]})
+    # check_agent=False: the app's module would set this test process's global provider up too.
+    run_id = enqueue_run("app_with_telemetry:support", script_task("app"), check_agent=False, connection=r)
+    assert wait_for_run(run_id, timeout=120, connection=r).status == "completed", pool.logs()
+
+    spans = _wait_for_spans(app_spans, lambda got: any(s["name"] == "turn 1" for s in got), "turn 1 in the app's")
+    assert "Overriding of current TracerProvider is not allowed" not in pool.logs(tail=1_000_000)
+    (own,) = [s for s in spans if s["name"] == "lookup order"]
+    assert own["resource"]["service.name"] == "the-app"
+    (tool_span,) = [s for s in spans if s["name"] == "execute_tool lookup_order"]
+    assert own["parent_id"] == tool_span["span_id"] and own["trace_id"] == tool_span["trace_id"]
+    assert {s["resource"]["service.name"] for s in spans} == {"the-app"}, "agentpool's spans through the app's"
+    assert {s["trace_id"] for s in spans} == {tool_span["trace_id"]}, "one trace for the run"
+    assert not any(s["name"] == "lookup order" for s in read_spans(str(own_spans)))
+
+
+def test_a_chat_span_counts_input_tokens_as_the_genai_conventions_do(r, pool, model, tmp_path):
+    """Anthropic counts cached input tokens apart from ``input_tokens``; the GenAI conventions'
+    ``gen_ai.usage.input_tokens`` includes them (their Anthropic page: input_tokens + cache_read +
+    cache_creation). A streamed call says so (``gen_ai.request.stream``), and the run's invoke_agent span
+    names its provider (required)."""
+    usage = {"input_tokens": 7, "cache_read_input_tokens": 1000, "cache_creation_input_tokens": 200}
+    model.set_scripts({"cached": [{"text": "Hi.", "usage": {**usage, "output_tokens": 5}}]})
+    spans_file = tmp_path / "spans.jsonl"
+    pool.start(1, OTEL_TRACES_EXPORTER="agentpool_jsonl", AGENTPOOL_TEST_SPANS=str(spans_file))
+    run = wait_for_run(
+        enqueue_run("pool_agents:support", script_task("cached"), connection=r), timeout=60, connection=r
+    )
+    assert run.status == "completed", run.error
+    spans = _wait_for_spans(spans_file, lambda got: any(s["name"] == "turn 0" for s in got), "turn 0")
+    (chat,) = [s["attributes"] for s in spans if s["name"] == "chat claude-sonnet-5-5"]
+    assert chat["gen_ai.usage.input_tokens"] == 1207
+    assert chat["gen_ai.usage.cache_read.input_tokens"] == 1000
+    assert chat["gen_ai.usage.cache_creation.input_tokens"] == 200
+    assert chat["gen_ai.usage.output_tokens"] == 5
+    assert chat["gen_ai.request.stream"] is True
+    (root,) = [s["attributes"] for s in spans if s["name"] == "invoke_agent pool_agents:support"]
+    assert root["gen_ai.operation.name"] == "invoke_agent" and root["gen_ai.provider.name"] == "anthropic"
+
+
+def test_no_span_carries_the_task_a_tool_input_its_result_or_the_models_words(r, pool, model, tmp_path):
+    """The GenAI conventions make message and tool content opt-in (it is the user's data): no span of
+    agentpool's carries it, nor the anthropic SDK's spans in a worker that traces from the variables."""
+    model.set_scripts(
+        {
+            "private": [
+                {"tool_calls": [{"name": "read_notes", "input": {"topic": "quokka-5521"}}]},
+                {"text": "The plan is walrus-8830."},
+            ]
+        }
+    )
+    spans_file = tmp_path / "spans.jsonl"
+    pool.start(1, OTEL_TRACES_EXPORTER="agentpool_jsonl", AGENTPOOL_TEST_SPANS=str(spans_file))
+    task = script_task("private", "Summarize the heron-4417 notes")
+    run = wait_for_run(enqueue_run("pool_agents:support", task, connection=r), timeout=60, connection=r)
+    assert run.status == "completed", run.error
+    spans = _wait_for_spans(spans_file, lambda got: any(s["name"] == "turn 1" for s in got), "turn 1")
+    assert any(s["name"] == "execute_tool read_notes" for s in spans)
+    exported = json.dumps(spans)
+    for private in ("heron-4417", "quokka-5521", "ship the release on Friday", "walrus-8830"):
+        assert private not in exported, private

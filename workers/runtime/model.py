@@ -437,6 +437,7 @@ def call_model(
         "gen_ai.provider.name": "anthropic",
         "gen_ai.request.model": agent.model,
         "gen_ai.request.max_tokens": request["max_tokens"],
+        "gen_ai.request.stream": True if _client()[1].model_streaming else None,
         "agentpool.call.purpose": "summary" if summary else "reply",
     }
     with tracing.span(f"chat {agent.model}", client=True, **attributes) as span:
@@ -447,7 +448,11 @@ def call_model(
                 "gen_ai.response.id": reply.meta.get("id"),
                 "gen_ai.response.model": reply.meta.get("model"),
                 "gen_ai.response.finish_reasons": [reply.stop_reason],
-                "gen_ai.usage.input_tokens": reply.usage.get("input_tokens", 0),
+                # The conventions' input tokens include the cached ones, which Anthropic counts apart.
+                "gen_ai.usage.input_tokens": sum(
+                    reply.usage.get(k, 0)
+                    for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+                ),
                 "gen_ai.usage.output_tokens": reply.usage.get("output_tokens", 0),
                 "gen_ai.usage.cache_read.input_tokens": reply.usage.get("cache_read_input_tokens", 0),
                 "gen_ai.usage.cache_creation.input_tokens": reply.usage.get("cache_creation_input_tokens", 0),

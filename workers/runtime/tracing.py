@@ -5,8 +5,10 @@ installed under the ``opentelemetry_traces_exporter`` entry point group) or an O
 (``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``), with ``OTEL_SERVICE_NAME``,
 ``OTEL_RESOURCE_ATTRIBUTES`` and the exporters' own variables; ``OTEL_SDK_DISABLED=true`` or
 ``OTEL_TRACES_EXPORTER=none`` keeps it off. It needs the SDK: ``pip install 'agentpool[otel]'``. A
-process whose app set up its own SDK tracer provider is traced through that one. Off, every hook is one
-check of a module global: no span, no attribute built, no Redis command.
+process whose app sets up its own SDK tracer provider (made global) is traced through that one, from the
+next turn on when it does so later; agentpool's own provider is never made the global one, so an app's
+is never refused. Off, every hook is one check of a module global (a turn's start also looks at
+OpenTelemetry's global provider): no span, no attribute built, no Redis command.
 
 The trace's shape: ``enqueue_run`` keeps the app's current span (if any) with the run
 (``trace_parent`` in its header, in the create transaction); the first traced turn opens the run's
@@ -18,6 +20,7 @@ the turn are children of the turn. Takeovers are spans of their own under the ru
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import logging
@@ -72,14 +75,23 @@ def _exporter(name: str) -> Any:
     return found[0].load()()
 
 
-def _setup() -> Any:
-    global _provider
+def _app_provider() -> Any:
+    """The SDK tracer provider the app made global, if it has: spans go where its spans go. An app that
+    never imported OpenTelemetry has none, and nothing is imported for it."""
+    if "opentelemetry.trace" not in sys.modules:
+        return None
     from opentelemetry import trace
 
     current = trace.get_tracer_provider()
-    if hasattr(current, "add_span_processor"):  # the app set up an SDK provider: spans go where its go
-        _provider = current
-        return current.get_tracer("agentpool")
+    return current if hasattr(current, "add_span_processor") else None
+
+
+def _setup() -> Any:
+    global _provider
+    app = _app_provider()
+    if app is not None:
+        _provider = app
+        return app.get_tracer("agentpool")
     if not _wanted():
         return None
     try:
@@ -89,16 +101,27 @@ def _setup() -> Any:
     except ImportError:
         log.warning("%s; runs are not traced", INSTALL_HINT)
         return None
-    provider = TracerProvider(resource=_resource(Resource))
+    # Never made the global provider: an app that sets up its own later (its agents' module, imported
+    # once the worker runs) would be refused ("Overriding of current TracerProvider is not allowed"),
+    # and its own spans would go to agentpool's exporter under agentpool's name. Nor shut down by the
+    # SDK at exit: that waits up to 30 s for an export to a collector that is down (``_at_exit``).
+    provider = TracerProvider(resource=_resource(Resource), shutdown_on_exit=False)
     _keep_instance_across_forks(provider, Resource)
     for name in (os.environ.get("OTEL_TRACES_EXPORTER") or "otlp").split(","):
         try:
             provider.add_span_processor(BatchSpanProcessor(_exporter(name.strip())))
         except Exception as exc:  # noqa: BLE001 - a bad exporter setting must not stop the worker
             log.warning("traces not exported to %s: %s", name.strip(), exc)
-    trace.set_tracer_provider(provider)
+    atexit.register(_at_exit, provider)
     _provider = provider
     return provider.get_tracer("agentpool")
+
+
+def _at_exit(provider: Any) -> None:
+    """A process that exits (a worker stopped by a deploy) exports what it has left as a turn does, waiting
+    at most ``FLUSH_WAIT``, and not at all while an earlier export still hangs."""
+    if _provider is provider:
+        flush()
 
 
 def _resource(resource_class: Any) -> Any:
@@ -125,7 +148,8 @@ def _keep_instance_across_forks(provider: Any, resource_class: Any) -> None:
 
 
 def tracer() -> Any:
-    """The tracer runs are traced with, or None when tracing is off (decided once per process)."""
+    """The tracer runs are traced with, or None when tracing is off (decided once per process, and again
+    by ``_follow_app`` at each turn's start, for an app that sets up its provider later)."""
     global _tracer
     if _tracer is _UNSET:
         try:
@@ -133,6 +157,19 @@ def tracer() -> Any:
         except ImportError:
             _tracer = None
     return _tracer
+
+
+def _follow_app() -> Any:
+    """``tracer()``, through the app's own provider if it has set one up since this process decided: a
+    worker imports an agent's module (which may set it up) after it starts, and a forking worker
+    decided before that."""
+    global _tracer, _provider
+    current = tracer()
+    app = _app_provider()
+    if app is not None and app is not _provider:
+        _provider, _tracer = app, app.get_tracer("agentpool")
+        return _tracer
+    return current
 
 
 def flush() -> None:
@@ -203,6 +240,7 @@ def run_context(r: Redis, keys: RunKeys, header: dict[bytes, bytes], agent: str)
             context=_context(_text(header.get(PARENT_FIELD.encode()))),
             attributes={
                 "gen_ai.operation.name": "invoke_agent",
+                "gen_ai.provider.name": "anthropic",
                 "gen_ai.agent.name": agent,
                 "agentpool.run.id": keys.run_id,
             },
@@ -257,7 +295,7 @@ _current_turn: contextvars.ContextVar[_TurnTrace | None] = contextvars.ContextVa
 @contextlib.contextmanager
 def turn_span(r: Redis, keys: RunKeys, turn: int, header: dict[bytes, bytes]) -> Iterator[Any]:
     """The span of one turn, current while it runs, child of the run's span. Off: nothing."""
-    t = tracer()
+    t = _follow_app()
     if t is None:
         yield None
         return
@@ -296,6 +334,7 @@ def record_error(span: Any, exc: BaseException) -> None:
     from agentpool.runtime.model import scrub  # imported here: the model module imports this one
 
     kind, text = type(exc).__name__, scrub(str(exc))
+    span.set_attribute("error.type", kind)  # the GenAI conventions require it on a span that failed
     span.add_event("exception", {"exception.type": kind, "exception.message": text})
     span.set_status(Status(StatusCode.ERROR, f"{kind}: {text}" if text else kind))
 
@@ -336,7 +375,7 @@ def set_attributes(target: Any, **attributes: Any) -> None:
 
 def record_takeover(r: Redis, run_id: str, turn: int, cause: str, cause_kind: str, job: str) -> None:
     """A span for a takeover, under the run's span (read from its header: only with tracing on)."""
-    t = tracer()
+    t = _follow_app()
     if t is None:
         return
     known = _text(r.hget(RunKeys.of(run_id).run, TRACE_FIELD))

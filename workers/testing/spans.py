@@ -41,8 +41,10 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
 
 
 class FileSpanExporter(SpanExporter):
-    def __init__(self) -> None:
-        self.path = os.environ["AGENTPOOL_TEST_SPANS"]
+    """``path``: where an app's own provider writes (a test's app that sets one up), else the variable's."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path or os.environ["AGENTPOOL_TEST_SPANS"]
         self.hang = float(os.environ.get("AGENTPOOL_TEST_SPANS_HANG") or 0)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
