@@ -109,12 +109,6 @@ def start_of(state: RunState) -> int:
     return hint + latest_point(state.messages[hint:])
 
 
-def stage_hint(pipe: Pipeline, keys: RunKeys, index: int) -> None:
-    """Move the header's window to ``index`` (a compaction block save point A committed), in the caller's
-    transaction."""
-    pipe.hset(keys.run, "window", index)
-
-
 def commit_summary(
     r: Redis,
     keys: RunKeys,

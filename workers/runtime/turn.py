@@ -771,8 +771,10 @@ def _context_full(agent: Agent, detail: str) -> str:
             "(Agent(compaction=True)) and resume the run: it goes on from a summary of what came before"
         )
     return (
-        f"the request is longer than the model's context window even after compaction ({detail}); lower "
-        "the agent's Compaction(trigger=...) or shorten its tool results, and resume the run"
+        f"the request is longer than the model's context window, and compaction could not shorten it "
+        f"enough ({detail}): nothing before the last message to summarize, or what is left after the "
+        "summary is still too long; lower the agent's Compaction(trigger=...) or shorten its tool results "
+        "or messages, and resume the run"
     )
 
 
