@@ -12,7 +12,7 @@ import time
 import pytest
 
 from agentpool import approve, enqueue_run, wait_for_run, watch
-from agentpool.store import crypto
+from agentpool.store import crypto, events
 from agentpool.store.crypto import Cipher, generate_key
 from agentpool.store.hints import pool_key
 from agentpool.store.keys import RunKeys
@@ -125,6 +125,37 @@ def test_a_watcher_goes_on_after_the_last_item_it_was_given(r, pool, model):
     assert rest[-1]["status"] == "completed"
     with pytest.raises(ValueError, match="after must be the id of an item watch gave"):
         next(watch(run_id, connection=r, after="$"))
+
+
+def test_a_short_call_no_worker_published_reaches_a_watcher_from_the_saved_reply(r, pool, model):
+    """A worker that found nobody watching skips its next look for a second (a turn then costs Redis no
+    command for it), and a call looks again only about once a second: a short call begun just after a
+    watcher came is never published live. The watcher gets its words all the same, once, from the saved
+    reply, before that reply's model_responded; the words it was given live are not given again."""
+    model.set_scripts(
+        {
+            "quick": [
+                {"text": "Reading.", "tool_calls": [{"name": "slow_read", "input": {"seconds": 0.3}}]},
+                {"text": ANSWER},
+            ]
+        }
+    )
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:support", script_task("quick"), connection=r)
+    deadline = time.monotonic() + 60
+    while not any(e["kind"] == "tool_started" for _, e in events.read(r, run_id)):
+        assert time.monotonic() < deadline, pool.logs()
+        time.sleep(0.01)
+    items = collect(run_id, r, since_start=False)  # came during the tool: turn 1's call is all it can get
+
+    assert text_of(items) == ANSWER, [i for i in items if i["type"] not in ("turn_started", "tool_finished")]
+    kinds = [i["type"] for i in items if i.get("turn") in (1, "1")]
+    assert kinds.index("call_end") < kinds.index("model_responded"), kinds
+    if "saved" in [i.get("outcome") for i in items]:  # the case this test is about (not a slow machine's)
+        (responded,) = [i for i in items if i["type"] == "model_responded"]
+        assert {i["id"] for i in items if i.get("call") == "saved:1"} == {responded["id"]}
+        again = collect(run_id, r)
+        assert again[-1]["status"] == "completed" and text_of(again) == "", "a replay is the events, as before"
 
 
 def test_the_cli_prints_the_words_as_they_arrive(r, pool, model):

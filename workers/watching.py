@@ -9,6 +9,7 @@ the call's output so far.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Iterator
@@ -20,9 +21,10 @@ from agentpool.runtime import shards
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import names_the_server
 from agentpool.store import live
-from agentpool.store.errors import RunNotFound
+from agentpool.store.errors import AgentPoolError, RunNotFound
 from agentpool.store.events import stream_order
 from agentpool.store.keys import RunKeys
+from agentpool.store.records import unpack_message
 
 END_STATUSES = frozenset({"completed", "failed", "cancelled", "stopped"})
 DELTAS = frozenset({"text_delta", "thinking_delta", "input_json_delta"})
@@ -71,7 +73,9 @@ def watch(
       ``input_json_delta`` with their ``text``, the content block's ``index``, the ``turn`` and the
       ``call`` (an id per model call); ``block_start`` (``block``: text, thinking, tool_use, compaction;
       ``name`` for a tool), ``call_start`` (``purpose``: ``reply``, or ``summary`` when agentpool
-      compacts) and ``call_end`` (``outcome``);
+      compacts) and ``call_end`` (``outcome``); a reply saved after the watcher came whose call no
+      worker published for it (one shorter than a worker's second between looks for watchers) comes
+      the same way from the saved reply, at its ``model_responded``, ``outcome`` ``saved``;
     - ``waiting``, when what a queued or running run waits for changes (a hand-back, a backoff, a
       free worker: ``agentpool.runtime.progress``), with ``kind``, ``note``, ``since``, ``until``,
       ``reason`` and ``at`` (when it was seen).
@@ -114,24 +118,26 @@ def _follow(
     keys = RunKeys.of(run_id)
     if not r.exists(keys.run):
         raise RunNotFound(run_id)
-    if after is not None:
-        events_from = after  # the two streams' ids share the Redis server's clock: one cursor covers both
-    elif since_start:
-        events_from = "0-0"
-    else:
-        last = r.xrevrange(keys.events, count=1)
-        events_from = last[0][0].decode() if last else "0-0"
+    latest = after or _latest(r, keys.events)
+    # The two streams' ids share the Redis server's clock: one cursor covers both.
+    events_from = "0-0" if after is None and since_start else latest
     cursors = {keys.events: events_from, **({keys.live: after or "0-0"} if live_output else {})}
+    # Replies saved after this point whose words the watcher was not given live are caught up from the
+    # saved reply: a worker looks for watchers when a call starts and about once a second during it, so
+    # a call shorter than that, begun just before the watcher came, is never published.
+    missed = _MissedCalls(r, keys, latest, given_before=after) if live_output else None
     renew_at = 0.0
     said = ""  # the last waiting note yielded
     while True:
         if live_output and time.monotonic() >= renew_at:
             live.mark_watching(r, keys)
             renew_at = time.monotonic() + RENEW_EVERY
-        yield from _read(r, keys, cursors, block_ms)
+        yield from _read(r, keys, cursors, block_ms, missed)
         status = r.hget(keys.run, "status")
         if status is None or status.decode() in END_STATUSES:
-            yield from _read(r, keys, {keys.events: cursors[keys.events]}, None)
+            # The last of both streams: a call's last words can be written just before the run ends, and
+            # the read before the status was looked at may have had only its beginning.
+            yield from _read(r, keys, cursors, None, missed)
             return
         waiting = why_waiting(r, run_id, status.decode())
         note = waiting.note if waiting and waiting.kind != "in_progress" else ""
@@ -140,7 +146,9 @@ def _follow(
         said = note
 
 
-def _read(r: Redis, keys: RunKeys, cursors: dict[str, str], block_ms: int | None) -> Iterator[dict[str, Any]]:
+def _read(
+    r: Redis, keys: RunKeys, cursors: dict[str, str], block_ms: int | None, missed: _MissedCalls | None
+) -> Iterator[dict[str, Any]]:
     replies = r.xread(cursors, count=1000, block=block_ms) or []  # type: ignore[arg-type]
     items: list[tuple[tuple[int, int], dict[str, Any]]] = []
     for raw_key, rows in replies:  # type: ignore[union-attr]
@@ -150,4 +158,67 @@ def _read(r: Redis, keys: RunKeys, cursors: dict[str, str], block_ms: int | None
             item = _event(stream_id, fields) if key == keys.events else live_item(stream_id, fields)
             items.append((stream_order(stream_id), item))
     for _, item in sorted(items, key=lambda pair: pair[0]):
+        if missed is not None:
+            yield from missed.catch_up(item)
         yield item
+
+
+def _latest(r: Redis, key: str) -> str:
+    last = r.xrevrange(key, count=1)
+    return last[0][0].decode() if last else "0-0"
+
+
+class _MissedCalls:
+    """The replies a watcher was not given live: for a ``model_responded`` after ``since`` whose turn had
+    no ``call_start`` in the live output, the saved reply as one call's items (``call_start``, a delta
+    per content block, ``call_end`` with ``outcome`` ``saved``), each with that event's id, so that
+    ``after=`` the event goes on past them too."""
+
+    def __init__(self, r: Redis, keys: RunKeys, since: str, given_before: str | None) -> None:
+        self.r, self.keys, self.since = r, keys, stream_order(since)
+        self.streamed: set[int] = set()  # turns whose reply the live output began
+        if given_before is not None:  # a watcher going on: the call it was given the start of (the live
+            # stream holds one call at a time, at most LIVE_MAXLEN entries)
+            for _, fields in live.decode_entries(r.xrange(keys.live, "-", given_before)):
+                if fields.get("kind") == "call_start" and fields.get("purpose", "reply") == "reply":
+                    self.streamed.add(int(fields.get("turn", -1)))
+
+    def catch_up(self, item: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        if item["type"] == "call_start" and item.get("purpose", "reply") == "reply":
+            self.streamed.add(int(item.get("turn", -1)))
+            return
+        if item["type"] != "model_responded" or stream_order(item["id"]) <= self.since:
+            return
+        turn, index = item.get("turn", ""), item.get("message", "")
+        if not (turn.isdigit() and index.isdigit()) or int(turn) in self.streamed:
+            return
+        blob = self.r.lindex(self.keys.messages, int(index))
+        try:
+            message = unpack_message(blob, int(index)) if blob else None
+        except AgentPoolError:  # sealed without the key here, or damaged: the events still say what happened
+            return
+        if not message or message["role"] != "assistant" or isinstance(message["content"], str):
+            return
+        base = {"id": item["id"], "turn": int(turn), "call": f"saved:{turn}"}
+        yield {"type": "call_start", **base, "purpose": "reply"}
+        for n, block in enumerate(message["content"]):
+            kind, text = _as_delta(block)
+            if kind:
+                yield {"type": "block_start", **base, "index": n, "block": block["type"], **_named(block)}
+                yield {"type": kind, **base, "index": n, "text": text, **_named(block)}
+        yield {"type": "call_end", **base, "outcome": "saved"}
+
+
+def _as_delta(block: dict[str, Any]) -> tuple[str, str]:
+    """A saved content block as the live delta that would have carried it (its kind, its text)."""
+    if block["type"] == "text":
+        return "text_delta", str(block.get("text", ""))
+    if block["type"] == "thinking":
+        return "thinking_delta", str(block.get("thinking", ""))
+    if block["type"] == "tool_use":
+        return "input_json_delta", json.dumps(block.get("input"), ensure_ascii=False)
+    return "", ""
+
+
+def _named(block: dict[str, Any]) -> dict[str, Any]:
+    return {"name": block["name"]} if block["type"] == "tool_use" and block.get("name") else {}

@@ -554,6 +554,7 @@ class Turn:
                         self.run_id,
                         "model_responded",
                         turn=self.turn,
+                        message=state.window_start + len(state.messages),  # where the reply is saved
                         stop_reason=reply.stop_reason,
                         seconds=round(seconds, 4),
                         cost_usd=round(cost, 8),
