@@ -228,7 +228,7 @@ def parent_keys(r: Redis | Pipeline, run_id: str) -> list[str]:
 def _check(code: int, keys: RunKeys, r: Redis) -> None:
     if code == -5:
         raise MessagesWaiting(f"run {keys.run_id} has messages waiting in its inbox")
-    if code == -1:
+    if code in (-1, -6):  # -6: lost, its call counted already by the turn that took over
         raise LeaseLost(keys.run_id)
     if code == -2:
         raise RunNotActive(keys.run_id, (r.hget(keys.run, "status") or b"?").decode("utf-8", errors="replace"))
@@ -364,7 +364,7 @@ def commit_response(
     # nothing was counted or reported here.
     if int(code) not in (-4, -5, -6) and responded:  # type: ignore[arg-type]
         responded.landed()
-    _check(-1 if int(code) == -6 else int(code), keys, r)  # type: ignore[arg-type]
+    _check(int(code), keys, r)  # type: ignore[arg-type]
     for landed in (event, *(started for _, _, started in intents)):
         if landed:
             landed.landed()

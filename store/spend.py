@@ -87,5 +87,5 @@ def count_spend(
     )
     if code in (1, -1):  # counted by this write (-1: and the lease is lost)
         event.landed()
-    _check(-1 if code == -6 else code, keys, r)
+    _check(code, keys, r)
     return code == 1

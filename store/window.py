@@ -147,4 +147,4 @@ def commit_summary(
     )
     if int(code) not in (-4, -6):  # type: ignore[arg-type]
         event.landed()
-    _check(-1 if int(code) == -6 else int(code), keys, r)  # type: ignore[arg-type]
+    _check(int(code), keys, r)  # type: ignore[arg-type]
