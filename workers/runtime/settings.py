@@ -362,6 +362,11 @@ class RedisCredentialsRefused(RedisUnreachable, AuthenticationError):
     :class:`RedisUnreachable` still (Redis cannot be used from here, as before), and redis-py's
     ``AuthenticationError``."""
 
+    @classmethod
+    def at(cls, where: str, exc: BaseException) -> RedisCredentialsRefused:
+        """The error for the server (or shard) named ``where``, from redis-py's refusal ``exc``."""
+        return cls(f"Redis at {where} refused the credentials: {exc}")
+
 
 def names_the_server(fn: Callable[P, T]) -> Callable[P, T]:
     """For the API's functions: a Redis that cannot be reached is a :class:`RedisUnreachable` naming
@@ -376,7 +381,7 @@ def names_the_server(fn: Callable[P, T]) -> Callable[P, T]:
             raise
         except AuthenticationError as exc:  # before ConnectionError, its base: it is not a dropped connection
             server = server_of(kwargs.get("connection"))
-            raise RedisCredentialsRefused(f"Redis at {server} refused the credentials: {exc}") from exc
+            raise RedisCredentialsRefused.at(server, exc) from exc
         except (ConnectionError, TimeoutError) as exc:
             raise RedisUnreachable(f"Redis unreachable at {server_of(kwargs.get('connection'))}: {exc}") from exc
 

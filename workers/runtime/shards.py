@@ -169,7 +169,7 @@ class Shards:
                 if self.clients[shard].exists(key):
                     return shard
             except AuthenticationError as exc:  # a ConnectionError to redis-py, but a wrong password, no outage
-                refused = RedisCredentialsRefused(f"Redis at {self.name(shard)} refused the credentials: {exc}")
+                refused = RedisCredentialsRefused.at(self.name(shard), exc)
                 refused.shard = shard
                 raise refused from exc
             except (ConnectionError, TimeoutError) as exc:
