@@ -118,8 +118,9 @@ def _follow(
     keys = RunKeys.of(run_id)
     if not r.exists(keys.run):
         raise RunNotFound(run_id)
-    latest = after or _latest(r, keys.events)
-    # The two streams' ids share the Redis server's clock: one cursor covers both.
+    # The two streams' ids share the Redis server's clock: one cursor covers both. The latest event is
+    # read only where it is used: to start from it, or to know which replies came after the watcher.
+    latest = after or (_latest(r, keys.events) if live_output or not since_start else "0-0")
     events_from = "0-0" if after is None and since_start else latest
     cursors = {keys.events: events_from, **({keys.live: after or "0-0"} if live_output else {})}
     # Replies saved after this point whose words the watcher was not given live are caught up from the
@@ -180,12 +181,17 @@ class _MissedCalls:
         if given_before is not None:  # a watcher going on: the call it was given the start of (the live
             # stream holds one call at a time, at most LIVE_MAXLEN entries)
             for _, fields in live.decode_entries(r.xrange(keys.live, "-", given_before)):
-                if fields.get("kind") == "call_start" and fields.get("purpose", "reply") == "reply":
-                    self.streamed.add(int(fields.get("turn", -1)))
+                self.saw(fields.get("kind"), fields)
+
+    def saw(self, kind: str | None, item: dict[str, Any]) -> bool:
+        """Whether ``item`` (of ``kind``) began a reply's call in the live output; noted if so."""
+        if kind != "call_start" or item.get("purpose", "reply") != "reply":
+            return False
+        self.streamed.add(int(item.get("turn", -1)))
+        return True
 
     def catch_up(self, item: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        if item["type"] == "call_start" and item.get("purpose", "reply") == "reply":
-            self.streamed.add(int(item.get("turn", -1)))
+        if self.saw(item["type"], item):
             return
         if item["type"] != "model_responded" or stream_order(item["id"]) <= self.since:
             return
