@@ -63,6 +63,24 @@ def _wait_gone(pids: list[int], timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+def _taken_over_while_frozen(r, pool, model, agent: str, script: str, refused: str, summaries: int = 0) -> str:
+    """A run whose worker is frozen in a call (its ``summaries``-th summary's, given) once the call is
+    noted as billed; a second worker takes the run over and completes it; then the frozen worker wakes,
+    says its save (``refused``) was refused, and its horses end. The run's id."""
+    frozen = pool.start(1)[0]
+    run_id = enqueue_run(agent, script_task(script, "Read the archive"), connection=r)
+    horses = _freeze_in_call(r, pool, model, frozen, run_id, summaries=summaries)
+    pool.start(1)
+    run = wait_for_run(run_id, timeout=60, connection=r)
+    assert run.status == "completed", (run.status, run.error, pool.logs())
+    assert_valid_conversation(run.messages)
+
+    pool.kill(frozen, signal.SIGCONT)
+    pool.wait_for_log(lambda line: f"lost the lease on run {run_id}" in line, f"saying {refused} was refused")
+    _wait_gone(horses)
+    return run_id
+
+
 def _assert_counted_once(r, pool, model, run_id: str) -> None:
     """The pool-wide counters hold what the model served, as the run's own spend does, and the run's
     events report each call served once. A call whose end no worker saved counts the output its
@@ -89,17 +107,7 @@ def test_a_call_a_takeover_counted_from_its_note_is_not_counted_again_when_its_f
     counts the call from its note and completes the run. The frozen worker then wakes, gets the whole
     reply, and its save point A is refused: it must count nothing more, pool-wide or in the events."""
     model.set_scripts({"fenced": _stalled_once(3)})
-    frozen = pool.start(1)[0]
-    run_id = enqueue_run("pool_agents:support", script_task("fenced"), connection=r)
-    horses = _freeze_in_call(r, pool, model, frozen, run_id)
-    pool.start(1)
-    run = wait_for_run(run_id, timeout=60, connection=r)
-    assert run.status == "completed", (run.status, run.error, pool.logs())
-    assert_valid_conversation(run.messages)
-
-    pool.kill(frozen, signal.SIGCONT)
-    pool.wait_for_log(lambda line: f"lost the lease on run {run_id}" in line, "saying save point A was refused")
-    _wait_gone(horses)
+    run_id = _taken_over_while_frozen(r, pool, model, "pool_agents:support", "fenced", "save point A")
     assert model.stats()["by_script"]["fenced"] == 2, "the frozen worker's call and the takeover's"
     _assert_counted_once(r, pool, model, run_id)
 
@@ -112,17 +120,7 @@ def test_a_summary_call_a_takeover_counted_from_its_note_is_not_counted_again_wh
     steps = pages(8)  # the window is compacted before step 6
     steps[6] = {**steps[6], "summary": {"stream": {"cut": {"after": 2, "how": "stall", "seconds": 3, "times": 1}}}}
     model.set_scripts({"pages": steps})
-    frozen = pool.start(1)[0]
-    run_id = enqueue_run("long_agents:summarizing", script_task("pages", "Read the archive"), connection=r)
-    horses = _freeze_in_call(r, pool, model, frozen, run_id, summaries=1)
-    pool.start(1)
-    run = wait_for_run(run_id, timeout=60, connection=r)
-    assert run.status == "completed", (run.status, run.error, pool.logs())
-    assert_valid_conversation(run.messages)
-
-    pool.kill(frozen, signal.SIGCONT)
-    pool.wait_for_log(lambda line: f"lost the lease on run {run_id}" in line, "saying the summary's save was refused")
-    _wait_gone(horses)
+    run_id = _taken_over_while_frozen(r, pool, model, "long_agents:summarizing", "pages", "the summary's save", 1)
     assert model.stats()["summaries"] == 2, "the frozen worker's summary call and the takeover's"
     _assert_counted_once(r, pool, model, run_id)
 
