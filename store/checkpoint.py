@@ -229,7 +229,7 @@ def _check(code: int, keys: RunKeys, r: Redis) -> None:
     if code == -5:
         raise MessagesWaiting(f"run {keys.run_id} has messages waiting in its inbox")
     if code in (-1, -6):  # -6: lost, its call counted already by the turn that took over
-        raise LeaseLost(keys.run_id)
+        raise LeaseLost(keys.run_id, counted_by_takeover=code == -6)
     if code == -2:
         raise RunNotActive(keys.run_id, (r.hget(keys.run, "status") or b"?").decode("utf-8", errors="replace"))
     if code == -3:

@@ -11,6 +11,12 @@ streamed call notes itself as it begins to be billed (``note_call``, at ``messag
 id for it, the model, the usage reported so far), and the turn that takes the run over counts a noted
 call that no saved message carries (``lost_call``): its input and cache tokens, that is, and the
 output reported at its start (the output it produced after that is not known to anyone but the API).
+
+The call's worker may be alive all the same (frozen, or cut off by a silent connection, past its
+lease): its save is then refused without counting the call again (``LeaseLost.counted_by_takeover``),
+and that worker, which knows the whole usage and the note it made, counts the difference under the spend
+id ``call:<API id>:rest`` (``Turn.count_rest_of_call``, one more ``count_spend``): exact, but in a write
+of its own, so a worker killed between the two leaves that rest uncounted.
 """
 
 from __future__ import annotations

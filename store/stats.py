@@ -24,8 +24,12 @@ from agentpool.store.scripts import run_script
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
 TOKEN_FIELDS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
-# Events that report a call paid for: a committed reply, a stream cut midway, a compaction's summary call.
-SPEND_EVENTS = ("model_responded", "model_cut", "compacted")
+# Events that report a call paid for, one each: a committed reply, a stream cut midway (or a call counted
+# from its note by a takeover), a compaction's summary call.
+CALL_EVENTS = ("model_responded", "model_cut", "compacted")
+# And every event that carries spend: besides those, the rest of a call a takeover had counted from its
+# note, counted by the worker fenced out of it once it had the whole reply (no call of its own).
+SPEND_EVENTS = (*CALL_EVENTS, "spend_corrected")
 
 
 def _histogram(name: str, seconds: float) -> dict[str, float]:

@@ -17,6 +17,7 @@ import pytest
 from agentpool import enqueue_run, get_run, wait_for_run
 from agentpool.runtime.jobs import turn_queue
 from agentpool.store.events import read as read_events
+from agentpool.store.stats import CALL_EVENTS, SPEND_EVENTS
 from agentpool.testing import settled_stats
 from agentpool.testing.localpool import horses_of
 
@@ -65,11 +66,11 @@ def _rq_failed_jobs(r, timeout: float = 60) -> int:
 
 
 def _counted_usage(r, run_id: str) -> Counter:
-    """What the run's events counted: each call saved (model_responded), and each one cut or lost with
-    its worker before its save (model_cut)."""
+    """What the run's events counted: each call saved (model_responded), each one cut or lost with its
+    worker before its save (model_cut), and the rest of a call counted from its note (spend_corrected)."""
     total: Counter = Counter()
     for _id, event in read_events(r, run_id):
-        if event["kind"] in ("model_responded", "model_cut"):
+        if event["kind"] in SPEND_EVENTS:
             for name in ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
                 total[name] += int(event.get(name, 0))
     return total
@@ -94,7 +95,7 @@ def test_run_survives_a_work_horse_killed_at(point, r, pool, model):
     assert dict(_counted_usage(r, run_id)) == {k: v for k, v in run.usage.items()}, "usage carried over every resume"
     # Every call the API answered is counted, once: one killed mid-stream or after its reply too (its
     # takeover counts what the call's message_start reported: a model_cut "worker_lost").
-    calls = [e for _, e in read_events(r, run_id) if e["kind"] in ("model_responded", "model_cut")]
+    calls = [e for _, e in read_events(r, run_id) if e["kind"] in CALL_EVENTS]
     assert len(calls) == model.stats()["requests"], (calls, model.stats())
     lost = [e for e in calls if e.get("error_type") == "worker_lost"]
     assert len(lost) == (kills_at(pool, point, run_id) if point in ("mid_stream", "after_model_reply") else 0), lost

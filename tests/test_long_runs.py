@@ -22,6 +22,7 @@ from agentpool.agent import SUMMARY_PREAMBLE
 from agentpool.store.errors import UnreadableRecord
 from agentpool.store.events import read as read_events
 from agentpool.store.keys import RunKeys
+from agentpool.store.stats import SPEND_EVENTS
 from agentpool.store.window import is_compaction_point
 from agentpool.testing.localpool import RedisServer
 from agentpool.testing.scripted_model import ScriptedModel
@@ -82,7 +83,7 @@ def events(r: Redis, run_id: str, kind: str) -> list[dict[str, str]]:
 def spent_by_events(r: Redis, run_id: str) -> dict[str, int]:
     total: Counter = Counter()
     for _id, event in read_events(r, run_id):
-        if event["kind"] in ("model_responded", "model_cut", "compacted"):
+        if event["kind"] in SPEND_EVENTS:
             for name in USAGE:
                 total[name] += int(event.get(name, 0))
     return {name: total[name] for name in USAGE}

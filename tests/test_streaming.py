@@ -11,11 +11,11 @@ import pytest
 
 from agentpool import enqueue_run, wait_for_run
 from agentpool.store.events import read as read_events
+from agentpool.store.stats import SPEND_EVENTS
 
 from conftest import assert_valid_conversation, script_task
 
 USAGE = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
-SPEND_EVENTS = ("model_responded", "model_cut")
 
 
 def spent_by_events(r, run_id: str) -> dict[str, int]:

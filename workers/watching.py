@@ -65,7 +65,7 @@ def watch(
     Each item is a dict with a ``type``:
 
     - an event, as ``agentpool watch`` prints it: ``turn_started``, ``model_responded`` (with its tokens,
-      cost and seconds), ``model_cut``, ``model_error``, ``tool_started``, ``tool_finished``,
+      cost and seconds), ``model_cut``, ``spend_corrected``, ``model_error``, ``tool_started``, ``tool_finished``,
       ``tool_withdrawn`` (the durability guard kept a started call from running),
       ``reconciled``, ``takeover``, ``compacted``, ``status`` ..., with its fields (strings), ``id`` (the
       stream id) and ``at`` (epoch seconds);

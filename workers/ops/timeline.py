@@ -83,6 +83,9 @@ class _Builder:
         row["cuts"] += 1
         self.spend(row, event)
 
+    def on_spend_corrected(self, row: dict[str, Any], at: float, event: dict[str, str]) -> None:
+        self.spend(row, event)  # the rest of a call counted from its note (agentpool.store.spend)
+
     def on_compacted(self, row: dict[str, Any], at: float, event: dict[str, str]) -> None:
         seconds = float(event.get("seconds") or 0)
         row["compactions"].append({"at": at - seconds, "end": at, "mode": event.get("mode"), "why": event.get("why")})

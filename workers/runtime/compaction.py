@@ -28,6 +28,7 @@ from agentpool.runtime.faults import fault
 from agentpool.runtime.model import ContextTooLong, ModelReply, ModelUnavailable
 from agentpool.runtime.ratelimit import after_last_reply, estimate_tokens, limited_call
 from agentpool.store import window
+from agentpool.store.errors import LeaseLost
 from agentpool.store.events import Event
 from agentpool.store.records import RunState
 
@@ -104,31 +105,36 @@ def compact(turn: Turn, agent: Agent, state: RunState, why: str) -> RunState:
     message = {"role": "user", "content": [{"type": "text", "text": SUMMARY_PREAMBLE + text}]}
     price = price_of(agent.model)
     cost = price.cost(reply.usage) if price else 0.0
-    window.commit_summary(
-        turn.r,
-        turn.keys,
-        turn.token,
-        turns_before=state.turns,
-        index=index,
-        message=message,
-        meta={**reply.meta, "compaction": "summary", "covers": [state.window_start, index - 1]},
-        usage=reply.usage,
-        cost_usd=cost,
-        ancestors=state.ancestors,
-        event=Event.of(
-            turn.run_id,
-            "compacted",
-            turn=turn.turn,
-            mode="summary",
-            why=why,
-            messages=len(state.messages),
-            window_start=index,
-            seconds=round(reply.seconds, 4),
-            cost_usd=round(cost, 8),
-            **({"cut": "max_tokens"} if cut else {}),
-            **reply.usage,
-        ),
-    )
+    try:
+        window.commit_summary(
+            turn.r,
+            turn.keys,
+            turn.token,
+            turns_before=state.turns,
+            index=index,
+            message=message,
+            meta={**reply.meta, "compaction": "summary", "covers": [state.window_start, index - 1]},
+            usage=reply.usage,
+            cost_usd=cost,
+            ancestors=state.ancestors,
+            event=Event.of(
+                turn.run_id,
+                "compacted",
+                turn=turn.turn,
+                mode="summary",
+                why=why,
+                messages=len(state.messages),
+                window_start=index,
+                seconds=round(reply.seconds, 4),
+                cost_usd=round(cost, 8),
+                **({"cut": "max_tokens"} if cut else {}),
+                **reply.usage,
+            ),
+        )
+    except LeaseLost as lost:
+        if lost.counted_by_takeover:  # from the call's note: the rest of it is this worker's to count
+            turn.count_rest_of_call(agent.model, str(reply.meta.get("id") or ""), reply.usage)
+        raise
     fault("after_compaction_save", turn.run_id, turn.turn)
     state.messages, state.window_start, state.window_hint, state.last_reply = [message], index, index, {}
     return state

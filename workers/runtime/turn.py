@@ -27,7 +27,7 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -70,6 +70,7 @@ from agentpool.store.errors import (
     LedgerMismatch,
     MessagesWaiting,
     RunNotActive,
+    RunNotFound,
     SchemaTooNew,
     TurnMoved,
     UnreadableRecord,
@@ -78,7 +79,7 @@ from agentpool.store.events import Event, emit
 from agentpool.store.keys import RunKeys
 from agentpool.store.lease import Acquire, AcquireResult, acquire, release
 from agentpool.store.ledger import Outcome
-from agentpool.store.records import TERMINAL_STATUSES, RunState
+from agentpool.store.records import TERMINAL_STATUSES, USAGE_FIELDS, RunState
 from agentpool.store.scripts import Rider
 
 log = logging.getLogger("agentpool.turn")
@@ -328,6 +329,7 @@ class Turn:
         self.slot_key = ""  # the concurrency key whose slot this turn holds
         self.ancestors: list[str] = []  # a child run's ancestors: its calls' spend counts in their trees
         self.noted_call = ""  # the API's id for this turn's latest model call, once its reply began
+        self.noted_usage: dict[str, int] = {}  # and the usage its note gave: what a takeover counts of it
         self.settles: list[Rider] = []  # the model calls' rate-limit settles not sent yet (settle_later)
         # The call reserved with the lease and what the budget answered, until a call takes it.
         self.prereserved: (
@@ -456,21 +458,61 @@ class Turn:
     def count_unused_call(self, model: str, usage: dict[str, int], why: str, *, call_id: str = "") -> None:
         """Count the tokens of a call whose output is not kept (a ``model_cut`` event says ``why``):
         ``call_id`` (by default this turn's last call), which no takeover must count again."""
+        own = not call_id
         call_id = call_id or self.noted_call
         price = price_of(model)
         cost = price.cost(usage) if price else 0.0
-        spend.count_spend(
-            self.r,
-            self.keys,
-            self.token,
-            spend_id=f"call:{call_id}" if call_id else uuid.uuid4().hex,
-            usage=usage,
-            cost_usd=cost,
-            ancestors=self.ancestors,
-            event=Event.of(self.run_id, "model_cut", turn=self.turn, error_type=why, cost_usd=round(cost, 8), **usage),
-        )
+        try:
+            counted = spend.count_spend(
+                self.r,
+                self.keys,
+                self.token,
+                spend_id=f"call:{call_id}" if call_id else uuid.uuid4().hex,
+                usage=usage,
+                cost_usd=cost,
+                ancestors=self.ancestors,
+                event=Event.of(
+                    self.run_id, "model_cut", turn=self.turn, error_type=why, cost_usd=round(cost, 8), **usage
+                ),
+            )
+        except LeaseLost as lost:
+            if own and lost.counted_by_takeover:
+                self.count_rest_of_call(model, call_id, usage)
+            raise
         if call_id:
             spend.forget_call(self.r, self.keys, call_id)
+        if own and not counted:
+            self.count_rest_of_call(model, call_id, usage)
+
+    def count_rest_of_call(self, model: str, call_id: str, usage: Mapping[str, int]) -> None:
+        """This turn's call ``call_id`` was counted by the turn that took the run over, from its note: as
+        far as its reply had gone when it began (``note_call``). This worker, fenced out meanwhile, knows
+        the whole of it: the rest (the output written after the note, mostly) counts now, once, with a
+        ``spend_corrected`` event. Then the turn ends as a lost lease does."""
+        if not call_id or call_id != self.noted_call:
+            return  # not the call this worker noted: what a takeover counted of it is not known here
+        noted = self.noted_usage
+        rest = {name: max(0, int(usage.get(name) or 0) - int(noted.get(name) or 0)) for name in USAGE_FIELDS}
+        if not any(rest.values()):
+            return
+        price = price_of(model)
+        cost = max(0.0, price.cost(usage) - price.cost(noted)) if price else 0.0
+        event = Event.of(self.run_id, "spend_corrected", turn=self.turn, call=call_id, cost_usd=round(cost, 8), **rest)
+        try:
+            spend.count_spend(
+                self.r,
+                self.keys,
+                self.token,
+                spend_id=f"call:{call_id}:rest",
+                usage=rest,
+                cost_usd=cost,
+                ancestors=self.ancestors,
+                event=event,
+            )
+        except (LeaseLost, RunNotFound):
+            pass  # counted all the same when the run is there (the call was paid for); the lease is known lost
+        except RedisError as exc:  # the turn ends anyway; only these tokens go uncounted
+            log.warning("%s: could not count the rest of call %s: %s", self.where, call_id, exc)
 
     def count_lost_call(self, call_id: str, model: str, usage: dict[str, int]) -> None:
         """An earlier attempt's worker died during a call it had noted as billed (or after its reply,
@@ -482,7 +524,7 @@ class Turn:
         """What a model call of this turn tells once its reply begins: the note a takeover counts."""
 
         def noted(call_id: str, usage: dict[str, int]) -> None:
-            self.noted_call = call_id
+            self.noted_call, self.noted_usage = call_id, dict(usage)
             try:
                 spend.note_call(self.r, self.keys, call_id=call_id, model=agent.model, usage=usage)
             except RedisError as exc:  # the call goes on; only a crash before its save would go uncounted
@@ -578,9 +620,12 @@ class Turn:
         try:
             with tracing.span("agentpool.save_point A", **{"agentpool.run.id": self.run_id, "agentpool.status": final}):
                 commit(final)
-        except (LeaseLost, RunNotActive, TurnMoved):
+        except (LeaseLost, RunNotActive, TurnMoved) as refused:
             # Refused, with the call counted all the same (it was paid for): no takeover counts it again.
-            spend.forget_call(self.r, self.keys, str(reply.meta.get("id") or ""))
+            call_id = str(reply.meta.get("id") or "")
+            spend.forget_call(self.r, self.keys, call_id)
+            if isinstance(refused, LeaseLost) and refused.counted_by_takeover:
+                self.count_rest_of_call(agent.model, call_id, reply.usage)
             raise
         except MessagesWaiting:
             # Messages were sent while the model answered: the run answers them before it completes
