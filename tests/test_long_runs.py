@@ -13,6 +13,7 @@ import zlib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis import Redis
@@ -456,6 +457,42 @@ def png(width: int, height: int) -> str:
     return base64.b64encode(image).decode()
 
 
+def pdf(pages: int, *, packed: bool = False, noise: int = 0) -> str:
+    """A PDF of ``pages`` pages of text, base64: its page objects written plainly, or ``packed`` into a
+    compressed object stream (as PDF 1.5 writers do), with ``noise`` bytes of an image that does not
+    compress on its first page."""
+    first = 3 + pages  # the object after the pages: the first page's contents
+    page_objects = [
+        f"{3 + n} 0 obj\n<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents {first} 0 R >>\nendobj\n"
+        for n in range(pages)
+    ]
+    kids = " ".join(f"{3 + n} 0 R" for n in range(pages))
+    text = b"BT /F1 12 Tf 72 720 Td (" + b"The quarterly figures, page after page. " * 20 + b") Tj ET"
+    body = [
+        b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n",
+        b"1 0 obj\n<< /Type /Catalog /Pages 2 0 R >>\nendobj\n",
+        f"2 0 obj\n<< /Type /Pages /Kids [{kids}] /Count {pages} >>\nendobj\n".encode(),
+    ]
+    if packed:
+        packed_pages = zlib.compress("".join(page_objects).encode())
+        header = f"<< /Type /ObjStm /N {pages} /First 0 /Filter /FlateDecode /Length {len(packed_pages)} >>"
+        body.append(f"{first + 2} 0 obj\n{header}\nstream\n".encode() + packed_pages + b"\nendstream\nendobj\n")
+    else:
+        body.extend(obj.encode() for obj in page_objects)
+    body.append(f"{first} 0 obj\n<< /Length {len(text)} >>\nstream\n".encode() + text + b"\nendstream\nendobj\n")
+    image = random.Random(noise).randbytes(noise)
+    body.append(f"{first + 1} 0 obj\n<< /Type /XObject /Subtype /Image /Length {noise} >>\nstream\n".encode())
+    body.append(image + b"\nendstream\nendobj\ntrailer\n<< /Root 1 0 R >>\n%%EOF\n")
+    return base64.b64encode(b"".join(body)).decode()
+
+
+def pdf_block(pages: int, **kwargs: Any) -> dict[str, Any]:
+    return {
+        "type": "document",
+        "source": {"type": "base64", "media_type": "application/pdf", "data": pdf(pages, **kwargs)},
+    }
+
+
 def test_an_image_counts_toward_the_trigger_as_the_model_counts_it_not_by_its_base64(r, long_pool, small):
     # 90 KB of base64 for an image of 150 x 150 pixels (30 tokens to the model): read as text it would be
     # 30,000 tokens, past the trigger (6,000), and the run would compact the image away before the model
@@ -474,6 +511,26 @@ def test_an_image_counts_toward_the_trigger_as_the_model_counts_it_not_by_its_ba
     assert run.status == "completed" and run.result == "A square of noise.", (run.error, long_pool.logs())
     assert not events(r, run_id, "compacted") and small.stats()["summaries"] == 0
     assert run.window_start == 0 and run.window[-2]["content"][0] == image, "the model was sent the image"
+    assert small.stats()["rejected"] == 0, small.stats()["rejections"]
+
+
+def test_a_pdf_counts_toward_the_trigger_by_its_pages_not_by_its_base64(r, long_pool, small):
+    # 90 KB of base64 for one page (2,400 tokens to the model): read as text it would be 30,000 tokens,
+    # past the trigger (6,000), and the run would compact the report away before the model read it.
+    from agentpool import send_message
+
+    small.set_scripts({"chat": [{"text": "Ready."}, {"text": "The quarterly figures."}]})
+    long_pool.start(1)
+    run_id = enqueue_run("long_agents:summarizing", script_task("chat", "Read what I send"), connection=r)
+    assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
+    report = pdf_block(1, packed=True, noise=65_000)
+    assert len(report["source"]["data"]) > 80_000
+    sent = send_message(run_id, [report, {"type": "text", "text": "What is this?"}], connection=r)
+    run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+
+    assert run.status == "completed" and run.result == "The quarterly figures.", (run.error, long_pool.logs())
+    assert not events(r, run_id, "compacted") and small.stats()["summaries"] == 0
+    assert run.window_start == 0 and run.window[-2]["content"][0] == report, "the model was sent the report"
     assert small.stats()["rejected"] == 0, small.stats()["rejections"]
 
 

@@ -291,15 +291,19 @@ def _commands_seen(pool) -> Iterator[list[str]]:
         watcher.close()
 
 
-def test_an_image_reserves_what_it_costs_the_model_not_a_minutes_budget(r: Redis, pool, model) -> None:
-    """A photo's base64 is no measure of its tokens (the API scales an image down: at most about 4,800).
-    Counted as text, 600 KB would reserve the whole minute's input budget for one call and hold the turn
-    (and the pool's others) until it refilled; counted as an image, the call fits what is left."""
-    from test_long_runs import png
+@pytest.mark.parametrize("media", ["image", "pdf"])
+def test_an_image_or_a_pdf_reserves_what_it_costs_the_model_not_a_minutes_budget(
+    r: Redis, pool, model, media: str
+) -> None:
+    """A photo's base64 is no measure of its tokens (the API scales an image down: at most about 4,800),
+    nor is a report's (the API counts a PDF by its pages). Counted as text, 300 KB would reserve the
+    whole minute's input budget for one call and hold the turn (and the pool's others) until it
+    refilled; counted as what it is, the call fits what is left."""
+    from test_long_runs import pdf_block, png
 
     from agentpool import send_message
 
-    model.set_scripts({"chat": [{"text": "Read it."}, {"text": "A square of noise."}]})
+    model.set_scripts({"chat": [{"text": "Read it."}, {"text": "Read."}]})
     model.set_rate_limits(RateLimits(itpm=100_000))  # a real minute: what the first call used refills slowly
     pool.start(1)
     # The first call uses about a tenth of the minute's input (about 6 s to refill): the budget is learned.
@@ -307,11 +311,14 @@ def test_an_image_reserves_what_it_costs_the_model_not_a_minutes_budget(r: Redis
     run_id = enqueue_run("pool_agents:support", long_task, connection=r)
     assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
     assert _budget(r).learned.get("input") == 100_000, _budget(r)
-    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png(400, 300)}}
-    assert len(image["source"]["data"]) // 3 > 100_000, "as text it would be more than the minute's budget"
-    sent = send_message(run_id, [image, {"type": "text", "text": "What is this?"}], connection=r)
+    if media == "image":
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png(400, 300)}}
+    else:
+        block = pdf_block(3, noise=250_000)  # 3 pages: at most 13,800 tokens
+    assert len(block["source"]["data"]) // 3 > 100_000, "as text it would be more than the minute's budget"
+    sent = send_message(run_id, [block, {"type": "text", "text": "What is this?"}], connection=r)
     run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
-    assert run.status == "completed" and run.result == "A square of noise.", (run.error, pool.logs())
+    assert run.status == "completed" and run.result == "Read.", (run.error, pool.logs())
     waits = [f for _, f in events.read(r, run_id) if f["kind"] == "waiting_for_budget"]
     assert not waits, f"the image's call waited for a budget it fits in: {waits}"
     assert model.stats()["rate_limited"] == 0 and model.stats()["rejected"] == 0, model.stats()

@@ -361,6 +361,23 @@ def test_malformed_messages_rejected(client: anthropic.Anthropic, messages: list
         create(client, messages)
 
 
+def test_a_pdf_counts_by_its_pages_and_more_than_a_hundred_are_refused(client: anthropic.Anthropic) -> None:
+    """As the API counts a PDF: by its pages (written plainly or packed into a compressed object stream),
+    not by the size of its data; and a request holds at most 100 pages."""
+    from test_long_runs import pdf_block
+
+    def input_tokens(*blocks: dict) -> int:
+        return create(
+            client, [{"role": "user", "content": [*blocks, {"type": "text", "text": "Read it."}]}]
+        ).usage.input_tokens
+
+    one = input_tokens(pdf_block(1))
+    assert input_tokens(pdf_block(1, packed=True, noise=200_000)) == one, "a page costs the same, however large"
+    assert input_tokens(pdf_block(3, packed=True)) == input_tokens(pdf_block(3)) == one + 2 * 2_400
+    with pytest.raises(anthropic.BadRequestError, match="A maximum of 100 PDF pages may be provided"):
+        input_tokens(pdf_block(60), pdf_block(41, packed=True))
+
+
 def test_bad_tools_rejected(client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError, match="tools.0.custom.input_schema: Field required"):
         create(client, [user("hi")], tools=[{"name": "x"}])

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from agentpool.agent import Agent
+from agentpool.runtime.documents import pdf_block_data, pdf_pages
 from agentpool.runtime.model import ModelReply, ModelUnavailable, call_model
 from agentpool.store import ratelimit
 from agentpool.store.errors import AgentPoolError
@@ -55,6 +56,9 @@ CHARS_PER_TOKEN = 3  # cautious: JSON and code run ~3 characters a token; the re
 # The most one image costs the model: the API scales a larger one down (about 1,600 tokens on most
 # models, 4,784 on those with high-resolution vision).
 IMAGE_TOKENS = 4_800
+# The most a PDF page costs: its text (1,500 to 3,000 tokens, the PDF guide says; about 2,400 measured
+# for a page of prose) and an image of the page (about 1,600).
+PDF_PAGE_TOKENS = 3_000 + 1_600
 MIN_WAIT = 0.05
 _DIMENSIONS = {"requests": "requests", "input-tokens": "input", "output-tokens": "output"}
 
@@ -122,24 +126,29 @@ def estimate_input(agent: Agent, messages: list[dict[str, Any]], last_reply: Map
 
 def estimate_tokens(value: Any) -> int:
     """Input tokens ``value`` (messages, a system prompt, tool definitions) may count: text at
-    ``CHARS_PER_TOKEN``, an image at the most one costs (``IMAGE_TOKENS``) wherever it stands (a
-    message, a tool result). Its base64 data is no measure of it: a photo's megabyte counted as text
-    would reserve a whole minute's budget for one call, and pass any compaction trigger."""
-    images = 0
+    ``CHARS_PER_TOKEN``, an image at the most one costs (``IMAGE_TOKENS``) and a PDF at the most its
+    pages cost (``PDF_PAGE_TOKENS`` each) wherever they stand (a message, a tool result). Their base64
+    data is no measure of them: a photo's or a report's megabyte counted as text would reserve a whole
+    minute's budget for one call, and pass any compaction trigger. A PDF whose pages cannot be counted
+    (``agentpool.runtime.documents``) counts as its text."""
+    counted = 0
 
-    def without_images(item: Any) -> Any:
-        nonlocal images
+    def without_media(item: Any) -> Any:
+        nonlocal counted
         if isinstance(item, dict):
             if item.get("type") == "image":
-                images += 1
+                counted += IMAGE_TOKENS
                 return None
-            return {k: without_images(v) for k, v in item.items()}
+            if (data := pdf_block_data(item)) is not None and (pages := pdf_pages(data)):
+                counted += pages * PDF_PAGE_TOKENS
+                return None
+            return {k: without_media(v) for k, v in item.items()}
         if isinstance(item, list):
-            return [without_images(v) for v in item]
+            return [without_media(v) for v in item]
         return item
 
-    text = json.dumps(without_images(value), ensure_ascii=False, default=str)
-    return max(1, len(text) // CHARS_PER_TOKEN + images * IMAGE_TOKENS)
+    text = json.dumps(without_media(value), ensure_ascii=False, default=str)
+    return max(1, len(text) // CHARS_PER_TOKEN + counted)
 
 
 def after_last_reply(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -3,7 +3,8 @@ written once and read while it lives (5 min, or 1 h with ttl "1h"); shorter pref
 
 An image counts as the API counts it, by its pixels (width × height / 750, scaled down to 1,568 pixels
 on its long edge and about 1,600 tokens), not by the length of its base64 data: a PNG's size is read
-from its header; any other image counts as the most one costs."""
+from its header; any other image counts as the most one costs. A PDF counts by its pages, as a page
+of prose costs (``PDF_PAGE_TOKENS``: its text and an image of it)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import struct
 import time
 from typing import Any
 
+from agentpool.runtime.documents import pdf_block_data, pdf_pages
 from agentpool.testing.scripted_model.common import canonical, estimate_tokens
 
 CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}
 IMAGE_MAX_EDGE = 1568
 IMAGE_MAX_TOKENS = 1600
 PIXELS_PER_TOKEN = 750
+PDF_PAGE_TOKENS = 2_400
 
 
 def image_tokens(block: dict[str, Any]) -> int:
@@ -56,6 +59,10 @@ def _counted(block: Any) -> Any:
     if block.get("type") == "image":
         key = hashlib.sha256(canonical(block).encode()).hexdigest()
         return {"type": "image", "counted_as": key + "." * max(0, 4 * image_tokens(block) - 96)}
+    if (data := pdf_block_data(block)) is not None:
+        key = hashlib.sha256(canonical(block).encode()).hexdigest()
+        tokens = (pdf_pages(data) or 1) * PDF_PAGE_TOKENS
+        return {"type": "document", "counted_as": key + "." * max(0, 4 * tokens - 96)}
     if block.get("type") == "tool_result" and isinstance(block.get("content"), list):
         return {**block, "content": [_counted(sub) for sub in block["content"]]}
     return block

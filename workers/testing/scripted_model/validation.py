@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hmac
 import re
+from collections.abc import Iterable
 from typing import Any
 
+from agentpool.runtime.documents import pdf_block_data, pdf_pages
 from agentpool.testing.scripted_model.cache import CACHE_TTLS, cache_units
 from agentpool.testing.scripted_model.common import ApiError, invalid, is_unoffered_tool_use, sign_thinking
 from agentpool.testing.scripted_model.compaction import COMPACT_BETA, leading_state
@@ -17,6 +19,7 @@ _TOOL_NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 
 
 MAX_CACHE_BREAKPOINTS = 4
+MAX_PDF_PAGES = 100  # in one request, on models with a 200k-token window (the PDF guide)
 
 
 # Keys each request content block type may carry (the API answers "Extra inputs are not permitted"
@@ -430,6 +433,19 @@ def _validate_messages(messages: list, tool_names: set[str], has_tools: bool, be
         raise invalid(f"messages.{len(parsed) - 1}: The final block in an assistant message cannot be `{final_kind}`.")
     if final_kind == "text" and last_blocks[-1]["text"] != last_blocks[-1]["text"].rstrip():
         raise invalid("messages: final assistant content cannot end with trailing whitespace")
+    if _pdf_pages(block for _, blocks in parsed for block in blocks) > MAX_PDF_PAGES:
+        raise invalid(f"A maximum of {MAX_PDF_PAGES} PDF pages may be provided.")
+
+
+def _pdf_pages(blocks: Iterable[Any]) -> int:
+    """The pages of the PDFs among ``blocks`` and inside their tool results (one a page if unreadable)."""
+    pages = 0
+    for block in blocks:
+        if (data := pdf_block_data(block)) is not None:
+            pages += pdf_pages(data) or 1
+        elif block.get("type") == "tool_result" and isinstance(block.get("content"), list):
+            pages += _pdf_pages(block["content"])
+    return pages
 
 
 def count_cache_markers(body: dict) -> int:
