@@ -6,6 +6,7 @@ redis-servers, real workers and the scripted model."""
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 
@@ -153,6 +154,30 @@ def test_cancel_refuses_a_run_tree_a_newer_agentpool_wrote_and_changes_nothing(r
 
     assert cancel_run(parent, connection=r) == "waiting_children", "this agentpool's own tree is cancelled"
     assert [get_run(run_id, connection=r).status for run_id in (parent, child)] == ["cancelled", "cancelled"]
+
+
+def test_a_child_a_newer_agentpool_rewrote_after_cancel_looked_is_left_and_the_caller_told(r, pool, model):
+    """The race the look before a cancel leaves: a child run rewritten by a newer worker after
+    ``cancel_run`` walked the tree, before its own cancel. The parent is cancelled (its cancel came
+    first), the child left as found, and the caller told that the parent was cancelled and which child
+    was not: the child's own refusal, raised from the middle of the tree, did not say the parent had been
+    cancelled, and no child after it was."""
+    from agentpool.client import _cancel  # the cancel after the look: the race, made deterministic
+
+    model.set_scripts(OVERSEE)
+    (worker,) = pool.start(1)
+    parent = enqueue_run("subagent_agents:overseer", script_task("oversee"), connection=r)
+    (child,) = wait_for_run(parent, timeout=120, connection=r).children
+    wait_for_status(r, child, "waiting_approval")
+    pool.kill(worker)
+    r.hset(RunKeys.of(child).run, "v", SCHEMA_VERSION + 1)
+    before = _snapshot(r, child)
+
+    wanted = f"run {parent} was cancelled, but not all the runs below it: a newer agentpool wrote child run(s) {child}"
+    with pytest.raises(SchemaTooNew, match=re.escape(wanted)):
+        _cancel(r, parent, "cancelled by request")
+    assert get_run(parent, connection=r).status == "cancelled"
+    assert _snapshot(r, child) == before, "the newer agentpool's child is left as found"
 
 
 def test_the_async_wait_for_run_refuses_what_the_sync_one_refuses_and_says_why_it_timed_out(r, redis_server):

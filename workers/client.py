@@ -502,14 +502,24 @@ def _cancel(r: Redis, run_id: str, reason: str) -> str:
         emit(r, run_id, "status", status="cancelled", error=reason)
         _leave_line(r, run_id)
     # Its child runs are cancelled too (theirs in turn); a child's cancel tells this run, already ended.
+    newer: list[str] = []
     for child in children.children(r, RunKeys.of(run_id)):
         try:
             _cancel(r, child, reason=f"its parent run {run_id} was cancelled")
         except RunNotFound:
             continue  # an earlier turn's child whose record expired: the children after it are cancelled all the same
+        except SchemaTooNew:
+            # It (or a run below it) was rewritten by a newer worker since cancel_run looked (a rolling
+            # deploy): left as it is, the others are cancelled all the same, and the caller is told.
+            newer.append(child)
     from agentpool.runtime.subagents import wake_parent_of
 
     wake_parent_of(r, run_id)  # a cancelled child was maybe its parent's last open one
+    if newer:
+        raise SchemaTooNew(
+            f"run {run_id} was cancelled, but not all the runs below it: a newer agentpool wrote child run(s) "
+            f"{', '.join(newer)} (or runs below them) meanwhile; cancel those with the newer agentpool"
+        )
     return before
 
 
