@@ -133,6 +133,21 @@ def test_a_summary_call_a_takeover_counted_from_its_note_is_not_counted_again_wh
     _assert_counted_once(r, pool, model, run_id, corrected=1)
 
 
+def test_a_cut_stream_a_takeover_counted_from_its_note_has_its_rest_counted_when_its_frozen_worker_wakes(
+    r, pool, model
+):
+    """The same, for a call whose stream is then cut: the worker is frozen right after the reply began,
+    the takeover counts the call from its note and completes the run. Woken, the frozen worker reads its
+    stream up to the message_delta that reports the whole output, then an error event cuts it: it counts
+    what the note did not know, and the call no second time."""
+    # message_start, ping, content_block_start, a delta, content_block_stop, message_delta: then the cut.
+    cut = {"after": 6, "how": "error", "times": 1}
+    model.set_scripts({"fenced": [{"text": "All done.", "usage": PER_CALL, "stream": {"interval": 1.0, "cut": cut}}]})
+    run_id = _taken_over_while_frozen(r, pool, model, "pool_agents:support", "fenced", "its cut stream's count")
+    assert model.stats()["by_script"]["fenced"] == 2, "the frozen worker's call and the takeover's"
+    _assert_counted_once(r, pool, model, run_id, corrected=1)
+
+
 def test_a_cut_stream_counted_by_a_fenced_out_worker_is_counted_pool_wide_too(r, pool, model):
     """The lone worker is frozen right after its call's reply began and loses its lease. Woken, its
     stream (still silent) times out: it counts the tokens the call reported, although its lease is gone
