@@ -120,6 +120,8 @@ class Reservation:
 @dataclass(frozen=True)
 class Wait:
     seconds: float
+    # The model's calls are paused pool-wide (``pause``), not waiting for the budget to refill.
+    paused: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,8 +173,8 @@ class ReserveRequest:
         replies headerless is remembered by this process (``known_unlimited``). An operator's limit for the
         model makes the script never answer so: then it is never remembered, and every call reserves."""
         granted, wait_ms, *started = reply
-        if int(granted) == 0:
-            return Wait(int(wait_ms) / 1000)
+        if int(granted) in (0, 4):
+            return Wait(int(wait_ms) / 1000, paused=int(granted) == 4)
         if int(granted) == 3:
             if not started:
                 remember_unlimited(r, self.model)
@@ -188,6 +190,15 @@ def reserve(
     or ``Unlimited`` when no limit is set or learned for the model yet."""
     request = ReserveRequest(model, ticket, reservation_id, need, limits, minute_s)
     return request.answer(r, run_script("limit_reserve", r, request.keys(), request.args()))  # type: ignore[arg-type]
+
+
+def pause(r: Redis, model: str, seconds: float) -> None:
+    """Pause ``model``'s calls pool-wide for ``seconds`` (on Redis's clock; a pause in force is only
+    extended): a 429 taught the budget nothing (no rate-limit headers, as from a gateway), so its
+    retry-after holds for every call of the model. Each reservation meanwhile answers ``Wait(paused=True)``;
+    a process that trusted the model to be unlimited (``known_unlimited``) asks again within a second."""
+    run_script("limit_pause", r, [LimitKeys.of(model).budget], [max(1, int(seconds * 1000))])
+    forget_unlimited(r, model)
 
 
 def leave_line(r: Redis, model: str, ticket: str) -> None:

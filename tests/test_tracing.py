@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 
@@ -403,8 +404,9 @@ def test_an_app_that_sets_up_its_provider_in_its_agents_module_keeps_it(r, pool,
 def test_a_chat_span_counts_input_tokens_as_the_genai_conventions_do(r, pool, model, tmp_path):
     """Anthropic counts cached input tokens apart from ``input_tokens``; the GenAI conventions'
     ``gen_ai.usage.input_tokens`` includes them (their Anthropic page: input_tokens + cache_read +
-    cache_creation). A streamed call says so (``gen_ai.request.stream``), and the run's invoke_agent span
-    names its provider (required)."""
+    cache_creation). A streamed call says so (``gen_ai.request.stream``) and names the server it called
+    (``server.address``/``server.port``: the API, or a gateway), and the run's invoke_agent span names
+    its provider (required)."""
     usage = {"input_tokens": 7, "cache_read_input_tokens": 1000, "cache_creation_input_tokens": 200}
     model.set_scripts({"cached": [{"text": "Hi.", "usage": {**usage, "output_tokens": 5}}]})
     spans_file = tmp_path / "spans.jsonl"
@@ -420,6 +422,8 @@ def test_a_chat_span_counts_input_tokens_as_the_genai_conventions_do(r, pool, mo
     assert chat["gen_ai.usage.cache_creation.input_tokens"] == 200
     assert chat["gen_ai.usage.output_tokens"] == 5
     assert chat["gen_ai.request.stream"] is True
+    called = urllib.parse.urlsplit(model.base_url)
+    assert (chat["server.address"], chat["server.port"]) == (called.hostname, called.port), chat
     (root,) = [s["attributes"] for s in spans if s["name"] == "invoke_agent pool_agents:support"]
     assert root["gen_ai.operation.name"] == "invoke_agent" and root["gen_ai.provider.name"] == "anthropic"
 

@@ -16,7 +16,7 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
   -- Nothing limits the model and nothing will be learned: the common case of a model without limits
   -- costs this script's one read.
   local unlimited = limit[1] == 0 and limit[2] == 0 and limit[3] == 0
-  if unlimited and b.headerless then return {3, 0} end
+  if unlimited and b.headerless and not b.pause then return {3, 0} end
   -- Redis's clock, not the caller's: every worker's refill is measured on one clock.
   if not now then
     local t = redis.call('TIME')
@@ -29,6 +29,15 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
     local r, i_, o = string.match(mine[1], '^%S+ %S+ %S+ %S+ (%S+) (%S+) (%S+)$')
     if r then return {3, 0, tonumber(r), tonumber(i_), tonumber(o)} end
     return {2, 0}
+  end
+  -- A 429 that taught nothing (no rate-limit headers: a gateway's) paused the model's calls until its
+  -- retry-after (limit_pause.lua): every call waits that out, not only the one that met it. No ticket:
+  -- the line is the budget's, and nothing is taken.
+  if b.pause then
+    local paused = tonumber(b.pause) - now
+    if paused > 0 then return {4, paused} end
+    redis.call('HDEL', budget, 'pause')  -- over: the next calls read the budget as before it
+    if unlimited and b.headerless then return {3, 0} end
   end
   local started, counted = {3, 0}, {'started:at', now}
   local entry = a[7] .. ' ' .. a[8] .. ' ' .. now

@@ -18,7 +18,8 @@
 -- ARGV[6..8] needed requests, input tokens, output tokens  ARGV[9..11] operator limits rpm, itpm, otpm
 -- (0: none)  ARGV[12] ticket slack ms
 -- Returns {1, 0, roomy} granted (roomy 1: nobody in line, and every limited bucket at least half full
--- once the call is taken), {0, wait_ms} wait (the ticket is in line), {2, 0} already granted,
+-- once the call is taken), {0, wait_ms} wait (the ticket is in line), {4, wait_ms} wait: the model's
+-- calls are paused (limit_pause.lua; no ticket), {2, 0} already granted,
 -- {3, 0, r, i, o} nothing limits this model yet (no limit set or learned): no budget is taken. r, i, o
 -- are the requests and tokens started while unlimited, this call's included (the budget's 'started:'
 -- counters; 'started:at' is when the last such call started). The call stays in flight (held), with

@@ -90,11 +90,13 @@ class ModelUnavailable(_ModelError):
         kind: str = "connection",
         spent: dict[str, int] | None = None,
         limits: dict[str, str] | None = None,
+        status: int | None = None,
     ) -> None:
         super().__init__(message)
         self.retry_after = retry_after
         self.limits = limits or {}  # the reply's anthropic-ratelimit-* headers (a 429 has them)
         self.kind = kind  # the API's error type (rate_limit_error, overloaded_error, ...), "connection", "timeout"
+        self.status = status  # the HTTP status of an error reply (None: no reply, or an error mid-stream)
         self.spent = {k: v for k, v in (spent or {}).items() if v}  # tokens a cut stream had reported: billed
 
 
@@ -432,12 +434,16 @@ def call_model(
     ``message_start``: it is billed from there). Raises
     ModelUnavailable (transient), ModelQuotaExhausted, ContextTooLong or ModelRejected."""
     request = build_request(agent, messages, summary=summary, shrink=shrink)
+    client, settings = _client()
+    api = client.base_url  # the API or the gateway (ANTHROPIC_BASE_URL) the call goes to
     attributes = {
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": "anthropic",
         "gen_ai.request.model": agent.model,
         "gen_ai.request.max_tokens": request["max_tokens"],
-        "gen_ai.request.stream": True if _client()[1].model_streaming else None,
+        "gen_ai.request.stream": True if settings.model_streaming else None,
+        "server.address": api.host,
+        "server.port": api.port or (443 if api.scheme == "https" else 80),
         "agentpool.call.purpose": "summary" if summary else "reply",
     }
     with tracing.span(f"chat {agent.model}", client=True, **attributes) as span:
@@ -645,5 +651,6 @@ def _classify(exc: anthropic.APIStatusError) -> AgentPoolError:
     if status == 429 and any(words in text.lower() for words in _NON_TRANSIENT_429):
         return ModelQuotaExhausted(f"the API refused for a limit that waiting will not clear: {text}")
     if status in (408, 409, 429) or status >= 500:
-        return ModelUnavailable(text, _retry_after(exc), kind=kind, limits=rate_limit_headers(exc.response.headers))
+        headers = rate_limit_headers(exc.response.headers)
+        return ModelUnavailable(text, _retry_after(exc), kind=kind, limits=headers, status=status)
     return ModelRejected(text)

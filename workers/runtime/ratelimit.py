@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -60,15 +61,34 @@ IMAGE_TOKENS = 4_800
 # for a page of prose) and an image of the page (about 1,600).
 PDF_PAGE_TOKENS = 3_000 + 1_600
 MIN_WAIT = 0.05
+# A 429 that taught the budget nothing pauses the model's calls for its retry-after, at most PAUSE_MAX
+# (a gateway's odd header must not stop the pool for an hour), or PAUSE_WITHOUT_RETRY_AFTER if it gave
+# none; the turns it held come back spread over up to PAUSE_SPREAD more.
+PAUSE_MAX = 60.0
+PAUSE_WITHOUT_RETRY_AFTER = 2.0
+PAUSE_SPREAD = 1.0
 _DIMENSIONS = {"requests": "requests", "input-tokens": "input", "output-tokens": "output"}
 
 
 class WaitForBudget(AgentPoolError):
-    """The pool's budget for the model cannot cover this call yet: defer the turn ``seconds``."""
+    """The pool's budget for the model cannot cover this call yet, or its calls are ``paused`` after a
+    429 that taught nothing: defer the turn ``seconds``."""
 
-    def __init__(self, model: str, seconds: float) -> None:
-        super().__init__(f"waiting {seconds:.2f} s for {model}'s rate-limit budget")
-        self.model, self.seconds = model, max(MIN_WAIT, seconds)
+    def __init__(self, model: str, seconds: float, *, paused: bool = False) -> None:
+        why = "the pause of its calls after a 429" if paused else "its rate-limit budget"
+        super().__init__(f"waiting {seconds:.2f} s for {model}: {why}")
+        self.model, self.seconds, self.paused = model, max(MIN_WAIT, seconds), paused
+
+
+def _pause(turn: Turn, model: str, exc: ModelUnavailable) -> None:
+    """A 429 without rate-limit headers (a gateway's) teaches the budget nothing: its retry-after (or a
+    short pause) holds the model's calls pool-wide, so the pool's other turns wait it out instead of
+    each meeting a 429 of its own (``agentpool.store.ratelimit.pause``)."""
+    seconds = exc.retry_after if exc.retry_after and exc.retry_after > 0 else PAUSE_WITHOUT_RETRY_AFTER
+    try:
+        ratelimit.pause(turn.r, model, min(seconds, PAUSE_MAX))
+    except Exception:  # the call's own backoff still holds; only the pool's other turns are not told
+        log.exception("run %s: could not pause %s's calls after a 429", turn.run_id, model)
 
 
 def limits_for(configured: Mapping[str, Limits], model: str) -> Limits:
@@ -239,7 +259,9 @@ def limited_call(
             minute_s=minute,
         )
     if isinstance(got, ratelimit.Wait):
-        raise WaitForBudget(agent.model, got.seconds)
+        # The turns a pause held come back spread over a moment, not all at its last millisecond.
+        spread = random.uniform(0, min(PAUSE_SPREAD, got.seconds / 4)) if got.paused else 0.0
+        raise WaitForBudget(agent.model, got.seconds + spread, paused=got.paused)
     reservation = got
     used_in = used_out = 0
     headers: Mapping[str, str] = {}
@@ -256,6 +278,8 @@ def limited_call(
         used_in = exc.spent.get("input_tokens", 0) + exc.spent.get("cache_creation_input_tokens", 0)
         used_out = exc.spent.get("output_tokens", 0)
         headers = exc.limits
+        if exc.status == 429 and not reported(headers).limits:
+            _pause(turn, agent.model, exc)
         raise
     finally:
         learned = shard_reported(reported(headers), shards)

@@ -736,7 +736,13 @@ class Turn:
         counted (nothing failed), no worker waits, the lease is dropped."""
         log.info("%s: %s", self.where, wait)
         emit(
-            self.r, self.run_id, "waiting_for_budget", turn=self.turn, model=wait.model, seconds=round(wait.seconds, 3)
+            self.r,
+            self.run_id,
+            "waiting_for_budget",
+            turn=self.turn,
+            model=wait.model,
+            seconds=round(wait.seconds, 3),
+            paused=True if wait.paused else None,  # after a 429 that taught nothing, not for the budget
         )
         checkpoint.defer_turn(
             self.r,
