@@ -21,7 +21,9 @@ script call (``agentpool.store.ratelimit.DeferredSettles``); any other settles w
 A call the budget cannot cover now raises ``WaitForBudget``: the turn is deferred (like a backoff: no
 worker, thread or lease is held while it waits) and comes back when its place in line (the order it
 began to wait in) and the budget allow. A 429 still backs off as before; it also tells the budget the
-API's remaining is 0, so the turns behind it wait instead of meeting 429s of their own.
+API's remaining is 0, so the turns behind it wait instead of meeting 429s of their own. A 429 that
+carries no rate-limit headers (a gateway's) tells the budget nothing: it pauses the model's calls
+pool-wide for its retry-after instead (``_pause``), and every turn waits that out the same way.
 
 On a pool of several shards (``AGENTPOOL_SHARDS``) each shard keeps its own budget, holding an equal
 part of every limit (set, learned and reported remaining, divided by the number of shards): the shards
