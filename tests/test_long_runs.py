@@ -493,44 +493,30 @@ def pdf_block(pages: int, **kwargs: Any) -> dict[str, Any]:
     }
 
 
-def test_an_image_counts_toward_the_trigger_as_the_model_counts_it_not_by_its_base64(r, long_pool, small):
-    # 90 KB of base64 for an image of 150 x 150 pixels (30 tokens to the model): read as text it would be
-    # 30,000 tokens, past the trigger (6,000), and the run would compact the image away before the model
-    # ever answered the message that brought it.
+@pytest.mark.parametrize("media", ["image", "pdf"])
+def test_an_image_or_a_pdf_counts_toward_the_trigger_as_the_model_counts_it_not_by_its_base64(
+    r, long_pool, small, media
+):
+    # 90 KB of base64 for an image of 150 x 150 pixels (30 tokens to the model), or for a PDF of one page
+    # (2,400): read as text it would be 30,000 tokens, past the trigger (6,000), and the run would compact
+    # it away before the model ever answered the message that brought it.
     from agentpool import send_message
 
-    small.set_scripts({"chat": [{"text": "Ready."}, {"text": "A square of noise."}]})
+    small.set_scripts({"chat": [{"text": "Ready."}, {"text": "Seen."}]})
     long_pool.start(1)
     run_id = enqueue_run("long_agents:summarizing", script_task("chat", "Describe what I send"), connection=r)
     assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
-    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png(150, 150)}}
-    assert len(image["source"]["data"]) > 80_000
-    sent = send_message(run_id, [image, {"type": "text", "text": "What is this?"}], connection=r)
+    if media == "image":
+        block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png(150, 150)}}
+    else:
+        block = pdf_block(1, packed=True, noise=65_000)
+    assert len(block["source"]["data"]) > 80_000
+    sent = send_message(run_id, [block, {"type": "text", "text": "What is this?"}], connection=r)
     run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
 
-    assert run.status == "completed" and run.result == "A square of noise.", (run.error, long_pool.logs())
+    assert run.status == "completed" and run.result == "Seen.", (run.error, long_pool.logs())
     assert not events(r, run_id, "compacted") and small.stats()["summaries"] == 0
-    assert run.window_start == 0 and run.window[-2]["content"][0] == image, "the model was sent the image"
-    assert small.stats()["rejected"] == 0, small.stats()["rejections"]
-
-
-def test_a_pdf_counts_toward_the_trigger_by_its_pages_not_by_its_base64(r, long_pool, small):
-    # 90 KB of base64 for one page (2,400 tokens to the model): read as text it would be 30,000 tokens,
-    # past the trigger (6,000), and the run would compact the report away before the model read it.
-    from agentpool import send_message
-
-    small.set_scripts({"chat": [{"text": "Ready."}, {"text": "The quarterly figures."}]})
-    long_pool.start(1)
-    run_id = enqueue_run("long_agents:summarizing", script_task("chat", "Read what I send"), connection=r)
-    assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
-    report = pdf_block(1, packed=True, noise=65_000)
-    assert len(report["source"]["data"]) > 80_000
-    sent = send_message(run_id, [report, {"type": "text", "text": "What is this?"}], connection=r)
-    run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
-
-    assert run.status == "completed" and run.result == "The quarterly figures.", (run.error, long_pool.logs())
-    assert not events(r, run_id, "compacted") and small.stats()["summaries"] == 0
-    assert run.window_start == 0 and run.window[-2]["content"][0] == report, "the model was sent the report"
+    assert run.window_start == 0 and run.window[-2]["content"][0] == block, f"the model was sent the {media}"
     assert small.stats()["rejected"] == 0, small.stats()["rejections"]
 
 
