@@ -98,10 +98,10 @@ def _assert_counted_once(r, pool, model, run_id: str, *, corrected: int = 0) -> 
     assert {k: v for k, v in run.usage.items() if k != "output_tokens"} == {
         k: v for k, v in served["tokens"].items() if k != "output_tokens"
     }, (run.usage, served["tokens"])
-    # A model_cut "worker_lost" is a takeover's count of a call from its note: its rest is counted too.
-    cut = any(e["kind"] == "model_cut" and e["error_type"] != "worker_lost" for _, e in read_events(r, run_id))
-    assert run.usage["output_tokens"] <= served["tokens"]["output_tokens"] if cut else run.usage == served["tokens"]
     events = [e for _, e in read_events(r, run_id) if e["kind"] in SPEND_EVENTS]
+    # A model_cut "worker_lost" is a takeover's count of a call from its note: its rest is counted too.
+    cut = any(e["kind"] == "model_cut" and e["error_type"] != "worker_lost" for e in events)
+    assert run.usage["output_tokens"] <= served["tokens"]["output_tokens"] if cut else run.usage == served["tokens"]
     calls = [e for e in events if e["kind"] in CALL_EVENTS]
     assert len(calls) == served["responses"], ("each call served is reported once", calls, pool.logs())
     assert len(events) - len(calls) == corrected, (events, pool.logs())
