@@ -51,18 +51,28 @@ def _png_size(data: Any) -> tuple[int, int] | None:
     return (width, height) if width and height else None
 
 
+def pdf_block_pages(block: Any) -> int | None:
+    """The pages of a PDF ``document`` block as this model counts them (one for a PDF whose pages it
+    cannot see); None for any other block."""
+    data = pdf_block_data(block)
+    return None if data is None else pdf_pages(data) or 1
+
+
+def _stand_in(block: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """Text of ``tokens`` tokens standing for ``block``, keyed by its data."""
+    key = hashlib.sha256(canonical(block).encode()).hexdigest()
+    return {"type": block["type"], "counted_as": key + "." * max(0, 4 * tokens - 96)}
+
+
 def _counted(block: Any) -> Any:
     """The block as its tokens are counted: an image (also inside a tool_result) stands as text of its
     cost in tokens, keyed by its data so that a prefix holding it is cached as itself."""
     if not isinstance(block, dict):
         return block
     if block.get("type") == "image":
-        key = hashlib.sha256(canonical(block).encode()).hexdigest()
-        return {"type": "image", "counted_as": key + "." * max(0, 4 * image_tokens(block) - 96)}
-    if (data := pdf_block_data(block)) is not None:
-        key = hashlib.sha256(canonical(block).encode()).hexdigest()
-        tokens = (pdf_pages(data) or 1) * PDF_PAGE_TOKENS
-        return {"type": "document", "counted_as": key + "." * max(0, 4 * tokens - 96)}
+        return _stand_in(block, image_tokens(block))
+    if (pages := pdf_block_pages(block)) is not None:
+        return _stand_in(block, pages * PDF_PAGE_TOKENS)
     if block.get("type") == "tool_result" and isinstance(block.get("content"), list):
         return {**block, "content": [_counted(sub) for sub in block["content"]]}
     return block

@@ -7,8 +7,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from agentpool.runtime.documents import pdf_block_data, pdf_pages
-from agentpool.testing.scripted_model.cache import CACHE_TTLS, cache_units
+from agentpool.testing.scripted_model.cache import CACHE_TTLS, cache_units, pdf_block_pages
 from agentpool.testing.scripted_model.common import ApiError, invalid, is_unoffered_tool_use, sign_thinking
 from agentpool.testing.scripted_model.compaction import COMPACT_BETA, leading_state
 
@@ -441,8 +440,8 @@ def _pdf_pages(blocks: Iterable[Any]) -> int:
     """The pages of the PDFs among ``blocks`` and inside their tool results (one a page if unreadable)."""
     pages = 0
     for block in blocks:
-        if (data := pdf_block_data(block)) is not None:
-            pages += pdf_pages(data) or 1
+        if (counted := pdf_block_pages(block)) is not None:
+            pages += counted
         elif block.get("type") == "tool_result" and isinstance(block.get("content"), list):
             pages += _pdf_pages(block["content"])
     return pages
