@@ -23,7 +23,8 @@ worker, thread or lease is held while it waits) and comes back when its place in
 began to wait in) and the budget allow. A 429 still backs off as before; it also tells the budget the
 API's remaining is 0, so the turns behind it wait instead of meeting 429s of their own. A 429 that
 carries no rate-limit headers (a gateway's) tells the budget nothing: it pauses the model's calls
-pool-wide for its retry-after instead (``_pause``), and every turn waits that out the same way.
+pool-wide for its retry-after instead (``_pause``), and every turn waits that out the same way; so does a
+``rate_limit_error`` event in the middle of a stream whose 200 carried no such headers.
 
 On a pool of several shards (``AGENTPOOL_SHARDS``) each shard keeps its own budget, holding an equal
 part of every limit (set, learned and reported remaining, divided by the number of shards): the shards
@@ -80,6 +81,11 @@ class WaitForBudget(AgentPoolError):
         why = "the pause of its calls after a 429" if paused else "its rate-limit budget"
         super().__init__(f"waiting {seconds:.2f} s for {model}: {why}")
         self.model, self.seconds, self.paused = model, max(MIN_WAIT, seconds), paused
+
+
+def _rate_limited(exc: ModelUnavailable) -> bool:
+    """A 429, or the API's ``rate_limit_error`` as an ``error`` event after the 200 (no status then)."""
+    return exc.status == 429 or (exc.status is None and exc.kind == "rate_limit_error")
 
 
 def _pause(turn: Turn, model: str, exc: ModelUnavailable) -> None:
@@ -280,7 +286,7 @@ def limited_call(
         used_in = exc.spent.get("input_tokens", 0) + exc.spent.get("cache_creation_input_tokens", 0)
         used_out = exc.spent.get("output_tokens", 0)
         headers = exc.limits
-        if exc.status == 429 and not reported(headers).limits:
+        if _rate_limited(exc) and not reported(headers).limits:
             _pause(turn, agent.model, exc)
         raise
     finally:
