@@ -52,6 +52,8 @@ def test_an_asyncio_app_starts_watches_approves_messages_and_forks_a_run(r, redi
         answered = await aio.wait_for_run(run_id, timeout=120, connection=a, after_message=message_id)
         fork_id = await aio.fork_run(run_id, at_turn=1, connection=a)
         fork = await aio.get_run(fork_id, connection=a)
+        # The fork goes on in the pool's worker: the lists below compare records that no longer move.
+        await aio.wait_for_run(fork_id, timeout=120, connection=a)
         listed = await aio.list_runs(connection=a, limit=10)
         tree = await aio.run_tree(run_id, connection=a)
         await a.aclose()
