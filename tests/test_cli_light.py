@@ -155,3 +155,24 @@ def test_approve_says_how_to_name_what_to_decide():
     ):
         out = _cli("redis://127.0.0.1:1/0", "approve", *args)
         assert out.returncode == 2 and says in out.stderr, (args, out.stderr)
+
+
+def test_approve_records_who_decided(r, redis_server, waiting_run):
+    """``--by`` (``approve(..., by=...)``) names who decided, in the decision and the run's event; a name
+    that could be misread (a space, the reaper's "expiry") is refused before anything is decided."""
+    from agentpool import approve
+    from agentpool.store import events
+
+    bad = _cli(redis_server.url, "approve", waiting_run, "--by", "alice smith")
+    assert bad.returncode == 2 and "--by" in bad.stderr, bad.stderr
+    with pytest.raises(ValueError, match="expired"):
+        approve(waiting_run, by="expiry", connection=r)
+    assert get_run(waiting_run, connection=r).status == "waiting_approval", "nothing was decided"
+
+    (call,) = get_run(waiting_run, connection=r).awaiting_approval
+    out = _cli(redis_server.url, "approve", waiting_run, "--by", "alice@example.com")
+    assert out.returncode == 0, out.stderr
+    decided = [f for _, f in events.read(r, waiting_run) if f["kind"] == "approval"]
+    assert [(f["tool_use_id"], f["by"]) for f in decided] == [(call["id"], "alice@example.com")]
+    late = _cli(redis_server.url, "approve", waiting_run, call["id"], "--deny", "--by", "bob")
+    assert late.returncode != 0 and f"{call['id']} was approved already, by alice@example.com" in late.stderr, late

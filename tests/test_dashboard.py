@@ -271,6 +271,62 @@ def test_beyond_localhost_it_needs_a_token_and_every_api_call_carries_it(r, pool
     assert get_run(run_id, connection=r).status == "cancelled"
 
 
+def test_each_person_has_a_token_of_their_own_and_what_they_do_is_recorded_under_their_name(r, pool, model, tmp_path):
+    """``AGENTPOOL_DASHBOARD_TOKENS``: one token per person. An approval names whose token decided (the
+    decision and the run's ``approval`` event), a cancelled run's error says who cancelled it, and the
+    dashboard's log lists every action with its name, never a token."""
+    from agentpool.store import events
+
+    alice, bob = "alice-" + "a" * 20, "bob-" + "b" * 20
+    model.set_scripts({"deploy": [{"tool_calls": [{"name": "deploy", "input": {"version": "9"}}]}, {"text": "ok"}]})
+    pool.start(1)
+    guarded = enqueue_run("pool_agents:guarded", script_task("deploy"), connection=r)
+    other = enqueue_run("pool_agents:guarded", "no worker serves this queue", queue="nobody", connection=r)
+    wait_status(r, guarded, "waiting_approval")
+    env = {**pool.env, "AGENTPOOL_DASHBOARD_TOKENS": f"alice={alice}, bob={bob}"}
+    with dashboard_process(env, tmp_path, "--host", "0.0.0.0") as board:
+        assert board.request("GET", "/api/config")[1] == {"token_required": True}
+        assert board.request("GET", "/api/runs")[0] == 401, "no token"
+        assert board.request("POST", f"/api/runs/{other}/cancel", {}, token="alice-" + "x" * 20)[0] == 401
+        assert board.request("GET", "/api/runs", token=alice)[0] == 200
+        approved = {"approved": True}
+        assert board.request("POST", f"/api/runs/{guarded}/approve", approved, token=bob)[0] == 200
+        assert board.request("POST", f"/api/runs/{other}/cancel", {}, token=alice)[0] == 200
+    (decision,) = [f for _, f in events.read(r, guarded) if f["kind"] == "approval"]
+    assert decision["by"] == "bob" and decision["approved"] == "True", decision
+    assert wait_for_run(guarded, timeout=60, connection=r).status == "completed"
+    cancelled = get_run(other, connection=r)
+    assert cancelled.status == "cancelled" and cancelled.error == "cancelled from the dashboard by alice", cancelled
+    (log,) = tmp_path.glob("dashboard-*.log")
+    said = log.read_text()
+    assert f"approve on run {guarded} by bob" in said and f"cancel on run {other} by alice" in said, said
+    assert alice not in said and bob not in said, "a token in the log"
+
+
+@pytest.mark.parametrize(
+    ("tokens", "says"),
+    [
+        ({"AGENTPOOL_DASHBOARD_TOKENS": "alice=short"}, "alice's token must be at least 16"),
+        ({"AGENTPOOL_DASHBOARD_TOKENS": "alice"}, "entry 1 is not name=token"),
+        ({"AGENTPOOL_DASHBOARD_TOKENS": f"alice={'a' * 16},bob={'a' * 16}"}, "bob's token is another name's too"),
+        ({"AGENTPOOL_DASHBOARD_TOKENS": f"al ice={'a' * 16}"}, "entry 1 is not name=token"),
+        ({"AGENTPOOL_DASHBOARD_TOKENS": f"alice={'a' * 16}", "AGENTPOOL_DASHBOARD_TOKEN": "one-for-all"}, "not both"),
+    ],
+)
+def test_named_tokens_that_cannot_work_stop_the_start_without_showing_a_token(pool, tokens, says):
+    out = subprocess.run(
+        [sys.executable, "-m", "agentpool", "dashboard", "--port", str(free_port())],
+        env={**pool.env, **tokens},
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode != 0 and says in out.stderr, out.stderr
+    assert "a" * 16 not in out.stderr
+
+
 # -- the page, in headless Chromium ------------------------------------------------------------------
 
 

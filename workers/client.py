@@ -771,11 +771,14 @@ def approve(
     *,
     approved: bool = True,
     reason: str | None = None,
+    by: str = "person",
     connection: Redis | str | shards.Shards | None = None,
 ) -> list[str]:
     """Decide on a call the run waits on (or, without ``tool_use_id``, on every one). A denied call
-    gets an ``is_error`` tool_result carrying ``reason``. Returns the tool_use ids decided."""
-    from agentpool.runtime.approvals import decide
+    gets an ``is_error`` tool_result carrying ``reason``. ``by`` names who decided (``alice``,
+    ``ops-bot@example.com``): the decision record and the run's ``approval`` event keep it. Returns the
+    tool_use ids decided."""
+    from agentpool.runtime.approvals import check_actor, decide
 
     return decide(
         shards.route(connection, run_id),
@@ -783,5 +786,5 @@ def approve(
         None if tool_use_id is None else [tool_use_id],
         approved=approved,
         reason=reason or "",
-        by="person",
+        by=check_actor(by),
     )

@@ -266,7 +266,7 @@ async def approve(
     connection: aredis.Redis | shards.Shards | None = None,
     **decision: Any,
 ) -> list[str]:
-    """``agentpool.approve``: ``approved`` (default True) and ``reason``."""
+    """``agentpool.approve``: ``approved`` (default True), ``reason`` and ``by``."""
     return await run_sync(client.approve, run_id, tool_use_id, connection=_green(connection), **decision)
 
 

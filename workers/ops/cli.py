@@ -632,6 +632,12 @@ def cancel(url: str | None, run_id: str) -> None:
 @click.option("--all", "every_run", is_flag=True, help="Every call every run waits on (with --agent: that agent's).")
 @click.option("--agent", default=None, help="With --all: only runs of this agent (full path, name or module).")
 @click.option("--yes", "-y", is_flag=True, help="With --all: decide without asking for a confirmation.")
+@click.option(
+    "--by",
+    default="person",
+    show_default=True,
+    help="Who decides (alice, ops-bot@example.com): the decision and the run's approval event keep it.",
+)
 def approve(
     url: str | None,
     run_id: str | None,
@@ -641,14 +647,21 @@ def approve(
     every_run: bool,
     agent: str | None,
     yes: bool,
+    by: str,
 ) -> None:
     """Approve (or --deny) a call RUN_ID waits on; without TOOL_USE_ID, every call it waits on. With
     --all instead of RUN_ID, every call the runs waiting for approval (of --agent) wait on, after a
     confirmation."""
+    from agentpool.runtime.approvals import check_actor
+
+    try:
+        check_actor(by)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--by") from None
     if every_run:
         if run_id is not None:
             raise click.UsageError("give a RUN_ID or --all, not both")
-        _decide_all(pool_client(url), agent=agent, approved=not deny, reason=reason, yes=yes)
+        _decide_all(pool_client(url), agent=agent, approved=not deny, reason=reason, yes=yes, by=by)
         return
     if run_id is None:
         raise click.UsageError("give the RUN_ID to decide on, or --all (and --agent) for every run waiting")
@@ -664,7 +677,7 @@ def approve(
         # whole, so that whoever decided sees what (a call asked since is left for a decision of its own).
         waiting = {} if tool_use_id else {c["id"]: c for c in get_run(run_id, connection=client).awaiting_approval}
         ids = [tool_use_id] if tool_use_id else list(waiting) or None
-        decided = decide(route(client, run_id), run_id, ids, approved=not deny, reason=reason or "", by="person")
+        decided = decide(route(client, run_id), run_id, ids, approved=not deny, reason=reason or "", by=by)
     except AgentPoolError as exc:
         _refuse(exc)
     for call_id in decided:
@@ -672,7 +685,9 @@ def approve(
         click.echo(f"{verb}: {call_id}" + (f" {call['name']} {json.dumps(call['input'])}" if call else ""))
 
 
-def _decide_all(r: Redis | Shards, *, agent: str | None, approved: bool, reason: str | None, yes: bool) -> None:
+def _decide_all(
+    r: Redis | Shards, *, agent: str | None, approved: bool, reason: str | None, yes: bool, by: str
+) -> None:
     """Decide on every call the waiting runs (of ``agent``) wait on: exactly the calls shown before the
     confirmation, so that a call a run asks for meanwhile is never decided unseen."""
     from agentpool.client import get_run, list_runs
@@ -703,7 +718,7 @@ def _decide_all(r: Redis | Shards, *, agent: str | None, approved: bool, reason:
     for run in waiting:
         ids = [call["id"] for call in run.awaiting_approval]
         try:  # one transaction per run: all its calls decided, then its turn queued
-            decide(route(r, run.id), run.id, ids, approved=approved, reason=reason or "", by="person")
+            decide(route(r, run.id), run.id, ids, approved=approved, reason=reason or "", by=by)
         except AgentPoolError as exc:
             failed += 1
             click.echo(f"{run.id}: not decided: {exc}", err=True)

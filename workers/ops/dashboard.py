@@ -29,6 +29,8 @@ Security. Bound to a loopback address and given no token, anyone on this machine
 naming another Host are refused (a DNS-rebinding page cannot reach it). Bound anywhere else, it refuses
 to start without a token, and then every /api/ request but /api/config must carry
 ``Authorization: Bearer <token>``: conversations are the users' data, so reading them is guarded too.
+``AGENTPOOL_DASHBOARD_TOKENS`` gives each person a token of their own instead: what they do is recorded
+under their name (an approval's ``by``, a cancelled run's error, a log line per action).
 Every POST must be JSON (so a cross-site form cannot send one without a CORS preflight, which this
 server never grants) from no Origin or its own. Without a token, a request through a proxy (Forwarded,
 X-Forwarded-*) is refused: a proxy on this machine would pass the Host check. A connection gets
@@ -79,6 +81,8 @@ PAGES = {
     "style.css": "text/css; charset=utf-8",
 }
 TOKEN_ENV = "AGENTPOOL_DASHBOARD_TOKEN"
+TOKENS_ENV = "AGENTPOOL_DASHBOARD_TOKENS"  # name=token entries: each person's own, named in what they do
+UNNAMED = "person"  # who acts with the one token of TOKEN_ENV, or with none
 MAX_BODY = 64 * 1024
 SCAN_WHEN_FILTERED = 2000  # newest runs looked at to fill a filtered page
 LEDGER_TEXT_CHARS = 2000  # the whole result is in the conversation; the ledger shows its head
@@ -306,11 +310,13 @@ def _amount(body: dict[str, Any], name: str, *, whole: bool) -> Any:
         raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
 
 
-def act(r: Redis | Shards, run_id: str, action: str, body: dict[str, Any]) -> dict[str, Any]:
+def act(r: Redis | Shards, run_id: str, action: str, body: dict[str, Any], by: str = UNNAMED) -> dict[str, Any]:
     """A run's action through the API, given the whole pool: a fork on a sharded pool gets its shard's
-    id ending, and a ``fork_id`` is refused when it is taken on any shard."""
+    id ending, and a ``fork_id`` is refused when it is taken on any shard. ``by``: whose token asked
+    (an approval's decision and a cancelled run's error name it)."""
     if action == "cancel":
-        before = client.cancel_run(run_id, connection=r, reason="cancelled from the dashboard")
+        reason = "cancelled from the dashboard" + (f" by {by}" if by != UNNAMED else "")
+        before = client.cancel_run(run_id, connection=r, reason=reason)
         return {"ok": True, "before": before}
     if action == "approve":
         # `approved` has no default: a body that does not say is refused, never taken for a yes.
@@ -324,7 +330,7 @@ def act(r: Redis | Shards, run_id: str, action: str, body: dict[str, Any]) -> di
                 HTTPStatus.BAD_REQUEST,
                 "approve takes approved (bool, required), tool_use_id (string) and reason (string)",
             )
-        result = client.approve(run_id, tool_use_id, approved=approved, reason=reason or None, connection=r)
+        result = client.approve(run_id, tool_use_id, approved=approved, reason=reason or None, by=by, connection=r)
         return {"ok": True, "result": result}
     if action == "resume":
         result = client.resume(
@@ -369,14 +375,15 @@ class DashboardServer(ThreadingHTTPServer):
         self,
         address: tuple[str, int],
         r: Redis | Shards,
-        token: str | None,
+        tokens: dict[str, str],
         *,
         idle_timeout: float = IDLE_TIMEOUT,
         max_connections: int = MAX_CONNECTIONS,
     ) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
-        self.r, self.token = r, token
+        self.r = r
+        self.tokens = [(name, token.encode()) for name, token in tokens.items()]  # empty: no token asked
         self.loopback = is_loopback(address[0])
         self.idle_timeout = idle_timeout
         # A thread per connection, and a connection may be slow on purpose: both are bounded.
@@ -418,6 +425,7 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "agentpool-dashboard"
     sys_version = ""
     shard: str | None = None  # "shard N", on a sharded pool the shard of the run asked about: a 503 names it
+    actor = UNNAMED  # whose token this request carries: the name its actions are recorded under
 
     def setup(self) -> None:
         # Every read and write of the connection (request line, headers, body, the answer) gets this long:
@@ -436,14 +444,14 @@ class Handler(BaseHTTPRequestHandler):
         self._dispatch()
 
     def _dispatch(self) -> None:
-        self.shard = None  # this request's (a kept-alive connection serves several)
+        self.shard, self.actor = None, UNNAMED  # this request's (a kept-alive connection serves several)
         try:
             self._check_host()
             url = urlsplit(self.path)
             if not url.path.startswith("/api/"):
                 return self._static(url.path)
             if url.path != "/api/config":
-                self._check_token()
+                self.actor = self._check_token()
             if self.command == "POST":
                 self._check_post()
             self._json(HTTPStatus.OK, self._api(url.path, parse_qs(url.query)))
@@ -468,7 +476,7 @@ class Handler(BaseHTTPRequestHandler):
     # -- guards --
 
     def _check_host(self) -> None:
-        if self.server.token or not self.server.loopback:
+        if self.server.tokens or not self.server.loopback:
             return
         # A reverse proxy on this machine connects from loopback and may pass a loopback Host: without a
         # token, everyone the proxy serves could act. Its forwarding headers give it away.
@@ -484,12 +492,18 @@ class Handler(BaseHTTPRequestHandler):
         if not is_loopback(name):
             raise HttpError(HTTPStatus.FORBIDDEN, "this dashboard answers only to localhost")
 
-    def _check_token(self) -> None:
-        if not self.server.token:
-            return
+    def _check_token(self) -> str:
+        """The name of the token the request carries (``UNNAMED`` when none is asked for)."""
+        if not self.server.tokens:
+            return UNNAMED
         given = self.headers.get("Authorization", "")
-        if not (given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), self.server.token.encode())):
-            raise HttpError(HTTPStatus.UNAUTHORIZED, "a valid dashboard token is required")
+        if given.startswith("Bearer "):
+            sent = given[7:].encode()
+            # Every token is compared, whichever matches: the time taken does not tell which one came close.
+            matched = [name for name, token in self.server.tokens if hmac.compare_digest(sent, token)]
+            if matched:
+                return matched[0]
+        raise HttpError(HTTPStatus.UNAUTHORIZED, "a valid dashboard token is required")
 
     def _check_post(self) -> None:
         if (self.headers.get("Content-Type") or "").split(";")[0].strip() != "application/json":
@@ -530,7 +544,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise HttpError(HTTPStatus.BAD_REQUEST, f"{name} must be an integer") from None
 
         if path == "/api/config" and self.command == "GET":
-            return {"token_required": bool(self.server.token)}
+            return {"token_required": bool(self.server.tokens)}
         if path == "/api/runs" and self.command == "GET":
             limit = min(max(number("limit", 100), 1), 500)
             if arg("status") and arg("status") not in STATUSES:
@@ -576,7 +590,10 @@ class Handler(BaseHTTPRequestHandler):
                 if waiting:
                     self.server.live_polls.release()
         if self.command == "POST" and sub in ("cancel", "approve", "resume", "message", "fork"):
-            return act(pool, run_id, sub, self._body())
+            done = act(pool, run_id, sub, self._body(), by=self.actor)
+            # The audit trail of who did what from the page: names and ids only, never a message's text.
+            log.info("dashboard: %s on run %s by %s from %s", sub, run_id, self.actor, self.client_address[0])
+            return done
         raise HttpError(HTTPStatus.METHOD_NOT_ALLOWED, f"{self.command} is not allowed here")
 
     def _static(self, path: str) -> None:
@@ -606,15 +623,51 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
+def named_tokens(text: str) -> dict[str, str]:
+    """``AGENTPOOL_DASHBOARD_TOKENS``: ``name=token`` entries separated by commas or whitespace, as
+    ``{name: token}``. A ``ValueError`` names the entry at fault, never a token."""
+    from agentpool.runtime.approvals import check_actor
+
+    tokens: dict[str, str] = {}
+    for n, entry in enumerate(filter(None, re.split(r"[,\s]+", text)), 1):
+        name, sep, token = entry.partition("=")
+        if not sep:
+            raise ValueError(f"{TOKENS_ENV}: entry {n} is not name=token")
+        try:
+            check_actor(name)
+        except ValueError as exc:
+            raise ValueError(f"{TOKENS_ENV}: entry {n}: {exc}") from None
+        if name == UNNAMED or name in tokens:
+            taken = "given twice" if name in tokens else "what actions with no name are recorded under"
+            raise ValueError(f"{TOKENS_ENV}: the name {name!r} is {taken}")
+        if len(token) < 16 or not token.isascii():
+            raise ValueError(f"{TOKENS_ENV}: {name}'s token must be at least 16 ASCII characters (agentpool genkey)")
+        if token in tokens.values():
+            raise ValueError(f"{TOKENS_ENV}: {name}'s token is another name's too: whose actions would it be?")
+        tokens[name] = token
+    if not tokens:
+        raise ValueError(f"{TOKENS_ENV} is set but names no token")
+    return tokens
+
+
 def make_server(
-    r: Redis | Shards, host: str = "127.0.0.1", port: int = 8000, token: str | None = None
+    r: Redis | Shards,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    token: str | None = None,
+    tokens: dict[str, str] | None = None,
 ) -> DashboardServer:
     """The server, bound and ready for ``serve_forever()``, reading one Redis or a sharded pool's
-    ``Shards``. Refuses a non-loopback address without a token."""
-    if not token and not is_loopback(host):
+    ``Shards``. ``token``: the one every request carries; ``tokens``: one per person (``{name: token}``),
+    whose name the actions taken with it are recorded under. Refuses a non-loopback address without a
+    token."""
+    if token and tokens:
+        raise ValueError(f"give {TOKEN_ENV} (--token) or {TOKENS_ENV} (--tokens), not both")
+    if not (token or tokens) and not is_loopback(host):
         raise ValueError(
             f"the dashboard would listen on {host}, beyond this machine, with no token: set {TOKEN_ENV} "
-            "or pass --token (then every request must carry it), or bind 127.0.0.1"
+            f"or pass --token (then every request must carry it), or give each person one in {TOKENS_ENV}, "
+            "or bind 127.0.0.1"
         )
     if token and not token.isascii():
         # HTTP headers arrive decoded as Latin-1 and browsers send non-ASCII ones unlike curl: such a
@@ -623,10 +676,17 @@ def make_server(
     return DashboardServer(
         (host, port),
         r,
-        token or None,
+        tokens or ({UNNAMED: token} if token else {}),
         idle_timeout=env_number(IDLE_TIMEOUT_ENV, IDLE_TIMEOUT),
         max_connections=max(1, int(env_number(MAX_CONNECTIONS_ENV, MAX_CONNECTIONS))),
     )
+
+
+def _guard(server: DashboardServer) -> str:
+    names = [name for name, _ in server.tokens]
+    if names == [UNNAMED]:
+        return "token required"
+    return f"tokens of {', '.join(names)}" if names else "no token: localhost only"
 
 
 @click.command()
@@ -641,21 +701,29 @@ def make_server(
     help="Required from every API request; mandatory when --host is not a loopback address. "
     "Prefer the environment variable: a flag is visible in ps.",
 )
-def dashboard(url: str | None, host: str, port: int, token: str | None) -> None:
+@click.option(
+    "--tokens",
+    envvar=TOKENS_ENV,
+    default=None,
+    show_envvar=True,
+    help="Instead of --token, one token per person: 'alice=TOKEN,bob=TOKEN' (16 characters at least; "
+    "agentpool genkey prints one). What each does is recorded under their name. Prefer the environment "
+    "variable: a flag is visible in ps.",
+)
+def dashboard(url: str | None, host: str, port: int, token: str | None, tokens: str | None) -> None:
     """Serve a web page for watching and steering runs."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     r = pool_client(url, health_check_interval=30)
     source = redact_url(target_url(url)) if not isinstance(r, Shards) else ", ".join(r.names)
     try:
-        server = make_server(r, host, port, token)
+        server = make_server(r, host, port, token, named_tokens(tokens) if tokens is not None else None)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
         raise click.ClickException(f"cannot listen on {host}:{port}: {exc}") from None
     shown = f"[{host}]" if ":" in host else host
     click.echo(
-        f"agentpool dashboard on http://{shown}:{server.server_address[1]}/ "
-        f"({'token required' if token else 'no token: localhost only'}) from {source}",
+        f"agentpool dashboard on http://{shown}:{server.server_address[1]}/ ({_guard(server)}) from {source}",
         err=True,
     )
     warn_if_unreachable(r, "the page shows 'Redis unavailable' until it answers")

@@ -7,6 +7,7 @@ written. Nothing is queued or leased while the run waits. Once every call it wai
 
 from __future__ import annotations
 
+import re
 import time
 
 from redis import Redis
@@ -21,6 +22,24 @@ from agentpool.store.keys import RunKeys
 
 class ApprovalError(AgentPoolError):
     """A decision that cannot be taken: the run is not waiting, or not on that tool_use."""
+
+
+# Who decided, as the decision record and the run's `approval` event keep it: a person's or a service's
+# name, an email address. "person" when nobody said; "expiry" is the reaper's, for a deadline that passed.
+ACTOR = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,99}")
+EXPIRY = "expiry"
+
+
+def check_actor(by: str) -> str:
+    """``by`` as given, or a ``ValueError`` saying what a name may hold."""
+    if not isinstance(by, str) or not ACTOR.fullmatch(by):
+        raise ValueError(
+            f"by={by!r}: who decides is a name of up to 100 letters, digits and . _ @ + - (starting with a "
+            "letter or digit), such as alice or ops-bot@example.com"
+        )
+    if by == EXPIRY:
+        raise ValueError(f"by={by!r} is kept for the calls whose approval expired; name who decides")
+    return by
 
 
 def decide(r: Redis, run_id: str, tool_use_ids: list[str] | None, *, approved: bool, reason: str, by: str) -> list[str]:
@@ -92,7 +111,7 @@ def _decided(decisions: dict[str, approvals.Decision], tool_use_ids: list[str] |
         decision = decisions.get(tool_use_id)
         if decision is not None:
             verdict = "approved" if decision.approved else "denied"
-            who = "automatically: its approval expired" if decision.by == "expiry" else f"by {decision.by}"
+            who = "automatically: its approval expired" if decision.by == EXPIRY else f"by {decision.by}"
             said.append(f"{tool_use_id} was {verdict} already, {who}")
     return f" ({'; '.join(said)})" if said else ""
 
@@ -119,7 +138,7 @@ def expire_due(r: Redis, run_id: str) -> list[str]:
                 run_id,
                 [w.tool_use_id for w in due],
                 approved=False,
-                by="expiry",
+                by=EXPIRY,
                 reason=f"no decision within {waited:.0f} s; denied automatically",
             )
         except ApprovalError:
