@@ -197,14 +197,16 @@ def _operator_rpm(rpm: int) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("kind", [["--concurrency", "2"], []], ids=["threaded", "forking"])
-def test_a_turn_reserves_its_call_with_its_lease(r: Redis, pool, model, kind: list[str]) -> None:
+@pytest.mark.parametrize("check_agent", [True, False], ids=["agent-loaded", "agent-unknown"])
+def test_a_turn_reserves_its_call_with_its_lease(r: Redis, pool, model, kind: list[str], check_agent: bool) -> None:
     """The turn before knows what the next call needs, so the next turn's lease reserves it in the same
-    script: one round trip and one script a turn less on the API's path. Only the first turn, whose
-    call nobody knew, reserves on its own."""
+    script: one round trip and one script a turn less on the API's path. The first turn's call is
+    estimated by ``enqueue_run``, which loads the agent; an app that enqueues without the agents' code
+    (``check_agent=False``) cannot, and that run's first turn reserves on its own."""
     model.set_scripts({"steps": [{"tool_calls": [READ]}] * 4 + [{"text": "All done."}]})
     WorkerProcesses.start(pool, 1, *kind, **_operator_rpm(1000))
     with _commands_seen(pool) as seen:
-        run_id = enqueue_run("pool_agents:support", script_task("steps"), connection=r)
+        run_id = enqueue_run("pool_agents:support", script_task("steps"), connection=r, check_agent=check_agent)
         run = wait_for_run(run_id, timeout=60, connection=r)
     assert run.status == "completed" and run.turns == 5, (run.status, run.error, pool.logs())
     budget = LimitKeys.of("claude-sonnet-5-5").budget
@@ -212,8 +214,9 @@ def test_a_turn_reserves_its_call_with_its_lease(r: Redis, pool, model, kind: li
     # The tickets (run:turn) reserved: a script Redis did not have yet is sent twice (NOSCRIPT, then loaded).
     alone = {c.split()[11] for c in seen if c.startswith(f"EVALSHA {reserve_sha} ")}
     with_lease = {c.split()[24] for c in seen if c.startswith(f"EVALSHA {lease_sha} ") and budget in c}
-    assert alone == {f"{run_id}:0"}, alone
-    assert with_lease == {f"{run_id}:{turn}" for turn in range(1, 5)}, with_lease
+    first = 0 if check_agent else 1
+    assert alone == ({f"{run_id}:0"} if first else set()), alone
+    assert with_lease == {f"{run_id}:{turn}" for turn in range(first, 5)}, with_lease
     view = _budget(r)
     assert view.held["calls"] == 0 and view.waiting == 0
     assert math.floor(view.levels["requests"]) == 1000 - 5  # one request a call, each taken once
@@ -243,8 +246,8 @@ def test_a_call_reserved_with_the_lease_but_never_made_goes_back_to_the_budget(r
 def test_a_work_horse_killed_after_its_lease_reserved_the_call_costs_the_budget_that_call_only(
     r: Redis, pool, model
 ) -> None:
-    """Every turn's work horse is SIGKILLed once between its lease (which reserved the call, from turn 1
-    on) and the call. The turn taken over reserves again and the run completes; a dead attempt's
+    """Every turn's work horse is SIGKILLed once between its lease (which reserved the call: the first
+    turn's as ``enqueue_run`` estimated it, the others' as the turn before did) and the call. The turn taken over reserves again and the run completes; a dead attempt's
     reservation stays held (its worker never comes back to settle it) until the hourly sweep, and
     nothing else is taken twice."""
     model.set_scripts({"steps": [{"tool_calls": [READ]}] * 2 + [{"text": "All done."}]})
@@ -257,10 +260,10 @@ def test_a_work_horse_killed_after_its_lease_reserved_the_call_costs_the_budget_
     kills = len(list(pool.tmp.glob(f"fault-before_model_call-{run_id}-*")))
     takeovers = [f for _, f in events.read(r, run_id) if f["kind"] == "takeover"]
     assert kills == 3 and len(takeovers) == 3, (kills, takeovers)
-    # Turn 0 reserves just before its call, after the kill point; turns 1 and 2 reserved with the lease.
-    view = _budget(r, held=2)
-    assert view.held["calls"] == 2, view.held
-    assert math.floor(view.levels["requests"]) == 1000 - 3 - 2, view.levels
+    # Each turn's first attempt reserved with its lease and died: three calls held, three made.
+    view = _budget(r, held=3)
+    assert view.held["calls"] == 3, view.held
+    assert math.floor(view.levels["requests"]) == 1000 - 3 - 3, view.levels
 
 
 @contextlib.contextmanager

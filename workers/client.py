@@ -6,7 +6,7 @@ import math
 import secrets
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 from redis.client import Pipeline
@@ -32,6 +32,9 @@ from agentpool.store.keys import (
 )
 from agentpool.store.records import ACTIVE_STATUSES, SCHEMA_VERSION, STATUSES, RunState, header_version, load_header
 from agentpool.webhooks import check_events, check_url
+
+if TYPE_CHECKING:
+    from agentpool.agent import Agent
 
 # What enqueues a turn (RQ) or loads an agent (pydantic) is imported by the functions that do: reading
 # runs (`agentpool runs`, `show`) must not pay for them.
@@ -183,13 +186,16 @@ def enqueue_run(
     second one); if it exists for anything else, ``RunExists`` is raised and nothing changes. An
     existing run is never reset."""
     from agentpool.agent import check_agent_path
+    from agentpool.runtime.estimate import first_call
     from agentpool.runtime.jobs import job_id, stage_turn
 
     check_agent_path(agent)
-    if check_agent:
-        _check_loadable(agent)
+    loaded = _check_loadable(agent) if check_agent else None
     if not isinstance(task, str) or not task.strip():
         raise ValueError("a run needs a non-empty task text")
+    # The first turn's call, for its lease to reserve within the model's rate limits as every later
+    # turn's is (the turn before writes it): known only where the agent was loaded.
+    call = first_call(loaded, task) if loaded is not None else None
     limits = {
         name: limit_value(name, value, whole=whole)
         for name, value, whole in (
@@ -223,7 +229,7 @@ def enqueue_run(
 
     def stage_enqueue(pipe: Pipeline) -> None:
         # RQ's enqueue joins the transaction; a new run's window starts at its first message.
-        stage_turn(pipe, r, run_id, 0, queue=queue, window=0, with_header=False)
+        stage_turn(pipe, r, run_id, 0, queue=queue, window=0, with_header=False, call=call)
 
     checkpoint.create_run(
         r,
@@ -244,11 +250,11 @@ class AgentNotLoadable(AgentPoolError, ValueError):
     the workers have code this process has not (then pass ``check_agent=False``)."""
 
 
-def _check_loadable(agent: str) -> None:
+def _check_loadable(agent: str) -> Agent:
     from agentpool.runtime.loader import AgentNotFound, load_agent
 
     try:
-        load_agent(agent, add_cwd=False, connect_mcp=False)  # its MCP servers are the workers to start
+        return load_agent(agent, add_cwd=False, connect_mcp=False)  # its MCP servers are the workers to start
     except AgentNotFound as exc:
         raise AgentNotLoadable(
             f"{exc}; fix the agent's path, or pass check_agent=False (agentpool enqueue --no-check-agent) "

@@ -123,7 +123,8 @@ def runs_load(lab: Lab, turns: int, via: Redis | None = None) -> Load:
 
     def work() -> None:
         for i in range(runs):
-            enqueue_run(AGENT, task("redis", i), connection=via or lab.r, check_agent=False)
+            # As an app enqueues: the agent loaded, so the first turn's call is reserved with its lease too.
+            enqueue_run(AGENT, task("redis", i), connection=via or lab.r)
 
     # Ended runs leave the watch set.
     return work, done_within(120 + 5 * turns, f"{runs} runs", lab, lambda: lab.r.zcard(RUNS_WATCH) == 0)

@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 from agentpool.agent import SUMMARY_PREAMBLE, Agent
 from agentpool.pricing import price_of
 from agentpool.runtime import tracing
+from agentpool.runtime.estimate import after_last_reply, estimate_tokens
 from agentpool.runtime.faults import fault
 from agentpool.runtime.model import ContextTooLong, ModelReply, ModelUnavailable
-from agentpool.runtime.ratelimit import after_last_reply, estimate_tokens, limited_call
+from agentpool.runtime.ratelimit import limited_call
 from agentpool.store import window
 from agentpool.store.errors import LeaseLost
 from agentpool.store.events import Event

@@ -1,6 +1,6 @@
 """How many pages a PDF sent to the model has, without a PDF library: the model counts a PDF by its
 pages (each page's text and an image of it), not by the length of its base64 data, so the token
-estimates (``agentpool.runtime.ratelimit.estimate_tokens``) and the scripted model count its pages.
+estimates (``agentpool.runtime.estimate.estimate_tokens``) and the scripted model count its pages.
 
 A page is a ``/Type /Page`` object. Written plainly, or (PDF 1.5 and later) packed into compressed
 object streams (``/Type /ObjStm``, Flate-encoded), which are inflated to look inside. A PDF whose pages

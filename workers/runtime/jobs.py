@@ -237,6 +237,7 @@ def stage_turn(
     queue: str | None = None,
     window: int | None = None,
     with_header: bool = True,
+    call: tuple[str, int, int] | None = None,
 ) -> str:
     """Add the turn's job to ``pipe``, a transaction (already in MULTI) the caller executes with its own
     writes. ``attempt`` names the job as the run's n-th re-enqueue (see ``job_id``). With ``delay``, the
@@ -244,13 +245,14 @@ def stage_turn(
     then. ``at_front``: ahead of every turn waiting (see ``enqueue_turn``). The job goes on the run's
     queue: ``queue`` when the caller knows it (a run being made does not have its header yet), else the
     one its header names. ``window``: where the run's window starts, when the caller knows (see
-    ``turn_job``). ``with_header=False``: the caller writes the header's ``job`` field (``job_id``) itself."""
+    ``turn_job``). ``with_header=False``: the caller writes the header's ``job`` field (``job_id``) itself.
+    ``call``: the model call the turn is to make, for its lease to reserve (see ``turn_job``)."""
     if delay > 0:
         jid = job_id(run_id, turn, attempt)
         pipe.hset(RunKeys.of(run_id).run, "job", jid)  # the reaper checks this job is still alive
         pipe.zadd(TURNS_DEFERRED, {deferred_member(run_id, turn, attempt): now_ms() + int(delay * 1000)})
         return jid
-    job = turn_job(r, run_id, turn, attempt, at_front=at_front, queue=queue, window=window)
+    job = turn_job(r, run_id, turn, attempt, at_front=at_front, queue=queue, window=window, call=call)
     return _stage(pipe, job, with_header=with_header)
 
 

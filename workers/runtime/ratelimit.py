@@ -9,10 +9,12 @@ goes back. The limits are learned from the API's ``anthropic-ratelimit-*`` heade
 ``AGENTPOOL_RATE_LIMITS`` sets or caps them.
 
 A turn's call is usually reserved with the turn's lease, in the lease's own script: the turn before
-knows what the call will need (``next_call``) and its job carries it (``lease_reservation``). A turn
-that then makes no call (it stops at a limit, waits for a slot, ends otherwise) gives the reservation
-back, its request included (``Turn.give_back_prereserved``). Other turns (the first, a retry, a
-takeover) reserve just before the call.
+knows what the call will need (``next_call``) and its job carries it (``lease_reservation``); a run's
+first turn's job carries what ``enqueue_run`` estimated, where it loaded the agent
+(``agentpool.runtime.estimate.first_call``). A turn that then makes no call (it stops at a limit,
+waits for a slot, ends otherwise) gives the reservation back, its request included
+(``Turn.give_back_prereserved``). Other turns (a first turn enqueued with ``check_agent=False``, a
+retry, a takeover, a turn a message or a decision queued) reserve just before the call.
 
 A call reserved with room to spare (nobody in line, every bucket at least half full) whose reply says
 the API's budget is at least half left settles with the worker's others, about once a second, in one
@@ -33,7 +35,6 @@ together stay within the API's limits with no call to another shard in a turn (d
 
 from __future__ import annotations
 
-import json
 import logging
 import random
 import uuid
@@ -41,7 +42,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from agentpool.agent import Agent
-from agentpool.runtime.documents import pdf_block_data, pdf_pages
+from agentpool.runtime.estimate import estimate_input, estimate_tokens
 from agentpool.runtime.model import ModelReply, ModelUnavailable, call_model
 from agentpool.store import ratelimit
 from agentpool.store.errors import AgentPoolError
@@ -56,13 +57,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentpool.ratelimit")
 
-CHARS_PER_TOKEN = 3  # cautious: JSON and code run ~3 characters a token; the reservation is corrected after
-# The most one image costs the model: the API scales a larger one down (about 1,600 tokens on most
-# models, 4,784 on those with high-resolution vision).
-IMAGE_TOKENS = 4_800
-# The most a PDF page costs: its text (1,500 to 3,000 tokens, the PDF guide says; about 2,400 measured
-# for a page of prose) and an image of the page (about 1,600).
-PDF_PAGE_TOKENS = 3_000 + 1_600
 MIN_WAIT = 0.05
 # A 429 that taught the budget nothing pauses the model's calls for its retry-after, at most PAUSE_MAX
 # (a gateway's odd header must not stop the pool for an hour), or PAUSE_WITHOUT_RETRY_AFTER if it gave
@@ -140,51 +134,6 @@ def reported(headers: Mapping[str, str]) -> Reported:
             if number >= (1 if part == "limit" else 0):
                 into[dim] = number
     return Reported(limits, remaining)
-
-
-def estimate_input(agent: Agent, messages: list[dict[str, Any]], last_reply: Mapping[str, Any] | None) -> int:
-    """Input tokens the call may count: the last call's context and what came after it, or (no last
-    call, or a summary) the whole request."""
-    if last_reply and last_reply.get("context_tokens"):
-        added = after_last_reply(messages)
-        return int(last_reply["context_tokens"]) + estimate_tokens(added)
-    tools = [t.to_param() for t in agent.tools]
-    return estimate_tokens([agent.system or "", tools, messages])
-
-
-def estimate_tokens(value: Any) -> int:
-    """Input tokens ``value`` (messages, a system prompt, tool definitions) may count: text at
-    ``CHARS_PER_TOKEN``, an image at the most one costs (``IMAGE_TOKENS``) and a PDF at the most its
-    pages cost (``PDF_PAGE_TOKENS`` each) wherever they stand (a message, a tool result). Their base64
-    data is no measure of them: a photo's or a report's megabyte counted as text would reserve a whole
-    minute's budget for one call, and pass any compaction trigger. A PDF whose pages cannot be counted
-    (``agentpool.runtime.documents``) counts as its text."""
-    counted = 0
-
-    def without_media(item: Any) -> Any:
-        nonlocal counted
-        if isinstance(item, dict):
-            if item.get("type") == "image":
-                counted += IMAGE_TOKENS
-                return None
-            if (data := pdf_block_data(item)) is not None and (pages := pdf_pages(data)):
-                counted += pages * PDF_PAGE_TOKENS
-                return None
-            return {k: without_media(v) for k, v in item.items()}
-        if isinstance(item, list):
-            return [without_media(v) for v in item]
-        return item
-
-    text = json.dumps(without_media(value), ensure_ascii=False, default=str)
-    return max(1, len(text) // CHARS_PER_TOKEN + counted)
-
-
-def after_last_reply(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages after the last assistant one: what a call sends beyond the last call's context."""
-    for i in range(len(messages) - 1, -1, -1):
-        if messages[i]["role"] == "assistant":
-            return messages[i + 1 :]
-    return messages
 
 
 def configured_limits(settings: Settings, model: str) -> Limits:
