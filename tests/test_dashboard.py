@@ -130,6 +130,19 @@ def dashboard_process(env: dict[str, str], tmp: Path, *args: str, token: str | N
             proc.wait(timeout=10)
 
 
+def dashboard_start(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """``agentpool dashboard`` run to its end: for a start it must refuse (one that serves times out)."""
+    return subprocess.run(
+        [sys.executable, "-m", "agentpool", "dashboard", "--port", str(free_port()), *args],
+        env=env,
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 @pytest.fixture
 def board(pool, tmp_path) -> Iterator[Dashboard]:
     with dashboard_process(pool.env, tmp_path) as b:
@@ -249,14 +262,8 @@ def test_a_body_length_that_is_not_a_byte_count_is_refused_unread(r, board):
 
 
 def test_beyond_localhost_it_needs_a_token_and_every_api_call_carries_it(r, pool, tmp_path):
-    refused = subprocess.run(
-        [sys.executable, "-m", "agentpool", "dashboard", "--host", "0.0.0.0", "--port", str(free_port())],
-        env={k: v for k, v in pool.env.items() if k != "AGENTPOOL_DASHBOARD_TOKEN"},
-        cwd=str(ROOT),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
+    refused = dashboard_start(
+        {k: v for k, v in pool.env.items() if k != "AGENTPOOL_DASHBOARD_TOKEN"}, "--host", "0.0.0.0", timeout=30
     )
     assert refused.returncode != 0 and "AGENTPOOL_DASHBOARD_TOKEN" in refused.stderr
 
@@ -314,15 +321,7 @@ def test_each_person_has_a_token_of_their_own_and_what_they_do_is_recorded_under
     ],
 )
 def test_named_tokens_that_cannot_work_stop_the_start_without_showing_a_token(pool, tokens, says):
-    out = subprocess.run(
-        [sys.executable, "-m", "agentpool", "dashboard", "--port", str(free_port())],
-        env={**pool.env, **tokens},
-        cwd=str(ROOT),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = dashboard_start({**pool.env, **tokens})
     assert out.returncode != 0 and says in out.stderr, out.stderr
     assert "a" * 16 not in out.stderr
 
