@@ -176,3 +176,44 @@ def test_approve_records_who_decided(r, redis_server, waiting_run):
     assert [(f["tool_use_id"], f["by"]) for f in decided] == [(call["id"], "alice@example.com")]
     late = _cli(redis_server.url, "approve", waiting_run, call["id"], "--deny", "--by", "bob")
     assert late.returncode != 0 and f"{call['id']} was approved already, by alice@example.com" in late.stderr, late
+
+
+def test_cancel_resume_send_and_fork_record_who_acted(r, redis_server, pool, model):
+    """``--by`` on ``cancel``, ``resume``, ``send`` and ``fork`` (``by=`` in the API) is kept in the event
+    each writes; a cancel by a name says so in the run's error. A name that could be misread is refused
+    before anything changes."""
+    from agentpool.store import events
+
+    model.set_scripts(
+        {
+            "loop": [{"tool_calls": [{"name": "read_notes", "input": {"topic": str(i)}}]} for i in range(2)]
+            + [{"text": "finished"}, {"text": "answered"}]
+        }
+    )
+    pool.start(1)
+    run_id = enqueue_run("pool_agents:budgeted", script_task("loop"), connection=r, max_turns=1)
+    idle = enqueue_run("pool_agents:budgeted", script_task("loop"), queue="nobody", connection=r)
+    assert wait_for_run(run_id, timeout=60, connection=r).status == "stopped"
+
+    def who(run: str, kind: str) -> list[str | None]:
+        return [f.get("by") for _, f in events.read(r, run) if f["kind"] == kind]
+
+    bad = _cli(redis_server.url, "cancel", idle, "--by", "frank smith")
+    assert bad.returncode == 2 and "--by" in bad.stderr, bad.stderr
+    assert get_run(idle, connection=r).status == "queued", "nothing was cancelled"
+
+    out = _cli(redis_server.url, "resume", run_id, "--add-turns", "5", "--by", "carol")
+    assert out.returncode == 0, out.stderr
+    assert who(run_id, "status")[-1] == "carol", "the resumed run's status event"
+    assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
+    out = _cli(redis_server.url, "send", run_id, "One more thing?", "--by", "dave@example.com", "--wait")
+    assert out.returncode == 0, out.stderr
+    assert "dave@example.com" in who(run_id, "status"), "the status event of the message that set it going"
+    out = _cli(redis_server.url, "fork", run_id, "--by", "erin")
+    assert out.returncode == 0, out.stderr
+    assert who(out.stdout.split()[0], "forked") == ["erin"]
+    out = _cli(redis_server.url, "cancel", idle, "--by", "frank")
+    assert out.returncode == 0, out.stderr
+    cancelled = get_run(idle, connection=r)
+    assert cancelled.status == "cancelled" and cancelled.error == "cancelled by frank", cancelled
+    assert who(idle, "status")[-1] == "frank"

@@ -280,12 +280,21 @@ def test_beyond_localhost_it_needs_a_token_and_every_api_call_carries_it(r, pool
 
 def test_each_person_has_a_token_of_their_own_and_what_they_do_is_recorded_under_their_name(r, pool, model, tmp_path):
     """``AGENTPOOL_DASHBOARD_TOKENS``: one token per person. An approval names whose token decided (the
-    decision and the run's ``approval`` event), a cancelled run's error says who cancelled it, and the
-    dashboard's log lists every action with its name, never a token."""
+    decision and the run's ``approval`` event), a cancelled run's error and event say who cancelled it, a
+    message's and a fork's events who sent or forked, and the dashboard's log lists every action with its
+    name, never a token."""
     from agentpool.store import events
 
     alice, bob = "alice-" + "a" * 20, "bob-" + "b" * 20
-    model.set_scripts({"deploy": [{"tool_calls": [{"name": "deploy", "input": {"version": "9"}}]}, {"text": "ok"}]})
+    model.set_scripts(
+        {
+            "deploy": [
+                {"tool_calls": [{"name": "deploy", "input": {"version": "9"}}]},
+                {"text": "ok"},
+                {"text": "answered"},
+            ]
+        }
+    )
     pool.start(1)
     guarded = enqueue_run("pool_agents:guarded", script_task("deploy"), connection=r)
     other = enqueue_run("pool_agents:guarded", "no worker serves this queue", queue="nobody", connection=r)
@@ -299,14 +308,26 @@ def test_each_person_has_a_token_of_their_own_and_what_they_do_is_recorded_under
         approved = {"approved": True}
         assert board.request("POST", f"/api/runs/{guarded}/approve", approved, token=bob)[0] == 200
         assert board.request("POST", f"/api/runs/{other}/cancel", {}, token=alice)[0] == 200
+        assert wait_for_run(guarded, timeout=60, connection=r).status == "completed"
+        status, sent = board.request("POST", f"/api/runs/{guarded}/message", {"text": "And then?"}, token=bob)
+        assert status == 200, sent
+        status, forked = board.request("POST", f"/api/runs/{guarded}/fork", {}, token=alice)
+        assert status == 200, forked
     (decision,) = [f for _, f in events.read(r, guarded) if f["kind"] == "approval"]
     assert decision["by"] == "bob" and decision["approved"] == "True", decision
-    assert wait_for_run(guarded, timeout=60, connection=r).status == "completed"
     cancelled = get_run(other, connection=r)
     assert cancelled.status == "cancelled" and cancelled.error == "cancelled from the dashboard by alice", cancelled
+
+    def who(run: str, kind: str, status: str | None = None) -> list[str | None]:
+        return [f.get("by") for _, f in events.read(r, run) if f["kind"] == kind and status in (None, f["status"])]
+
+    assert who(other, "status", "cancelled") == ["alice"]
+    assert who(guarded, "status", "running")[-1] == "bob", "the message that set the completed run going"
+    assert who(forked["run_id"], "forked") == ["alice"]
     (log,) = tmp_path.glob("dashboard-*.log")
     said = log.read_text()
     assert f"approve on run {guarded} by bob" in said and f"cancel on run {other} by alice" in said, said
+    assert f"message on run {guarded} by bob" in said and f"fork on run {guarded} by alice" in said, said
     assert alice not in said and bob not in said, "a token in the log"
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from redis import Redis
 from redis.client import Pipeline
 
-from agentpool.checks import limit_value
+from agentpool.checks import check_actor, limit_value, optional_actor
 from agentpool.runtime import shards, tracing
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.progress import why_waiting
@@ -461,17 +461,27 @@ def _leave_line(r: Redis, run_id: str) -> None:
 
 @names_the_server
 def cancel_run(
-    run_id: str, *, connection: Redis | str | shards.Shards | None = None, reason: str = "cancelled by request"
+    run_id: str,
+    *,
+    connection: Redis | str | shards.Shards | None = None,
+    reason: str | None = None,
+    by: str | None = None,
 ) -> str:
     """End a run that has not ended for good. A turn in flight notices at its next write and commits
     nothing further. A run already completed, failed or cancelled is left as it is. Returns the status
     the run had before.
 
+    ``reason`` becomes the run's ``error`` (``cancelled by request``, or ``cancelled by alice`` when
+    ``by`` names who cancels); ``by`` is kept in the ``status`` event of the run and of each child run
+    cancelled with it.
+
     A run (or a child run below it) written by a newer agentpool, during a rolling deploy, is a
     ``SchemaTooNew`` and nothing is changed: cancel it with the newer agentpool."""
+    by = optional_actor(by)
+    reason = reason or (f"cancelled by {by}" if by else "cancelled by request")
     r = shards.route(connection, run_id)  # its child runs are on the same shard
     _refuse_newer_tree(r, run_id)
-    return _cancel(r, run_id, reason)
+    return _cancel(r, run_id, reason, by)
 
 
 def _refuse_newer_tree(r: Redis, run_id: str) -> None:
@@ -492,7 +502,7 @@ def _refuse_newer_tree(r: Redis, run_id: str) -> None:
         below += children.children(r, RunKeys.of(current))
 
 
-def _cancel(r: Redis, run_id: str, reason: str) -> str:
+def _cancel(r: Redis, run_id: str, reason: str, by: str | None) -> str:
     settings = Settings.from_env()
     before = checkpoint.set_status_unfenced(
         r,
@@ -505,13 +515,13 @@ def _cancel(r: Redis, run_id: str, reason: str) -> str:
         pool_webhook=settings.pool_webhook or webhooks.MAYBE,
     )
     if before not in ("completed", "failed", "cancelled"):
-        emit(r, run_id, "status", status="cancelled", error=reason)
+        emit(r, run_id, "status", status="cancelled", error=reason, by=by)
         _leave_line(r, run_id)
     # Its child runs are cancelled too (theirs in turn); a child's cancel tells this run, already ended.
     newer: list[str] = []
     for child in children.children(r, RunKeys.of(run_id)):
         try:
-            _cancel(r, child, reason=f"its parent run {run_id} was cancelled")
+            _cancel(r, child, f"its parent run {run_id} was cancelled", by)
         except RunNotFound:
             continue  # an earlier turn's child whose record expired: the children after it are cancelled all the same
         except SchemaTooNew:
@@ -536,10 +546,12 @@ def resume(
     add_turns: int = 0,
     add_tokens: int = 0,
     add_usd: float = 0.0,
+    by: str | None = None,
     connection: Redis | str | shards.Shards | None = None,
 ) -> Run:
     """Continue a ``stopped`` run from its checkpoint, raising its limits by the amounts given (a run
-    stopped by repeated model errors or a spend-limit 429 needs none).
+    stopped by repeated model errors or a spend-limit 429 needs none). ``by`` names who resumes it: the
+    events of the resume (``status``, or ``limits_raised``) keep it.
 
     A run stopped by a limit must be given enough for one more turn: ``resume`` raises
     :class:`ResumeRefused` saying what is needed otherwise, and changes nothing. The check uses the
@@ -564,6 +576,7 @@ def resume(
     add_turns = limit_value("add_turns", add_turns, whole=True, zero_ok=True)
     add_tokens = limit_value("add_tokens", add_tokens, whole=True, zero_ok=True)
     add_usd = limit_value("add_usd", add_usd, zero_ok=True)
+    by = optional_actor(by)
     r = shards.route(connection, run_id)
     keys = RunKeys.of(run_id)
 
@@ -607,7 +620,7 @@ def resume(
             # The limits it is held to from now on are recorded with the change, for send_message.
             pipe.hset(keys.run, "limits", pack(limits))
             raised = held_to.raised(adds).limit_fields()
-            Event.of(run_id, "limits_raised", **adds_given, **raised).stage(pipe)
+            Event.of(run_id, "limits_raised", **adds_given, **raised, by=by).stage(pipe)
         else:
             pipe.watch(keys.joins)
             top = tree.resumed(pipe, state)
@@ -619,7 +632,7 @@ def resume(
 
             def resumed_event(run: tree.Resumed, reason: str) -> Event:
                 status = "waiting_children" if run.waits else "running"
-                return Event.of(run.state.id, "status", status=status, reason=reason, **adds_given)
+                return Event.of(run.state.id, "status", status=status, reason=reason, **adds_given, by=by)
 
             tree.stage(pipe, r, top, adds, resumed_event(top, "resumed"))
             for run in below.runs:
@@ -631,6 +644,7 @@ def resume(
                     resumed=",".join(run.state.id for run in below.runs) or None,
                     left_stopped=",".join(below.left) or None,
                     why_left="; ".join(f"{child}: {why}" for child, why in below.left.items()) or None,
+                    by=by,
                 ).stage(pipe)
         writes.stage_remember(pipe, keys.run, write_id)
         pipe.execute()
@@ -784,7 +798,7 @@ def approve(
     gets an ``is_error`` tool_result carrying ``reason``. ``by`` names who decided (``alice``,
     ``ops-bot@example.com``): the decision record and the run's ``approval`` event keep it. Returns the
     tool_use ids decided."""
-    from agentpool.runtime.approvals import check_actor, decide
+    from agentpool.runtime.approvals import decide
 
     return decide(
         shards.route(connection, run_id),

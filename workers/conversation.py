@@ -19,6 +19,7 @@ from typing import Any
 from redis import Redis
 from redis.client import Pipeline
 
+from agentpool.checks import optional_actor
 from agentpool.client import limits_held_to, new_run_id
 from agentpool.runtime import shards, tracing
 from agentpool.runtime.answers import FINISHED_STOPS, trailing_text
@@ -72,9 +73,11 @@ def send_message(
     content: str | list[dict[str, Any]],
     *,
     message_id: str | None = None,
+    by: str | None = None,
     connection: Redis | str | shards.Shards | None = None,
 ) -> str:
-    """Send a user message to a run; returns the message's id.
+    """Send a user message to a run; returns the message's id. ``by`` names who sends it: the event that
+    records its arrival (``message_queued``, or the ``status`` event of a run it sets going) keeps it.
 
     - ``queued``, ``running``, ``waiting_approval``: the message waits in the run's inbox and is
       delivered at its next turn boundary, after that turn's tool_results in the same user message,
@@ -91,6 +94,7 @@ def send_message(
     Idempotent with ``message_id``: a retried call with the same id and content stores and delivers
     the message once and returns the id; the same id with other content raises ``MessageRefused``."""
     content = check_content(content)
+    by = optional_actor(by)
     if message_id is None:
         message_id = new_message_id()
     elif not isinstance(message_id, str) or not MESSAGE_ID.match(message_id):
@@ -132,7 +136,7 @@ def send_message(
             _stage_append(pipe, keys, message_id, content, turns=state.turns, index=length)
         else:
             pipe.rpush(keys.inbox, message_id)
-            Event.of(run_id, "message_queued", message=message_id, status=state.status).stage(pipe)
+            Event.of(run_id, "message_queued", message=message_id, status=state.status, by=by).stage(pipe)
         if state.status in ("completed", "stopped"):
             for key in keys.kept():
                 pipe.persist(key)  # a completed run had started its retention
@@ -151,7 +155,7 @@ def send_message(
                 },
             )
             pipe.delete(keys.handback)
-            Event.of(run_id, "status", status="running", reason="message", message=message_id).stage(pipe)
+            Event.of(run_id, "status", status="running", reason="message", message=message_id, by=by).stage(pipe)
         writes.stage_remember(pipe, keys.run, write_id)
         fault("before_message_commit", run_id, 0)
         pipe.execute()
@@ -200,6 +204,7 @@ def fork_run(
     *,
     at_turn: int | None = None,
     fork_id: str | None = None,
+    by: str | None = None,
     connection: Redis | str | shards.Shards | None = None,
 ) -> str:
     """A new run with ``run_id``'s conversation up to the end of its committed turn ``at_turn`` (the
@@ -218,7 +223,9 @@ def fork_run(
     next turn calls the model.
 
     Idempotent with ``fork_id``: a retried fork with the same id returns the run it made; that id
-    used for anything else raises ``RunExists``. On a sharded pool the fork lives on its parent's shard."""
+    used for anything else raises ``RunExists``. On a sharded pool the fork lives on its parent's shard.
+    ``by`` names who forks: the fork's ``forked`` event keeps it."""
+    by = optional_actor(by)
     if fork_id is not None:
         check_run_id(fork_id)  # before anything is read: a completed fork enqueues nothing to catch it
     r, shard = shards.located(connection, run_id)
@@ -293,6 +300,7 @@ def fork_run(
         waiting=waiting,
         unstarted=(parent, in_flight),
         inherited={name: raw_header[name.encode()] for name in INHERITED if name.encode() in raw_header},
+        by=by,
     )
 
 
@@ -314,6 +322,7 @@ def _create_fork(
     waiting: list[tuple[str, Any]],
     unstarted: tuple[RunKeys, list[str]],
     inherited: dict[str, bytes],
+    by: str | None,
 ) -> str:
     """``waiting``: the parent's undelivered messages, delivered after the copy. ``unstarted``: the
     parent's keys and the calls left out of the copy that must not have started (checked under WATCH
@@ -363,7 +372,7 @@ def _create_fork(
         if not finished:
             pipe.zadd(RUNS_WATCH, {fork_id: int(now * 1000) + checkpoint.QUEUED_RECHECK_MS})
             stage_turn(pipe, r, fork_id, turn, queue=queue)
-        Event.of(fork_id, "forked", parent=parent, at_turn=turn, status=header["status"], **held_to).stage(pipe)
+        Event.of(fork_id, "forked", parent=parent, at_turn=turn, status=header["status"], **held_to, by=by).stage(pipe)
         for message_id, content in waiting:  # kept by id, as sent: a retried send to the fork finds it
             inbox.stage_received(pipe, keys, message_id, content)
         inbox.stage_user_message(pipe, keys, None, waiting, turns=turn, index=len(blobs))

@@ -253,10 +253,9 @@ async def run_tree(
     return await run_sync(client.run_tree, run_id, connection=_green(connection), **options)
 
 
-async def cancel_run(
-    run_id: str, *, connection: aredis.Redis | shards.Shards | None = None, reason: str = "cancelled by request"
-) -> str:
-    return await run_sync(client.cancel_run, run_id, connection=_green(connection), reason=reason)
+async def cancel_run(run_id: str, *, connection: aredis.Redis | shards.Shards | None = None, **options: Any) -> str:
+    """``agentpool.cancel_run``: ``reason``, ``by``."""
+    return await run_sync(client.cancel_run, run_id, connection=_green(connection), **options)
 
 
 async def approve(
@@ -271,19 +270,19 @@ async def approve(
 
 
 async def resume(run_id: str, *, connection: aredis.Redis | shards.Shards | None = None, **amounts: Any) -> Run:
-    """``agentpool.resume``: ``add_turns``, ``add_tokens``, ``add_usd``."""
+    """``agentpool.resume``: ``add_turns``, ``add_tokens``, ``add_usd``, ``by``."""
     return await run_sync(client.resume, run_id, connection=_green(connection), **amounts)
 
 
 async def send_message(
     run_id: str, content: Any, *, connection: aredis.Redis | shards.Shards | None = None, **options: Any
 ) -> str:
-    """``agentpool.send_message``."""
+    """``agentpool.send_message``: ``message_id``, ``by``."""
     return await run_sync(conversation.send_message, run_id, content, connection=_green(connection), **options)
 
 
 async def fork_run(run_id: str, *, connection: aredis.Redis | shards.Shards | None = None, **options: Any) -> str:
-    """``agentpool.fork_run``: ``at_turn``, ``fork_id``."""
+    """``agentpool.fork_run``: ``at_turn``, ``fork_id``, ``by``."""
     return await run_sync(conversation.fork_run, run_id, connection=_green(connection), **options)
 
 

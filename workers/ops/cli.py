@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import click
 
-from agentpool.checks import InvalidLimit, limit_value
+from agentpool.checks import InvalidLimit, check_actor, limit_value
 from agentpool.ops.redisconn import (
     OneLineErrors,
     describe,
@@ -33,12 +33,29 @@ from agentpool.store.keys import RunKeys
 from agentpool.store.records import STATUSES, tool_uses
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from redis import Redis
 
     from agentpool.client import Run
     from agentpool.runtime.shards import Shards
 
 url_option = click.option("--url", "-u", envvar="REDIS_URL", default=None, help="Redis URL (env REDIS_URL).")
+
+
+def _actor(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
+    try:
+        return None if value is None else check_actor(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def by_option(what: str, default: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--by NAME``: who acts (alice, ops-bot@example.com), checked before anything is done; ``what``
+    says where the name is kept."""
+    return click.option(
+        "--by", default=default, show_default=default is not None, callback=_actor, help=f"Who acts: {what} keeps it."
+    )
 
 
 class LimitParam(click.ParamType):
@@ -609,12 +626,14 @@ def _describe(content: object) -> list[str]:
 @main.command()
 @url_option
 @click.argument("run_id")
-def cancel(url: str | None, run_id: str) -> None:
+@click.option("--reason", default=None, help="The run's error (default: cancelled by request, or by --by).")
+@by_option("the run's status event (and its child runs')")
+def cancel(url: str | None, run_id: str, reason: str | None, by: str | None) -> None:
     """End a run for good."""
     from agentpool.client import cancel_run
 
     try:
-        before = cancel_run(run_id, connection=pool_client(url))
+        before = cancel_run(run_id, connection=pool_client(url), reason=reason, by=by)
     except AgentPoolError as exc:
         _refuse(exc)
     click.echo(
@@ -632,12 +651,7 @@ def cancel(url: str | None, run_id: str) -> None:
 @click.option("--all", "every_run", is_flag=True, help="Every call every run waits on (with --agent: that agent's).")
 @click.option("--agent", default=None, help="With --all: only runs of this agent (full path, name or module).")
 @click.option("--yes", "-y", is_flag=True, help="With --all: decide without asking for a confirmation.")
-@click.option(
-    "--by",
-    default="person",
-    show_default=True,
-    help="Who decides (alice, ops-bot@example.com): the decision and the run's approval event keep it.",
-)
+@by_option("the decision and the run's approval event", default="person")
 def approve(
     url: str | None,
     run_id: str | None,
@@ -652,12 +666,6 @@ def approve(
     """Approve (or --deny) a call RUN_ID waits on; without TOOL_USE_ID, every call it waits on. With
     --all instead of RUN_ID, every call the runs waiting for approval (of --agent) wait on, after a
     confirmation."""
-    from agentpool.runtime.approvals import check_actor
-
-    try:
-        check_actor(by)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--by") from None
     if every_run:
         if run_id is not None:
             raise click.UsageError("give a RUN_ID or --all, not both")
@@ -736,7 +744,8 @@ def _decide_all(
     "--add-tokens", type=LimitParam(whole=True, zero_ok=True), default=0, help="Tokens to add to max_total_tokens."
 )
 @click.option("--add-usd", type=LimitParam(whole=False, zero_ok=True), default=0.0, help="USD to add to max_cost_usd.")
-def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_usd: float) -> None:
+@by_option("the run's status (or limits_raised) event")
+def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_usd: float, by: str | None) -> None:
     """Continue a stopped run from its checkpoint, raising its limits (or raise the limits of a run that
     completed at one, so that a message sent to it is answered). Its stopped sub-agent runs go on with it."""
     from agentpool.client import resume as resume_run
@@ -754,7 +763,7 @@ def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_us
 
     try:
         before = stopped_below()
-        run = resume_run(run_id, add_turns=add_turns, add_tokens=add_tokens, add_usd=add_usd, connection=r)
+        run = resume_run(run_id, add_turns=add_turns, add_tokens=add_tokens, add_usd=add_usd, by=by, connection=r)
     except AgentPoolError as exc:
         _refuse(exc)
     click.echo(f"{run_id}: {run.status} at turn {run.turns}")
@@ -774,7 +783,10 @@ def resume(url: str | None, run_id: str, add_turns: int, add_tokens: int, add_us
 @click.option("--message-id", default=None, help="Your id for the message: sending it again delivers it once.")
 @click.option("--wait", is_flag=True, help="Wait for the run's answer to this message and print it.")
 @click.option("--timeout", type=LimitParam(whole=False), default=None, help="Seconds to --wait (default 600).")
-def send(url: str | None, run_id: str, text: str, message_id: str | None, wait: bool, timeout: float | None) -> None:
+@by_option("the event of the message's arrival")
+def send(
+    url: str | None, run_id: str, text: str, message_id: str | None, wait: bool, timeout: float | None, by: str | None
+) -> None:
     """Send TEXT to RUN_ID as a user message; print the message's id. A running run gets it at its next
     turn boundary; a completed one goes on with it."""
     from agentpool.client import wait_for_run
@@ -783,7 +795,7 @@ def send(url: str | None, run_id: str, text: str, message_id: str | None, wait: 
     _timeout_needs_wait(timeout, wait)
     r = pool_client(url)
     try:
-        sent = send_message(run_id, text, message_id=message_id, connection=r)
+        sent = send_message(run_id, text, message_id=message_id, by=by, connection=r)
     except (AgentPoolError, ValueError) as exc:
         _refuse(exc)
     click.echo(sent)
@@ -800,14 +812,15 @@ def send(url: str | None, run_id: str, text: str, message_id: str | None, wait: 
     "--at-turn", type=click.IntRange(min=0), default=None, help="Fork after this committed turn (default: the latest)."
 )
 @click.option("--fork-id", default=None, help="The new run's id: forking again with it returns the same run.")
-def fork(url: str | None, run_id: str, at_turn: int | None, fork_id: str | None) -> None:
+@by_option("the new run's forked event")
+def fork(url: str | None, run_id: str, at_turn: int | None, fork_id: str | None, by: str | None) -> None:
     """A new run with RUN_ID's conversation up to the end of a committed turn; print its id."""
     from agentpool.client import get_run
     from agentpool.conversation import fork_run
 
     r = pool_client(url)
     try:
-        new_id = fork_run(run_id, at_turn=at_turn, fork_id=fork_id, connection=r)
+        new_id = fork_run(run_id, at_turn=at_turn, fork_id=fork_id, by=by, connection=r)
         run = get_run(new_id, connection=r)
     except (AgentPoolError, ValueError) as exc:
         _refuse(exc)

@@ -313,10 +313,12 @@ def _amount(body: dict[str, Any], name: str, *, whole: bool) -> Any:
 def act(r: Redis | Shards, run_id: str, action: str, body: dict[str, Any], by: str = UNNAMED) -> dict[str, Any]:
     """A run's action through the API, given the whole pool: a fork on a sharded pool gets its shard's
     id ending, and a ``fork_id`` is refused when it is taken on any shard. ``by``: whose token asked
-    (an approval's decision and a cancelled run's error name it)."""
+    (an approval's decision names it; the other actions' events name it when the token has a name, and
+    a cancelled run's error says it)."""
+    named = None if by == UNNAMED else by
     if action == "cancel":
-        reason = "cancelled from the dashboard" + (f" by {by}" if by != UNNAMED else "")
-        before = client.cancel_run(run_id, connection=r, reason=reason)
+        reason = "cancelled from the dashboard" + (f" by {by}" if named else "")
+        before = client.cancel_run(run_id, connection=r, reason=reason, by=named)
         return {"ok": True, "before": before}
     if action == "approve":
         # `approved` has no default: a body that does not say is refused, never taken for a yes.
@@ -338,6 +340,7 @@ def act(r: Redis | Shards, run_id: str, action: str, body: dict[str, Any], by: s
             add_turns=_amount(body, "add_turns", whole=True),
             add_tokens=_amount(body, "add_tokens", whole=True),
             add_usd=_amount(body, "add_usd", whole=False),
+            by=named,
             connection=r,
         )
         return {"ok": True, "result": result}
@@ -346,7 +349,7 @@ def act(r: Redis | Shards, run_id: str, action: str, body: dict[str, Any], by: s
         if not isinstance(text, str) or not isinstance(message_id, (str, type(None))):
             raise HttpError(HTTPStatus.BAD_REQUEST, "message takes text (string) and message_id (string or null)")
         try:
-            sent = conversation.send_message(run_id, text, message_id=message_id, connection=r)
+            sent = conversation.send_message(run_id, text, message_id=message_id, by=named, connection=r)
         except ValueError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
         return {"ok": True, "message_id": sent}
@@ -357,7 +360,7 @@ def act(r: Redis | Shards, run_id: str, action: str, body: dict[str, Any], by: s
         ):
             raise HttpError(HTTPStatus.BAD_REQUEST, "fork takes at_turn (integer or null) and fork_id (string or null)")
         try:
-            new_id = conversation.fork_run(run_id, at_turn=at_turn, fork_id=fork_id, connection=r)
+            new_id = conversation.fork_run(run_id, at_turn=at_turn, fork_id=fork_id, by=named, connection=r)
         except ValueError as exc:
             raise HttpError(HTTPStatus.BAD_REQUEST, str(exc)) from None
         return {"ok": True, "run_id": new_id}
@@ -626,7 +629,7 @@ class Handler(BaseHTTPRequestHandler):
 def named_tokens(text: str) -> dict[str, str]:
     """``AGENTPOOL_DASHBOARD_TOKENS``: ``name=token`` entries separated by commas or whitespace, as
     ``{name: token}``. A ``ValueError`` names the entry at fault, never a token."""
-    from agentpool.runtime.approvals import check_actor
+    from agentpool.checks import check_actor
 
     tokens: dict[str, str] = {}
     for n, entry in enumerate(filter(None, re.split(r"[,\s]+", text)), 1):

@@ -7,12 +7,12 @@ written. Nothing is queued or leased while the run waits. Once every call it wai
 
 from __future__ import annotations
 
-import re
 import time
 
 from redis import Redis
 from redis.client import Pipeline
 
+from agentpool.checks import EXPIRY
 from agentpool.runtime.takeover import read_header, stage_restart
 from agentpool.store import approvals, watch, writes
 from agentpool.store.errors import AgentPoolError, RunNotFound
@@ -22,24 +22,6 @@ from agentpool.store.keys import RunKeys
 
 class ApprovalError(AgentPoolError):
     """A decision that cannot be taken: the run is not waiting, or not on that tool_use."""
-
-
-# Who decided, as the decision record and the run's `approval` event keep it: a person's or a service's
-# name, an email address. "person" when nobody said; "expiry" is the reaper's, for a deadline that passed.
-ACTOR = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@+-]{0,99}")
-EXPIRY = "expiry"
-
-
-def check_actor(by: str) -> str:
-    """``by`` as given, or a ``ValueError`` saying what a name may hold."""
-    if not isinstance(by, str) or not ACTOR.fullmatch(by):
-        raise ValueError(
-            f"by={by!r}: who decides is a name of up to 100 letters, digits and . _ @ + - (starting with a "
-            "letter or digit), such as alice or ops-bot@example.com"
-        )
-    if by == EXPIRY:
-        raise ValueError(f"by={by!r} is kept for the calls whose approval expired; name who decides")
-    return by
 
 
 def decide(r: Redis, run_id: str, tool_use_ids: list[str] | None, *, approved: bool, reason: str, by: str) -> list[str]:
