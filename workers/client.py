@@ -502,7 +502,7 @@ def _refuse_newer_tree(r: Redis, run_id: str) -> None:
         below += children.children(r, RunKeys.of(current))
 
 
-def _cancel(r: Redis, run_id: str, reason: str, by: str | None) -> str:
+def _cancel(r: Redis, run_id: str, reason: str, by: str | None = None) -> str:
     settings = Settings.from_env()
     before = checkpoint.set_status_unfenced(
         r,
