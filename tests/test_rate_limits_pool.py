@@ -202,13 +202,18 @@ def test_a_turn_reserves_its_call_with_its_lease(r: Redis, pool, model, kind: li
     """The turn before knows what the next call needs, so the next turn's lease reserves it in the same
     script: one round trip and one script a turn less on the API's path. The first turn's call is
     estimated by ``enqueue_run``, which loads the agent; an app that enqueues without the agents' code
-    (``check_agent=False``) cannot, and that run's first turn reserves on its own."""
-    model.set_scripts({"steps": [{"tool_calls": [READ]}] * 4 + [{"text": "All done."}]})
+    (``check_agent=False``) cannot, and that run's first turn reserves on its own. The turn a message to
+    the completed run queues reserves with its lease too: the completing turn recorded its next call."""
+    from agentpool import send_message
+
+    model.set_scripts({"steps": [{"tool_calls": [READ]}] * 4 + [{"text": "All done."}, {"text": "Answered."}]})
     WorkerProcesses.start(pool, 1, *kind, **_operator_rpm(1000))
     with _commands_seen(pool) as seen:
         run_id = enqueue_run("pool_agents:support", script_task("steps"), connection=r, check_agent=check_agent)
-        run = wait_for_run(run_id, timeout=60, connection=r)
-    assert run.status == "completed" and run.turns == 5, (run.status, run.error, pool.logs())
+        assert wait_for_run(run_id, timeout=60, connection=r).status == "completed"
+        sent = send_message(run_id, "And one more thing?", connection=r)
+        run = wait_for_run(run_id, timeout=60, connection=r, after_message=sent)
+    assert run.status == "completed" and run.turns == 6, (run.status, run.error, pool.logs())
     budget = LimitKeys.of("claude-sonnet-5-5").budget
     reserve_sha, lease_sha = (run_script._script(name).sha for name in ("limit_reserve", "lease_acquire"))
     # The tickets (run:turn) reserved: a script Redis did not have yet is sent twice (NOSCRIPT, then loaded).
@@ -216,10 +221,10 @@ def test_a_turn_reserves_its_call_with_its_lease(r: Redis, pool, model, kind: li
     with_lease = {c.split()[24] for c in seen if c.startswith(f"EVALSHA {lease_sha} ") and budget in c}
     first = 0 if check_agent else 1
     assert alone == ({f"{run_id}:0"} if first else set()), alone
-    assert with_lease == {f"{run_id}:{turn}" for turn in range(first, 5)}, with_lease
+    assert with_lease == {f"{run_id}:{turn}" for turn in range(first, 6)}, with_lease
     view = _budget(r)
     assert view.held["calls"] == 0 and view.waiting == 0
-    assert math.floor(view.levels["requests"]) == 1000 - 5  # one request a call, each taken once
+    assert math.floor(view.levels["requests"]) == 1000 - 6  # one request a call, each taken once
 
 
 @pytest.mark.parametrize("rpm", [4, 3], ids=["granted", "waiting"])

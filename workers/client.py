@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -661,12 +662,23 @@ def limits_held_to(r: Redis, run_id: str) -> Limits | None:
     when it stopped or completed (or the ``limits_raised`` event of a ``resume`` since, or for a fork
     created completed, its parent's, in its ``forked`` event); None when it stopped for another reason
     (model errors) or before this was recorded."""
+    return held_by(last_stop(r, run_id))
+
+
+def last_stop(r: Redis, run_id: str) -> dict[str, str]:
+    """The latest event that says what a stopped or completed run was held to (``limits_held_to``): its
+    ``status`` event, or a ``limits_raised`` or ``forked`` one since; empty if none of its last 20."""
     for _id, fields in events.latest(r, run_id, count=20):
-        if fields.get("kind") in ("limits_raised", "forked"):
-            return Limits.from_fields(fields)
-        if fields.get("kind") == "status":
-            return Limits.from_fields(fields) if fields.get("status") in ("stopped", "completed") else None
-    return None
+        if fields.get("kind") in ("limits_raised", "forked", "status"):
+            return fields
+    return {}
+
+
+def held_by(stop: Mapping[str, str]) -> Limits | None:
+    """The limits ``last_stop``'s event recorded; None for a status other than stopped or completed."""
+    if stop.get("kind") == "status" and stop.get("status") not in ("stopped", "completed"):
+        return None
+    return Limits.from_fields(stop)
 
 
 def resume_needs(r: Redis, run_id: str) -> dict[str, int | float]:

@@ -20,11 +20,13 @@ from redis import Redis
 from redis.client import Pipeline
 
 from agentpool.checks import optional_actor
-from agentpool.client import limits_held_to, new_run_id
+from agentpool.client import held_by, last_stop, limits_held_to, new_run_id
 from agentpool.runtime import shards, tracing
 from agentpool.runtime.answers import FINISHED_STOPS, trailing_text
+from agentpool.runtime.estimate import call_from_field
 from agentpool.runtime.faults import fault
 from agentpool.runtime.jobs import stage_turn
+from agentpool.runtime.limits import Limits
 from agentpool.runtime.settings import Settings, names_the_server
 from agentpool.runtime.takeover import read_header, stage_restart
 from agentpool.store import checkpoint, children, inbox, writes
@@ -116,7 +118,8 @@ def send_message(
                 raise MessageRefused(run_id, f"message id {message_id!r} was already used for another message")
             return message_id  # a retry: it was stored (and is or will be delivered) once
         state = checkpoint.load_run(pipe, run_id, with_messages=False)  # type: ignore[arg-type]
-        refused = _refusal(r, state)
+        stop = last_stop(r, run_id) if state.status in ("stopped", "completed") else {}
+        refused = _refusal(state, held_by(stop))
         if refused:
             raise MessageRefused(run_id, refused)
         # Straight into the conversation when nothing is in flight: the run's next step is a model call.
@@ -140,6 +143,9 @@ def send_message(
         if state.status in ("completed", "stopped"):
             for key in keys.kept():
                 pipe.persist(key)  # a completed run had started its retention
+            # The turn calls the model at once: the call its completing turn recorded, with these
+            # messages, is reserved with its lease (as a turn's next one is).
+            added = [{"role": "user", "content": c} for _, c in [*waiting, (message_id, content)]]
             stage_restart(
                 pipe,
                 r,
@@ -153,6 +159,7 @@ def send_message(
                     "error": "",
                     "model_errors": 0,
                 },
+                call=call_from_field(stop.get("next_call"), added) if at_once else None,
             )
             pipe.delete(keys.handback)
             Event.of(run_id, "status", status="running", reason="message", message=message_id, by=by).stage(pipe)
@@ -165,7 +172,9 @@ def send_message(
     return writes.watched(r, [keys.run, keys.received, keys.inbox], attempt)
 
 
-def _refusal(r: Redis, state: RunState) -> str:
+def _refusal(state: RunState, held_to: Limits | None) -> str:
+    """Why a message to the run is refused ('' if it is not); ``held_to``: the limits a stopped or
+    completed run was held to (``client.limits_held_to``)."""
     run_id, status = state.id, state.status
     if status in ("cancelled", "failed"):
         why = f" ({state.error})" if state.error else ""
@@ -174,7 +183,6 @@ def _refusal(r: Redis, state: RunState) -> str:
         )
     # A message would start a turn that stops at once, unanswered: raising a budget stays a person's
     # explicit act, whether a limit stopped the run or its last turn reached one as it completed.
-    held_to = limits_held_to(r, run_id) if status in ("stopped", "completed") else None
     needs = held_to.needed_to_resume(state) if held_to else {}
     if held_to is None or not needs:
         return ""

@@ -73,3 +73,19 @@ def first_call(agent: Agent, task: str) -> tuple[str, int, int]:
     turn will estimate it: its lease reserves it, as it does for every later turn (``next_call``)."""
     messages = [{"role": "user", "content": task}]
     return agent.model, estimate_input(agent, messages, None), int(agent.max_tokens)
+
+
+def call_field(call: tuple[str, int, int]) -> str:
+    """A call as an event field keeps it (``next_call`` of a completed run's ``status`` event): input
+    tokens, output tokens and model, the model last (``call_from_field`` reads it back)."""
+    model, tokens_in, tokens_out = call
+    return f"{tokens_in} {tokens_out} {model}"
+
+
+def call_from_field(text: str | None, added: list[dict[str, Any]]) -> tuple[str, int, int] | None:
+    """The call ``call_field`` recorded, with the input tokens of the messages ``added`` since; None when
+    nothing was recorded (or what was is not a call: the event is not trusted to be well formed)."""
+    parts = (text or "").split(" ", 2)
+    if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()) or not parts[2]:
+        return None
+    return parts[2], int(parts[0]) + estimate_tokens(added), int(parts[1])

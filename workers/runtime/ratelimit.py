@@ -11,10 +11,13 @@ goes back. The limits are learned from the API's ``anthropic-ratelimit-*`` heade
 A turn's call is usually reserved with the turn's lease, in the lease's own script: the turn before
 knows what the call will need (``next_call``) and its job carries it (``lease_reservation``); a run's
 first turn's job carries what ``enqueue_run`` estimated, where it loaded the agent
-(``agentpool.runtime.estimate.first_call``). A turn that then makes no call (it stops at a limit,
-waits for a slot, ends otherwise) gives the reservation back, its request included
+(``agentpool.runtime.estimate.first_call``), and the turn a message to a completed run queues carries
+what the completing turn recorded in its ``status`` event (``next_call``) with the message added
+(``agentpool.conversation.send_message``). A turn that then makes no call (it stops at a limit, waits
+for a slot, ends otherwise) gives the reservation back, its request included
 (``Turn.give_back_prereserved``). Other turns (a first turn enqueued with ``check_agent=False``, a
-retry, a takeover, a turn a message or a decision queued) reserve just before the call.
+retry, a takeover, a message to a run that stopped) reserve just before the call; a turn a decision
+queues runs its tools first, and its next turn's job carries the call.
 
 A call reserved with room to spare (nobody in line, every bucket at least half full) whose reply says
 the API's budget is at least half left settles with the worker's others, about once a second, in one

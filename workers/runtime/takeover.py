@@ -129,18 +129,20 @@ def stage_restart(
     requeues: int,
     fields: dict | None = None,
     at_front: bool = False,
+    call: tuple[str, int, int] | None = None,
 ) -> str:
     """In a transaction (in MULTI): give the run's current turn a new job, with ``fields`` (a new
     status, say) written to the header in the same step. ``requeues`` is the header's count of
     re-enqueues so far: the job is named by the next one, so every re-enqueue (a takeover, a resume, a
     decision, a hand-back's retry) has an id of its own and never inherits an older job's expiry.
-    ``at_front``: the job goes ahead of every turn waiting."""
+    ``at_front``: the job goes ahead of every turn waiting. ``call``: the model call the turn is to make
+    first, for its lease to reserve (``jobs.turn_job``)."""
     pipe.hset(
         RunKeys.of(run_id).run,
         mapping={"attempt": attempt, "requeues": requeues + 1, "updated_at": now_ms(), **(fields or {})},
     )
     pipe.zadd(RUNS_WATCH, {run_id: now_ms() + QUEUED_RECHECK_MS})
-    return stage_turn(pipe, r, run_id, turn, requeues + 1, at_front=at_front)
+    return stage_turn(pipe, r, run_id, turn, requeues + 1, at_front=at_front, call=call)
 
 
 def requeue_turn(

@@ -42,6 +42,7 @@ from agentpool.pricing import price_of
 from agentpool.runtime import compaction, tracing, tree
 from agentpool.runtime.answers import FINISHED_STOPS
 from agentpool.runtime.answers import trailing_text as _trailing_text
+from agentpool.runtime.estimate import call_field
 from agentpool.runtime.faults import fault
 from agentpool.runtime.heartbeat import keep_alive
 from agentpool.runtime.jobs import (
@@ -570,6 +571,9 @@ class Turn:
         # A completed run keeps the limits it was held to: a message sent to it when it completed at one
         # is refused (agentpool.conversation), as for a run a limit stopped.
         held_to = Limits.of(agent, state.limits).limit_fields() if final == "completed" else {}
+        # And the call a message sent to it will make, for the lease of the turn it queues to reserve
+        # (as save point B's job carries it): its client does not load the agent.
+        after = next_call(self, agent, reply.meta.get("context_tokens") or 0, []) if final == "completed" else None
         # The read calls that run as soon as the reply is committed get their intents in that very write.
         started = self.tools.start_reads(agent, pending) if pending and not final else []
 
@@ -603,7 +607,14 @@ class Turn:
                         compacted="server" if reply.compacted else None,
                         **reply.usage,
                     ),
-                    event=Event.of(self.run_id, "status", status=final, error=failure, **held_to)
+                    event=Event.of(
+                        self.run_id,
+                        "status",
+                        status=final,
+                        error=failure,
+                        **held_to,
+                        next_call=call_field(after) if after else None,
+                    )
                     if final
                     else Event.of(self.run_id, "response_committed", turn=self.turn, tool_uses=len(pending)),
                     pool_webhook=self.settings.pool_webhook,
