@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import click
 
-from agentpool.checks import InvalidLimit, check_actor, limit_value
+from agentpool.checks import InvalidLimit, limit_value, optional_actor
 from agentpool.ops.redisconn import (
     OneLineErrors,
     describe,
@@ -45,7 +45,7 @@ url_option = click.option("--url", "-u", envvar="REDIS_URL", default=None, help=
 
 def _actor(_ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
     try:
-        return None if value is None else check_actor(value)
+        return optional_actor(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
