@@ -14,6 +14,10 @@ from agentpool.ops.bench_capacity import OURS_LONG
 
 from conftest import ROOT
 
+# Each section runs its real pool for up to a minute and a half, much of it CPU-bound: CI runs them with the
+# kill tests (the README's kill-test command), apart from the quick suite.
+pytestmark = pytest.mark.bench
+
 NUMBER = re.compile(r"^-?[\d,]+(\.\d+)?x?$")
 
 SECTIONS = {
@@ -157,9 +161,7 @@ def run_bench(*args: str) -> str:
     return done.stdout
 
 
-@pytest.mark.parametrize(
-    "section", [pytest.param(s, marks=pytest.mark.crash) if s in ("recovery", "deferred") else s for s in SECTIONS]
-)
+@pytest.mark.parametrize("section", SECTIONS)
 def test_bench_section_prints_its_table_of_figures(section):
     args, title, rows, at_least = SECTIONS[section]
     out = run_bench("--only", section, *args)

@@ -1,8 +1,10 @@
 """The README and the docs/ pages hold together: every relative link points to a file that exists (and to
-a heading of it, when it names an anchor), and .ci/run still finds the test command in README.md."""
+a heading of it, when it names an anchor), docs/tests.md names every test file, and .ci/run still finds
+the test commands in README.md."""
 
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +87,17 @@ def test_ci_reads_the_test_commands_from_the_readme():
         done = subprocess.run(["awk", program, "README.md"], cwd=ROOT, capture_output=True, text=True, check=True)
         lines.append(done.stdout.strip())
     assert lines == [
-        "pip install -e '.[test]' && python -m pytest -m \"not crash and not chaos and not failover\"",
-        'python -m pytest -m "crash or chaos or failover"',
+        "pip install -e '.[test]' && python -m pytest -m \"not crash and not chaos and not failover and not bench\"",
+        'python -m pytest -m "crash or chaos or failover or bench"',
     ]
+    # A marker added to pyproject.toml but to neither command would leave its tests out of both, or in both.
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    markers = [line.split(":", 1)[0] for line in ini["markers"]]
+    assert lines[0].endswith('"' + " and ".join(f"not {m}" for m in markers) + '"'), (markers, lines[0])
+    assert lines[1].endswith('"' + " or ".join(markers) + '"'), (markers, lines[1])
+
+
+def test_the_tests_page_names_every_test_file():
+    page = (ROOT / "docs" / "tests.md").read_text()
+    unnamed = [f.name for f in sorted((ROOT / "tests").glob("test_*.py")) if f"tests/{f.name}" not in page]
+    assert unnamed == []
