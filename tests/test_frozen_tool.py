@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from test_tool_safety import results_of, start_threaded, worker_process
+from test_usability import agentpool_cli
 
 from agentpool import enqueue_run, wait_for_run
 from agentpool.store.events import read as read_events
@@ -57,7 +58,9 @@ def pay(tool: str) -> list[dict]:
     [("tool_agents:payments", "worker"), ("tool_agents:slow_payments", "deferred")],
     ids=["waits-in-the-worker", "turn-deferred"],
 )
-def test_a_frozen_workers_charge_is_not_made_again_by_the_worker_that_takes_over(r, pool, model, agent, waited):
+def test_a_frozen_workers_charge_is_not_made_again_by_the_worker_that_takes_over(
+    r, pool, model, redis_server, agent, waited
+):
     model.set_scripts({"pay": pay("slow_charge")})
     frozen = start_worker(pool)
     run_id = enqueue_run(agent, script_task("pay"), connection=r)
@@ -97,6 +100,12 @@ def test_a_frozen_workers_charge_is_not_made_again_by_the_worker_that_takes_over
     assert "confirmed by the processor" in result["content"], "verify was asked once that attempt was over"
     waits = [e for _, e in read_events(r, run_id) if e["kind"] == "waiting_for_attempt"]
     assert [e["where"] for e in waits] == [waited], waits
+    if waited == "deferred":  # `watch` shows when the deferred turn is due on its lines' own clock
+        (until,) = [float(e["until"]) for _, e in read_events(r, run_id) if e["kind"] == "waiting_for_call"]
+        watched = agentpool_cli("watch", run_id, "--events-only", url=redis_server.url)
+        (line,) = [line for line in watched.stdout.splitlines() if " waiting_for_call " in line]
+        clock = time.strftime("%H:%M:%S", time.localtime(until)) + f".{int(until * 1000) % 1000:03d}"
+        assert line.endswith(f"waiting_for_call   until={clock}"), line
 
 
 def test_a_tool_checking_ownership_before_its_effect_stops_in_a_worker_frozen_past_the_wait(r, pool, model):

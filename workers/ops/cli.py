@@ -896,11 +896,26 @@ class _LivePrinter:
         self.block = None
 
 
+# Event fields that hold a moment as epoch seconds (a wait's end): shown on the same clock as the stamp.
+CLOCK_FIELDS = frozenset({"until"})
+
+
 def _event_line(event: dict[str, str], at: float) -> str:
     """One event, stamped with its own time (when Redis recorded it), to the millisecond."""
     kind = event.pop("kind", None) or event.pop("type", "?")
-    detail = " ".join(f"{k}={v}" for k, v in event.items())
-    return f"{time.strftime('%H:%M:%S', time.localtime(at))}.{int(at * 1000) % 1000:03d} {kind:<18} {detail}"
+    detail = " ".join(f"{k}={_clock_field(v) if k in CLOCK_FIELDS else v}" for k, v in event.items())
+    return f"{_clock(at)} {kind:<18} {detail}"
+
+
+def _clock(at: float) -> str:
+    return f"{time.strftime('%H:%M:%S', time.localtime(at))}.{int(at * 1000) % 1000:03d}"
+
+
+def _clock_field(value: str) -> str:
+    try:
+        return _clock(float(value))
+    except (ValueError, OverflowError, OSError):  # not a moment after all: shown as it is
+        return value
 
 
 @main.command()

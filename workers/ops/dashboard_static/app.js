@@ -547,7 +547,9 @@ function ledgerTable(ledger) {
 
 function eventItem(ev) {
   const ms = Number(ev.id.split("-")[0]);
-  const fields = Object.entries(ev).filter(([k]) => k !== "id" && k !== "kind").map(([k, v]) => k + "=" + v).join("  ");
+  // A field holding a moment (a wait's end, epoch seconds) reads on the same clock as the event's time.
+  const shown = (k, v) => (k === "until" && Number(v) > 0 ? new Date(Number(v) * 1000).toLocaleTimeString() : v);
+  const fields = Object.entries(ev).filter(([k]) => k !== "id" && k !== "kind").map(([k, v]) => k + "=" + shown(k, v)).join("  ");
   return h("li", { class: "event" + (/error|takeover|failed/.test(ev.kind + (ev.status || "")) ? " bad" : "") },
     h("span", { class: "ev-time mono", title: new Date(ms).toLocaleString() }, new Date(ms).toLocaleTimeString()),
     h("span", { class: "ev-kind" }, ev.kind),
