@@ -101,3 +101,28 @@ def test_the_tests_page_names_every_test_file():
     page = (ROOT / "docs" / "tests.md").read_text()
     unnamed = [f.name for f in sorted((ROOT / "tests").glob("test_*.py")) if f"tests/{f.name}" not in page]
     assert unnamed == []
+
+
+# Settings the code reads that are not an operator's: the demo's own processes, the test suite's fault
+# points and span capture, and what a worker tells the processes it starts.
+INTERNAL_SETTINGS = {
+    "AGENTPOOL_DEMO_MODEL",
+    "AGENTPOOL_DEMO_OUTBOX",
+    "AGENTPOOL_FAULTS",
+    "AGENTPOOL_FAULT_ARMS",
+    "AGENTPOOL_FAULT_DIR",
+    "AGENTPOOL_TEST_SPANS",
+    "AGENTPOOL_TEST_SPANS_HANG",
+    "AGENTPOOL_WORKER_PARENT",
+}
+
+
+def test_every_setting_the_code_reads_is_in_the_configuration_table():
+    named = set()
+    for source in [*(ROOT / "workers").rglob("*.py"), *(ROOT / "store").rglob("*.py")]:
+        named.update(re.findall(r"[\"'](AGENTPOOL_[A-Z0-9_]+)[\"']", source.read_text()))
+    assert len(named) > 30, named  # the pattern still finds them
+    rows = [line for line in (ROOT / "docs" / "operations.md").read_text().splitlines() if line.startswith("| `")]
+    first_cells = " ".join(row.split("|")[1] for row in rows)
+    missing = sorted(name for name in named - INTERNAL_SETTINGS if f"`{name}`" not in first_cells)
+    assert missing == [], f"settings missing from docs/operations.md's configuration table: {missing}"

@@ -382,6 +382,8 @@ def test_a_worker_refuses_to_start_with_a_default_webhook_and_no_secret_or_a_bad
         "http:// or https://": {"AGENTPOOL_WEBHOOK_URL": "ftp://hooks.example.com/x", **WORKER_ENV},
         "too short": {"AGENTPOOL_WEBHOOK_URL": "https://hooks.example.com/x", "AGENTPOOL_WEBHOOK_SECRET": "abc"},
         "AGENTPOOL_WEBHOOK_EVENTS": {"AGENTPOOL_WEBHOOK_EVENTS": "ended,finished", **WORKER_ENV},
+        "'any' or 'public'": {"AGENTPOOL_WEBHOOK_NETWORKS": "private", **WORKER_ENV},
+        "'10.0.0.0/33' is not a network": {"AGENTPOOL_WEBHOOK_NETWORKS": "public 10.0.0.0/33", **WORKER_ENV},
     }
     for words, env in cases.items():
         done = _worker_start(pool, **env)
@@ -518,6 +520,36 @@ def test_a_delivery_that_cannot_be_made_is_given_up_and_readers_never_learn_why(
     logs = pool.logs(tail=10_000_000)
     assert "UnicodeEncodeError" in logs and "Connection refused" in logs and "HTTP 500: nope" in logs
     assert "unexpected error" not in logs and "Traceback" not in logs
+
+
+def test_with_public_networks_only_an_internal_receiver_is_never_posted_to(r: Redis, pool, model, receiver):
+    """AGENTPOOL_WEBHOOK_NETWORKS=public: a webhook pointing at an internal address (loopback here, as the
+    cloud metadata service or a Redis would be) is refused before anything is connected, by address or by
+    a name that resolves to one, and given up at once; a network named after `public` is allowed."""
+    hook = receiver()
+    model.set_scripts({"done": DONE})
+    by_address = enqueue_run("pool_agents:support", script_task("done", "a"), connection=r, webhook=hook.url)
+    by_name = hook.url.replace("127.0.0.1", "localhost")
+    named = enqueue_run("pool_agents:support", script_task("done", "n"), connection=r, webhook=by_name)
+    [strict] = pool.start(1, AGENTPOOL_WEBHOOK_NETWORKS="public", **WORKER_ENV)
+    for run_id in (by_address, named):
+        [refused] = _delivered(r, run_id, timeout=60)
+        assert (refused["state"], refused["attempts"]) == ("undelivered", 1), refused  # not retried for a day
+        assert refused["error"] == (
+            "not sent: the receiver's address is not one the pool's workers may post to (AGENTPOOL_WEBHOOK_NETWORKS)"
+        ), refused
+    assert hook.received == [], "nothing reached the receiver"
+    logs = pool.logs(tail=10_000_000)
+    assert "127.0.0.1 is not a public address (AGENTPOOL_WEBHOOK_NETWORKS=public)" in logs
+    assert "hooks/agentpool" not in logs and "Traceback" not in logs
+    pool.kill(strict)
+    strict.wait(timeout=30)
+
+    trusted = enqueue_run("pool_agents:support", script_task("done", "t"), connection=r, webhook=by_name)
+    pool.start(1, AGENTPOOL_WEBHOOK_NETWORKS="public 127.0.0.0/8 ::1", **WORKER_ENV)
+    [delivered] = _delivered(r, trusted, timeout=60)
+    assert (delivered["state"], delivered["attempts"]) == ("delivered", 1), delivered
+    assert set(hook.accepted()) == {trusted}
 
 
 def test_a_claimer_whose_clock_runs_ahead_takes_no_live_claim(r: Redis, redis_server) -> None:

@@ -16,7 +16,7 @@ from redis.exceptions import AuthenticationError, ConnectionError, TimeoutError
 
 from agentpool import webhooks
 from agentpool.checks import limit_value
-from agentpool.runtime import connections, sentinel
+from agentpool.runtime import connections, egress, sentinel
 from agentpool.store import crypto
 from agentpool.store.errors import AgentPoolError, RedisUnreachable
 from agentpool.store.ratelimit import parse_limits
@@ -73,6 +73,13 @@ def _webhook_secret() -> str:
     raw = os.environ.get("AGENTPOOL_WEBHOOK_SECRET", "").strip()
     try:
         return webhooks.check_secret(raw) if raw else ""
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def _webhook_networks() -> egress.Networks:
+    try:
+        return egress.parse(os.environ.get(egress.SETTING, ""))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
 
@@ -140,12 +147,14 @@ class Settings:
     shards: tuple[str, ...] = ()
     # Completion webhooks (agentpool.webhooks, agentpool.runtime.webhook_delivery): the pool's default URL
     # (every run without a webhook of its own), the events it wants, the signing secret (never shown),
-    # the timeout of one attempt and how long a delivery is retried before it is given up.
+    # the timeout of one attempt, how long a delivery is retried before it is given up, and the addresses
+    # a delivery may connect to (agentpool.runtime.egress).
     webhook_url: str = ""
     webhook_events: tuple[str, ...] = ("ended",)
     webhook_secret: str = field(default="", repr=False)
     webhook_timeout: float = 10.0
     webhook_max_age: float = 86400.0
+    webhook_networks: egress.Networks = field(default_factory=egress.Networks)
     # Seconds between a worker process's flushes of the pool-wide counters and of the rate-limit settles
     # that may wait (agentpool.runtime.stats_flush): what a worker killed outright loses at most.
     flush_interval: float = 1.0
@@ -185,6 +194,7 @@ class Settings:
             webhook_secret=_webhook_secret(),
             webhook_timeout=_env_float("AGENTPOOL_WEBHOOK_TIMEOUT", 10.0),
             webhook_max_age=_env_float("AGENTPOOL_WEBHOOK_MAX_AGE", 86400.0),
+            webhook_networks=_webhook_networks(),
         )
 
     @property

@@ -12,7 +12,9 @@ status line and headers) is bounded by ``AGENTPOOL_WEBHOOK_TIMEOUT``, not each s
 trickling its answer cannot hold the thread, and every attempt ends well inside the claim's lease
 (three timeouts and a margin), so no other worker takes over a delivery still being made. A worker
 killed while delivering leaves the delivery due again for any worker when the lease ends. Redirects
-are not followed (a 3xx is a failure); nothing but the run's summary is sent (no key, no Redis URL);
+are not followed (a 3xx is a failure); with ``AGENTPOOL_WEBHOOK_NETWORKS=public`` only public addresses
+are connected to (``agentpool.runtime.egress``: a refused delivery is given up at once, unsent); nothing
+but the run's summary is sent (no key, no Redis URL);
 logs name the receiver by scheme, host and port only; the run records only that an attempt failed
 (``FAILED``), the reason goes to the log.
 """
@@ -35,6 +37,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 
 from agentpool import webhooks
+from agentpool.runtime.egress import AddressRefused, Networks
 from agentpool.runtime.faults import fault
 from agentpool.runtime.settings import Settings
 from agentpool.store import crypto
@@ -48,6 +51,7 @@ FIRST_BACKOFF = 1.0  # seconds before the first retry; doubled each attempt, jit
 MAX_BACKOFF = 600.0
 LEFT_FOR_OTHERS = 30.0  # seconds this worker leaves alone a delivery it cannot make (another worker can)
 USER_AGENT = "agentpool-webhooks/1"
+ANY = Networks()  # AGENTPOOL_WEBHOOK_NETWORKS unset: any address
 
 
 def backoff(attempt: int) -> float:
@@ -61,6 +65,9 @@ def backoff(attempt: int) -> float:
 # with the run, whoever may enqueue and read runs could map the workers' network (which ports are
 # open, which speak HTTP) through it. The reason itself goes to the worker's log.
 FAILED = "no 2xx answer (the reason is in the worker's log)"
+# A receiver whose every address AGENTPOOL_WEBHOOK_NETWORKS refuses: the same words whatever the address
+# (whoever enqueues the run chose the name, and anyone can resolve it; nothing was connected to).
+REFUSED = "not sent: the receiver's address is not one the pool's workers may post to (AGENTPOOL_WEBHOOK_NETWORKS)"
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,7 @@ class Failure:
 
     what: str
     answer: str = ""
+    refused: bool = False  # by AGENTPOOL_WEBHOOK_NETWORKS: given up at once, and readers may be told why
 
     def for_log(self) -> str:
         return f"{self.what}: {self.answer}" if self.answer else self.what
@@ -148,16 +156,21 @@ class _Connection(http.client.HTTPConnection):
     """http.client's connection, connected (DNS, TCP, TLS) within the attempt's deadline and then
     reading and writing through a :class:`_DeadlineSocket`."""
 
-    def __init__(self, scheme: str, host: str, port: int | None, deadline: _Deadline) -> None:
+    def __init__(self, scheme: str, host: str, port: int | None, deadline: _Deadline, networks: Networks) -> None:
         self.tls = scheme == "https"
         self.default_port = 443 if self.tls else 80  # the Host header names the port only if another
         super().__init__(host, port or self.default_port)
-        self.deadline = deadline
+        self.deadline, self.networks = deadline, networks
         self.opened: socket.socket | None = None
 
     def connect(self) -> None:
         error: Exception = OSError(f"no address for {self.host}")
         for family, kind, proto, _, address in _resolve(self.host, self.port, self.deadline):
+            try:  # the address connected to is the one checked: a name rebound meanwhile changes nothing
+                self.networks.check(address[0])
+            except AddressRefused as exc:
+                error = exc
+                continue
             sock = socket.socket(family, kind, proto)
             try:
                 sock.settimeout(self.deadline.left())
@@ -183,22 +196,25 @@ class _Connection(http.client.HTTPConnection):
 _TLS = ssl.create_default_context()  # certificates checked as urllib checks them
 
 
-def post(url: str, body: bytes, headers: dict[str, str], timeout: float) -> Failure | None:
+def post(url: str, body: bytes, headers: dict[str, str], timeout: float, networks: Networks = ANY) -> Failure | None:
     """POST ``body``; None on a 2xx, else the :class:`Failure`. The whole attempt (resolving the host,
     connecting, TLS, sending, the answer's status line, headers and the start of its body) gets
-    ``timeout`` seconds. Redirects are not followed. Never raises: whatever goes wrong is a Failure, so
-    that every attempt is recorded, retried and, in the end, given up."""
+    ``timeout`` seconds. Redirects are not followed; only addresses ``networks`` allows are connected
+    to. Never raises: whatever goes wrong is a Failure, so that every attempt is recorded, retried
+    and, in the end, given up."""
     deadline = _Deadline(timeout)
     connection = None
     try:
         parts = urlsplit(url)
-        connection = _Connection(parts.scheme, parts.hostname or "", parts.port, deadline)
+        connection = _Connection(parts.scheme, parts.hostname or "", parts.port, deadline, networks)
         target = urlunsplit(("", "", parts.path or "/", parts.query, ""))
         connection.request("POST", target, body=body, headers={**headers, "Connection": "close"})
         answer = connection.getresponse()
         status = answer.status
         # The answer is known; the start of its body is for the log only, so a late one changes nothing.
         snippet = _snippet(answer) if not 200 <= status < 300 else ""
+    except AddressRefused as exc:  # every address the name has (the last refusal said)
+        return Failure(str(exc), refused=True)
     except TimeoutError:  # socket.timeout is TimeoutError
         return Failure(f"no answer within {timeout:g} s")
     except (ConnectionRefusedError, socket.gaierror) as exc:
@@ -290,7 +306,7 @@ class WebhookDelivery:
             webhooks.DELIVERY_HEADER: claim.delivery_id,
             webhooks.SIGNATURE_HEADER: webhooks.sign(body, self.settings.webhook_secret),
         }
-        failure = post(url, body, headers, self.settings.webhook_timeout)
+        failure = post(url, body, headers, self.settings.webhook_timeout, self.settings.webhook_networks)
         where = webhooks.shown_url(url)
         if failure is None:
             fault("after_webhook_answered", claim.run_id, claim.n)
@@ -302,6 +318,12 @@ class WebhookDelivery:
         recorded_at = int(claim.summary.get("at") or now_ms())
         give_up_at = recorded_at + int(self.settings.webhook_max_age * 1000)
         now = now_ms()
+        if failure.refused:  # the pool's policy, not the receiver: the next try would meet it again
+            deliveries.done(self.r, claim, "undelivered", error=REFUSED)
+            log.error(
+                "run %s: webhook %s to %s not sent: %s", claim.run_id, claim.delivery_id, where, failure.for_log()
+            )
+            return
         if now >= give_up_at:
             deliveries.done(self.r, claim, "undelivered", error=FAILED)
             log.error(
