@@ -384,6 +384,11 @@ def test_a_worker_refuses_to_start_with_a_default_webhook_and_no_secret_or_a_bad
         "AGENTPOOL_WEBHOOK_EVENTS": {"AGENTPOOL_WEBHOOK_EVENTS": "ended,finished", **WORKER_ENV},
         "'any' or 'public'": {"AGENTPOOL_WEBHOOK_NETWORKS": "private", **WORKER_ENV},
         "'10.0.0.0/33' is not a network": {"AGENTPOOL_WEBHOOK_NETWORKS": "public 10.0.0.0/33", **WORKER_ENV},
+        "169.254.169.254 is not a public address": {
+            "AGENTPOOL_WEBHOOK_NETWORKS": "public",
+            "AGENTPOOL_WEBHOOK_URL": "http://169.254.169.254/latest/meta-data",
+            **WORKER_ENV,
+        },
     }
     for words, env in cases.items():
         done = _worker_start(pool, **env)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 SETTING = "AGENTPOOL_WEBHOOK_NETWORKS"
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -56,6 +57,15 @@ class Networks:
         )
         if internal:
             raise AddressRefused(f"{ip} is not a public address ({SETTING}={self}); the delivery is not sent")
+
+    def check_url(self, url: str) -> None:
+        """``check`` the host of ``url`` if it is an IP address (a name is checked once resolved)."""
+        host = urlsplit(url).hostname or ""
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return
+        self.check(host)
 
     def __str__(self) -> str:
         return " ".join(["public", *map(str, self.allowed)]) if self.public_only else "any"

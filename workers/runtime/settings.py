@@ -209,12 +209,18 @@ class Settings:
 
     def check_worker(self) -> None:
         """A worker refuses to start, in one line, with settings only a worker needs and lacks: a pool
-        default webhook it could not sign."""
+        default webhook it could not sign, or whose address its own AGENTPOOL_WEBHOOK_NETWORKS refuses
+        (an address written in the URL; a name is resolved, and checked, at each delivery)."""
         if self.webhook_url and not self.webhook_secret:
             raise SystemExit(
                 "AGENTPOOL_WEBHOOK_URL is set but AGENTPOOL_WEBHOOK_SECRET is not: webhooks are signed with "
                 "it; set the same secret on every worker (agentpool genkey prints one)"
             )
+        if self.webhook_url:
+            try:
+                self.webhook_networks.check_url(self.webhook_url)
+            except egress.AddressRefused as exc:
+                raise SystemExit(f"AGENTPOOL_WEBHOOK_URL: {exc}") from None
 
 
 def configure_encryption() -> None:
