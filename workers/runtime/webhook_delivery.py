@@ -164,13 +164,16 @@ class _Connection(http.client.HTTPConnection):
         self.opened: socket.socket | None = None
 
     def connect(self) -> None:
-        error: Exception = OSError(f"no address for {self.host}")
+        error: OSError = OSError(f"no address for {self.host}")
+        refused: AddressRefused | None = None
+        tried = False
         for family, kind, proto, _, address in _resolve(self.host, self.port, self.deadline):
             try:  # the address connected to is the one checked: a name rebound meanwhile changes nothing
                 self.networks.check(address[0])
             except AddressRefused as exc:
-                error = exc
+                refused = refused or exc
                 continue
+            tried = True
             sock = socket.socket(family, kind, proto)
             try:
                 sock.settimeout(self.deadline.left())
@@ -180,7 +183,8 @@ class _Connection(http.client.HTTPConnection):
                 sock.close()
                 error = exc
         else:
-            raise error
+            # Refused only if no address was allowed: a public one that did not answer is a failure, retried.
+            raise refused if refused is not None and not tried else error
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls:  # the handshake is bounded by the timeout as a whole (ssl's own deadline)
