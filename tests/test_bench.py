@@ -39,6 +39,12 @@ SECTIONS = {
         ["forking (--concurrency 1)", "threaded (--concurrency 4)"],
         2,
     ),
+    "footprint": (
+        ["--footprint-runs", "3", "--footprint-turns", "3"],
+        "footprint: Redis memory a finished run holds",
+        ["3 turns, results of 200 chars", "3 turns, results of 4,000 chars"],
+        2,
+    ),
     "recovery": (
         ["--trials", "2", "--threads", "2", "--lease-ttl", "2", "--short-ttl", "0", "--backlog", "4"],
         "recovery: SIGKILL while a turn runs a slow tool",
@@ -176,6 +182,18 @@ def test_bench_section_prints_its_table_of_figures(section):
         check_replay_did_what_the_pool_did(out)
     if section == "versus":
         check_the_same_code_measured_alike(out)
+    if section == "footprint":
+        check_a_run_holds_at_least_its_conversation(out)
+
+
+def check_a_run_holds_at_least_its_conversation(out: str) -> None:
+    """Each run's memory (Redis's used_memory per run) holds its conversation as stored, and the run with
+    twenty times the tool output holds more."""
+    rows = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines() if line.startswith("  3 turns, results")]
+    per_run = [float(cells[1].replace(",", "")) for cells in rows]
+    conversation = [float(cells[3].replace(",", "")) for cells in rows]
+    assert len(rows) == 2 and all(run >= held for run, held in zip(per_run, conversation)), out
+    assert per_run[1] > per_run[0] and conversation[1] > conversation[0], out
 
 
 def check_the_same_code_measured_alike(out: str) -> None:

@@ -38,6 +38,7 @@ SECTIONS = (
     "overhead",
     "saves",
     "memory",
+    "footprint",
     "recovery",
     "deferred",
     "durability",
@@ -966,6 +967,12 @@ def _lab(url: str | None) -> Iterator[Lab]:
     help="shards: interleaved rounds of one shard and two (each figure is the median of its rounds).",
 )
 @click.option(
+    "--footprint-runs", type=click.IntRange(min=1), default=50, show_default=True, help="footprint: runs measured."
+)
+@click.option(
+    "--footprint-turns", type=click.IntRange(min=2), default=20, show_default=True, help="footprint: turns a run."
+)
+@click.option(
     "--versus",
     "versus_rev",
     default="9d18c7d",
@@ -1022,6 +1029,8 @@ def bench(
     capacity_rounds: int,
     shard_turns: int,
     shard_rounds: int,
+    footprint_runs: int,
+    footprint_turns: int,
     versus_rev: str,
     versus_runs: int,
     versus_rounds: int,
@@ -1045,6 +1054,10 @@ def bench(
             bench_saves(lab, save_turns, save_runs)
         if "memory" in sections:
             bench_memory(lab, high_concurrency, hold)
+        if "footprint" in sections:
+            from agentpool.ops.bench_footprint import bench_footprint
+
+            bench_footprint(lab, footprint_runs, footprint_turns, (200, 4_000))
         if "recovery" in sections:
             bench_recovery(lab, trials, ttl, short_ttl, threads)
             bench_recovery_under_load(lab, min(trials, 5), backlog, short_ttl or ttl)

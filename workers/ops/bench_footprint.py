@@ -1,0 +1,121 @@
+"""``agentpool bench --only footprint``: the Redis memory a run takes, for sizing a pool's Redis.
+
+Runs of ``--footprint-turns`` turns, each turn a tool call whose result is a text of a given size, are
+made to completion on one threaded worker; what they hold is read two ways. Redis's own accounting
+(``INFO memory``'s ``used_memory``, before and after, divided by the runs) gives everything a finished run
+leaves: its keys, and its entries in the pool's indexes (the run index, the runs to watch). ``MEMORY
+USAGE`` of each of one run's keys says where it goes: the conversation, the event stream (capped at
+``MAX_EVENTS`` entries), the ledger, the header, the rest. The run's conversation as stored (the bytes
+of its messages, ``STRLEN``-like) is printed beside them: what a run costs beyond what it says.
+
+A finished run stays for the retention (``AGENTPOOL_RETENTION_SECONDS``, 7 days): Redis holds about
+(runs finished a day) x (retention in days) x (a run's figure), plus the runs in flight.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from redis import Redis
+
+from agentpool.agent import Agent
+from agentpool.ops.bench import MODEL, Lab, table, task, until
+from agentpool.store.events import MAX_EVENTS
+from agentpool.store.keys import RunKeys
+from agentpool.tools import tool
+
+AGENT = "agentpool.ops.bench_footprint:footprint_agent"
+PROSE = "the quarterly report lists revenue by region and notes the open issues with each supplier"
+
+
+@tool(effect="read")
+def bench_fetch(chars: int) -> str:
+    """Fetch a document of about ``chars`` characters (prose-like text, as a file or a page would be)."""
+    return (PROSE + ". ") * (chars // (len(PROSE) + 2)) + PROSE[: chars % (len(PROSE) + 2)]
+
+
+footprint_agent = Agent(model=MODEL, system="You are a benchmark.", tools=[bench_fetch], max_turns=200)
+
+
+def _steps(turns: int, chars: int) -> list[dict]:
+    fetch = {"tool_calls": [{"name": "bench_fetch", "input": {"chars": chars}}], "text": "Reading the next part."}
+    return [fetch] * (turns - 1) + [{"text": "Done: the documents are summarized."}]
+
+
+def _where_it_goes(r: Redis, run_id: str) -> dict[str, int]:
+    """Bytes of each of the run's keys (``MEMORY USAGE``, every element sampled), by its role."""
+    keys = RunKeys.of(run_id)
+    roles = {keys.messages: "conversation", keys.events: "events", keys.ledger: "ledger", keys.run: "header"}
+    found: dict[str, int] = defaultdict(int)
+    for key in keys.all():
+        size = r.memory_usage(key, samples=0)
+        if size:
+            found[roles.get(key, "other")] += int(size)
+    return found
+
+
+def _conversation_bytes(r: Redis, run_id: str) -> int:
+    return sum(len(blob) for blob in r.lrange(RunKeys.of(run_id).messages, 0, -1))
+
+
+def bench_footprint(lab: Lab, runs: int, turns: int, sizes: tuple[int, ...]) -> None:
+    from agentpool.client import enqueue_run, wait_for_run
+
+    rows = []
+    for chars in sizes:
+        lab.reset({"fp": _steps(turns, chars)})
+        lab.start("--concurrency", "4")
+        warm = enqueue_run(AGENT, task("fp", 0), connection=lab.r)  # the scripts loaded, the indexes made
+        wait_for_run(warm, timeout=120, connection=lab.r)
+        before = lab.r.info("memory")["used_memory"]
+        ids = [enqueue_run(AGENT, task("fp", n), connection=lab.r) for n in range(1, runs + 1)]
+        finished = [wait_for_run(run_id, timeout=300, connection=lab.r) for run_id in ids]
+        if any(run.status != "completed" for run in finished):
+            raise RuntimeError(f"footprint runs did not complete: {[run.status for run in finished]}")
+        last_lease = RunKeys.of(ids[-1]).lease
+        until(lambda: not lab.r.exists(last_lease), 30, "the last lease to go", lab)  # noqa: B023 - used at once
+        per_run = (lab.r.info("memory")["used_memory"] - before) / runs
+        parts = _where_it_goes(lab.r, ids[0])
+        stored = _conversation_bytes(lab.r, ids[0])
+        events = lab.r.xlen(RunKeys.of(ids[0]).events)
+        rows.append(
+            [
+                f"{turns} turns, results of {chars:,} chars",
+                f"{per_run / 1000:,.1f}",
+                f"{per_run / turns / 1000:,.2f}",
+                f"{stored / 1000:,.1f}",
+                f"{parts['conversation'] / 1000:,.1f}",
+                f"{parts['events'] / 1000:,.1f} ({events})",
+                f"{parts['ledger'] / 1000:,.1f}",
+                f"{(parts['header'] + parts['other']) / 1000:,.1f}",
+                f"{per_run / max(1, stored):.2f}x",
+                "none: for sizing",
+            ]
+        )
+    table(
+        "footprint: Redis memory a finished run holds until its retention ends",
+        [
+            "runs of",
+            "KB a run",
+            "KB a turn",
+            "conversation bytes KB",
+            "messages KB",
+            "events KB (entries)",
+            "ledger KB",
+            "header + rest KB",
+            "x its conversation",
+            "target",
+        ],
+        rows,
+        (
+            (
+                f"KB a run: INFO memory's used_memory after {runs} runs less before, divided by them (their keys and "
+                "their entries in the pool's indexes); the parts: MEMORY USAGE of one run's keys; conversation "
+                f"bytes: its messages as stored (msgpack); the event stream keeps at most about {MAX_EVENTS} entries"
+            ),
+            (
+                "Redis holds about (runs finished a day) x (retention days, 7 by default) x (KB a run), plus the "
+                "runs in flight"
+            ),
+        ),
+    )
