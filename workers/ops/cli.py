@@ -902,18 +902,18 @@ CLOCK_FIELDS = frozenset({"until"})
 
 def _event_line(event: dict[str, str], at: float) -> str:
     """One event, stamped with its own time (when Redis recorded it), to the millisecond."""
+    from agentpool.runtime.progress import clock
+
     kind = event.pop("kind", None) or event.pop("type", "?")
     detail = " ".join(f"{k}={_clock_field(v) if k in CLOCK_FIELDS else v}" for k, v in event.items())
-    return f"{_clock(at)} {kind:<18} {detail}"
-
-
-def _clock(at: float) -> str:
-    return f"{time.strftime('%H:%M:%S', time.localtime(at))}.{int(at * 1000) % 1000:03d}"
+    return f"{clock(at, millis=True)} {kind:<18} {detail}"
 
 
 def _clock_field(value: str) -> str:
+    from agentpool.runtime.progress import clock
+
     try:
-        return _clock(float(value))
+        return clock(float(value), millis=True)
     except (ValueError, OverflowError, OSError):  # not a moment after all: shown as it is
         return value
 

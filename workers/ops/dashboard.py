@@ -63,7 +63,7 @@ from agentpool import client, conversation
 from agentpool.checks import InvalidLimit, limit_value
 from agentpool.ops.redisconn import pool_client, target_url, warn_if_unreachable
 from agentpool.ops.timeline import timeline
-from agentpool.runtime.progress import why_waiting
+from agentpool.runtime.progress import clock, why_waiting
 from agentpool.runtime.settings import env_number, redact_url
 from agentpool.runtime.shards import Shards, each_answering, located
 from agentpool.store import children, events, handback, inbox, ledger, live, runs_index, webhooks
@@ -134,8 +134,7 @@ def _note(waiting: handback.HandBack | None, status: str) -> str:
     if waiting is None or status not in ("queued", "running"):
         return ""
     if waiting.reason == "not_replicated":
-        since = time.strftime("%H:%M:%S", time.localtime(waiting.since))
-        return f"waiting for a replica to acknowledge since {since} (AGENTPOOL_REPLICA_ACKS)"
+        return f"waiting for a replica to acknowledge since {clock(waiting.since)} (AGENTPOOL_REPLICA_ACKS)"
     return f"handed back: {waiting.describe()}"
 
 

@@ -29,6 +29,7 @@ from agentpool.client import Run, enqueue_run, list_runs
 from agentpool.ops.demo_agents import demo_script
 from agentpool.ops.redisconn import quick_client
 from agentpool.runtime import connections
+from agentpool.runtime.progress import clock
 from agentpool.runtime.settings import redact_url
 from agentpool.store import lease
 from agentpool.store.events import read as read_events
@@ -110,7 +111,7 @@ def _table(r: Redis, run_ids: list[str], note: str) -> list[str]:
 
 def _event_line(run_id: str, event_id: str, event: dict[str, str]) -> str:
     at = stream_order(event_id)[0] / 1000
-    stamp = time.strftime("%H:%M:%S", time.localtime(at)) + f".{int(at * 1000) % 1000:03d}"
+    stamp = clock(at, millis=True)
     kind = event.get("kind", "?")
     detail = " ".join(
         f"{k}={v}" for k, v in event.items() if k in ("turn", "tool", "status", "cause_kind", "action", "outcome")

@@ -48,8 +48,10 @@ class Waiting:
         return asdict(self)
 
 
-def _clock(epoch: float) -> str:
-    return time.strftime("%H:%M:%S", time.localtime(epoch))
+def clock(epoch: float, *, millis: bool = False) -> str:
+    """A moment on this machine's clock as people read it: ``14:03:07`` (``14:03:07.250`` with ``millis``)."""
+    seconds = time.strftime("%H:%M:%S", time.localtime(epoch))
+    return f"{seconds}.{int(epoch * 1000) % 1000:03d}" if millis else seconds
 
 
 def _rq_time(raw: bytes | None) -> float | None:
@@ -74,11 +76,11 @@ def why_waiting(r: Redis, run_id: str, status: str) -> Waiting | None:
     now = time.time()
     record = handback.decode(raw_handback)
     if record is not None and not holder:
-        when = f"next try at {_clock(record.until)}" if record.until > now else "being re-enqueued"
+        when = f"next try at {clock(record.until)}" if record.until > now else "being re-enqueued"
         if record.reason == "not_replicated":
             return Waiting(
                 "waiting_for_replica",
-                f"waiting for a replica to acknowledge since {_clock(record.since)} ({record.count} tries, last "
+                f"waiting for a replica to acknowledge since {clock(record.since)} ({record.count} tries, last "
                 f"by {record.worker}: {record.detail}); {when}. Bring a replica back, or lower "
                 "AGENTPOOL_REPLICA_ACKS knowingly",
                 since=record.since,
@@ -91,7 +93,7 @@ def why_waiting(r: Redis, run_id: str, status: str) -> Waiting | None:
         head = "waiting for a worker that can load its agent: " if record.reason == "agent_not_loadable" else ""
         return Waiting(
             "handed_back",
-            f"{head}handed back {record.count} time(s) since {_clock(record.since)}, last by {record.worker}: "
+            f"{head}handed back {record.count} time(s) since {clock(record.since)}, last by {record.worker}: "
             f"{record.describe()} ({record.detail}); {when}",
             since=record.since,
             until=record.until,
@@ -108,7 +110,7 @@ def why_waiting(r: Redis, run_id: str, status: str) -> Waiting | None:
     if due_ms is not None:
         until = due_ms / 1000
         why = (retry_reason or b"").decode("utf-8", errors="replace") or "a transient model error"
-        note = f"waiting on a backoff after {why}, until {_clock(until)}"
+        note = f"waiting on a backoff after {why}, until {clock(until)}"
         if until < now - 5:
             note += " (overdue: is any worker or `agentpool reap` running?)"
         return Waiting("backoff", note, until=until, detail=why)
@@ -120,7 +122,7 @@ def why_waiting(r: Redis, run_id: str, status: str) -> Waiting | None:
         return Waiting("in_progress", "a worker is starting the turn")
     if state == "queued":
         since = _rq_time(enqueued_at) or _rq_time(created_at)
-        return Waiting("queued", "waiting for a worker" + (f" since {_clock(since)}" if since else ""), since=since)
+        return Waiting("queued", "waiting for a worker" + (f" since {clock(since)}" if since else ""), since=since)
     return Waiting("lost", f"its turn's job is {state or 'missing'}; the reaper re-enqueues it shortly")
 
 
