@@ -46,6 +46,8 @@ class Networks:
             ip = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
         if any(ip in network for network in self.allowed):
             return
+        # is_global alone lets multicast through, and what it counts has moved between Python releases:
+        # each kind of address that is not the internet's is named too.
         internal = (
             not ip.is_global
             or ip.is_private

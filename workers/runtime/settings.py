@@ -51,45 +51,20 @@ def _replica_acks() -> str:
     return raw
 
 
-def _rate_limits() -> dict:
-    raw = os.environ.get("AGENTPOOL_RATE_LIMITS", "").strip()
+def _setting(name: str, parse: Callable[[str], Any], empty: Any) -> Any:
+    """The setting ``name`` as ``parse`` reads it, ``empty`` when it is unset or blank: a bad one stops
+    the start with ``parse``'s one-line message."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return {}
+        return empty
     try:
-        return parse_limits(raw)
+        return parse(raw)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
 
 
-def _webhook_url() -> str:
-    raw = os.environ.get("AGENTPOOL_WEBHOOK_URL", "").strip()
-    try:
-        return webhooks.check_url(raw, subject="AGENTPOOL_WEBHOOK_URL") if raw else ""
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-
-
-def _webhook_secret() -> str:
-    raw = os.environ.get("AGENTPOOL_WEBHOOK_SECRET", "").strip()
-    try:
-        return webhooks.check_secret(raw) if raw else ""
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-
-
-def _webhook_networks() -> egress.Networks:
-    try:
-        return egress.parse(os.environ.get(egress.SETTING, ""))
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
-
-
-def _webhook_events() -> tuple[str, ...]:
-    raw = os.environ.get("AGENTPOOL_WEBHOOK_EVENTS", "").strip() or "ended"
-    try:
-        return webhooks.check_events([e.strip() for e in raw.split(",")], subject="AGENTPOOL_WEBHOOK_EVENTS")
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+def _webhook_events(raw: str) -> tuple[str, ...]:
+    return webhooks.check_events([e.strip() for e in raw.split(",")], subject="AGENTPOOL_WEBHOOK_EVENTS")
 
 
 def _shards() -> tuple[str, ...]:
@@ -186,15 +161,17 @@ class Settings:
             waitaof=_choice("AGENTPOOL_WAITAOF", ("off", "local", "replicas"), "off"),
             redis_timeout=_env_float("AGENTPOOL_REDIS_TIMEOUT", 5.0),
             rate_limiter=_choice("AGENTPOOL_RATE_LIMITER", ("on", "off"), "on") == "on",
-            rate_limits=_rate_limits(),
+            rate_limits=_setting("AGENTPOOL_RATE_LIMITS", parse_limits, {}),
             rate_limit_minute=_env_float("AGENTPOOL_RATE_LIMIT_MINUTE", 60.0),
             shards=_shards(),
-            webhook_url=_webhook_url(),
-            webhook_events=_webhook_events(),
-            webhook_secret=_webhook_secret(),
+            webhook_url=_setting(
+                "AGENTPOOL_WEBHOOK_URL", functools.partial(webhooks.check_url, subject="AGENTPOOL_WEBHOOK_URL"), ""
+            ),
+            webhook_events=_setting("AGENTPOOL_WEBHOOK_EVENTS", _webhook_events, ("ended",)),
+            webhook_secret=_setting("AGENTPOOL_WEBHOOK_SECRET", webhooks.check_secret, ""),
             webhook_timeout=_env_float("AGENTPOOL_WEBHOOK_TIMEOUT", 10.0),
             webhook_max_age=_env_float("AGENTPOOL_WEBHOOK_MAX_AGE", 86400.0),
-            webhook_networks=_webhook_networks(),
+            webhook_networks=_setting(egress.SETTING, egress.parse, egress.Networks()),
         )
 
     @property

@@ -217,7 +217,7 @@ def post(url: str, body: bytes, headers: dict[str, str], timeout: float, network
         status = answer.status
         # The answer is known; the start of its body is for the log only, so a late one changes nothing.
         snippet = _snippet(answer) if not 200 <= status < 300 else ""
-    except AddressRefused as exc:  # every address the name has (the last refusal said)
+    except AddressRefused as exc:  # every address the name has (the first one refused is named)
         return Failure(str(exc), refused=True)
     except TimeoutError:  # socket.timeout is TimeoutError
         return Failure(f"no answer within {timeout:g} s")
