@@ -27,9 +27,11 @@ def bench_limits(
     lab: Lab, runs: int, turns: int, workers: int, concurrency: int, minute: float, rpm: int, itpm: int
 ) -> None:
     from agentpool.ops.bench import table, task, tool_steps
+    from agentpool.ops.bench_redis import redis_stats
+    from agentpool.store import stats
     from agentpool.testing.scripted_model import RateLimits
 
-    rows = []
+    rows, most = [], []
     for label, env in (
         ("limiter off (today)", {"AGENTPOOL_RATE_LIMITER": "off"}),
         ("limiter on (learned)", {"AGENTPOOL_RATE_LIMITER": "on"}),
@@ -39,7 +41,21 @@ def bench_limits(
         env = {**env, "AGENTPOOL_RATE_LIMIT_MINUTE": str(minute)}
         for _ in range(workers):
             lab.start("--concurrency", str(concurrency), **env)
-        seconds, statuses = _run_all(lab, runs, task)
+        calls_before, _, _, reads_before = redis_stats(lab.r)
+        seconds, statuses, polls, polled = _run_all(lab, runs, task)
+        calls_after, _, _, reads_after = redis_stats(lab.r)
+        lab.workers.stop()  # its counters flushed
+        asked = runs * turns
+        # Less the bench's own: its polls, and the INFO of the first redis_stats (three commands, two
+        # requests besides the one that read the count).
+        by_command = calls_after - calls_before
+        by_command["hget"] -= polled
+        by_command["info"] -= 3
+        commands = sum(by_command.values())
+        top = ", ".join(f"{name} {n / asked:.1f}" for name, n in by_command.most_common(6))
+        most.append(f"{label}: the most commands a turn: {top}")
+        requests = reads_after - reads_before - polls - 2
+        waits = sum(v for k, v in stats.read_all(lab.r).items() if k.startswith("budget_waits|"))
         totals = lab.model.limiter.totals()
         answered = totals["requests"] + totals["refused"]
         allowed_requests = rpm + rpm * seconds / minute
@@ -49,8 +65,11 @@ def bench_limits(
         rows.append(
             [
                 label,
-                str(runs * turns),
+                str(asked),
                 str(answered),
+                f"{waits / asked:.2f}",
+                f"{commands / asked:.1f}",
+                f"{requests / asked:.1f}",
                 f"{100 * totals['refused'] / max(1, answered):.1f} %",
                 f"{seconds:.1f}",
                 f"{100 * share_requests:.0f} %",
@@ -61,7 +80,6 @@ def bench_limits(
                 "baseline" if env["AGENTPOOL_RATE_LIMITER"] == "off" else "429 <= 1 %, throughput >= 90 %",
             ]
         )
-        lab.workers.stop()
     table(
         f"limits: {runs} runs of {turns} turns on {workers} threaded workers at --concurrency {concurrency}, "
         f"against {rpm} requests and {itpm:,} input tokens a minute (a minute of {minute:g} s)",
@@ -69,6 +87,9 @@ def bench_limits(
             "pool",
             "turns asked",
             "calls",
+            "budget waits a turn",
+            "Redis commands a turn",
+            "round trips a turn",
             "429 share",
             "seconds",
             "requests/limit",
@@ -82,6 +103,12 @@ def bench_limits(
         (
             "x/limit: what the model admitted over what its buckets allowed in that time (full at the start)",
             "stopped: runs that met AGENTPOOL_MODEL_RETRIES + 1 model errors in a row",
+            "budget waits: turns deferred until the pool's budget could cover their call, a turn asked",
+            (
+                "Redis commands (a script's own among them) and round trips (requests Redis read) from the first "
+                "enqueue to the last run's end, a turn asked: the runs' enqueues and the idle pool's own included"
+            ),
+            *most,
         ),
     )
 
@@ -176,23 +203,25 @@ def _wait_ended(lab: Lab, ids: list[str], started: float, limit: float = 1800) -
         time.sleep(0.05)
 
 
-def _run_all(lab: Lab, runs: int, task: object) -> tuple[float, list[str]]:
+def _run_all(lab: Lab, runs: int, task: object) -> tuple[float, list[str], int, int]:
+    """Enqueue ``runs`` runs and wait for them all to end: (seconds, their statuses, the bench's own
+    polls of Redis meanwhile, one pipeline each, and the commands among them)."""
     from agentpool.client import enqueue_run
-    from agentpool.store.keys import RunKeys
 
     started = time.monotonic()
     ids = [enqueue_run(LIMITED_AGENT, task("limits", n), connection=lab.r) for n in range(runs)]  # type: ignore[operator]
-    pending = set(ids)
+    pending = list(ids)
     statuses: dict[str, str] = {}
     deadline = started + 1800
+    polls = polled = 0
     while pending:
         if time.monotonic() > deadline:
             raise click.ClickException(f"{len(pending)} runs did not end; logs:\n{lab.workers.logs(2000)}")
-        for run_id in list(pending):
-            status = (lab.r.hget(RunKeys.of(run_id).run, "status") or b"").decode()
-            if status in ("completed", "failed", "stopped", "cancelled"):
+        polls, polled = polls + 1, polled + len(pending)
+        for run_id, status in zip(pending, _statuses(lab, pending), strict=True):
+            if status in ENDED:
                 statuses[run_id] = status
-                pending.discard(run_id)
+        pending = [run_id for run_id in pending if run_id not in statuses]
         time.sleep(0.1)
     seconds = time.monotonic() - started
-    return seconds, [statuses[i] for i in ids]
+    return seconds, [statuses[i] for i in ids], polls, polled

@@ -57,7 +57,7 @@ class Sample:
         return sum(self.commands.values())
 
 
-def _stats(r: Redis) -> tuple[Counter[str], Counter[str], float, int]:
+def redis_stats(r: Redis) -> tuple[Counter[str], Counter[str], float, int]:
     """Calls and µs by command, the server's CPU seconds, and its socket reads (``total_reads_processed``)."""
     calls: Counter[str] = Counter()
     usec: Counter[str] = Counter()
@@ -73,7 +73,7 @@ def _measure(lab: Lab, work: Callable[[], object], done: Callable[[], bool]) -> 
     """Redis's calls by command and CPU from before ``work()`` until ``done()``, without the bench's own."""
     r = lab.r
     r.config_resetstat()
-    calls_before, usec_before, cpu_before, reads_before = _stats(r)
+    calls_before, usec_before, cpu_before, reads_before = redis_stats(r)
     own: Counter[str] = Counter({"info": 3})  # the three INFO of the first _stats
     started = time.perf_counter()
     work()
@@ -82,7 +82,7 @@ def _measure(lab: Lab, work: Callable[[], object], done: Callable[[], bool]) -> 
         time.sleep(POLL)
     own["zcard"] += 1
     seconds = time.perf_counter() - started
-    calls_after, usec_after, cpu_after, reads_after = _stats(r)
+    calls_after, usec_after, cpu_after, reads_after = redis_stats(r)
     calls = calls_after - calls_before
     # The bench's own reads: its polls, and the two INFO before the one that read the count.
     own_reads = own["zcard"] + 2
