@@ -17,8 +17,11 @@ import pytest
 from redis import Redis
 
 from agentpool import enqueue_run, wait_for_run
+from agentpool.runtime.deferred import promote_due
+from agentpool.runtime.jobs import DEFERRED_META, job_id, stage_turn, turn_queue
 from agentpool.store import events, ratelimit
-from agentpool.store.keys import LimitKeys
+from agentpool.store.codec import pack
+from agentpool.store.keys import LimitKeys, RunKeys
 from agentpool.store.ratelimit import UNLIMITED_TRUSTED_FOR
 from agentpool.store.scripts import run_script
 from agentpool.testing.localpool import WorkerProcesses
@@ -225,6 +228,79 @@ def test_a_turn_reserves_its_call_with_its_lease(r: Redis, pool, model, kind: li
     view = _budget(r)
     assert view.held["calls"] == 0 and view.waiting == 0
     assert math.floor(view.levels["requests"]) == 1000 - 6  # one request a call, each taken once
+
+
+SLOW_READ = {"delay": 0.4, "tool_calls": [READ]}
+
+
+@pytest.mark.parametrize("cause", ["budget", "model_error", "slot"])
+def test_a_deferred_turn_reserves_its_call_and_reads_its_window_with_its_lease(
+    r: Redis, pool, model, cause: str
+) -> None:
+    """A turn deferred (to wait for the budget, after a model error, to wait for a concurrency slot) leaves
+    its call and where the run's window starts with its deferral, and the job the reaper makes of it
+    carries them: coming back, its lease reserves the call and reads the window in the lease's one round
+    trip, as a turn its predecessor queued does, instead of in a reservation script of its own and a
+    script that looks at the header for the window first."""
+    steps = [SLOW_READ, SLOW_READ, {"text": "All done."}]
+    env = _operator_rpm(1000)
+    runs = [{}]
+    if cause == "budget":  # one request a 2 s minute: each call after the first waits for the refill
+        env = {"AGENTPOOL_RATE_LIMITS": "claude-sonnet-5-5=rpm:1", "AGENTPOOL_RATE_LIMIT_MINUTE": "2"}
+    elif cause == "model_error":
+        overloaded = {"status": 529, "type": "overloaded_error", "message": "Overloaded", "times": 1}
+        steps[1] = {**SLOW_READ, "error": overloaded}
+    else:  # two runs, one slot between them: each turn of one waits while the other's turn runs
+        runs = [{"concurrency_key": "team", "max_concurrency": 1}] * 2
+    waited = {"budget": "waiting_for_budget", "model_error": "model_error", "slot": "waiting_for_slot"}[cause]
+    model.set_scripts({"steps": steps})
+    WorkerProcesses.start(pool, 1, "--concurrency", "2", **env)
+    with _commands_seen(pool) as seen:
+        run_ids = [
+            enqueue_run("pool_agents:support", script_task("steps", f"task {n}"), connection=r, **options)
+            for n, options in enumerate(runs)
+        ]
+        done = [wait_for_run(run_id, timeout=60, connection=r) for run_id in run_ids]
+    assert [run.status for run in done] == ["completed"] * len(runs), ([x.error for x in done], pool.logs())
+    deferred = [f for run_id in run_ids for _, f in events.read(r, run_id) if f["kind"] == waited]
+    assert deferred, f"no turn was deferred ({waited}): the test did not test the deferred path"
+    budget = LimitKeys.of("claude-sonnet-5-5").budget
+    reserve_sha, lease_sha = (run_script._script(name).sha for name in ("limit_reserve", "lease_acquire"))
+    alone = {c.split()[11] for c in seen if c.startswith(f"EVALSHA {reserve_sha} ")}
+    with_lease = {c.split()[24] for c in seen if c.startswith(f"EVALSHA {lease_sha} ") and budget in c}
+    assert alone == set(), f"turns that reserved in a script of their own: {alone}"
+    assert with_lease == {f"{run_id}:{turn}" for run_id in run_ids for turn in range(3)}, with_lease
+    window_scripts = [c for c in seen if c.startswith("EVAL ") and ":messages" in c]
+    assert window_scripts == [], "a turn looked at the header for its window in a script"
+    view = _budget(r)
+    assert view.held["calls"] == 0 and view.waiting == 0
+
+
+def test_the_reaper_gives_a_deferred_job_only_what_its_own_deferral_carried(r: Redis) -> None:
+    """What a deferral leaves in the header is tied to its job's id. A turn deferred by an older release
+    (which left nothing), one whose header a later deferral has written since, and one whose record is
+    unreadable are enqueued as before this existed: with no window and no call, which the turn then
+    reads and reserves itself."""
+    call = ("claude-sonnet-5-5", 1200, 4096)
+    runs = ("r_carried", "r_older", "r_garbled", "r_overwritten")
+    with r.pipeline(transaction=True) as pipe:
+        pipe.multi()
+        for run_id in runs:
+            stage_turn(pipe, r, run_id, 3, 2, delay=0.001, window=6, call=call)
+        pipe.execute()
+    r.hdel(RunKeys.of("r_older").run, DEFERRED_META)
+    r.hset(RunKeys.of("r_garbled").run, DEFERRED_META, b"\xc1 not msgpack")
+    r.hset(RunKeys.of("r_overwritten").run, DEFERRED_META, pack([job_id("r_overwritten", 3, 3), 6, list(call)]))
+    time.sleep(0.01)  # all due
+    moved = {one.run_id: one.job_id for one in promote_due(r)}
+    assert moved == {run_id: job_id(run_id, 3, 2) for run_id in runs}
+    metas = {run_id: turn_queue(r).fetch_job(jid).meta for run_id, jid in moved.items()}
+    assert metas == {
+        "r_carried": {"window": 6, "call": list(call)},
+        "r_older": {},
+        "r_garbled": {},
+        "r_overwritten": {},
+    }, metas
 
 
 @pytest.mark.parametrize("rpm", [4, 3], ids=["granted", "waiting"])

@@ -1,6 +1,9 @@
 """Deferred turns: recorded in ``ap:turns:deferred`` (run, turn, re-enqueue n -> due time in ms) by the
 transaction that defers them (``jobs.stage_turn(..., delay=...)``), and moved onto the RQ queue by the
-reaper once due, under the job id the run's header already names.
+reaper once due, under the job id the run's header already names. The deferral also leaves in the
+header what the turn's job is to carry (``jobs.DEFERRED_META``: where the run's window starts, and the
+model call it was about to make), so the turn reads its window and reserves its call with its lease, as
+a turn its predecessor queued does, instead of in a script and a round trip of its own.
 
 The move is one WATCH/MULTI transaction over the sorted set: the entries leave it and their jobs are
 pushed together, so two reapers racing (a lock that lapsed mid-scan, ``agentpool reap`` beside the
@@ -15,7 +18,13 @@ from dataclasses import dataclass
 from redis import Redis
 from redis.exceptions import WatchError
 
-from agentpool.runtime.jobs import deferred_member, enqueue_turn, job_id, learn_queues, parse_deferred_member
+from agentpool.runtime.jobs import (
+    carried_by_deferrals,
+    deferred_member,
+    enqueue_turn,
+    job_id,
+    parse_deferred_member,
+)
 from agentpool.store.clock import now_ms
 from agentpool.store.keys import TURNS_DEFERRED
 
@@ -45,20 +54,24 @@ def promote_due(r: Redis, *, batch: int = 500) -> list[Promoted]:
                 due = pipe.zrangebyscore(TURNS_DEFERRED, "-inf", now, start=0, num=batch, withscores=True)
                 if not due:
                     return []
-                # Each turn goes back to its run's queue: read (once per run and process) before MULTI.
-                learn_queues(r, [m.decode("utf-8", errors="replace").partition(":")[0] for m, _ in due])
-                pipe.multi()
-                moved = []
+                turns, unreadable = [], []
                 for raw, score in due:
-                    member = raw.decode("utf-8", errors="replace")
+                    parsed = parse_deferred_member(raw.decode("utf-8", errors="replace"))
+                    if parsed is None:
+                        unreadable.append(raw)
+                    else:
+                        turns.append((*parsed, int(score), raw))
+                # Each turn goes back to its run's queue with what its deferral carried: read before MULTI.
+                carried = carried_by_deferrals(r, [(run_id, turn, n) for run_id, turn, n, _, _ in turns])
+                pipe.multi()
+                for raw in unreadable:  # not ours to run: dropped, and said once
                     pipe.zrem(TURNS_DEFERRED, raw)
-                    parsed = parse_deferred_member(member)
-                    if parsed is None:  # not ours to run: dropped, and said once
-                        log.error("deferred turns: dropping unreadable entry %r", member)
-                        continue
-                    run_id, turn, attempt = parsed
-                    jid = enqueue_turn(pipe, r, run_id, turn, attempt)
-                    moved.append(Promoted(run_id, turn, jid, int(score), max(0, now - int(score))))
+                    log.error("deferred turns: dropping unreadable entry %r", raw)
+                moved = []
+                for (run_id, turn, attempt, due_ms, raw), (window, call) in zip(turns, carried, strict=True):
+                    pipe.zrem(TURNS_DEFERRED, raw)
+                    jid = enqueue_turn(pipe, r, run_id, turn, attempt, window=window, call=call)
+                    moved.append(Promoted(run_id, turn, jid, due_ms, max(0, now - due_ms)))
                 pipe.execute()
                 return moved
             except WatchError:

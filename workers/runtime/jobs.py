@@ -24,6 +24,8 @@ from redis.client import Pipeline
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.store.clock import now_ms
+from agentpool.store.codec import pack, unpack
+from agentpool.store.errors import UnreadableRecord
 from agentpool.store.keys import DEFAULT_QUEUE, QUEUE_NAME, TURN_QUEUE, TURNS_DEFERRED, RunKeys, rq_queue_name
 from agentpool.store.scripts import run_script
 from agentpool.store.staged_job import EndedJob, StagedJob
@@ -79,18 +81,22 @@ def queue_of(r: Redis, run_id: str) -> str:
     return queue
 
 
-def learn_queues(r: Redis, run_ids: list[str]) -> None:
-    """``queue_of`` for many runs in one round trip (the reaper moving a batch of deferred turns)."""
-    unknown = [run_id for run_id in dict.fromkeys(run_ids) if run_id not in _queues]
-    if not unknown:
-        return
+def carried_by_deferrals(
+    r: Redis, turns: list[tuple[str, int, int]]
+) -> list[tuple[int | None, tuple[str, int, int] | None]]:
+    """For deferred turns ``(run, turn, n)`` due to be enqueued (the reaper's batch), in one round trip:
+    the window and call each one's deferral carried (``deferred_meta``), and its run's queue, remembered
+    for ``queue_of``."""
     with r.pipeline(transaction=False) as pipe:
-        for run_id in unknown:
-            pipe.hget(RunKeys.of(run_id).run, "queue")
+        for run_id, _, _ in turns:
+            pipe.hmget(RunKeys.of(run_id).run, ["queue", DEFERRED_META])
         found = pipe.execute()
-    for run_id, raw in zip(unknown, found, strict=True):
-        queue = (raw or b"").decode("utf-8", errors="replace")
+    carried = []
+    for (run_id, turn, attempt), (raw_queue, raw_meta) in zip(turns, found, strict=True):
+        queue = (raw_queue or b"").decode("utf-8", errors="replace")
         remember_queue(run_id, queue if QUEUE_NAME.match(queue) else DEFAULT_QUEUE)
+        carried.append(deferred_meta(raw_meta, job_id(run_id, turn, attempt)))
+    return carried
 
 
 def remember_queue(run_id: str, queue: str) -> None:
@@ -138,6 +144,27 @@ def parse_deferred_member(member: str) -> tuple[str, int, int] | None:
     if not (run_id and turn.isdigit() and attempt.isdigit()):
         return None
     return run_id, int(turn), int(attempt)
+
+
+# The run header's field that carries a deferred turn's job meta until the reaper enqueues it:
+# ``[job id, window, call]`` (msgpack). The job id ties it to the one deferral that wrote it: a later
+# re-enqueue has another id, and an entry written before this field existed finds none.
+DEFERRED_META = "deferred_job"
+
+
+def deferred_meta(raw: bytes | None, jid: str) -> tuple[int | None, tuple[str, int, int] | None]:
+    """(window, call) the header's ``DEFERRED_META`` carries for job ``jid``; (None, None) if it carries
+    nothing for that job, or nothing readable (the turn then reads its window and reserves its call
+    itself, as any re-enqueued turn does)."""
+    try:
+        carried_jid, window, call = unpack(raw, "deferred job") if raw else ("", None, None)
+    except (UnreadableRecord, TypeError, ValueError):
+        return None, None
+    if carried_jid != jid:
+        return None, None
+    window = window if type(window) is int and window >= 0 else None
+    valid = isinstance(call, list) and len(call) == 3 and isinstance(call[0], str)
+    return window, (call[0], call[1], call[2]) if valid and all(type(n) is int and n > 0 for n in call[1:]) else None
 
 
 def turn_job(
@@ -203,10 +230,14 @@ def enqueue_turn(
     *,
     at_front: bool = False,
     queue: str | None = None,
+    window: int | None = None,
+    call: tuple[str, int, int] | None = None,
 ) -> str:
-    """Add the turn's RQ job (``turn_job``) to ``pipe``, a MULTI (``pipe.multi()`` is called if the
-    caller watches keys and has not, as RQ's own enqueue does). The run's header is left as it is."""
-    return _stage(pipe, turn_job(r, run_id, turn, attempt, at_front=at_front, queue=queue), with_header=False)
+    """Add the turn's RQ job (``turn_job``, with its ``window`` and ``call`` when known) to ``pipe``, a
+    MULTI (``pipe.multi()`` is called if the caller watches keys and has not, as RQ's own enqueue does).
+    The run's header is left as it is."""
+    job = turn_job(r, run_id, turn, attempt, at_front=at_front, queue=queue, window=window, call=call)
+    return _stage(pipe, job, with_header=False)
 
 
 def _stage(pipe: Pipeline, job: StagedJob, *, with_header: bool) -> str:
@@ -242,14 +273,17 @@ def stage_turn(
     """Add the turn's job to ``pipe``, a transaction (already in MULTI) the caller executes with its own
     writes. ``attempt`` names the job as the run's n-th re-enqueue (see ``job_id``). With ``delay``, the
     turn is recorded as due in ``delay`` seconds instead, in the same transaction; the reaper enqueues it
-    then. ``at_front``: ahead of every turn waiting (see ``enqueue_turn``). The job goes on the run's
+    then, carrying ``window`` and ``call`` (``deferred_meta``). ``at_front``: ahead of every turn waiting
+    (see ``enqueue_turn``). The job goes on the run's
     queue: ``queue`` when the caller knows it (a run being made does not have its header yet), else the
     one its header names. ``window``: where the run's window starts, when the caller knows (see
     ``turn_job``). ``with_header=False``: the caller writes the header's ``job`` field (``job_id``) itself.
     ``call``: the model call the turn is to make, for its lease to reserve (see ``turn_job``)."""
     if delay > 0:
         jid = job_id(run_id, turn, attempt)
-        pipe.hset(RunKeys.of(run_id).run, "job", jid)  # the reaper checks this job is still alive
+        # The reaper checks this job is still alive, and builds it from the carried meta once it is due.
+        header = {"job": jid, DEFERRED_META: pack([jid, window, call])}
+        pipe.hset(RunKeys.of(run_id).run, mapping=header)
         pipe.zadd(TURNS_DEFERRED, {deferred_member(run_id, turn, attempt): now_ms() + int(delay * 1000)})
         return jid
     job = turn_job(r, run_id, turn, attempt, at_front=at_front, queue=queue, window=window, call=call)

@@ -13,11 +13,13 @@ knows what the call will need (``next_call``) and its job carries it (``lease_re
 first turn's job carries what ``enqueue_run`` estimated, where it loaded the agent
 (``agentpool.runtime.estimate.first_call``), and the turn a message to a completed run queues carries
 what the completing turn recorded in its ``status`` event (``next_call``) with the message added
-(``agentpool.conversation.send_message``). A turn that then makes no call (it stops at a limit, waits
-for a slot, ends otherwise) gives the reservation back, its request included
+(``agentpool.conversation.send_message``). A turn deferred (to wait for the budget or a concurrency
+slot, or after a model error) carries the call it reserved, or was about to (``Turn.note_reserved``),
+to its next attempt's job (``agentpool.runtime.deferred``). A turn that then makes no call (it stops at
+a limit, waits for a slot, ends otherwise) gives the reservation back, its request included
 (``Turn.give_back_prereserved``). Other turns (a first turn enqueued with ``check_agent=False``, a
-retry, a takeover, a message to a run that stopped) reserve just before the call; a turn a decision
-queues runs its tools first, and its next turn's job carries the call.
+hand-back's retry, a takeover, a message to a run that stopped) reserve just before the call; a turn a
+decision queues runs its tools first, and its next turn's job carries the call.
 
 A call reserved with room to spare (nobody in line, every bucket at least half full) whose reply says
 the API's budget is at least half left settles with the worker's others, about once a second, in one
@@ -209,6 +211,7 @@ def limited_call(
     elif got is None:
         max_tokens = agent.compaction.summary_max_tokens if summary and agent.compaction else agent.max_tokens
         need = Need(estimate_input(agent, messages, None if summary else last_reply), int(max_tokens))
+        turn.note_reserved(agent.model, need)
         got = ratelimit.reserve(
             turn.r,
             agent.model,

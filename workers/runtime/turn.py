@@ -336,6 +336,8 @@ class Turn:
         self.prereserved: (
             tuple[ratelimit.ReserveRequest, ratelimit.Reservation | ratelimit.Wait | ratelimit.Unlimited] | None
         ) = None
+        # The model call this turn last reserved, or was about to: (model, input tokens, output tokens).
+        self.call_ahead: tuple[str, int, int] | None = None
 
     def run(
         self, header: dict[bytes, bytes], loaded: list[Any], watched: bool = False, noted: bytes | None = None
@@ -418,8 +420,29 @@ class Turn:
         asks (None for the others, and for a call of another model)."""
         if self.prereserved is None or self.prereserved[0].model != model:
             return None
-        answer, self.prereserved = self.prereserved[1], None
+        (request, answer), self.prereserved = self.prereserved, None
+        self.note_reserved(model, request.need)
         return answer
+
+    def note_reserved(self, model: str, need: ratelimit.Need) -> None:
+        """The call this turn reserves: should the turn be deferred (a wait for the budget or a slot, a
+        model error's backoff), its next attempt's job carries it, for that attempt's lease to reserve."""
+        self.call_ahead = (model, need.input, need.output)
+
+    def call_to_carry(self) -> tuple[str, int, int] | None:
+        """The call a deferred attempt of this turn is to reserve with its lease (``note_reserved``): the one
+        the lease reserved if no call took it yet, else the last one this turn reserved; None if none."""
+        if self.prereserved is not None:
+            request = self.prereserved[0]
+            return request.model, request.need.input, request.need.output
+        return self.call_ahead
+
+    def stage_deferred(self, state: RunState, pipe: Any, n: int, delay: float) -> None:
+        """Record the turn as deferred for ``delay`` seconds, the run's ``n``-th re-enqueue, with what its
+        job is to carry: where the run's window starts and the call it is to make."""
+        stage_turn(
+            pipe, self.r, self.run_id, self.turn, n, delay=delay, window=state.window_start, call=self.call_to_carry()
+        )
 
     def give_back_prereserved(self) -> None:
         """The turn ends without the call reserved with its lease (it stopped, waited for a slot, lost its
@@ -737,7 +760,7 @@ class Turn:
             self.token,
             model_errors=errors,
             delay_ms=int(delay * 1000),
-            enqueue_later=lambda pipe, n: stage_turn(pipe, self.r, self.run_id, self.turn, n, delay=delay),
+            enqueue_later=lambda pipe, n: self.stage_deferred(state, pipe, n, delay),
             reason=f"{exc.kind}: {exc}"[:500],
         )
         return "deferred"
@@ -761,7 +784,7 @@ class Turn:
             self.token,
             model_errors=state.model_errors,
             delay_ms=int(wait.seconds * 1000),
-            enqueue_later=lambda pipe, n: stage_turn(pipe, self.r, self.run_id, self.turn, n, delay=wait.seconds),
+            enqueue_later=lambda pipe, n: self.stage_deferred(state, pipe, n, wait.seconds),
             reason=f"rate_limit_budget: {wait}"[:500],
         )
         return "deferred"
@@ -773,7 +796,7 @@ class Turn:
         emit(self.r, self.run_id, "waiting_for_slot", turn=self.turn, key=key, in_flight=slot.held, ahead=slot.ahead)
 
         def later(pipe: Any, n: int) -> None:
-            stage_turn(pipe, self.r, self.run_id, self.turn, n, delay=SLOT_POLL)
+            self.stage_deferred(state, pipe, n, SLOT_POLL)
             expires = now_ms() + int((SLOT_POLL + SLOT_GRACE) * 1000)
             concurrency.stage_wake(pipe, key, self.run_id, deferred_member(self.run_id, self.turn, n), expires)
 
