@@ -27,7 +27,7 @@ WAITER_GRACE_MS = 60_000  # a waiter whose deferral never landed keeps its place
 class Slot:
     granted: bool
     held: int  # turns of the key in flight (with this one, when granted)
-    ahead: int  # live waiters ahead of this run
+    ahead: int  # waiters ahead of this run: the live ones it read, and those it did not need to read
     limited: bool = True
 
 

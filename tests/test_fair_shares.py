@@ -51,6 +51,28 @@ def test_slots_are_granted_up_to_the_limit_then_in_line_and_a_dead_holders_slot_
     assert r.zcard(keys.waiting) == 0
 
 
+def test_a_long_line_for_a_slot_costs_a_turn_a_few_reads_and_nobody_overtakes(r: Redis) -> None:
+    """A big tenant's thousand runs wait in its key's line. A turn reads the line from its head only
+    until the waiters read take the slots left, and counts those it did not read as ahead of it: so
+    putting 1,000 in line reads a few waiters each, where reading every waiter ahead made it a million
+    reads; a run is still granted only once no live waiter ahead of it would be left without a slot."""
+    runs = ["holder", *(f"w{i:04d}" for i in range(1000)), "newcomer"]
+    for run_id in runs:
+        _hold(r, run_id, f"1:{run_id}")
+    assert concurrency.acquire(r, "big", "holder", 2, "1:holder").granted
+    r.config_resetstat()
+    line = [concurrency.acquire(r, "big", run_id, 2, f"1:{run_id}") for run_id in runs[1:-1]]
+    reads = r.info("commandstats")["cmdstat_hget"]["calls"]
+    assert [slot.granted for slot in line] == [True] + [False] * 999  # the second slot, then the line
+    assert reads <= 2 * 1000, f"{reads} waiters read to put 1,000 in line"
+    assert line[-1].ahead == 998 and line[1].ahead == 0
+    assert not concurrency.acquire(r, "big", "newcomer", 2, "1:newcomer").granted
+    concurrency.release(r, "big", "holder", "1:holder")  # one slot free: w0001's, first in line
+    assert not concurrency.acquire(r, "big", "w0500", 2, "1:w0500").granted, "a waiter went ahead of 499"
+    assert not concurrency.acquire(r, "big", "newcomer", 2, "1:newcomer").granted
+    assert concurrency.acquire(r, "big", "w0001", 2, "1:w0001").granted
+
+
 def test_an_operator_limit_wins_over_the_runs_own(r: Redis) -> None:
     for run_id in ("a", "b"):
         _hold(r, run_id, f"1:{run_id}")

@@ -104,6 +104,38 @@ def test_a_ticket_nobody_comes_back_for_stops_holding_its_place(r: Redis) -> Non
     assert b"gone" not in r.zrange(keys.waiting, 0, -1)
 
 
+SAMPLE = 8  # the live tickets a call reads at least, if so many are ahead of it (_reserve.lua)
+
+
+def test_a_long_line_costs_a_call_a_few_reads_and_nobody_overtakes(r: Redis) -> None:
+    """A pool saturated by its limit keeps many turns in line. A call reads the line from its head only as
+    far as decides its answer: once the tickets it read ask more than the budget holds, it waits, its wait
+    estimated from them, scaled to its place (exact when the calls are alike, as here). So each call of
+    a line of 2,000 costs a few reads, where reading every ticket ahead made a saturated pool's
+    reservations cost Redis in proportion to the line; and a call is granted only once the budget covers
+    every live ticket ahead of it."""
+    limits = Limits(itpm=1000)
+    keys = LimitKeys.of(MODEL)
+    first = take(r, "first-call", Need(1000, 0), limits)  # the bucket is empty now
+    assert isinstance(first, Reservation)
+    r.config_resetstat()
+    line = [take(r, f"w{i:04d}", Need(100, 0), limits) for i in range(2000)]
+    reads = r.info("commandstats")["cmdstat_hget"]["calls"]
+    assert all(isinstance(got, Wait) for got in line) and r.zcard(keys.waiting) == 2000
+    assert reads <= (SAMPLE + 2) * 2000, f"{reads} tickets read to put 2,000 in line"
+    # 100 tokens refill every 360 s of this test's "minute": the last waits for the 1,999 ahead and its own.
+    assert line[-1].seconds == pytest.approx(2000 * SLOW / 10, rel=0.001), line[-1].seconds
+    assert line[0].seconds == pytest.approx(SLOW / 10, rel=0.001), line[0].seconds
+    # 150 come back (the first call used 850): enough for the first in line only.
+    assert settle(r, first, used_in=850, limits=limits)
+    r.config_resetstat()
+    assert isinstance(take(r, "w1000", Need(100, 0), limits), Wait), "a ticket went ahead of 1,000 waiting"
+    assert isinstance(take(r, "newcomer", Need(100, 0), limits), Wait), "a newcomer went ahead of the line"
+    assert isinstance(take(r, "w0000", Need(100, 0), limits), Reservation)
+    assert r.info("commandstats")["cmdstat_hget"]["calls"] <= 3 * (SAMPLE + 2)
+    assert r.zrange(keys.waiting, 0, 1) == [b"w0001", b"w0002"]
+
+
 def test_settling_gives_back_what_the_call_did_not_use_once(r: Redis) -> None:
     limits = Limits(otpm=1000)
     got = take(r, "t", Need(10, 900), limits)

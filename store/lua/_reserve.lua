@@ -67,29 +67,55 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
   -- Listed among the models with a budget when its budget is first written here (settle lists it again
   -- when it learns a limit it did not know).
   if not b.at then redis.call('SADD', models, a[3]) end
-  -- What the live tickets ahead of this one need (expired ones leave the line). The budget's 'line' says
-  -- whether anybody may be in line: '0' once a call found it empty, so the usual call reads no line at all.
+  -- What the live tickets ahead of this one need (expired ones leave the line as they are read). The
+  -- budget's 'line' says whether anybody may be in line: '0' once a call found it empty, so the usual
+  -- call reads no line at all. The line is read from its head only as far as it decides the answer:
+  -- once the tickets read (with this call; at least SAMPLE live ones) ask more than the budget holds,
+  -- this call waits whatever the rest need, and its wait is estimated from those read, scaled to how
+  -- many are ahead of it. A call is granted only once every ticket ahead of it was read and the budget
+  -- covers them all, so nobody overtakes a live ticket; a long line costs a call a few reads, not one
+  -- per ticket in it.
   local ahead = {0, 0, 0}
-  local in_line = false  -- whether this call's ticket holds a place already (it waited before)
-  local behind = 0  -- live tickets left in line once this call is through
-  if b.line ~= '0' then
-    local members = redis.call('ZRANGE', waiting, 0, -1)
-    for n, m in ipairs(members) do
-      if m == a[4] then
-        in_line = true
-        behind = behind + #members - n
-        break
-      end
-      local rec = redis.call('HGET', needs, m)
-      local r, i_, o, exp = string.match(rec or '', '^(%S+) (%S+) (%S+) (%S+)$')
-      if not exp or tonumber(exp) < now then
-        redis.call('ZREM', waiting, m)
-        redis.call('HDEL', needs, m)
-      else
-        ahead[1], ahead[2], ahead[3] = ahead[1] + tonumber(r), ahead[2] + tonumber(i_), ahead[3] + tonumber(o)
-        behind = behind + 1
-      end
+  local SAMPLE = 8  -- live tickets read at least (if so many are ahead): what the estimate averages
+  local function outrun()
+    for i = 1, 3 do
+      if limit[i] > 0 and level[i] < ahead[i] + math.min(need[i], limit[i]) then return true end
     end
+    return false
+  end
+  local in_line = false  -- whether this call's ticket holds a place already (it waited before)
+  local behind = 0  -- live tickets left in line once this call is through (only needed if granted)
+  if b.line ~= '0' then
+    local rank = redis.call('ZRANK', waiting, a[4])
+    local count = redis.call('ZCARD', waiting)
+    in_line = rank ~= false
+    local upto = in_line and rank or count  -- tickets ahead of this one, expired ones included
+    local read, live, start = 0, 0, 0
+    while read < upto and (live < SAMPLE or not outrun()) do
+      local chunk = redis.call('ZRANGE', waiting, start, start + math.min(upto - read, 32) - 1)
+      if #chunk == 0 then break end
+      local removed = 0
+      for _, m in ipairs(chunk) do
+        read = read + 1
+        local rec = redis.call('HGET', needs, m)
+        local r, i_, o, exp = string.match(rec or '', '^(%S+) (%S+) (%S+) (%S+)$')
+        if not exp or tonumber(exp) < now then
+          redis.call('ZREM', waiting, m)
+          redis.call('HDEL', needs, m)
+          removed = removed + 1
+        else
+          ahead[1], ahead[2], ahead[3] = ahead[1] + tonumber(r), ahead[2] + tonumber(i_), ahead[3] + tonumber(o)
+          live = live + 1
+          if live >= SAMPLE and outrun() then break end
+        end
+      end
+      start = start + #chunk - removed
+    end
+    local unread = upto - read
+    if unread > 0 and live > 0 then  -- the wait's estimate: the unread ahead as those read, on average
+      for i = 1, 3 do ahead[i] = ahead[i] * (live + unread) / live end
+    end
+    behind = live + unread + (in_line and count - rank - 1 or 0)
   end
   local wait = 0
   for i = 1, 3 do

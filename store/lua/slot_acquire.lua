@@ -8,7 +8,8 @@
 -- ARGV[1] concurrency key  ARGV[2] run id  ARGV[3] the run's max_concurrency (0: none)
 -- ARGV[4] how long a waiter's place lasts without its wake record (ms)  ARGV[5] this turn's lease token
 -- ARGV[6..] the holders ("<run id>|<token>")
--- Returns {1, held, ahead} granted (or already held), {0, held, ahead} wait, {2, 0, 0} no limit.
+-- Returns {1, held, ahead} granted (or already held), {0, held, ahead} wait, {2, 0, 0} no limit; ahead
+-- counts the live waiters read ahead of this run and those not read.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local limit = tonumber(redis.call('HGET', KEYS[4], ARGV[1]) or ARGV[3])
@@ -21,20 +22,33 @@ for i = 6, #ARGV do
   if redis.call('GET', KEYS[i]) ~= token then redis.call('ZREM', KEYS[1], ARGV[i]) end
 end
 local held = redis.call('ZCARD', KEYS[1])
-local ahead = 0
-local line = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
-for i = 1, #line, 2 do
-  local m, since = line[i], tonumber(line[i + 1])
-  if m == ARGV[2] then break end
-  local wake = redis.call('HGET', KEYS[3], m)
-  local expires = wake and tonumber(string.match(wake, '^(%d+)|')) or (since + tonumber(ARGV[4]))
-  if expires < now then
-    redis.call('ZREM', KEYS[2], m)
-    redis.call('HDEL', KEYS[3], m)
-  else
-    ahead = ahead + 1
+-- The waiters ahead of this run, read from the head of the line only until they alone take the slots
+-- left: this run then waits whatever the rest are, and those not read count as ahead of it (a long
+-- line costs a turn a few reads, not one per waiter). Expired waiters leave the line as they are read.
+local rank = redis.call('ZRANK', KEYS[2], ARGV[2])
+local upto = rank or redis.call('ZCARD', KEYS[2])
+local ahead, read, start = 0, 0, 0
+while read < upto and held + ahead < limit do
+  local line = redis.call('ZRANGE', KEYS[2], start, start + math.min(upto - read, 32) - 1, 'WITHSCORES')
+  if #line == 0 then break end
+  local removed = 0
+  for i = 1, #line, 2 do
+    local m, since = line[i], tonumber(line[i + 1])
+    read = read + 1
+    local wake = redis.call('HGET', KEYS[3], m)
+    local expires = wake and tonumber(string.match(wake, '^(%d+)|')) or (since + tonumber(ARGV[4]))
+    if expires < now then
+      redis.call('ZREM', KEYS[2], m)
+      redis.call('HDEL', KEYS[3], m)
+      removed = removed + 1
+    else
+      ahead = ahead + 1
+      if held + ahead >= limit then break end
+    end
   end
+  start = start + #line / 2 - removed
 end
+ahead = ahead + upto - read
 if held + ahead < limit then
   redis.call('ZADD', KEYS[1], now, mine)
   redis.call('ZREM', KEYS[2], ARGV[2])
