@@ -204,12 +204,10 @@ def pause(r: Redis, model: str, seconds: float) -> None:
 def leave_line(r: Redis, model: str, ticket: str) -> None:
     """Take ``ticket`` out of the line of calls waiting for ``model``'s budget: its turn will not call
     (a reservation answered with the lease, for a turn that then ended otherwise). Left there, it would
-    hold back the calls behind it until it expired."""
+    hold back the calls behind it until it expired, and its need would be counted in the line's sum,
+    which a newcomer waits for."""
     keys = LimitKeys.of(model)
-    with r.pipeline(transaction=False) as pipe:
-        pipe.zrem(keys.waiting, ticket)
-        pipe.hdel(keys.needs, ticket)
-        pipe.execute()
+    run_script("limit_leave", r, [keys.budget, keys.waiting, keys.needs], [ticket])
 
 
 @dataclass(frozen=True)

@@ -109,29 +109,34 @@ SAMPLE = 8  # the live tickets a call reads at least, if so many are ahead of it
 
 def test_a_long_line_costs_a_call_a_few_reads_and_nobody_overtakes(r: Redis) -> None:
     """A pool saturated by its limit keeps many turns in line. A call reads the line from its head only as
-    far as decides its answer: once the tickets it read ask more than the budget holds, it waits, its wait
-    estimated from them, scaled to its place (exact when the calls are alike, as here). So each call of
-    a line of 2,000 costs a few reads, where reading every ticket ahead made a saturated pool's
-    reservations cost Redis in proportion to the line; and a call is granted only once the budget covers
-    every live ticket ahead of it."""
+    far as decides its answer: once the tickets it read ask more than the budget holds, it waits. A
+    newcomer waits for what the whole line needs (the budget keeps its sum as tickets join and leave),
+    exactly, whatever the tickets it read. So each call into a line of 2,000 costs a few reads, where
+    reading every ticket ahead made a saturated pool's reservations cost Redis in proportion to its line;
+    and a call is granted only once the budget covers every live ticket ahead of it."""
     limits = Limits(itpm=1000)
     keys = LimitKeys.of(MODEL)
     first = take(r, "first-call", Need(1000, 0), limits)  # the bucket is empty now
     assert isinstance(first, Reservation)
+    # The first few in line need less than the rest: an estimate from them alone would be a third too short.
+    needs = [50] * SAMPLE + [150] * (2000 - SAMPLE)
     r.config_resetstat()
-    line = [take(r, f"w{i:04d}", Need(100, 0), limits) for i in range(2000)]
+    line = [take(r, f"w{i:04d}", Need(n, 0), limits) for i, n in enumerate(needs)]
     reads = r.info("commandstats")["cmdstat_hget"]["calls"]
     assert all(isinstance(got, Wait) for got in line) and r.zcard(keys.waiting) == 2000
     assert reads <= (SAMPLE + 2) * 2000, f"{reads} tickets read to put 2,000 in line"
-    # 100 tokens refill every 360 s of this test's "minute": the last waits for the 1,999 ahead and its own.
-    assert line[-1].seconds == pytest.approx(2000 * SLOW / 10, rel=0.001), line[-1].seconds
-    assert line[0].seconds == pytest.approx(SLOW / 10, rel=0.001), line[0].seconds
+    # 1,000 tokens refill in this test's "minute": each waits for those ahead of it and its own.
+    expected = [(sum(needs[: i + 1])) * SLOW / 1000 for i in range(2000)]
+    assert [got.seconds for got in line] == pytest.approx(expected, rel=0.001)
+    ratelimit.leave_line(r, MODEL, "w0005")  # its turn will not call: its need leaves the line's sum
+    late = take(r, "late", Need(150, 0), limits)
+    assert isinstance(late, Wait) and late.seconds == pytest.approx((sum(needs) - 50 + 150) * SLOW / 1000, rel=0.001)
     # 150 come back (the first call used 850): enough for the first in line only.
     assert settle(r, first, used_in=850, limits=limits)
     r.config_resetstat()
-    assert isinstance(take(r, "w1000", Need(100, 0), limits), Wait), "a ticket went ahead of 1,000 waiting"
-    assert isinstance(take(r, "newcomer", Need(100, 0), limits), Wait), "a newcomer went ahead of the line"
-    assert isinstance(take(r, "w0000", Need(100, 0), limits), Reservation)
+    assert isinstance(take(r, "w1000", Need(150, 0), limits), Wait), "a ticket went ahead of 1,000 waiting"
+    assert isinstance(take(r, "newcomer", Need(50, 0), limits), Wait), "a newcomer went ahead of the line"
+    assert isinstance(take(r, "w0000", Need(50, 0), limits), Reservation)
     assert r.info("commandstats")["cmdstat_hget"]["calls"] <= 3 * (SAMPLE + 2)
     assert r.zrange(keys.waiting, 0, 1) == [b"w0001", b"w0002"]
 

@@ -9,7 +9,8 @@ local function budget_fields()
 end
 -- read_budget(key, held) -> the fields the scripts read of a budget, in one HMGET, without a loop that
 -- builds a table of the whole hash (about the same cost in Redis's instructions, measured with callgrind):
---   b:       b.at, b.line, b.headerless, b.started_at ('started:at'), b.swept, b.hashtable, b.pause
+--   b:       b.at, b.line, b.headerless, b.started_at ('started:at'), b.swept, b.hashtable, b.pause,
+--            b.line_sum ('line:sum': what the tickets in line need together, "requests input output")
 --   learned, level, started: by dimension, the fields above
 --   entries: the held entries of the reservation ids in the list `held`, in its order
 -- Each value as stored (a string), nil when the field is not there.
@@ -19,18 +20,18 @@ local function read_budget(key, held)
   if #held <= 1 then
     v = redis.call('HMGET', key, 'at', 'line', 'headerless', 'started:at', 'swept', 'learned:requests',
       'learned:input', 'learned:output', 'level:requests', 'level:input', 'level:output', 'started:requests',
-      'started:input', 'started:output', 'hashtable', 'pause', 'held:' .. (held[1] or ''))
+      'started:input', 'started:output', 'hashtable', 'pause', 'line:sum', 'held:' .. (held[1] or ''))
   else
     local names = {'at', 'line', 'headerless', 'started:at', 'swept', 'learned:requests', 'learned:input',
       'learned:output', 'level:requests', 'level:input', 'level:output', 'started:requests', 'started:input',
-      'started:output', 'hashtable', 'pause'}
+      'started:output', 'hashtable', 'pause', 'line:sum'}
     for _, rid in ipairs(held) do table.insert(names, 'held:' .. rid) end
     v = redis.call('HMGET', key, unpack(names))
   end
   local entries = {}
-  for j = 1, #held do entries[j] = v[16 + j] end
+  for j = 1, #held do entries[j] = v[17 + j] end
   return {at = v[1], line = v[2], headerless = v[3], started_at = v[4], swept = v[5], hashtable = v[15],
-      pause = v[16]},
+      pause = v[16], line_sum = v[17]},
     {v[6], v[7], v[8]}, {v[9], v[10], v[11]}, {v[12], v[13], v[14]}, entries
 end
 -- as_hashtable(b, fields): `fields` (to be written to the budget read as `b`) with the budget's

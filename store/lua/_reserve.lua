@@ -71,10 +71,13 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
   -- budget's 'line' says whether anybody may be in line: '0' once a call found it empty, so the usual
   -- call reads no line at all. The line is read from its head only as far as it decides the answer:
   -- once the tickets read (with this call; at least SAMPLE live ones) ask more than the budget holds,
-  -- this call waits whatever the rest need, and its wait is estimated from those read, scaled to how
-  -- many are ahead of it. A call is granted only once every ticket ahead of it was read and the budget
-  -- covers them all, so nobody overtakes a live ticket; a long line costs a call a few reads, not one
-  -- per ticket in it.
+  -- this call waits whatever the rest need, and its wait is counted from what every ticket in line
+  -- needs together (the budget's 'line:sum', kept by each call that joins or leaves the line) if it
+  -- is new to the line, else estimated from those read, scaled to how many are ahead of it (a ticket
+  -- that waited once comes back when those ahead should be through, near the head, where it reads
+  -- them all). A call is granted only once every ticket ahead of it was read and the budget covers
+  -- them all, so nobody overtakes a live ticket; a long line costs a call a few reads, not one per
+  -- ticket in it.
   local ahead = {0, 0, 0}
   local SAMPLE = 8  -- live tickets read at least (if so many are ahead): what the estimate averages
   local function outrun()
@@ -85,10 +88,16 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
   end
   local in_line = false  -- whether this call's ticket holds a place already (it waited before)
   local behind = 0  -- live tickets left in line once this call is through (only needed if granted)
+  local sum = {0, 0, 0}  -- what the tickets in line need together
+  local own = {0, 0, 0}  -- what this call's ticket needs as the line holds it (if it holds a place)
   if b.line ~= '0' then
     local rank = redis.call('ZRANK', waiting, a[4])
     local count = redis.call('ZCARD', waiting)
     in_line = rank ~= false
+    if count > 0 then
+      local r, i_, o = string.match(b.line_sum or '', '^(%S+) (%S+) (%S+)$')
+      if r then sum = {tonumber(r), tonumber(i_), tonumber(o)} end
+    end
     local upto = in_line and rank or count  -- tickets ahead of this one, expired ones included
     local read, live, start = 0, 0, 0
     while read < upto and (live < SAMPLE or not outrun()) do
@@ -103,6 +112,7 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
           redis.call('ZREM', waiting, m)
           redis.call('HDEL', needs, m)
           removed = removed + 1
+          if exp then sum[1], sum[2], sum[3] = sum[1] - tonumber(r), sum[2] - tonumber(i_), sum[3] - tonumber(o) end
         else
           ahead[1], ahead[2], ahead[3] = ahead[1] + tonumber(r), ahead[2] + tonumber(i_), ahead[3] + tonumber(o)
           live = live + 1
@@ -112,10 +122,24 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
       start = start + #chunk - removed
     end
     local unread = upto - read
-    if unread > 0 and live > 0 then  -- the wait's estimate: the unread ahead as those read, on average
+    if unread > 0 and not in_line then  -- every ticket in line is ahead of a newcomer
+      for i = 1, 3 do ahead[i] = math.max(ahead[i], sum[i]) end
+    elseif unread > 0 and live > 0 then  -- the wait's estimate: the unread ahead as those read, on average
       for i = 1, 3 do ahead[i] = ahead[i] * (live + unread) / live end
     end
     behind = live + unread + (in_line and count - rank - 1 or 0)
+    if in_line then
+      local r, i_, o = string.match(redis.call('HGET', needs, a[4]) or '', '^(%S+) (%S+) (%S+) %S+$')
+      if r then own = {tonumber(r), tonumber(i_), tonumber(o)} end
+    end
+  end
+  -- The line's sum once this call waits (its need in, in place of what its ticket held) or is granted
+  -- (its ticket's need out; nothing left once nobody is behind it).
+  local function line_sum(fields, joining)
+    local out = {}
+    for i = 1, 3 do out[i] = math.max(0, sum[i] - own[i] + (joining and need[i] or 0)) end
+    if not joining and behind == 0 then out = {0, 0, 0} end
+    table.insert(fields, 'line:sum'); table.insert(fields, string.format('%.0f %.0f %.0f', out[1], out[2], out[3]))
   end
   local wait = 0
   for i = 1, 3 do
@@ -132,6 +156,7 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
       if limit[i] > 0 then table.insert(fields, LEVEL[i]); table.insert(fields, level[i]) end
     end
     table.insert(fields, 'line'); table.insert(fields, 1)
+    line_sum(fields, true)
     redis.call('HSET', budget, unpack(as_hashtable(b, fields)))  -- not granted: nothing held
     redis.call('ZADD', waiting, 'NX', now, a[4])
     redis.call('HSET', needs, a[4],
@@ -142,6 +167,7 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
     if limit[i] > 0 then table.insert(fields, LEVEL[i]); table.insert(fields, level[i] - need[i]) end
   end
   if b.line ~= '0' and behind == 0 then table.insert(fields, 'line'); table.insert(fields, 0) end
+  if b.line ~= '0' then line_sum(fields, false) end
   table.insert(fields, held_field); table.insert(fields, entry)
   redis.call('HSET', budget, unpack(as_hashtable(b, fields)))
   if in_line then
