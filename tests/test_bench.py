@@ -138,6 +138,7 @@ MORE_TABLES = {
 
 # What else a section's output must say: the ratios its targets are judged by, measured in the same run.
 MORE_LINES = {
+    "limits": ["limiter on (learned): the most commands a turn: "],
     "redis": [
         "CPU vs bare RQ",
         "forking turn / threaded turn, Redis shares all: commands",
