@@ -141,6 +141,18 @@ def test_a_long_line_costs_a_call_a_few_reads_and_nobody_overtakes(r: Redis) -> 
     assert r.zrange(keys.waiting, 0, 1) == [b"w0001", b"w0002"]
 
 
+def test_a_line_begun_before_the_budget_kept_its_sum_is_estimated_not_taken_for_short(r: Redis) -> None:
+    """Workers of an earlier release put tickets in line without the line's sum: a newcomer then
+    estimates what the unread tickets need from those it read, as a ticket in line does, instead of
+    waiting only for those it read."""
+    limits = Limits(itpm=1000)
+    assert isinstance(take(r, "first-call", Need(1000, 0), limits), Reservation)  # the bucket is empty now
+    assert all(isinstance(take(r, f"w{i:03d}", Need(100, 0), limits), Wait) for i in range(100))
+    r.hdel(LimitKeys.of(MODEL).budget, "line:sum")  # as an earlier release left the budget
+    late = take(r, "late", Need(100, 0), limits)
+    assert isinstance(late, Wait) and late.seconds == pytest.approx(101 * 100 * SLOW / 1000, rel=0.001), late
+
+
 def test_settling_gives_back_what_the_call_did_not_use_once(r: Redis) -> None:
     limits = Limits(otpm=1000)
     got = take(r, "t", Need(10, 900), limits)

@@ -94,9 +94,11 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
     local rank = redis.call('ZRANK', waiting, a[4])
     local count = redis.call('ZCARD', waiting)
     in_line = rank ~= false
+    -- (A line an earlier release began has no sum: its newcomers estimate, as a ticket in line does.)
+    local summed = count == 0
     if count > 0 then
       local r, i_, o = string.match(b.line_sum or '', '^(%S+) (%S+) (%S+)$')
-      if r then sum = {tonumber(r), tonumber(i_), tonumber(o)} end
+      if r then sum, summed = {tonumber(r), tonumber(i_), tonumber(o)}, true end
     end
     local upto = in_line and rank or count  -- tickets ahead of this one, expired ones included
     local read, live, start = 0, 0, 0
@@ -122,7 +124,7 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
       start = start + #chunk - removed
     end
     local unread = upto - read
-    if unread > 0 and not in_line then  -- every ticket in line is ahead of a newcomer
+    if unread > 0 and not in_line and summed then  -- every ticket in line is ahead of a newcomer
       for i = 1, 3 do ahead[i] = math.max(ahead[i], sum[i]) end
     elseif unread > 0 and live > 0 then  -- the wait's estimate: the unread ahead as those read, on average
       for i = 1, 3 do ahead[i] = ahead[i] * (live + unread) / live end
