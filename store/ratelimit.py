@@ -474,6 +474,9 @@ class BudgetView:
     # limited the model is in flight, with what it needs, until it settles).
     held: dict[str, int]
     waiting: int
+    # What the turns waiting in line need together, by dimension (the budget's 'line:sum'); empty when
+    # nobody waits, or the line was begun by a release that kept no sum.
+    in_line: dict[str, int] = field(default_factory=dict)
 
 
 def show(r: Redis) -> list[BudgetView]:
@@ -489,6 +492,10 @@ def show(r: Redis) -> list[BudgetView]:
         held = _held(budget)
         fields = {k.decode(): v.decode() for k, v in budget.items() if k not in held}
         inflight = {"calls": len(held), "input": 0, "output": 0}
+        summed = fields.get("line:sum", "").split()
+        in_line = {}
+        if waiting and len(summed) == len(DIMENSIONS) and all(part.isdigit() for part in summed):
+            in_line = dict(zip(DIMENSIONS, map(int, summed), strict=True))
         for value in held.values():
             parts = value.decode().split()
             inflight["input"] += int(float(parts[0]))
@@ -501,6 +508,7 @@ def show(r: Redis) -> list[BudgetView]:
                 at_ms=int(float(fields.get("at", 0))),
                 held=inflight,
                 waiting=int(waiting),
+                in_line=in_line,
             )
         )
     return views

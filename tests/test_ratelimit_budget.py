@@ -4,6 +4,10 @@ corrections, what the API's headers teach, and the line waiting turns stand in."
 from __future__ import annotations
 
 import math
+import os
+import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -151,6 +155,29 @@ def test_a_line_begun_before_the_budget_kept_its_sum_is_estimated_not_taken_for_
     r.hdel(LimitKeys.of(MODEL).budget, "line:sum")  # as an earlier release left the budget
     late = take(r, "late", Need(100, 0), limits)
     assert isinstance(late, Wait) and late.seconds == pytest.approx(101 * 100 * SLOW / 1000, rel=0.001), late
+
+
+def test_limits_show_says_what_the_turns_in_line_need_and_how_long_that_is(r: Redis, redis_server) -> None:
+    limits = Limits(itpm=1000)
+    assert isinstance(take(r, "first-call", Need(1000, 0), limits), Reservation)  # the bucket is empty now
+    assert all(isinstance(take(r, f"w{i}", Need(200, 10), limits), Wait) for i in range(3))
+    (view,) = ratelimit.show(r)
+    assert view.waiting == 3 and view.in_line == {"requests": 3, "input": 600, "output": 30}
+    env = {**os.environ, "REDIS_URL": redis_server.url, "AGENTPOOL_RATE_LIMITS": f"{MODEL}=itpm:1000"}
+    env["AGENTPOOL_RATE_LIMIT_MINUTE"] = str(SLOW)
+    shown = subprocess.run(
+        [sys.executable, "-m", "agentpool", "limits", "show"], env=env, capture_output=True, text=True, check=False
+    )
+    assert shown.returncode == 0, shown.stderr
+    (row,) = [line.split() for line in shown.stdout.splitlines() if "input tokens/min" in line]
+    assert row[-1] == "600", shown.stdout  # the column "in line"
+    # 600 tokens at 1,000 a "minute" of an hour: 2,160 s of refill.
+    seconds = re.search(r"the turns in line need about (\d+) s of refill", shown.stdout)
+    assert seconds and abs(int(seconds.group(1)) - 2160) <= 5, shown.stdout
+    take(r, "w0", Need(200, 10), limits)  # back again, still waiting: counted once
+    ratelimit.leave_line(r, MODEL, "w1")
+    (view,) = ratelimit.show(r)
+    assert view.waiting == 2 and view.in_line == {"requests": 2, "input": 400, "output": 20}
 
 
 def test_settling_gives_back_what_the_call_did_not_use_once(r: Redis) -> None:

@@ -87,7 +87,11 @@ def _show(r: Redis, settings: Settings, *, shards: int) -> None:
     for view in views:
         configured = _configured(settings.rate_limits, view.model, shards)
         click.echo(f"{view.model}: {view.held['calls']} call(s) in flight, {view.waiting} turn(s) waiting in line")
-        click.echo(f"  {'':<18} {'learned':>10} {'set here':>10} {'in force':>10} {'left now':>10} {'reserved':>10}")
+        click.echo(
+            f"  {'':<18} {'learned':>10} {'set here':>10} {'in force':>10} {'left now':>10} {'reserved':>10} "
+            f"{'in line':>10}"
+        )
+        clears = 0.0  # seconds of refill the line needs beyond what is left, in its slowest dimension
         for dim in ratelimit.DIMENSIONS:
             learned = view.learned.get(dim)
             cap = configured.get(dim)
@@ -96,11 +100,16 @@ def _show(r: Redis, settings: Settings, *, shards: int) -> None:
             if limit and dim in view.levels:
                 elapsed = max(0.0, (now_ms() - view.at_ms) / 1000)
                 left = f"{min(limit, view.levels[dim] + elapsed * limit / minute):.0f}"
-            reserved = str(view.held.get(dim, view.held["calls"] if dim == "requests" else 0))
+            reserved = f"{view.held.get(dim, view.held['calls'] if dim == 'requests' else 0):,}"
+            in_line = view.in_line.get(dim)
+            if limit and in_line is not None:
+                clears = max(clears, (in_line - float(left or 0)) * minute / limit)
             click.echo(
                 f"  {_LABELS[dim]:<18} {_num(learned):>10} {_num(cap):>10} {_num(limit) or 'none':>10} "
-                f"{left:>10} {reserved:>10}"
+                f"{left:>10} {reserved:>10} {_num(in_line):>10}"
             )
+        if view.in_line:
+            click.echo(f"  the turns in line need about {max(0.0, clears):.0f} s of refill at the limits in force")
     if not settings.rate_limiter:
         click.echo("\nnote: AGENTPOOL_RATE_LIMITER=off here: workers started with it do not use these budgets")
     from agentpool.store import concurrency
@@ -123,5 +132,5 @@ def _configured(configured: dict, model: str, shards: int) -> dict[str, int]:
     }
 
 
-def _num(value: int | None) -> str:
-    return f"{value:,}" if value else ""
+def _num(value: float | None) -> str:
+    return f"{value:,.0f}" if value else ""
