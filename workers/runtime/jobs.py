@@ -162,9 +162,12 @@ def deferred_meta(raw: bytes | None, jid: str) -> tuple[int | None, tuple[str, i
         return None, None
     if carried_jid != jid:
         return None, None
-    window = window if type(window) is int and window >= 0 else None
-    valid = isinstance(call, list) and len(call) == 3 and isinstance(call[0], str)
-    return window, (call[0], call[1], call[2]) if valid and all(type(n) is int and n > 0 for n in call[1:]) else None
+    if type(window) is not int or window < 0:
+        window = None
+    counts = call[1:] if isinstance(call, list) and len(call) == 3 and isinstance(call[0], str) else []
+    if not counts or any(type(n) is not int or n < 1 for n in counts):
+        return window, None
+    return window, (call[0], counts[0], counts[1])
 
 
 def turn_job(
@@ -274,9 +277,8 @@ def stage_turn(
     writes. ``attempt`` names the job as the run's n-th re-enqueue (see ``job_id``). With ``delay``, the
     turn is recorded as due in ``delay`` seconds instead, in the same transaction; the reaper enqueues it
     then, carrying ``window`` and ``call`` (``deferred_meta``). ``at_front``: ahead of every turn waiting
-    (see ``enqueue_turn``). The job goes on the run's
-    queue: ``queue`` when the caller knows it (a run being made does not have its header yet), else the
-    one its header names. ``window``: where the run's window starts, when the caller knows (see
+    (see ``enqueue_turn``). The job goes on the run's queue: ``queue`` when the caller knows it (a run
+    being made does not have its header yet), else the one its header names. ``window``: where the run's window starts, when the caller knows (see
     ``turn_job``). ``with_header=False``: the caller writes the header's ``job`` field (``job_id``) itself.
     ``call``: the model call the turn is to make, for its lease to reserve (see ``turn_job``)."""
     if delay > 0:
