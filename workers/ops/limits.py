@@ -96,20 +96,20 @@ def _show(r: Redis, settings: Settings, *, shards: int) -> None:
             learned = view.learned.get(dim)
             cap = configured.get(dim)
             limit = min(v for v in (learned, cap) if v) if (learned or cap) else None
-            left = ""
+            left = None
             if limit and dim in view.levels:
                 elapsed = max(0.0, (now_ms() - view.at_ms) / 1000)
-                left = f"{min(limit, view.levels[dim] + elapsed * limit / minute):.0f}"
+                left = min(limit, view.levels[dim] + elapsed * limit / minute)
             reserved = f"{view.held.get(dim, view.held['calls'] if dim == 'requests' else 0):,}"
             in_line = view.in_line.get(dim)
             if limit and in_line is not None:
-                clears = max(clears, (in_line - float(left or 0)) * minute / limit)
+                clears = max(clears, (in_line - (left or 0.0)) * minute / limit)
             click.echo(
                 f"  {_LABELS[dim]:<18} {_num(learned):>10} {_num(cap):>10} {_num(limit) or 'none':>10} "
-                f"{left:>10} {reserved:>10} {_num(in_line):>10}"
+                f"{'' if left is None else f'{left:,.0f}':>10} {reserved:>10} {_num(in_line):>10}"
             )
         if view.in_line:
-            click.echo(f"  the turns in line need about {max(0.0, clears):.0f} s of refill at the limits in force")
+            click.echo(f"  the turns in line need about {clears:.0f} s of refill at the limits in force")
     if not settings.rate_limiter:
         click.echo("\nnote: AGENTPOOL_RATE_LIMITER=off here: workers started with it do not use these budgets")
     from agentpool.store import concurrency
