@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 from redis.client import Pipeline
@@ -54,6 +54,9 @@ from agentpool.store.records import (
 )
 from agentpool.store.scripts import Rider, compact_source, run_script
 from agentpool.store.staged_job import EndedJob, StagedJob, flat
+
+if TYPE_CHECKING:
+    from agentpool.store.spend import Rest
 
 # How long a committed turn may wait in the queue before the reaper checks that its job still exists.
 QUEUED_RECHECK_MS = 30_000
@@ -228,8 +231,8 @@ def parent_keys(r: Redis | Pipeline, run_id: str) -> list[str]:
 def _check(code: int, keys: RunKeys, r: Redis) -> None:
     if code == -5:
         raise MessagesWaiting(f"run {keys.run_id} has messages waiting in its inbox")
-    if code in (-1, -6):  # -6: lost, its call counted already by the turn that took over
-        raise LeaseLost(keys.run_id, counted_by_takeover=code == -6)
+    if code in (-1, -6, -7):  # -6, -7: lost, its call counted already by the turn that took over
+        raise LeaseLost(keys.run_id)
     if code == -2:
         raise RunNotActive(keys.run_id, (r.hget(keys.run, "status") or b"?").decode("utf-8", errors="replace"))
     if code == -3:
@@ -287,13 +290,15 @@ def commit_response(
     clear_handback: bool = True,
     riders: Sequence[Rider] = (),
     window: int | None = None,
+    rest: Rest | None = None,
 ) -> int:
     """Save point A: count the call's ``usage`` and cost with the ``responded`` event, then commit
     its response with the ``event`` that reports it. The spend counts even when the response can no
     longer be committed (the run was cancelled meanwhile, or this worker lost its lease while the
     model answered): the call was made and billed, and usage covers every call paid for. Counted
-    once: a worker that lost its lease counts nothing, and records no ``responded`` event, when the
-    attempt that took the run over has counted the call already from its note (``agentpool.store.spend``).
+    once: a worker that lost its lease records no ``responded`` event when the attempt that took the
+    run over has counted the call already from its note (``agentpool.store.spend``), and counts only
+    the ``rest`` of it (what the note did not know), in the same write.
 
     With a ``final_status`` the run ends in the same step; ``closing`` is then a user message
     appended after the response (the tool_results of tool_uses that will never run), so a run
@@ -352,6 +357,7 @@ def commit_response(
             *(late or ("", "")),
             "1" if clear_handback else "",
             "" if window is None else window,
+            rest.script_arg() if rest else "",
             *script_args(responded, event),
             len(intents),
             *(x for tool_use_id, record, _ in intents for x in (tool_use_id, pack(record))),
@@ -360,10 +366,12 @@ def commit_response(
         ],
         riders,
     )
-    # -6: the lease was lost and the attempt that took the run over had counted the call from its note:
-    # nothing was counted or reported here.
-    if int(code) not in (-4, -5, -6) and responded:  # type: ignore[arg-type]
+    # -6, -7: the lease was lost and the attempt that took the run over had counted the call from its
+    # note: nothing but its rest (-7) was counted or reported here.
+    if int(code) not in (-4, -5, -6, -7) and responded:  # type: ignore[arg-type]
         responded.landed()
+    if int(code) == -7 and rest:  # type: ignore[arg-type]
+        rest.event.landed()
     _check(int(code), keys, r)  # type: ignore[arg-type]
     for landed in (event, *(started for _, _, started in intents)):
         if landed:

@@ -51,14 +51,9 @@ class FenceError(StoreError):
 
 
 class LeaseLost(FenceError):
-    """``counted_by_takeover``: the refused write carried a model call's spend, and the turn that took the
-    run over had counted that call already, from the note made as its reply began (``store.spend``):
-    nothing was counted here, and the call's output after that note is still to count."""
-
-    def __init__(self, run_id: str, *, counted_by_takeover: bool = False) -> None:
+    def __init__(self, run_id: str) -> None:
         super().__init__(f"lost the lease on run {run_id}: another worker owns it now; stopping this turn")
         self.run_id = run_id
-        self.counted_by_takeover = counted_by_takeover
 
 
 class TurnMoved(FenceError):

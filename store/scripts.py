@@ -4,6 +4,7 @@ A script that calls ``record_event`` gets ``store/lua/_event.lua`` prepended, on
 ``remember``/``replayed`` gets ``store/lua/_once.lua``, one that calls ``add_spend``, ``spend_fields`` or
 ``fenced_call`` (or ``spent_ring``) gets ``store/lua/_spend.lua``, one that calls ``join_parent`` gets ``store/lua/_join.lua``,
 one that calls ``roll_up_spend`` or ``tree_exhausted`` gets ``store/lua/_tree.lua``, one that calls
+``count_rest`` gets ``store/lua/_rest.lua``, one that calls
 ``take_webhook`` gets ``store/lua/_webhook.lua``, one that calls ``expire_run_keys`` gets
 ``store/lua/_retention.lua``, one that calls ``reserve_budget`` gets ``store/lua/_reserve.lua``, one that calls
 ``read_budget`` (``_reserve.lua`` does) gets ``store/lua/_budget.lua``: Redis has no includes.
@@ -45,6 +46,7 @@ _HELPERS = (
     ("_join", "join_parent("),
     ("_tree", "roll_up_spend("),
     ("_tree", "tree_exhausted("),
+    ("_rest", "count_rest("),
     ("_webhook", "take_webhook("),
     ("_retention", "expire_run_keys("),
     ("_budget", "read_budget("),

@@ -13,26 +13,54 @@ call that no saved message carries (``lost_call``): its input and cache tokens, 
 output reported at its start (the output it produced after that is not known to anyone but the API).
 
 The call's worker may be alive all the same (frozen, or cut off by a silent connection, past its
-lease): its save is then refused without counting the call again (``LeaseLost.counted_by_takeover``),
-and that worker, which knows the whole usage and the note it made, counts the difference under the spend
-id ``call:<API id>:rest`` (``Turn.count_rest_of_call``, one more ``count_spend``): exact, but in a write
-of its own, so a worker killed between the two leaves that rest uncounted.
+lease): its save is then refused without counting the call again, and that worker, which knows the
+whole usage and the note it made, gives the difference with the save (``Rest``, ``Turn.rest_of_call``):
+the refusing script counts it under the spend id ``call:<API id>:rest`` (``store/lua/_rest.lua``). In the
+refused write itself, not one of its own after it, which a worker killed or cut off from Redis between
+the two would never make.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from redis import Redis
 
 from agentpool.store import writes
 from agentpool.store.checkpoint import _check
+from agentpool.store.codec import pack
 from agentpool.store.events import Event, script_args
 from agentpool.store.keys import STATS, RunKeys
 from agentpool.store.records import USAGE_FIELDS
 from agentpool.store.scripts import run_script
 
 NOTE_TTL_MS = 24 * 3600 * 1000  # a takeover comes within minutes; the note of a saved call is only compared
+
+
+@dataclass(frozen=True)
+class Rest:
+    """What a worker knows of its own call ``call_id`` beyond the note it made (``usage``, ``cost_usd``:
+    the whole call's less the note's), reported by ``event`` (``spend_corrected``). Given with the call's
+    save, or its cut stream's count: counted there only if the turn that took the run over counted the
+    call from the note."""
+
+    call_id: str
+    usage: Mapping[str, int]
+    cost_usd: float
+    event: Event
+
+    def script_arg(self) -> bytes:
+        """The one argument ``count_rest`` in ``store/lua/_rest.lua`` reads (no rest: ``""``): packed, so
+        that the saves that are not refused, nearly all, pass Redis one string, not two dozen."""
+        return pack(
+            [
+                f"call:{self.call_id}:rest",
+                *(str(int(self.usage.get(name) or 0)) for name in USAGE_FIELDS),
+                repr(float(self.cost_usd)),
+                *(str(x) for x in script_args(self.event)),
+            ]
+        )
 
 
 def note_call(r: Redis, keys: RunKeys, *, call_id: str, model: str, usage: Mapping[str, int]) -> None:
@@ -70,12 +98,14 @@ def count_spend(
     cost_usd: float,
     event: Event,
     ancestors: Sequence[str] = (),
+    rest: Rest | None = None,
 ) -> bool:
     """Add ``usage`` and ``cost_usd`` to the run's counters with ``event``. ``spend_id`` names the call:
     delivered twice, or counted by a takeover (from the call's note) and by its fenced-out worker too, it
-    counts once. Returns False when it had been counted already. A worker fenced out meanwhile still
-    counts it (the call was paid for), then gets ``LeaseLost``. A child run's spend counts in its
-    ``ancestors``' tree counters too, in the same step."""
+    counts once; then the ``rest`` of it (the worker's own call, given) counts instead, once. Returns
+    False when the call had been counted already. A worker fenced out meanwhile still counts it (the
+    call was paid for), then gets ``LeaseLost``. A child run's spend counts in its ``ancestors``' tree
+    counters too, in the same step."""
     code = int(
         run_script(  # type: ignore[arg-type]
             "count_spend",
@@ -87,11 +117,14 @@ def count_spend(
                 *(int(usage.get(name) or 0) for name in USAGE_FIELDS),
                 repr(float(cost_usd)),
                 writes.new_id(),
+                rest.script_arg() if rest else "",
                 *script_args(event),
             ],
         )
     )
     if code in (1, -1):  # counted by this write (-1: and the lease is lost)
         event.landed()
+    elif code in (2, -7) and rest:  # counted already, from the call's note: its rest by this write
+        rest.event.landed()
     _check(code, keys, r)
     return code == 1

@@ -17,7 +17,7 @@ the latest compaction block it finds: what a request sends is right either way.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 from redis.client import Pipeline
@@ -37,6 +37,9 @@ from agentpool.store.records import (
     unpack_message,
 )
 from agentpool.store.scripts import compact_source, run_script
+
+if TYPE_CHECKING:
+    from agentpool.store.spend import Rest
 
 
 def is_compaction_point(message: Mapping[str, Any]) -> bool:
@@ -122,13 +125,14 @@ def commit_summary(
     cost_usd: float,
     event: Event,
     ancestors: Sequence[str] = (),
+    rest: Rest | None = None,
 ) -> None:
     """Save a summary as the run's new compaction point at ``index`` (the end of the message list),
     with the spend of the call that wrote it and the ``event`` that reports it. Fenced; a crash leaves
     the old window or the new one. The call's spend counts even when the summary can no longer be saved
     (the lease was lost or the run ended meanwhile): it was paid for; once, with a takeover's count of
-    the call's note (as at save point A). A child run's spend counts in its ``ancestors``' tree counters
-    too, in the same step."""
+    the call's note and the ``rest`` of it (as at save point A). A child run's spend counts in its
+    ``ancestors``' tree counters too, in the same step."""
     code = run_script(
         "commit_summary",
         r,
@@ -142,9 +146,12 @@ def commit_summary(
             *(int(usage.get(name) or 0) for name in USAGE_FIELDS),
             repr(float(cost_usd)),
             writes.new_id(),
+            rest.script_arg() if rest else "",
             *script_args(event),
         ],
     )
-    if int(code) not in (-4, -6):  # type: ignore[arg-type]
+    if int(code) not in (-4, -6, -7):  # type: ignore[arg-type]
         event.landed()
+    if int(code) == -7 and rest:  # type: ignore[arg-type]
+        rest.event.landed()
     _check(int(code), keys, r)  # type: ignore[arg-type]

@@ -556,3 +556,47 @@ def test_save_point_b_outlasts_a_burst_of_messages_that_keeps_changing_what_it_w
     last = checkpoint.load_run(r, RUN).messages[-1]
     texts = [block["text"] for block in last["content"] if block.get("type") == "text"]
     assert texts == [f"message {i}" for i in range(30)], texts
+
+
+NOTED = {"input_tokens": 1000, "output_tokens": 1, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+REST = {"input_tokens": 0, "output_tokens": 99, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+
+
+@pytest.mark.parametrize("refused", ["commit_response", "commit_summary", "count_spend"])
+def test_the_rest_of_a_call_a_takeover_counted_from_its_note_counts_once_in_the_refused_write(r, proxy, lossy, refused):
+    """A worker fenced out while the model answered: the turn that took the run over counted its call
+    from the note made at message_start (input, and 1 output token). The worker's save of the call (save
+    point A, a summary's save, or a cut stream's count) is refused, and counts what the note did not know
+    (99 output tokens) in that very write, with its spend_corrected event: once, though delivered twice,
+    and the call itself no second time."""
+    create(r)
+    zombie = take(r)
+    r.delete(KEYS.lease)
+    takeover = take(r, worker="w2.200")
+    worker_lost = Event.of(RUN, "model_cut", turn=0, error_type="worker_lost", cost_usd=0.4, **NOTED)
+    assert spend.count_spend(r, KEYS, takeover, spend_id="call:msg_1", usage=NOTED, cost_usd=0.4, event=worker_lost)
+    rest = spend.Rest("msg_1", REST, 0.1, Event.of(RUN, "spend_corrected", turn=0, call="msg_1", cost_usd=0.1, **REST))
+    meta = {"id": "msg_1"}
+    with cut(proxy, script(refused)), pytest.raises(checkpoint.LeaseLost):
+        if refused == "commit_response":
+            checkpoint.commit_response(
+                lossy, KEYS, zombie, turns_before=0, message=reply(), meta=meta, pending=[], usage=USAGE, cost_usd=0.5,
+                responded=Event.of(RUN, "model_responded", turn=0, cost_usd=0.5, **USAGE), rest=rest,
+            )  # fmt: skip
+        elif refused == "commit_summary":
+            window.commit_summary(
+                lossy, KEYS, zombie, turns_before=0, index=1, message=reply(), meta={**meta, "compaction": "summary"},
+                usage=USAGE, cost_usd=0.5, event=Event.of(RUN, "compacted", turn=0, mode="summary", **USAGE),
+                rest=rest,
+            )  # fmt: skip
+        else:
+            spend.count_spend(
+                lossy, KEYS, zombie, spend_id="call:msg_1", usage=USAGE, cost_usd=0.5, rest=rest,
+                event=Event.of(RUN, "model_cut", turn=0, error_type="timeout", cost_usd=0.5, **USAGE),
+            )  # fmt: skip
+    state = checkpoint.load_run(r, RUN)
+    assert (state.usage, state.cost_usd) == (USAGE, pytest.approx(0.5)), "the note's count and the rest, once each"
+    assert kinds(r) == Counter({"model_cut": 1, "spend_corrected": 1}), kinds(r)
+    assert stats.read_all(r)["tokens|kind=output_tokens"] == 100 and stats.read_all(r)["cost_usd"] == pytest.approx(0.5)
+    assert r.llen(KEYS.messages) == 1, "nothing of the fenced-out worker's saved"
+    assert r.get(KEYS.lease) == takeover.encode()

@@ -28,7 +28,8 @@
 -- compacted the conversation in it, or the compaction point the turn loaded its window from when the
 -- header lagged behind it. Moved here, not only by save point B: a reply that ends the run (a chat with
 -- no tool call) has no save point B, and every later turn would read the whole conversation again.
--- ARGV[24..] two events (see _event.lua): the model_responded one, then the one reporting the commit;
+-- ARGV[24] the call's rest (see _rest.lua: counted when a takeover counted the call from its note)
+-- ARGV[25..] two events (see _event.lua): the model_responded one, then the one reporting the commit;
 -- then n, n pairs of a ledger field (a tool_use id) and its intent blob, and n events (their
 -- tool_started): the intents of read tools the worker runs right after this commit, so that they need
 -- no fenced write of their own (written only when the reply is committed as a turn that goes on; n is
@@ -39,7 +40,8 @@
 -- the run but messages wait in its inbox (nothing counted, nothing changed: the caller commits the
 -- reply as a turn that goes on, and its save point B delivers them), -6 lease lost and the call
 -- counted already, from its note, by the attempt that took the run over (nothing counted or reported:
--- no event, no pool-wide counter).
+-- no model_responded event, no pool-wide counter), -7 the same, and the rest of the call (what its note
+-- did not know) counted here with its spend_corrected event.
 local webhook = take_webhook()
 local h = redis.call('HMGET', KEYS[1], 'status', 'turns', 'phase', 'writes', unpack(SPEND_FIELDS))
 local seen = replayed_in(h[4], ARGV[17])
@@ -55,9 +57,11 @@ if not leased then
   -- This worker lost its lease while alive: the attempt that took the run over may have counted this
   -- very call already, from its note. Counted once: here only if that has not been.
   local call_spend, ring, counted = fenced_call(KEYS[1], ARGV[3])
-  if counted then  -- and reported, with its model_cut event and the pool-wide counters: nothing here
-    redis.call('HSET', KEYS[1], 'writes', ring_with(h[4], ARGV[17], -6))
-    return -6
+  if counted then  -- and reported, with its model_cut event and the pool-wide counters: only its rest here
+    local above = parent_keys > 0 and ancestor_headers(#KEYS - parent_keys + 1, 5) or {}
+    local code = count_rest(KEYS[1], ring, 24, above, KEYS[6], KEYS[5]) and -7 or -6
+    redis.call('HSET', KEYS[1], 'writes', ring_with(h[4], ARGV[17], code))
+    return code
   end
   if call_spend and #spend > 0 then  -- counted here: a takeover that reads the note later does not count it
     table.insert(spend, 'spent')
@@ -69,7 +73,7 @@ if parent_keys > 0 then
   spend = {}
   roll_up_spend(KEYS[1], ancestor_headers(#KEYS - parent_keys + 1, 5), 12)
 end
-local committed_event = record_event(KEYS[6], KEYS[5], 24)
+local committed_event = record_event(KEYS[6], KEYS[5], 25)
 local function refused(code)
   redis.call('HSET', KEYS[1], 'writes', ring_with(h[4], ARGV[17], code), unpack(spend))
   return code

@@ -8,10 +8,12 @@
 -- KEYS[6..] the headers of the run's ancestors (a child run's spend counts in its tree's too: _tree.lua)
 -- ARGV[1] token  ARGV[2] turns before this turn's model call  ARGV[3] the index the summary takes
 -- ARGV[4] summary message blob  ARGV[5] now ms  ARGV[6..9] input, output, cache-read, cache-write tokens
--- ARGV[10] cost in USD  ARGV[11] write id  ARGV[12..] the compacted event (see _event.lua)
+-- ARGV[10] cost in USD  ARGV[11] write id  ARGV[12] the call's rest (see _rest.lua)  ARGV[13..] the
+-- compacted event (see _event.lua)
 -- Returns 1 saved, -1 lease lost, -2 run not running, -3 stale (each with the spend counted),
 -- -4 no such run (nothing counted), -6 lease lost and the call counted already, from its note, by the
--- attempt that took the run over (nothing counted or reported, as at save point A).
+-- attempt that took the run over (nothing counted or reported, as at save point A), -7 the same but
+-- the rest of the call counted here.
 local seen = replayed(KEYS[1], ARGV[11])
 if seen then return tonumber(seen) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
@@ -22,12 +24,12 @@ end
 local leased = redis.call('GET', KEYS[2]) == ARGV[1]
 if not leased then  -- counted once with the takeover's count of this call's note (see commit_response.lua)
   local call_spend, ring, counted = fenced_call(KEYS[1], ARGV[4])
-  if counted then return done(-6) end
+  if counted then return done(count_rest(KEYS[1], ring, 12, keys_from(6), KEYS[5], KEYS[4]) and -7 or -6) end
   if call_spend then redis.call('HSET', KEYS[1], 'spent', spent_with(ring, call_spend)) end
 end
 add_spend(KEYS[1], 6)
 roll_up_spend(KEYS[1], keys_from(6), 6)
-record_event(KEYS[5], KEYS[4], 12)
+record_event(KEYS[5], KEYS[4], 13)
 if not leased then return done(-1) end
 local h = redis.call('HMGET', KEYS[1], 'status', 'turns', 'phase')
 if h[1] ~= 'running' then return done(-2) end

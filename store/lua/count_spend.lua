@@ -10,9 +10,12 @@
 -- KEYS[1] run header   KEYS[2] lease   KEYS[3] ap:stats   KEYS[4] events   KEYS[5..] the headers of the
 -- run's ancestors (a child run's spend counts in its tree's too: see _tree.lua)
 -- ARGV[1] token  ARGV[2] spend id  ARGV[3..6] input, output, cache-read, cache-write tokens
--- ARGV[7] cost in USD  ARGV[8] write id  ARGV[9..] the model_cut event (see _event.lua)
--- Returns 1 counted, 0 already counted, -1 counted but the lease is lost, -6 already counted and the
--- lease is lost, -4 no such run.
+-- ARGV[7] cost in USD  ARGV[8] write id  ARGV[9] the call's rest (see _rest.lua: '' but for a worker
+-- counting its own call, which a takeover may have counted from its note)  ARGV[10..] the model_cut
+-- event (see _event.lua)
+-- Returns 1 counted, 0 already counted, 2 already counted and the rest counted here, -1 counted but
+-- the lease is lost, -6 already counted and the lease is lost, -7 the same with the rest counted here,
+-- -4 no such run.
 local seen = replayed(KEYS[1], ARGV[8])
 if seen then return tonumber(seen) end
 if redis.call('EXISTS', KEYS[1]) == 0 then return -4 end
@@ -22,10 +25,12 @@ if not spent_has(ring, ARGV[2]) then
   add_spend(KEYS[1], 3)
   roll_up_spend(KEYS[1], keys_from(5), 3)
   redis.call('HSET', KEYS[1], 'spent', spent_with(ring, ARGV[2]))
-  record_event(KEYS[4], KEYS[3], 9)
+  record_event(KEYS[4], KEYS[3], 10)
   counted = 1
+elseif count_rest(KEYS[1], ring, 9, keys_from(5), KEYS[4], KEYS[3]) then
+  counted = 2
 end
 local code = counted
-if redis.call('GET', KEYS[2]) ~= ARGV[1] then code = counted == 1 and -1 or -6 end
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then code = ({[1] = -1, [0] = -6, [2] = -7})[counted] end
 remember(KEYS[1], ARGV[8], code)
 return code

@@ -118,6 +118,7 @@ def compact(turn: Turn, agent: Agent, state: RunState, why: str) -> RunState:
             usage=reply.usage,
             cost_usd=cost,
             ancestors=state.ancestors,
+            rest=turn.rest_of_call(agent.model, str(reply.meta.get("id") or ""), reply.usage),
             event=Event.of(
                 turn.run_id,
                 "compacted",
@@ -132,9 +133,8 @@ def compact(turn: Turn, agent: Agent, state: RunState, why: str) -> RunState:
                 **reply.usage,
             ),
         )
-    except LeaseLost as lost:
-        if lost.counted_by_takeover:  # from the call's note: the rest of it is this worker's to count
-            turn.count_rest_of_call(agent.model, str(reply.meta.get("id") or ""), reply.usage)
+    except LeaseLost:
+        fault("after_spend_refused", turn.run_id, turn.turn)
         raise
     fault("after_compaction_save", turn.run_id, turn.turn)
     state.messages, state.window_start, state.window_hint, state.last_reply = [message], index, index, {}

@@ -30,6 +30,9 @@ POINTS = (
     "after_save_b",  # tool results committed with the next job; this job not yet finished
     "mid_stream",  # the model's reply is streaming (its first delta arrived); nothing of it saved
     "after_partial_spend",  # a cut stream's tokens are counted; the turn is not yet deferred
+    # A save or count carrying the turn's model call was refused (the lease lost, or the run ended); the
+    # worker has not yet given the turn up.
+    "after_spend_refused",
     "before_compaction",  # the window must be compacted; the summary call not yet made
     "after_summary_reply",  # the summary call answered (and billed us); the summary not saved
     "after_compaction_save",  # the summary is the new compaction point; the turn's model call not yet made

@@ -71,7 +71,6 @@ from agentpool.store.errors import (
     LedgerMismatch,
     MessagesWaiting,
     RunNotActive,
-    RunNotFound,
     SchemaTooNew,
     TurnMoved,
     UnreadableRecord,
@@ -487,7 +486,7 @@ class Turn:
         price = price_of(model)
         cost = price.cost(usage) if price else 0.0
         try:
-            counted = spend.count_spend(
+            spend.count_spend(
                 self.r,
                 self.keys,
                 self.token,
@@ -498,45 +497,29 @@ class Turn:
                 event=Event.of(
                     self.run_id, "model_cut", turn=self.turn, error_type=why, cost_usd=round(cost, 8), **usage
                 ),
+                rest=self.rest_of_call(model, call_id, usage) if own else None,
             )
-        except LeaseLost as lost:
-            if own and lost.counted_by_takeover:
-                self.count_rest_of_call(model, call_id, usage)
+        except LeaseLost:
+            fault("after_spend_refused", self.run_id, self.turn)
             raise
         if call_id:
             spend.forget_call(self.r, self.keys, call_id)
-        if own and not counted:
-            self.count_rest_of_call(model, call_id, usage)
 
-    def count_rest_of_call(self, model: str, call_id: str, usage: Mapping[str, int]) -> None:
-        """This turn's call ``call_id`` was counted by the turn that took the run over, from its note: as
-        far as its reply had gone when it began (``note_call``). This worker, fenced out meanwhile, knows
-        the whole of it: the rest (the output written after the note, mostly) counts now, once, with a
-        ``spend_corrected`` event. Then the turn ends as a lost lease does."""
+    def rest_of_call(self, model: str, call_id: str, usage: Mapping[str, int]) -> spend.Rest | None:
+        """What this worker knows of its call ``call_id`` beyond the note it made as the reply began
+        (``note_call``: what a turn that took the run over would count of it), the output written after
+        the note mostly: given with the call's save, which counts it, once, with a ``spend_corrected``
+        event, if that takeover did count the call. None when there is nothing more to know."""
         if not call_id or call_id != self.noted_call:
-            return  # not the call this worker noted: what a takeover counted of it is not known here
+            return None  # not the call this worker noted: what a takeover counted of it is not known here
         noted = self.noted_usage
         rest = {name: max(0, int(usage.get(name) or 0) - int(noted.get(name) or 0)) for name in USAGE_FIELDS}
         if not any(rest.values()):
-            return
+            return None
         price = price_of(model)
         cost = max(0.0, price.cost(usage) - price.cost(noted)) if price else 0.0
         event = Event.of(self.run_id, "spend_corrected", turn=self.turn, call=call_id, cost_usd=round(cost, 8), **rest)
-        try:
-            spend.count_spend(
-                self.r,
-                self.keys,
-                self.token,
-                spend_id=f"call:{call_id}:rest",
-                usage=rest,
-                cost_usd=cost,
-                ancestors=self.ancestors,
-                event=event,
-            )
-        except (LeaseLost, RunNotFound):
-            pass  # counted all the same when the run is there (the call was paid for); the lease is known lost
-        except RedisError as exc:  # the turn ends anyway; only these tokens go uncounted
-            log.warning("%s: could not count the rest of call %s: %s", self.where, call_id, exc)
+        return spend.Rest(call_id, rest, cost, event)
 
     def count_lost_call(self, call_id: str, model: str, usage: dict[str, int]) -> None:
         """An earlier attempt's worker died during a call it had noted as billed (or after its reply,
@@ -600,6 +583,9 @@ class Turn:
         # The read calls that run as soon as the reply is committed get their intents in that very write.
         started = self.tools.start_reads(agent, pending) if pending and not final else []
 
+        # What a turn that took the run over would not know of this call (counted only if it did).
+        rest = self.rest_of_call(agent.model, str(reply.meta.get("id") or ""), reply.usage)
+
         def commit(final: str) -> None:
             if (
                 checkpoint.commit_response(
@@ -645,6 +631,7 @@ class Turn:
                     clear_handback=requeued(self.job),
                     riders=[call for call in self.settles if not call.sent],
                     window=compaction.window_hint(state, reply),
+                    rest=rest,
                 )
                 == 2
             ):
@@ -654,12 +641,12 @@ class Turn:
         try:
             with tracing.span("agentpool.save_point A", **{"agentpool.run.id": self.run_id, "agentpool.status": final}):
                 commit(final)
-        except (LeaseLost, RunNotActive, TurnMoved) as refused:
-            # Refused, with the call counted all the same (it was paid for): no takeover counts it again.
-            call_id = str(reply.meta.get("id") or "")
-            spend.forget_call(self.r, self.keys, call_id)
-            if isinstance(refused, LeaseLost) and refused.counted_by_takeover:
-                self.count_rest_of_call(agent.model, call_id, reply.usage)
+        except (LeaseLost, RunNotActive, TurnMoved):
+            # Refused, with the call counted all the same (it was paid for, by this write or, from its
+            # note, by the turn that took the run over, and its rest by this write): no takeover counts
+            # it again.
+            fault("after_spend_refused", self.run_id, self.turn)
+            spend.forget_call(self.r, self.keys, str(reply.meta.get("id") or ""))
             raise
         except MessagesWaiting:
             # Messages were sent while the model answered: the run answers them before it completes
