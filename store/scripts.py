@@ -7,7 +7,8 @@ one that calls ``roll_up_spend`` or ``tree_exhausted`` gets ``store/lua/_tree.lu
 ``count_rest`` gets ``store/lua/_rest.lua``, one that calls
 ``take_webhook`` gets ``store/lua/_webhook.lua``, one that calls ``expire_run_keys`` gets
 ``store/lua/_retention.lua``, one that calls ``reserve_budget`` gets ``store/lua/_reserve.lua``, one that calls
-``read_budget`` (``_reserve.lua`` does) gets ``store/lua/_budget.lua``: Redis has no includes.
+``read_budget`` (``_reserve.lua`` does) gets ``store/lua/_budget.lua``, one that walks or sums a line of
+waiters (``walk_line``, ``numbers_of``, ``sum_text``) gets ``store/lua/_line.lua``: Redis has no includes.
 
 A helper's top level runs at every call of every script it is prepended to, so it only defines
 functions and numbers: a table there (a list of field names) would be made at every save point whether
@@ -49,6 +50,9 @@ _HELPERS = (
     ("_rest", "count_rest("),
     ("_webhook", "take_webhook("),
     ("_retention", "expire_run_keys("),
+    ("_line", "walk_line("),
+    ("_line", "numbers_of("),
+    ("_line", "sum_text("),
     ("_budget", "read_budget("),
     ("_budget", "held_entries("),
     ("_budget", "as_hashtable("),

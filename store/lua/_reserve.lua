@@ -97,32 +97,22 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
     -- (A line an earlier release began has no sum: its newcomers estimate, as a ticket in line does.)
     local summed = count == 0
     if count > 0 then
-      local r, i_, o = string.match(b.line_sum or '', '^(%S+) (%S+) (%S+)$')
-      if r then sum, summed = {tonumber(r), tonumber(i_), tonumber(o)}, true end
+      local kept = numbers_of(b.line_sum, 3)
+      if kept then sum, summed = kept, true end
     end
     local upto = in_line and rank or count  -- tickets ahead of this one, expired ones included
-    local read, live, start = 0, 0, 0
-    while read < upto and (live < SAMPLE or not outrun()) do
-      local chunk = redis.call('ZRANGE', waiting, start, start + math.min(upto - read, 32) - 1)
-      if #chunk == 0 then break end
-      local removed = 0
-      for _, m in ipairs(chunk) do
-        read = read + 1
-        local rec = redis.call('HGET', needs, m)
-        local r, i_, o, exp = string.match(rec or '', '^(%S+) (%S+) (%S+) (%S+)$')
-        if not exp or tonumber(exp) < now then
-          redis.call('ZREM', waiting, m)
-          redis.call('HDEL', needs, m)
-          removed = removed + 1
-          if exp then sum[1], sum[2], sum[3] = sum[1] - tonumber(r), sum[2] - tonumber(i_), sum[3] - tonumber(o) end
-        else
-          ahead[1], ahead[2], ahead[3] = ahead[1] + tonumber(r), ahead[2] + tonumber(i_), ahead[3] + tonumber(o)
-          live = live + 1
-          if live >= SAMPLE and outrun() then break end
-        end
+    local live = 0
+    local read = walk_line(waiting, upto, function(m)
+      local rec = numbers_of(redis.call('HGET', needs, m), 4)
+      if not rec or rec[4] < now then
+        redis.call('ZREM', waiting, m)
+        redis.call('HDEL', needs, m)
+        if rec then sum[1], sum[2], sum[3] = sum[1] - rec[1], sum[2] - rec[2], sum[3] - rec[3] end
+        return true
       end
-      start = start + #chunk - removed
-    end
+      ahead[1], ahead[2], ahead[3] = ahead[1] + rec[1], ahead[2] + rec[2], ahead[3] + rec[3]
+      live = live + 1
+    end, function() return live < SAMPLE or not outrun() end)
     local unread = upto - read
     if unread > 0 and not in_line and summed then  -- every ticket in line is ahead of a newcomer
       for i = 1, 3 do ahead[i] = math.max(ahead[i], sum[i]) end
@@ -131,8 +121,8 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
     end
     behind = live + unread + (in_line and count - rank - 1 or 0)
     if in_line then
-      local r, i_, o = string.match(redis.call('HGET', needs, a[4]) or '', '^(%S+) (%S+) (%S+) %S+$')
-      if r then own = {tonumber(r), tonumber(i_), tonumber(o)} end
+      local rec = numbers_of(redis.call('HGET', needs, a[4]), 4)
+      if rec then own = {rec[1], rec[2], rec[3]} end
     end
   end
   -- The line's sum once this call waits (its need in, in place of what its ticket held) or is granted
@@ -141,7 +131,7 @@ local function reserve_budget(budget, held, waiting, needs, models, a, now)
     local out = {}
     for i = 1, 3 do out[i] = math.max(0, sum[i] - own[i] + (joining and need[i] or 0)) end
     if not joining and behind == 0 then out = {0, 0, 0} end
-    table.insert(fields, 'line:sum'); table.insert(fields, string.format('%.0f %.0f %.0f', out[1], out[2], out[3]))
+    table.insert(fields, 'line:sum'); table.insert(fields, sum_text(out))
   end
   local wait = 0
   for i = 1, 3 do

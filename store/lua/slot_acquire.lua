@@ -27,27 +27,17 @@ local held = redis.call('ZCARD', KEYS[1])
 -- line costs a turn a few reads, not one per waiter). Expired waiters leave the line as they are read.
 local rank = redis.call('ZRANK', KEYS[2], ARGV[2])
 local upto = rank or redis.call('ZCARD', KEYS[2])
-local ahead, read, start = 0, 0, 0
-while read < upto and held + ahead < limit do
-  local line = redis.call('ZRANGE', KEYS[2], start, start + math.min(upto - read, 32) - 1, 'WITHSCORES')
-  if #line == 0 then break end
-  local removed = 0
-  for i = 1, #line, 2 do
-    local m, since = line[i], tonumber(line[i + 1])
-    read = read + 1
-    local wake = redis.call('HGET', KEYS[3], m)
-    local expires = wake and tonumber(string.match(wake, '^(%d+)|')) or (since + tonumber(ARGV[4]))
-    if expires < now then
-      redis.call('ZREM', KEYS[2], m)
-      redis.call('HDEL', KEYS[3], m)
-      removed = removed + 1
-    else
-      ahead = ahead + 1
-      if held + ahead >= limit then break end
-    end
+local ahead = 0
+local read = walk_line(KEYS[2], upto, function(m, since)
+  local wake = redis.call('HGET', KEYS[3], m)
+  local expires = wake and tonumber(string.match(wake, '^(%d+)|')) or (since + tonumber(ARGV[4]))
+  if expires < now then
+    redis.call('ZREM', KEYS[2], m)
+    redis.call('HDEL', KEYS[3], m)
+    return true
   end
-  start = start + #line / 2 - removed
-end
+  ahead = ahead + 1
+end, function() return held + ahead < limit end)
 ahead = ahead + upto - read
 if held + ahead < limit then
   redis.call('ZADD', KEYS[1], now, mine)
