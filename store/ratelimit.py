@@ -201,6 +201,11 @@ def pause(r: Redis, model: str, seconds: float) -> None:
     forget_unlimited(r, model)
 
 
+def ticket_of(run_id: str, turn: int) -> str:
+    """The ticket a run's turn holds in a model's line while it waits for the budget."""
+    return f"{run_id}:{turn}"
+
+
 def leave_line(r: Redis, model: str, ticket: str) -> None:
     """Take ``ticket`` out of the line of calls waiting for ``model``'s budget: its turn will not call
     (a reservation answered with the lease, for a turn that then ended otherwise). Left there, it would

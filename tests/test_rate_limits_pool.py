@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 from redis import Redis
 
-from agentpool import enqueue_run, wait_for_run
+from agentpool import cancel_run, enqueue_run, wait_for_run
 from agentpool.runtime.deferred import promote_due
 from agentpool.runtime.jobs import DEFERRED_META, job_id, stage_turn, turn_queue
 from agentpool.store import events, ratelimit
@@ -459,3 +459,30 @@ def test_a_429_without_rate_limit_headers_pauses_the_models_calls_pool_wide(r: R
         assert waits and all(f.get("paused") == "True" for f in waits), (kinds, pool.logs())
         (answered_at,) = [at for at, f in kinds if f["kind"] == "model_responded"]
         assert answered_at >= paused_until, f"{run_id} called {paused_until - answered_at} ms before the pause ended"
+
+
+def test_a_cancelled_run_leaves_the_line_for_the_budget_at_once(r: Redis, pool, model) -> None:
+    """Runs that wait for the budget hold places in its line, and a call new to the line waits for what
+    they all need. Cancelled, a run leaves the line there and then (its need out of the line's sum), not
+    when its place would have expired (its wait and half a minute more): an operator who cancels a
+    runaway batch frees the limit for the others at once."""
+    model.set_scripts({"steps": [{"text": "All done."}]})
+    # One request a 60 s minute: the first run's call takes it, every other one waits most of a minute.
+    WorkerProcesses.start(
+        pool, 1, "--concurrency", "2", AGENTPOOL_RATE_LIMITS="claude-sonnet-5-5=rpm:1", AGENTPOOL_RATE_LIMIT_MINUTE="60"
+    )
+    run_ids = [enqueue_run("pool_agents:support", script_task("steps", f"task {n}"), connection=r) for n in range(4)]
+    assert wait_for_run(run_ids[0], timeout=60, connection=r).status == "completed"
+    keys = LimitKeys.of("claude-sonnet-5-5")
+    deadline = time.monotonic() + 60
+    while r.zcard(keys.waiting) < 3:
+        assert time.monotonic() < deadline, ("the other runs never waited in line", pool.logs())
+        time.sleep(0.05)
+    (view,) = ratelimit.show(r)
+    assert view.in_line["requests"] == 3, view
+    for run_id in run_ids[1:3]:
+        assert cancel_run(run_id, connection=r) in ("queued", "running"), "it had not ended"
+    assert [m.decode() for m in r.zrange(keys.waiting, 0, -1)] == [f"{run_ids[3]}:0"]
+    assert not {f"{run_id}:0".encode() for run_id in run_ids[1:3]} & set(r.hkeys(keys.needs))
+    (view,) = ratelimit.show(r)
+    assert (view.waiting, view.in_line["requests"]) == (1, 1), view

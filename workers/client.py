@@ -17,7 +17,18 @@ from agentpool.runtime import shards, tracing
 from agentpool.runtime.limits import Limits
 from agentpool.runtime.progress import why_waiting
 from agentpool.runtime.settings import RedisCredentialsRefused, Settings, client_for, names_the_server
-from agentpool.store import approvals, checkpoint, children, concurrency, events, inbox, runs_index, webhooks, writes
+from agentpool.store import (
+    approvals,
+    checkpoint,
+    children,
+    concurrency,
+    events,
+    inbox,
+    ratelimit,
+    runs_index,
+    webhooks,
+    writes,
+)
 from agentpool.store import window as run_window
 from agentpool.store.codec import pack
 from agentpool.store.errors import AgentPoolError, RedisUnreachable, RunNotFound, SchemaTooNew
@@ -450,14 +461,20 @@ def _answered(r: Redis, keys: RunKeys, message_id: str, state: RunState) -> bool
     return delivered is not None and state.turns > delivered.turns
 
 
-def _leave_line(r: Redis, run_id: str) -> None:
-    """A cancelled run of a concurrency key leaves the key's line: counted as ahead of the others, it
-    would hold them back until its place expired, and a slot's wake-up made for it would go nowhere
-    (so the wake-up goes on to the next one, if a slot is free)."""
-    key, limit = r.hmget(RunKeys.of(run_id).run, ["ckey", "cmax"])
+def _leave_lines(r: Redis, run_id: str) -> None:
+    """A cancelled run leaves the lines it waits in: counted as ahead of the others, it would hold them
+    back until its place expired. A concurrency key's (a slot's wake-up made for it would go nowhere, so
+    the wake-up goes on to the next one, if a slot is free), and a model budget's: the line its deferred
+    turn waits in for the call its deferral carries (its need out of what a newcomer waits for)."""
+    from agentpool.runtime.jobs import DEFERRED_META, deferred_meta
+
+    key, limit, turns, job, deferral = r.hmget(RunKeys.of(run_id).run, ["ckey", "cmax", "turns", "job", DEFERRED_META])
     if key:
         concurrency.leave_line(r, key.decode(), run_id)
         concurrency.wake_if_free(r, key.decode(), int(limit or 0))
+    _, call = deferred_meta(deferral, (job or b"").decode(errors="replace"))
+    if call and (turns or b"").isdigit():  # a deferral for the budget is made before the turn's model call
+        ratelimit.leave_line(r, call[0], ratelimit.ticket_of(run_id, int(turns or 0)))
 
 
 @names_the_server
@@ -517,7 +534,7 @@ def _cancel(r: Redis, run_id: str, reason: str, by: str | None = None) -> str:
     )
     if before not in ("completed", "failed", "cancelled"):
         emit(r, run_id, "status", status="cancelled", error=reason, by=by)
-        _leave_line(r, run_id)
+        _leave_lines(r, run_id)
     # Its child runs are cancelled too (theirs in turn); a child's cancel tells this run, already ended.
     newer: list[str] = []
     for child in children.children(r, RunKeys.of(run_id)):

@@ -175,16 +175,12 @@ def lease_reservation(r: Redis, settings: Settings, run_id: str, turn: int, carr
         return None
     return ReserveRequest(
         model,
-        ticket=_ticket(run_id, turn),
+        ticket=ratelimit.ticket_of(run_id, turn),
         reservation_id=uuid.uuid4().hex,
         need=Need(tokens_in, tokens_out),
         limits=configured_limits(settings, model),
         minute_s=settings.rate_limit_minute,
     )
-
-
-def _ticket(run_id: str, turn: int) -> str:
-    return f"{run_id}:{turn}"
 
 
 def limited_call(
@@ -215,7 +211,7 @@ def limited_call(
         got = ratelimit.reserve(
             turn.r,
             agent.model,
-            ticket=_ticket(turn.run_id, turn.turn),
+            ticket=ratelimit.ticket_of(turn.run_id, turn.turn),
             reservation_id=uuid.uuid4().hex,
             need=need,
             limits=configured,
