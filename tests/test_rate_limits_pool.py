@@ -328,13 +328,18 @@ def test_a_work_horse_killed_after_its_lease_reserved_the_call_costs_the_budget_
     r: Redis, pool, model
 ) -> None:
     """Every turn's work horse is SIGKILLed once between its lease (which reserved the call: the first
-    turn's as ``enqueue_run`` estimated it, the others' as the turn before did) and the call. The turn taken over reserves again and the run completes; a dead attempt's
-    reservation stays held (its worker never comes back to settle it) until the hourly sweep, and
-    nothing else is taken twice."""
+    turn's as ``enqueue_run`` estimated it, the others' as the turn before did) and the call. The turn
+    taken over reserves again, with its lease too (the job its worker queues for the takeover carries
+    the dead job's call), and the run completes; a dead attempt's reservation stays held (its worker
+    never comes back to settle it) until the hourly sweep, and nothing else is taken twice."""
     model.set_scripts({"steps": [{"tool_calls": [READ]}] * 2 + [{"text": "All done."}]})
     pool.start(2, AGENTPOOL_FAULTS="before_model_call", **_operator_rpm(1000))
-    run_id = enqueue_run("pool_agents:support", script_task("steps"), connection=r)
-    run = wait_for_run(run_id, timeout=120, connection=r)
+    with _commands_seen(pool) as seen:
+        run_id = enqueue_run("pool_agents:support", script_task("steps"), connection=r)
+        run = wait_for_run(run_id, timeout=120, connection=r)
+    reserve_sha = run_script._script("limit_reserve").sha
+    alone = [c.split()[11] for c in seen if c.startswith(f"EVALSHA {reserve_sha} ")]
+    assert alone == [], f"turns that reserved in a script of their own: {alone}"
     assert run.status == "completed" and run.turns == 3, (run.status, run.error, pool.logs())
     assert_valid_conversation(run.messages)
     assert model.stats()["requests"] == 3, model.stats()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 from redis.client import Pipeline
@@ -150,6 +150,12 @@ def parse_deferred_member(member: str) -> tuple[str, int, int] | None:
 # ``[job id, window, call]`` (msgpack). The job id ties it to the one deferral that wrote it: a later
 # re-enqueue has another id, and an entry written before this field existed finds none.
 DEFERRED_META = "deferred_job"
+
+
+def carried_call(job: Job | None) -> Any:
+    """The model call the job's meta says the turn is to make (``runtime.ratelimit.next_call``), if any:
+    checked where it is reserved, only passed on here."""
+    return (job.meta or {}).get("call") if job is not None else None
 
 
 def deferred_meta(raw: bytes | None, jid: str) -> tuple[int | None, tuple[str, int, int] | None]:

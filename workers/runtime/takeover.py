@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from redis import Redis
 from redis.client import Pipeline
@@ -27,7 +28,7 @@ from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.job import Job
 
 from agentpool.runtime import tracing
-from agentpool.runtime.jobs import stage_turn
+from agentpool.runtime.jobs import carried_call, stage_turn
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.store import ledger, writes
@@ -59,6 +60,7 @@ class Header:
     requeues: int
     job: str
     writes: bytes | None
+    phase: str = ""  # model: the turn's reply is not saved yet (its model call is still to make)
 
     @classmethod
     def parse(cls, raw: list[bytes | None]) -> Header | None:
@@ -96,6 +98,7 @@ class Header:
             requeues=number("requeues"),
             job=text("job"),
             writes=fields[writes.OTHERS],
+            phase=text("phase"),
         )
 
 
@@ -153,8 +156,13 @@ def requeue_turn(
     cause_kind: str,
     dead_job: str | None = None,
     count_attempt: bool = True,
+    call: Any = None,
 ) -> str | None:
     """Enqueue the current turn again. Returns the new job id, or None when nothing was needed.
+
+    ``call``: the model call the dead job's meta carried (``jobs.carried_call``): the new job carries
+    it too if the turn has not saved its reply yet (its call is still to make), so that the lease of
+    the attempt that takes over reserves it, as the first attempt's did, not a script of its own.
 
     ``cause_kind`` labels the takeover for metrics: horse_death, lease_expiry or job_lost; or
     ``handed_back`` (with ``count_attempt=False``), which is no takeover and counts no attempt.
@@ -197,7 +205,14 @@ def requeue_turn(
         # so it waited its place in the queue once; behind a backlog, a crash would cost the run the
         # whole queue's length instead of the takeover's few seconds.
         jid = stage_restart(
-            pipe, r, run_id, turn=header.turn, attempt=next_attempt, requeues=header.requeues, at_front=True
+            pipe,
+            r,
+            run_id,
+            turn=header.turn,
+            attempt=next_attempt,
+            requeues=header.requeues,
+            at_front=True,
+            call=call if header.phase == "model" else None,
         )
         writes.stage_remember(pipe, keys.run, write_id)
         queued_at = time.time()  # no later than the job is on the queue, for another worker to take
@@ -274,4 +289,5 @@ def hand_over_dead_holder(r: Redis, job: Job, holder: str, *, cause: str) -> str
         return None
     ledger.mark_ended(r, RunKeys.of(run_id), holder, now_ms() / 1000)
     release_dead_holder(r, RunKeys.of(run_id), holder)
-    return run_id if requeue_turn(r, run_id, cause=cause, cause_kind="horse_death", dead_job=job.id) else None
+    requeued = requeue_turn(r, run_id, cause=cause, cause_kind="horse_death", dead_job=job.id, call=carried_call(job))
+    return run_id if requeued else None

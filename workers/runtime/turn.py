@@ -46,6 +46,7 @@ from agentpool.runtime.estimate import call_field
 from agentpool.runtime.faults import fault
 from agentpool.runtime.heartbeat import keep_alive
 from agentpool.runtime.jobs import (
+    carried_call,
     deferred_member,
     ending_of,
     mark_ended,
@@ -119,11 +120,6 @@ def _window_from(job: Job | None) -> int | None:
     return start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else None
 
 
-def _carried_call(job: Job | None) -> Any:
-    """The model call the job's meta says the turn is to make (``runtime.ratelimit.next_call``), if any."""
-    return (job.meta or {}).get("call") if job is not None else None
-
-
 def run_turn(run_id: str, turn: int) -> str:
     """The RQ job function. Returns a one-word summary RQ keeps briefly; the checkpoint is the truth.
     The job's meta may say where the run's window started when the turn before queued this one
@@ -136,7 +132,7 @@ def run_turn(run_id: str, turn: int) -> str:
     keys = RunKeys.of(run_id)
     window_from = _window_from(job)
     watch = live.WatchLookup(r)
-    reserving = lease_reservation(r, settings, run_id, turn, _carried_call(job))
+    reserving = lease_reservation(r, settings, run_id, turn, carried_call(job))
     job_id = job.id if job is not None else ""
     # Only a re-enqueued turn can follow an attempt whose worker died during its call: the others skip
     # the look at the note such a call left.
