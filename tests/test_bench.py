@@ -188,7 +188,7 @@ def test_bench_section_prints_its_table_of_figures(section):
 
 
 def check_a_run_holds_at_least_its_conversation(out: str) -> None:
-    """Each run's memory (Redis's used_memory per run) holds its conversation as stored, and the run with
+    """Each run's memory (what its keys and index entries hold) holds its conversation as stored, and the run with
     twenty times the tool output holds more."""
     rows = [re.split(r"\s{2,}", line.strip()) for line in out.splitlines() if line.startswith("  3 turns, results")]
     per_run = [float(cells[1].replace(",", "")) for cells in rows]

@@ -1,10 +1,13 @@
 """``agentpool bench --only footprint``: the Redis memory a run takes, for sizing a pool's Redis.
 
 Runs of ``--footprint-turns`` turns, each turn a tool call whose result is a text of a given size, are
-made to completion on one threaded worker; what they hold is read two ways. Redis's own accounting
-(``INFO memory``'s ``used_memory``, before and after, divided by the runs) gives everything a finished run
-leaves: its keys, and its entries in the pool's indexes (the run index, the runs to watch). ``MEMORY
-USAGE`` of each of one run's keys says where it goes: the conversation, the event stream (capped at
+made to completion on one threaded worker; what they hold is read two ways. What every key of the
+database holds (``MEMORY USAGE``, every element counted, and the keyspace's own tables from ``MEMORY
+STATS``), before and after, divided by the runs, gives everything a finished run leaves: its keys, and
+its entries in the pool's indexes (the run index, the runs to watch). Not ``INFO memory``'s
+``used_memory``: it moves by tens of KB while nothing is written (clients' buffers shrinking as they
+idle, the Lua VM's garbage, a script loaded by the stats thread's first flush), more than a few runs
+hold, and the figure came out negative. ``MEMORY USAGE`` of each of one run's keys says where it goes: the conversation, the event stream (capped at
 ``MAX_EVENTS`` entries), the ledger, the header, the rest. The run's conversation as stored (the bytes
 of its messages, ``STRLEN``-like) is printed beside them: what a run costs beyond what it says.
 
@@ -58,6 +61,14 @@ def _conversation_bytes(r: Redis, run_id: str) -> int:
     return sum(len(blob) for blob in r.lrange(RunKeys.of(run_id).messages, 0, -1))
 
 
+def _keys_hold(r: Redis) -> int:
+    """Bytes the database's keys hold: each key's ``MEMORY USAGE`` (its name, value and every element) and
+    the keyspace's hash tables (``MEMORY STATS``: the keys' and the expiries' entries)."""
+    held = sum(int(r.memory_usage(key, samples=0) or 0) for key in r.scan_iter(count=1000))
+    tables = r.memory_stats().get(f"db.{r.connection_pool.connection_kwargs.get('db', 0)}") or {}
+    return held + sum(int(v) for k, v in tables.items() if k.startswith("overhead.hashtable"))
+
+
 def bench_footprint(lab: Lab, runs: int, turns: int, sizes: tuple[int, ...]) -> None:
     from agentpool.client import enqueue_run, wait_for_run
 
@@ -67,14 +78,14 @@ def bench_footprint(lab: Lab, runs: int, turns: int, sizes: tuple[int, ...]) -> 
         lab.start("--concurrency", "4")
         warm = enqueue_run(AGENT, task("fp", 0), connection=lab.r)  # the scripts loaded, the indexes made
         wait_for_run(warm, timeout=120, connection=lab.r)
-        before = lab.r.info("memory")["used_memory"]
+        before = _keys_hold(lab.r)
         ids = [enqueue_run(AGENT, task("fp", n), connection=lab.r) for n in range(1, runs + 1)]
         finished = [wait_for_run(run_id, timeout=300, connection=lab.r) for run_id in ids]
         if any(run.status != "completed" for run in finished):
             raise RuntimeError(f"footprint runs did not complete: {[run.status for run in finished]}")
         last_lease = RunKeys.of(ids[-1]).lease
         until(lambda: not lab.r.exists(last_lease), 30, "the last lease to go", lab)  # noqa: B023 - used at once
-        per_run = (lab.r.info("memory")["used_memory"] - before) / runs
+        per_run = (_keys_hold(lab.r) - before) / runs
         parts = _where_it_goes(lab.r, ids[0])
         stored = _conversation_bytes(lab.r, ids[0])
         events = lab.r.xlen(RunKeys.of(ids[0]).events)
@@ -109,8 +120,8 @@ def bench_footprint(lab: Lab, runs: int, turns: int, sizes: tuple[int, ...]) -> 
         rows,
         (
             (
-                f"KB a run: INFO memory's used_memory after {runs} runs less before, divided by them (their keys and "
-                "their entries in the pool's indexes); the parts: MEMORY USAGE of one run's keys; conversation "
+                f"KB a run: what the keys hold after {runs} runs less before (MEMORY USAGE of every key, and the "
+                "keyspace's tables), divided by them (their keys and their entries in the pool's indexes); the parts: MEMORY USAGE of one run's keys; conversation "
                 f"bytes: its messages as stored (msgpack); the event stream keeps at most about {MAX_EVENTS} entries"
             ),
             (
