@@ -15,7 +15,7 @@ from agentpool import enqueue_run, wait_for_run
 from agentpool.store import events
 from agentpool.testing.localpool import WorkerProcesses, horses_of
 
-from conftest import script_task
+from conftest import Pool, _redis_server, script_task
 
 READ = {"name": "read_notes", "input": {"topic": "release"}}
 STEPS = [{"tool_calls": [READ]}, {"tool_calls": [READ]}, {"tool_calls": [READ]}, {"text": "All done."}]
@@ -31,9 +31,26 @@ def _completed(r: Redis, run_id: str, pool: WorkerProcesses) -> None:
     assert run.status == "completed", (run.status, run.error, pool.logs())
 
 
-def test_one_connection_serves_every_horse_of_a_forking_worker(r: Redis, pool, model) -> None:
+def test_one_connection_serves_every_horse_of_a_forking_worker(model, tmp_path) -> None:
+    # Connections are counted, so this test has a redis-server of its own: on the suite's, a client of an
+    # earlier test still winding down (a closing pool, a thread) could open one meanwhile. The leases
+    # are renewed every 10 s, not every second, so that no horse's keeper thread wants Redis while its
+    # main thread holds the connection (it would open a second one, rightly, and close it as it exits).
+    (tmp_path / "redis").mkdir()
+    server = _redis_server(tmp_path / "redis").start()
+    r = Redis.from_url(server.url)
+    pool = Pool(server.url, model, tmp_path)
+    try:
+        _one_connection_serves_every_horse(r, pool, model)
+    finally:
+        pool.stop()
+        r.close()
+        server.stop()
+
+
+def _one_connection_serves_every_horse(r: Redis, pool: Pool, model) -> None:
     model.set_scripts({"steps": STEPS})
-    (worker,) = WorkerProcesses.start(pool, 1, "--name", "hd")
+    (worker,) = WorkerProcesses.start(pool, 1, "--name", "hd", AGENTPOOL_LEASE_TTL="30")
     _completed(r, enqueue_run("pool_agents:support", script_task("steps", "first"), connection=r), pool)
     (handed,) = _horses_connections(r, "hd")
 
