@@ -352,6 +352,45 @@ def test_a_work_horse_killed_after_its_lease_reserved_the_call_costs_the_budget_
     assert math.floor(view.levels["requests"]) == 1000 - 3 - 3, view.levels
 
 
+@pytest.mark.crash
+def test_a_worker_killed_after_its_lease_reserved_the_call_is_taken_over_with_that_call(
+    r: Redis, pool, model, tmp_path
+) -> None:
+    """A threaded worker is SIGKILLed, whole, between its first turn's lease (which reserved the call)
+    and the call: nobody sees it die, its lease expires, and another worker's reaper queues the turn
+    again. The job it queues carries the dead job's call (read from that job's meta), so the attempt
+    that takes over reserves with its lease as the first did, not in a script of its own; each attempt
+    takes the budget once."""
+    arms = tmp_path / "arms"
+    arms.mkdir()
+    run_id = "r_reaped_with_its_call"
+    (arms / f"before_model_call-{run_id}").write_text("\nworker")  # once: the worker and its supervisor
+    model.set_scripts({"steps": [{"tool_calls": [READ]}, {"text": "All done."}]})
+    budget = LimitKeys.of("claude-sonnet-5-5").budget
+    reserve_sha, lease_sha = (run_script._script(name).sha for name in ("limit_reserve", "lease_acquire"))
+    r.script_load(run_script._script("lease_acquire").script)  # no NOSCRIPT: each lease is sent once
+    with _commands_seen(pool) as seen:
+        doomed = WorkerProcesses.start(
+            pool, 1, "--concurrency", "2", AGENTPOOL_FAULT_ARMS=str(arms), **_operator_rpm(1000)
+        )[0]
+        enqueue_run("pool_agents:support", script_task("steps"), run_id=run_id, connection=r)
+        assert doomed.wait(timeout=60) == -signal.SIGKILL, pool.logs()
+        WorkerProcesses.start(pool, 1, "--concurrency", "2", **_operator_rpm(1000))
+        run = wait_for_run(run_id, timeout=120, connection=r)
+    assert run.status == "completed" and run.turns == 2, (run.status, run.error, pool.logs())
+    takeovers = [f for _, f in events.read(r, run_id) if f["kind"] == "takeover"]
+    assert [t["cause_kind"] for t in takeovers] == ["lease_expiry"], takeovers
+    alone = [c.split()[11] for c in seen if c.startswith(f"EVALSHA {reserve_sha} ")]
+    assert alone == [], f"turns that reserved in a script of their own: {alone}"
+    with_lease = sorted(c.split()[24] for c in seen if c.startswith(f"EVALSHA {lease_sha} ") and budget in c)
+    assert with_lease == [f"{run_id}:0", f"{run_id}:0", f"{run_id}:1"], with_lease
+    assert model.stats()["requests"] == 2, model.stats()
+    # The dead attempt's reservation stays held (nobody settles it until the hourly sweep); the two calls
+    # made were taken once each.
+    view = _budget(r, held=1)
+    assert view.held["calls"] == 1 and math.floor(view.levels["requests"]) == 1000 - 3, (view.held, view.levels)
+
+
 @contextlib.contextmanager
 def _commands_seen(pool) -> Iterator[list[str]]:
     """Every command Redis ran meanwhile (Lua's included), from its MONITOR feed, as 'NAME key ...'."""

@@ -158,6 +158,20 @@ def carried_call(job: Job | None) -> Any:
     return (job.meta or {}).get("call") if job is not None else None
 
 
+def carried_call_of(r: Redis, jid: str) -> Any:
+    """``carried_call`` of a job known by its id alone (the reaper's takeover after a lease expired):
+    its meta field read alone. None if the job hash is gone or its meta does not decode: the turn that
+    takes over then reserves its call on its own, as it did before."""
+    from rq.job import Job
+
+    raw = r.hget(Job.key_for(jid), "meta")
+    try:
+        meta = MsgpackSerializer.loads(raw) if raw else None
+    except UnreadableRecord:
+        return None
+    return meta.get("call") if isinstance(meta, dict) else None
+
+
 def deferred_meta(raw: bytes | None, jid: str) -> tuple[int | None, tuple[str, int, int] | None]:
     """(window, call) the header's ``DEFERRED_META`` carries for job ``jid``; (None, None) if it carries
     nothing for that job, or nothing readable (the turn then reads its window and reserves its call

@@ -43,7 +43,7 @@ from rq.worker_registration import WORKERS_BY_QUEUE_KEY
 
 from agentpool.runtime import deferred, subagents
 from agentpool.runtime.approvals import expire_due
-from agentpool.runtime.jobs import agentpool_queues, give_back, queue_of, turn_queue
+from agentpool.runtime.jobs import agentpool_queues, carried_call_of, give_back, queue_of, turn_queue
 from agentpool.runtime.serializer import MsgpackSerializer
 from agentpool.runtime.settings import Settings
 from agentpool.runtime.takeover import fail_corrupt, read_header, requeue_turn
@@ -194,7 +194,12 @@ def _reap(
     if found is None:
         return False
     cause, cause_kind, count_attempt = found
-    jid = requeue_turn(r, run_id, cause=cause, cause_kind=cause_kind, dead_job=header.job, count_attempt=count_attempt)
+    # The call the dead job was to make goes with the new one (if the turn's reply is not saved yet), so
+    # that the lease of the attempt taking over reserves it, as a work horse's takeover does.
+    call = carried_call_of(r, header.job) if header.job and header.phase == "model" else None
+    jid = requeue_turn(
+        r, run_id, cause=cause, cause_kind=cause_kind, dead_job=header.job, count_attempt=count_attempt, call=call
+    )
     if jid:
         if report:
             report(run_id, f"re-enqueued as {jid} ({cause})")
