@@ -152,6 +152,8 @@ MORE_LINES = {
 MORE_PATTERNS = {
     "redis": [r"  \d+ \(\d+-\d+\)  ", r"CPU [\d.]+x \([\d.]+x-[\d.]+x\)", "2 rounds, interleaved"],
     "shards": [r"  \d+ \(\d+-\d+\)  ", r"  [\d.]+x \([\d.]+x-[\d.]+x\)  ", "2 rounds, interleaved"],
+    # Debian's redis-server names the functions the split is read from (a stripped binary would not).
+    "instructions": [r"threaded \(--concurrency 2\), agentpool turn, inside its scripts: commands they call \d+%"],
 }
 
 

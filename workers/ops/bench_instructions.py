@@ -33,6 +33,27 @@ INSTALL_HINT = "valgrind is not installed (Debian/Ubuntu: apt-get install -y val
 TOTALS = re.compile(r"^totals:\s*(\d+)", re.MULTILINE)
 # callgrind_annotate --inclusive=yes: "70,004,988 (74.45%)  ???:evalGenericCommand [/usr/bin/redis-server]"
 IN_SCRIPTS = re.compile(r"^\s*([\d,]+) \([^)]*\)\s+\S*:evalGenericCommand\b", re.MULTILINE)
+# Where a script's instructions go (Redis 7's function names; an older or stripped binary names none):
+# luaCallFunction runs one call (its KEYS and ARGV made Lua strings, the script, its reply turned back),
+# lua_pcall the script itself, and scriptCall each command the script calls, inside lua_pcall.
+SCRIPT_PARTS = ("luaCallFunction", "lua_pcall", "scriptCall")
+
+
+def _inclusive(annotated: str, function: str) -> int | None:
+    found = re.search(rf"^\s*([\d,]+) \([^)]*\)\s+\S*:{function} \[", annotated, re.MULTILINE)
+    return int(found.group(1).replace(",", "")) if found else None
+
+
+def script_split(annotated: str) -> str | None:
+    """Of the instructions inside scripts: the commands they call, the Lua code around them, and the
+    rest of each call (its arguments made Lua strings, its reply turned back, Lua's garbage collector)."""
+    whole, pcall, commands = (_inclusive(annotated, name) for name in SCRIPT_PARTS)
+    if not (whole and pcall and commands):
+        return None
+    return (
+        f"commands they call {commands / whole:.0%}, the Lua code around them {(pcall - commands) / whole:.0%}, "
+        f"their arguments and replies made Lua values and back {(whole - pcall) / whole:.0%}"
+    )
 
 
 class Callgrind:
@@ -46,6 +67,7 @@ class Callgrind:
             workdir, wrapper=("valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={self.out}")
         )
         self.dumps = 0
+        self.split: str | None = None
 
     def start(self) -> Callgrind:
         self.server.start()
@@ -63,7 +85,7 @@ class Callgrind:
     def count(self, load: Load) -> tuple[int, int | None, float]:
         """Redis's instructions while ``load`` runs to its end, those inside scripts (``EVAL``,
         ``EVALSHA``, with the commands they call; None when the binary does not name the function), and
-        the seconds it took."""
+        the seconds it took. ``self.split``: where the scripts' went (``script_split``)."""
         work, done = load
         self._control("-i", "on")
         started = time.monotonic()
@@ -80,6 +102,7 @@ class Callgrind:
             ["callgrind_annotate", "--inclusive=yes", str(dump)], capture_output=True, text=True, check=False
         ).stdout
         scripts = IN_SCRIPTS.search(annotated)
+        self.split = script_split(annotated)
         return total, int(scripts.group(1).replace(",", "")) if scripts else None, seconds
 
 
@@ -116,6 +139,8 @@ def bench_instructions(turns: int, threads: int, *, asked: bool = True) -> None:
             idle, _, idle_seconds = callgrind.count((lambda: time.sleep(IDLE), lambda: True))
             bare, _, bare_seconds = callgrind.count(bare_load(lab, turns))
             ours, ours_scripts, ours_seconds = callgrind.count(runs_load(lab, turns))
+            if callgrind.split:
+                details.append(f"{kind}, agentpool turn, inside its scripts: {callgrind.split}")
             with limits_learned(lab):
                 limited, limited_scripts, limited_seconds = callgrind.count(runs_load(lab, turns))
             idle_rate = idle / idle_seconds
