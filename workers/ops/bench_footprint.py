@@ -7,8 +7,9 @@ STATS``), before and after, divided by the runs, gives everything a finished run
 its entries in the pool's indexes (the run index, the runs to watch). Not ``INFO memory``'s
 ``used_memory``: it moves by tens of KB while nothing is written (clients' buffers shrinking as they
 idle, the Lua VM's garbage, a script loaded by the stats thread's first flush), more than a few runs
-hold, and the figure came out negative. ``MEMORY USAGE`` of each of one run's keys says where it goes: the conversation, the event stream (capped at
-``MAX_EVENTS`` entries), the ledger, the header, the rest. The run's conversation as stored (the bytes
+hold, and the figure came out negative. ``MEMORY USAGE`` of each of one run's keys says where it goes:
+the conversation, the event stream (capped at ``MAX_EVENTS`` entries), the ledger, the header, the
+rest. The run's conversation as stored (the bytes
 of its messages, ``STRLEN``-like) is printed beside them: what a run costs beyond what it says.
 
 A finished run stays for the retention (``AGENTPOOL_RETENTION_SECONDS``, 7 days): Redis holds about
@@ -121,8 +122,9 @@ def bench_footprint(lab: Lab, runs: int, turns: int, sizes: tuple[int, ...]) -> 
         (
             (
                 f"KB a run: what the keys hold after {runs} runs less before (MEMORY USAGE of every key, and the "
-                "keyspace's tables), divided by them (their keys and their entries in the pool's indexes); the parts: MEMORY USAGE of one run's keys; conversation "
-                f"bytes: its messages as stored (msgpack); the event stream keeps at most about {MAX_EVENTS} entries"
+                "keyspace's tables), divided by them (their keys and their entries in the pool's indexes); the "
+                "parts: MEMORY USAGE of one run's keys; conversation bytes: its messages as stored (msgpack); the "
+                f"event stream keeps at most about {MAX_EVENTS} entries"
             ),
             (
                 "Redis holds about (runs finished a day) x (retention days, 7 by default) x (KB a run), plus the "
