@@ -19,7 +19,7 @@ from redis import Redis
 from agentpool import cancel_run, enqueue_run, wait_for_run
 from agentpool.runtime.deferred import promote_due
 from agentpool.runtime.jobs import DEFERRED_META, job_id, stage_turn, turn_queue
-from agentpool.store import events, ratelimit
+from agentpool.store import checkpoint, events, ratelimit
 from agentpool.store.codec import pack
 from agentpool.store.keys import LimitKeys, RunKeys
 from agentpool.store.ratelimit import UNLIMITED_TRUSTED_FOR
@@ -503,6 +503,40 @@ def test_a_429_without_rate_limit_headers_pauses_the_models_calls_pool_wide(r: R
         assert waits and all(f.get("paused") == "True" for f in waits), (kinds, pool.logs())
         (answered_at,) = [at for at, f in kinds if f["kind"] == "model_responded"]
         assert answered_at >= paused_until, f"{run_id} called {paused_until - answered_at} ms before the pause ended"
+
+
+def test_a_run_failed_while_it_waited_for_the_budget_leaves_the_line_when_its_turn_comes(r: Redis, pool, model) -> None:
+    """A run that fails while its turn waits in the budget's line (failed from outside its turn: the
+    reaper's attempts ran out, a record found corrupt) cannot take its ticket out itself. Its deferred
+    turn comes due at its place in line and finds the run failed: it takes the ticket out then, instead of
+    leaving it to hold back every call behind it until its place expires, half a minute later."""
+    model.set_scripts({"steps": [{"text": "All done."}]})
+    # One request a 6 s minute: the first run's call takes it, the two others wait 6 and 12 s in line.
+    WorkerProcesses.start(
+        pool,
+        1,
+        "--concurrency",
+        "2",
+        "--log-level",
+        "INFO",
+        AGENTPOOL_RATE_LIMITS="claude-sonnet-5-5=rpm:1",
+        AGENTPOOL_RATE_LIMIT_MINUTE="6",
+    )
+    run_ids = [enqueue_run("pool_agents:support", script_task("steps", f"task {n}"), connection=r) for n in range(3)]
+    keys = LimitKeys.of("claude-sonnet-5-5")
+    deadline = time.monotonic() + 60
+    while r.zcard(keys.waiting) < 2:
+        assert time.monotonic() < deadline, ("the other runs never waited in line", pool.logs())
+        time.sleep(0.05)
+    head, behind = [m.decode() for m in r.zrange(keys.waiting, 0, -1)]
+    failed = head.removesuffix(":0")
+    assert failed in run_ids, head
+    assert checkpoint.fail_unfenced(r, failed, "failed from outside its turn", retention_s=3600)
+    pool.wait_for_log(lambda line: f"run {failed} turn 0: not_active (failed)" in line, "of the failed run's turn")
+    assert [m.decode() for m in r.zrange(keys.waiting, 0, -1)] in ([behind], []), "the failed run's ticket left"
+    assert head.encode() not in r.hkeys(keys.needs)
+    others = [run_id for run_id in run_ids if run_id != failed]
+    assert [wait_for_run(run_id, timeout=90, connection=r).status for run_id in others] == ["completed"] * 2
 
 
 def test_a_cancelled_run_leaves_the_line_for_the_budget_at_once(r: Redis, pool, model) -> None:

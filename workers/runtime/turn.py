@@ -162,6 +162,11 @@ def run_turn(run_id: str, turn: int) -> str:
         checkpoint.fail_unfenced(r, run_id, reason, retention_s=settings.retention, pool_webhook=settings.pool_webhook)
         return "unreadable"
     if got.code is not Acquire.ACQUIRED:
+        if reserving is not None and _ended_for_good(got):
+            # The run failed or was deleted while this turn waited in the budget's line (a cancel took
+            # its ticket out already): nobody will make its call, and left there, its ticket would hold
+            # back every call behind it until its place expired, half a minute after now.
+            ratelimit.leave_line(r, reserving.model, reserving.ticket)
         log.info("run %s turn %s: %s (%s); nothing to do", run_id, turn, got.code.name.lower(), got.detail)
         return got.code.name.lower()
     token = got.token
@@ -220,6 +225,12 @@ def run_turn(run_id: str, turn: int) -> str:
         finally:
             work.give_back_prereserved()
             work.release_slot()
+
+
+def _ended_for_good(got: AcquireResult) -> bool:
+    """The lease was refused because the run is gone, or ended in a status no message or resume takes
+    back to this turn: no attempt of it will call the model."""
+    return got.code is Acquire.NO_RUN or (got.code is Acquire.NOT_ACTIVE and got.detail in ("failed", "cancelled"))
 
 
 def _hand_back(
