@@ -12,10 +12,12 @@ import pytest
 from redis import Redis
 
 from agentpool import enqueue_run, wait_for_run
+from agentpool.store.errors import RedisUnreachable
 from agentpool.store.keys import DURABILITY_PROBE, RunKeys
 from agentpool.store.scripts import source
+from agentpool.testing.localpool import redis_answers
 from agentpool.testing.netfault import resp_command
-from agentpool.testing.replicated import FollowingEndpoint
+from agentpool.testing.replicated import FollowingEndpoint, logs_of
 
 from conftest import Pool, assert_valid_conversation, script_task
 
@@ -49,6 +51,22 @@ def _on_the_replica(chain: FollowingEndpoint, key: str, timeout: float = 30) -> 
         replica.close()
 
 
+def _wait_after_failover(chain: FollowingEndpoint, pool: Pool, run_id: str, r: Redis):
+    """The run's end, read through the endpoint with agentpool's client (it rides out a dropped
+    connection, as an app's should). If the endpoint stays unreachable, the error says what each server
+    behind it was doing: the promoted replica's log, whether it answers when asked directly."""
+    try:
+        return wait_for_run(run_id, timeout=90, connection=r)
+    except RedisUnreachable as exc:
+        answers = redis_answers(chain.replica.url)
+        raise AssertionError(
+            f"{exc}\nthe promoted replica answers directly: {answers}\n"
+            + logs_of([chain.replica, chain.sub_replica])
+            + "\n"
+            + pool.logs()
+        ) from exc
+
+
 def _sha(script: str) -> str:
     return hashlib.sha1(source(script).encode()).hexdigest()
 
@@ -58,7 +76,7 @@ def test_a_guard_resent_to_the_promoted_replica_does_not_let_an_unsafe_tool_run_
     the primary dies with the guard in flight and the endpoint re-points at the promoted replica,
     whose own replica acknowledges at once. The guard must not pass there: the email is sent once."""
     model.set_scripts({"mail": [{"tool_calls": [EMAIL]}, {"text": "Sent."}]})
-    r = chain_pool.client(plain=True)
+    r = chain_pool.client()
     run_id = enqueue_run("pool_agents:support", script_task("mail"), connection=r)
     _on_the_replica(chain, RunKeys.of(run_id).run)
     chain.replica_link.partition()
@@ -68,7 +86,7 @@ def test_a_guard_resent_to_the_promoted_replica_does_not_let_an_unsafe_tool_run_
     chain.promote()
     chain.endpoint.release()
 
-    run = wait_for_run(run_id, timeout=90, connection=r)
+    run = _wait_after_failover(chain, chain_pool, run_id, r)
     assert run.status == "completed", (run.status, run.error, chain_pool.logs())
     assert_valid_conversation(run.messages)
     assert model.stats()["rejected"] == 0, model.stats()["rejections"]
@@ -83,7 +101,7 @@ def test_a_tool_result_never_lands_on_a_primary_that_lost_save_point_a(chain, ch
     not have, and the next call a 400); the turn is redone from what the new primary has."""
     read = {"name": "slow_read", "input": {"seconds": 2}}
     model.set_scripts({"read": [{"tool_calls": [read]}, {"text": "Read it."}]})
-    r = chain_pool.client(plain=True)
+    r = chain_pool.client()
     run_id = enqueue_run("pool_agents:support", script_task("read"), connection=r)
     chain.endpoint.hold_next(resp_command("EVALSHA", _sha("commit_response")))
     chain_pool.start(1)
@@ -94,7 +112,7 @@ def test_a_tool_result_never_lands_on_a_primary_that_lost_save_point_a(chain, ch
     chain_pool.wait_for_effect("slow_read")
     chain.promote()
 
-    run = wait_for_run(run_id, timeout=90, connection=r)
+    run = _wait_after_failover(chain, chain_pool, run_id, r)
     assert run.status == "completed", (run.status, run.error, chain_pool.logs())
     assert_valid_conversation(run.messages)
     assert model.stats()["rejected"] == 0, model.stats()["rejections"]

@@ -113,7 +113,7 @@ class ReplicatedRedis:
                 _synced(replica.port) for replica in self.replicas
             ):
                 if time.monotonic() > deadline:
-                    raise RuntimeError("the replica never synced:\n" + _logs(self.replicas))
+                    raise RuntimeError("the replica never synced:\n" + logs_of(self.replicas))
                 time.sleep(0.05)
 
     def cut_replication(self) -> None:
@@ -196,7 +196,7 @@ class ReplicatedRedis:
             while replica.info("replication").get("master_link_status") != "up":
                 if time.monotonic() > deadline:
                     raise RuntimeError(
-                        f"port {port} never synced as a replica of {primary}:\n{_logs([self.servers[port]])}"
+                        f"port {port} never synced as a replica of {primary}:\n{logs_of([self.servers[port]])}"
                     )
                 time.sleep(0.05)
             replica.config_set("replica-priority", 100)
@@ -223,7 +223,7 @@ def _start_or_stop(start: Callable[[], None], stop: Callable[[], None]) -> None:
         raise
 
 
-def _logs(servers: list[RedisServer]) -> str:
+def logs_of(servers: list[RedisServer]) -> str:
     return "\n".join(f"--- port {server.port}:\n{server.log_tail()}" for server in servers)
 
 
@@ -273,7 +273,7 @@ class FollowingEndpoint:
         deadline = time.monotonic() + 60
         while not (_synced(self.replica.port) and _synced(self.sub_replica.port)):
             if time.monotonic() > deadline:
-                raise RuntimeError("the replicas never synced:\n" + _logs([self.replica, self.sub_replica]))
+                raise RuntimeError("the replicas never synced:\n" + logs_of([self.replica, self.sub_replica]))
             time.sleep(0.05)
 
     def promote(self) -> None:
