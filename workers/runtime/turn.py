@@ -166,7 +166,10 @@ def run_turn(run_id: str, turn: int) -> str:
             # The run failed or was deleted while this turn waited in the budget's line (a cancel took
             # its ticket out already): nobody will make its call, and left there, its ticket would hold
             # back every call behind it until its place expired, half a minute after now.
-            ratelimit.leave_line(r, reserving.model, reserving.ticket)
+            try:
+                ratelimit.leave_line(r, reserving.model, reserving.ticket)
+            except RedisError as exc:  # the job is stale all the same: its ticket expires as it would have
+                log.warning("run %s turn %s: could not leave the budget's line: %s", run_id, turn, exc)
         log.info("run %s turn %s: %s (%s); nothing to do", run_id, turn, got.code.name.lower(), got.detail)
         return got.code.name.lower()
     token = got.token
