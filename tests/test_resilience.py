@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import threading
@@ -12,6 +13,7 @@ import pytest
 from redis import Redis
 from rq.job import Job
 
+import agentpool
 from agentpool import cancel_run, enqueue_run, get_run, wait_for_run
 from agentpool.runtime.jobs import job_id, turn_queue
 from agentpool.runtime.settings import connect
@@ -124,6 +126,35 @@ def test_runs_survive_a_redis_restart(tmp_path, model):
             assert_valid_conversation(run.messages)
     finally:
         pool.stop()
+        server.stop()
+
+
+def test_an_apps_wait_rides_out_a_redis_restart_with_agentpool_connect(tmp_path, model):
+    """The client ``agentpool.connect`` makes (the README's) keeps an app's ``wait_for_run`` going
+    through six seconds without Redis, longer than redis-py's own default retries last."""
+    server = RedisServer(tmp_path, durable=True).start()
+    r = agentpool.connect(server.url)
+    pool = Pool(server.url, model, tmp_path)
+    waited = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        model.set_scripts(
+            {"steps": [{"tool_calls": [{"name": "slow_read", "input": {"seconds": 1}}]}] * 3 + [{"text": "done"}]}
+        )
+        pool.start(1)
+        run_id = enqueue_run("pool_agents:support", script_task("steps"), connection=r)
+        wait_for_status(r, run_id, "running")
+        run = waited.submit(wait_for_run, run_id, timeout=120, connection=r)
+        server.stop()  # SIGTERM: Redis fsyncs its AOF and exits
+        time.sleep(6.0)
+        assert not run.done(), run.exception()  # it waited through the outage, polling
+        server.start()  # same port, same AOF
+        done = run.result(timeout=150)
+        assert (done.status, done.turns, done.result) == ("completed", 4, "done"), (done.error, pool.logs())
+        assert_valid_conversation(done.messages)
+    finally:
+        waited.shutdown(wait=False, cancel_futures=True)
+        pool.stop()
+        r.close()
         server.stop()
 
 

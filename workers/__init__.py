@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from agentpool.conversation import fork_run, send_message
     from agentpool.pricing import set_price
     from agentpool.runtime.approvals import ApprovalError
+    from agentpool.runtime.settings import connect
     from agentpool.runtime.shards import Shards
     from agentpool.store.crypto import EncryptionKeyMissing
     from agentpool.store.errors import (
@@ -70,6 +71,7 @@ _HOMES = {
     "agentpool.conversation": ("fork_run", "send_message"),
     "agentpool.pricing": ("set_price",),
     "agentpool.runtime.approvals": ("ApprovalError",),
+    "agentpool.runtime.settings": ("connect",),
     "agentpool.runtime.shards": ("Shards",),
     "agentpool.store.crypto": ("EncryptionKeyMissing",),
     "agentpool.store.errors": (
@@ -126,6 +128,7 @@ __all__ = [
     "UnreadableRecord",
     "approve",
     "cancel_run",
+    "connect",
     "current_call",
     "enqueue_run",
     "fork_run",
