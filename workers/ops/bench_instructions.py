@@ -31,8 +31,8 @@ from agentpool.ops.bench_redis import IDLE, POLL, Load, bare_load, limits_learne
 
 INSTALL_HINT = "valgrind is not installed (Debian/Ubuntu: apt-get install -y valgrind)"
 TOTALS = re.compile(r"^totals:\s*(\d+)", re.MULTILINE)
-# callgrind_annotate --inclusive=yes: "70,004,988 (74.45%)  ???:evalGenericCommand [/usr/bin/redis-server]"
-IN_SCRIPTS = re.compile(r"^\s*([\d,]+) \([^)]*\)\s+\S*:evalGenericCommand\b", re.MULTILINE)
+# EVAL and EVALSHA run in this function: its inclusive count is what the scripts cost, commands included.
+IN_SCRIPTS = "evalGenericCommand"
 # Where a script's instructions go (Redis 7's function names; an older or stripped binary names none):
 # luaCallFunction runs one call (its KEYS and ARGV made Lua strings, the script, its reply turned back),
 # lua_pcall the script itself, and scriptCall each command the script calls, inside lua_pcall.
@@ -40,6 +40,8 @@ SCRIPT_PARTS = ("luaCallFunction", "lua_pcall", "scriptCall")
 
 
 def _inclusive(annotated: str, function: str) -> int | None:
+    """``function``'s inclusive count in ``callgrind_annotate --inclusive=yes`` output, whose lines read
+    "70,004,988 (74.45%)  ???:evalGenericCommand [/usr/bin/redis-server]"; None if it is not named."""
     found = re.search(rf"^\s*([\d,]+) \([^)]*\)\s+\S*:{function} \[", annotated, re.MULTILINE)
     return int(found.group(1).replace(",", "")) if found else None
 
@@ -101,9 +103,8 @@ class Callgrind:
         annotated = subprocess.run(
             ["callgrind_annotate", "--inclusive=yes", str(dump)], capture_output=True, text=True, check=False
         ).stdout
-        scripts = IN_SCRIPTS.search(annotated)
         self.split = script_split(annotated)
-        return total, int(scripts.group(1).replace(",", "")) if scripts else None, seconds
+        return total, _inclusive(annotated, IN_SCRIPTS), seconds
 
 
 def _net(total: int, seconds: float, idle_per_second: float, turns: int) -> float:
